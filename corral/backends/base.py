@@ -1,0 +1,107 @@
+"""The contract every backend (container now; fncall, microvm, vm later) meets.
+
+The edge drives backends only through ``Backend`` and ``RunningCommand``; the
+shared conformance tests in tests/integration/test_backend_conformance.py run
+against every implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from corral.backends.container.files import ConfinedTree
+
+__all__ = ["Backend", "LayerRef", "CommandExit", "CommandOutput", "CommandStarted", "CommandSpec", "RunningCommand", "SandboxSpec"]
+
+
+@dataclass(frozen=True)
+class LayerRef:
+    digest: str
+    path: Path  # the EROFS file on this node
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    sandbox_id: str
+    image: str
+    layers: tuple[LayerRef, ...]  # bottom first
+    runtime: str
+    cpu: float
+    memory_mb: int
+    pids_max: int
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str = "/"
+    user: str = "root"
+
+
+@dataclass(frozen=True)
+class CommandSpec:
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    user: str
+    timeout_s: float
+    output_cap_bytes: int
+    stdin: bytes | None  # None: no stdin; b"": stdin stays open for write_stdin
+
+
+@dataclass(frozen=True)
+class CommandStarted:
+    pid: int
+
+
+@dataclass(frozen=True)
+class CommandOutput:
+    stream: str  # "stdout" | "stderr"
+    data: bytes
+
+
+@dataclass(frozen=True)
+class CommandExit:
+    exit_code: int
+    timed_out: bool = False
+    oom_killed: bool = False
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+
+
+CommandEvent = CommandStarted | CommandOutput | CommandExit
+
+
+class RunningCommand(Protocol):
+    def events(self) -> AsyncIterator[CommandEvent]:
+        """Started, then output chunks, then exactly one CommandExit."""
+
+    def write_stdin(self, data: bytes) -> None:
+        """Feed stdin (when started with stdin=b""); empty data closes it."""
+
+    def signal(self, signo: int) -> None: ...
+
+
+class Backend(Protocol):
+    name: str
+
+    async def create(self, spec: SandboxSpec) -> None:
+        """Start the sandbox; when this returns, commands can run in it."""
+
+    async def destroy(self, sandbox_id: str) -> None:
+        """Stop it and release everything it held; idempotent."""
+
+    def run(self, sandbox_id: str, command: CommandSpec) -> RunningCommand: ...
+
+    def files(self, sandbox_id: str) -> ConfinedTree:
+        """The sandbox's root for file operations; the caller closes it."""
+
+    async def adopt(self, spec: SandboxSpec) -> bool:
+        """Reconnect to a sandbox that outlived an edge restart; False if it is gone."""
+
+    async def alive(self, sandbox_id: str) -> bool: ...
+
+    async def wait_ended(self, sandbox_id: str) -> str:
+        """Return (with a reason) when the sandbox stops by itself; cancel to stop waiting."""
+
+    async def close(self) -> None:
+        """Release node resources; running sandboxes keep running."""

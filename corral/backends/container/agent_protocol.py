@@ -1,0 +1,202 @@
+"""The edge's side of the channel to corral-agent inside a container.
+
+One socket per sandbox (a socketpair end the agent inherited as fd 3) carries
+length-prefixed frames; see native/agent.c for the agent's side. Commands are
+multiplexed by a job id chosen here. This module only speaks the protocol; it
+knows nothing about containers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import socket
+import struct
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from corral.sdk._exceptions import Conflict, ServerUnavailable
+
+__all__ = ["AgentConnection", "AgentExit", "AgentOutput", "AgentStarted", "ExecOrder"]
+
+T_EXEC, T_STDIN, T_SIGNAL, T_PING = 1, 2, 3, 4
+T_STARTED, T_STDOUT, T_STDERR, T_EXIT, T_ERROR, T_PONG, T_HELLO = 10, 11, 12, 13, 14, 15, 20
+F_TIMED_OUT, F_OUT_TRUNC, F_ERR_TRUNC = 1, 2, 4
+AGENT_VERSION = 1
+_HEADER = struct.Struct("<IBI")
+_EXEC_FIXED = struct.Struct("<IIQII")
+_MAX_FRAME = 16 << 20
+
+
+@dataclass(frozen=True)
+class ExecOrder:
+    """What the agent needs to start one command (already resolved by the edge)."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    user: str
+    timeout_ms: int
+    output_cap_bytes: int
+    has_stdin: bool
+
+    def encode(self) -> bytes:
+        strings = [self.user, self.cwd, *self.argv, *(f"{k}={v}" for k, v in self.env.items())]
+        for text in strings:
+            if "\0" in text:
+                raise ValueError("NUL byte in command, environment, cwd or user")
+        fixed = _EXEC_FIXED.pack(
+            1 if self.has_stdin else 0, self.timeout_ms, self.output_cap_bytes, len(self.argv), len(self.env)
+        )
+        return fixed + b"".join(s.encode() + b"\0" for s in strings)
+
+
+@dataclass(frozen=True)
+class AgentStarted:
+    pid: int
+
+
+@dataclass(frozen=True)
+class AgentOutput:
+    stream: str  # "stdout" | "stderr"
+    data: bytes
+
+
+@dataclass(frozen=True)
+class AgentExit:
+    exit_code: int
+    timed_out: bool
+    stdout_truncated: bool
+    stderr_truncated: bool
+
+
+AgentEvent = AgentStarted | AgentOutput | AgentExit
+
+
+@dataclass
+class _Job:
+    queue: asyncio.Queue[AgentEvent | Exception] = field(default_factory=asyncio.Queue)
+
+
+class AgentConnection:
+    """An open channel to one agent; many commands may run at once over it."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._jobs: dict[int, _Job] = {}
+        self._ids = itertools.count(1)
+        self._read_task: asyncio.Task[None] | None = None
+        self.agent_pid: int | None = None
+        self.closed = asyncio.Event()
+
+    async def start(self, hello_timeout_s: float) -> None:
+        """Open the stream and wait for the agent's hello (it proves the agent runs)."""
+        self._sock.setblocking(False)
+        self._reader, self._writer = await asyncio.open_unix_connection(sock=self._sock, limit=_MAX_FRAME)
+        try:
+            kind, _job_id, payload = await asyncio.wait_for(self._read_frame(), hello_timeout_s)
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
+            self.close()
+            raise ServerUnavailable(f"sandbox agent did not start within {hello_timeout_s:.0f}s") from exc
+        if kind != T_HELLO or len(payload) < 8:
+            self.close()
+            raise ServerUnavailable("sandbox agent sent an unexpected greeting")
+        version, self.agent_pid = struct.unpack_from("<II", payload)
+        if version != AGENT_VERSION:
+            self.close()
+            raise ServerUnavailable(f"sandbox agent speaks version {version}, edge expects {AGENT_VERSION}")
+        self._read_task = asyncio.get_running_loop().create_task(self._read_loop())
+
+    async def _read_frame(self) -> tuple[int, int, bytes]:
+        assert self._reader is not None
+        header = await self._reader.readexactly(_HEADER.size)
+        total, kind, job_id = _HEADER.unpack(header)
+        if total < 5 or total > _MAX_FRAME:
+            raise ConnectionError(f"bad frame length {total} from agent")
+        payload = await self._reader.readexactly(total - 5) if total > 5 else b""
+        return kind, job_id, payload
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                kind, job_id, payload = await self._read_frame()
+                job = self._jobs.get(job_id)
+                if job is None:
+                    continue
+                job.queue.put_nowait(self._decode(kind, payload))
+                if kind in (T_EXIT, T_ERROR):
+                    self._jobs.pop(job_id, None)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            pass
+        finally:
+            self._fail_all(ServerUnavailable("lost the connection to the sandbox agent (the sandbox stopped?)"))
+
+    @staticmethod
+    def _decode(kind: int, payload: bytes) -> AgentEvent | Exception:
+        if kind == T_STARTED:
+            return AgentStarted(pid=struct.unpack_from("<I", payload)[0])
+        if kind == T_STDOUT:
+            return AgentOutput("stdout", payload)
+        if kind == T_STDERR:
+            return AgentOutput("stderr", payload)
+        if kind == T_EXIT:
+            code, flags = struct.unpack_from("<iB", payload)
+            return AgentExit(code, bool(flags & F_TIMED_OUT), bool(flags & F_OUT_TRUNC), bool(flags & F_ERR_TRUNC))
+        if kind == T_ERROR:
+            return Conflict(payload.decode(errors="replace"))
+        return ServerUnavailable(f"unexpected frame type {kind} from the sandbox agent")
+
+    def _fail_all(self, error: Exception) -> None:
+        for job in self._jobs.values():
+            job.queue.put_nowait(error)
+        self._jobs.clear()
+        self.closed.set()
+
+    def _send(self, kind: int, job_id: int, payload: bytes = b"") -> None:
+        if self._writer is None or self.closed.is_set():
+            raise ServerUnavailable("the connection to the sandbox agent is closed")
+        self._writer.write(_HEADER.pack(5 + len(payload), kind, job_id) + payload)
+
+    def new_job_id(self) -> int:
+        return next(self._ids)
+
+    async def run(self, job_id: int, order: ExecOrder, stdin: bytes | None = None) -> AsyncIterator[AgentEvent]:
+        """Start a command as ``job_id`` and yield its events until (and including) its exit."""
+        job = _Job()
+        self._jobs[job_id] = job
+        try:
+            self._send(T_EXEC, job_id, order.encode())
+            if order.has_stdin:
+                for offset in range(0, len(stdin or b""), 1 << 20):
+                    self._send(T_STDIN, job_id, (stdin or b"")[offset : offset + (1 << 20)])
+                if stdin is not None:
+                    self._send(T_STDIN, job_id)
+            assert self._writer is not None
+            await self._writer.drain()
+            while True:
+                event = await job.queue.get()
+                if isinstance(event, Exception):
+                    raise event
+                yield event
+                if isinstance(event, AgentExit):
+                    return
+        finally:
+            self._jobs.pop(job_id, None)
+
+    def write_stdin(self, job_id: int, data: bytes) -> None:
+        """Feed a running command's stdin; empty data closes it."""
+        self._send(T_STDIN, job_id, data)
+
+    def signal(self, job_id: int, signo: int) -> None:
+        self._send(T_SIGNAL, job_id, struct.pack("<I", signo))
+
+    def close(self) -> None:
+        if self._read_task is not None:
+            self._read_task.cancel()
+        if self._writer is not None:
+            self._writer.close()
+        else:
+            self._sock.close()
+        self.closed.set()

@@ -1,0 +1,224 @@
+"""Container sandboxes: an OCI runtime over an overlay of EROFS layers.
+
+Per sandbox, under ``<data_dir>/sandboxes/<id>/``: ``bundle/`` (config.json
+and the rootfs mountpoint), ``upper/`` and ``work/`` (the writable layer, on
+disk so it survives an edge restart). Layers are mounted once per edge by
+``LayerMounts``; the overlay itself exists only in the container's mount
+namespace (see native/launch.c). Commands run through corral-agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from corral.backends.base import CommandEvent, CommandExit, CommandOutput, CommandSpec, CommandStarted, SandboxSpec
+from corral.backends.container.agent_protocol import AgentConnection, AgentExit, AgentOutput, AgentStarted, ExecOrder
+from corral.backends.container.files import ConfinedTree
+from corral.backends.container.host import CgroupLayout, LayerMounts, NativeHelpers, oom_kill_count
+from corral.backends.container.oci import AGENT_PATH, ContainerLimits, build_config
+from corral.backends.container.runtime import OciRuntime, Overlay
+from corral.sdk._exceptions import Conflict, NotFound, SandboxGone
+
+__all__ = ["ContainerBackend"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Container:
+    spec: SandboxSpec
+    runtime: OciRuntime
+    agent: AgentConnection
+    init_pid: int
+    cgroup_path: str
+
+
+class _AgentCommand:
+    """A command running through the agent, as the backend-neutral RunningCommand."""
+
+    def __init__(self, container: _Container, layout: CgroupLayout, command: CommandSpec) -> None:
+        self._container = container
+        self._layout = layout
+        self._command = command
+        self._agent = container.agent
+        self._job_id = self._agent.new_job_id()
+
+    async def events(self) -> AsyncIterator[CommandEvent]:
+        cmd = self._command
+        order = ExecOrder(
+            argv=cmd.argv,
+            env=cmd.env,
+            cwd=cmd.cwd,
+            user=cmd.user,
+            timeout_ms=max(1, int(cmd.timeout_s * 1000)),
+            output_cap_bytes=cmd.output_cap_bytes,
+            has_stdin=cmd.stdin is not None,
+        )
+        ooms_before = oom_kill_count(self._layout, self._container.cgroup_path)
+        stdin = cmd.stdin if cmd.stdin else None
+        async for event in self._agent.run(self._job_id, order, stdin):
+            if isinstance(event, AgentStarted):
+                yield CommandStarted(pid=event.pid)
+            elif isinstance(event, AgentOutput):
+                yield CommandOutput(event.stream, event.data)
+            elif isinstance(event, AgentExit):
+                killed = event.exit_code == -9 and not event.timed_out
+                oom = killed and oom_kill_count(self._layout, self._container.cgroup_path) > ooms_before
+                yield CommandExit(event.exit_code, event.timed_out, oom, event.stdout_truncated, event.stderr_truncated)
+
+    def write_stdin(self, data: bytes) -> None:
+        self._agent.write_stdin(self._job_id, data)
+
+    def signal(self, signo: int) -> None:
+        self._agent.signal(self._job_id, signo)
+
+
+class ContainerBackend:
+    """Runs container sandboxes on this node with crun (default) or runc."""
+
+    name = "container"
+
+    def __init__(
+        self,
+        *,
+        data_dir: Path,
+        helpers: NativeHelpers,
+        layout: CgroupLayout,
+        default_runtime: str,
+        agent_start_timeout_s: float,
+        create_concurrency: int,
+    ) -> None:
+        self._dir = data_dir / "sandboxes"
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self._helpers = helpers
+        self._layout = layout
+        self._default_runtime = default_runtime
+        self._runtimes: dict[str, OciRuntime] = {}
+        self._state_root = data_dir / "run"
+        self._mounts = LayerMounts(data_dir / "mnt" / "layers")
+        self._containers: dict[str, _Container] = {}
+        self._agent_start_timeout_s = agent_start_timeout_s
+        self._create_slots = asyncio.Semaphore(create_concurrency)
+
+    def runtime(self, name: str | None) -> OciRuntime:
+        name = name or self._default_runtime
+        if name not in self._runtimes:
+            self._runtimes[name] = OciRuntime(name, self._state_root / name, self._helpers.launch)
+        return self._runtimes[name]
+
+    def _cgroup_path(self, sandbox_id: str) -> str:
+        return f"/corral/{sandbox_id}"
+
+    async def create(self, spec: SandboxSpec) -> None:
+        runtime = self.runtime(spec.runtime)
+        root = self._dir / spec.sandbox_id
+        bundle, upper, work = root / "bundle", root / "upper", root / "work"
+        for path in (bundle / "rootfs", upper, work):
+            path.mkdir(parents=True, exist_ok=True)
+        lowers = [self._mounts.mount(layer.digest, layer.path) for layer in reversed(spec.layers)]
+        config = build_config(
+            hostname=spec.sandbox_id[-12:],
+            limits=ContainerLimits(cpu=spec.cpu, memory_mb=spec.memory_mb, pids_max=spec.pids_max),
+            cgroup_path=self._cgroup_path(spec.sandbox_id),
+            agent_binary=self._helpers.agent,
+        )
+        (bundle / "config.json").write_text(json.dumps(config))
+        edge_end, agent_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        agent = AgentConnection(edge_end)
+        try:
+            async with self._create_slots:
+                try:
+                    await runtime.run_detached(spec.sandbox_id, bundle, Overlay(lowers, upper, work), agent_end)
+                finally:
+                    agent_end.close()
+                await agent.start(self._agent_start_timeout_s)
+        except BaseException:
+            agent.close()
+            await runtime.kill_and_delete(spec.sandbox_id)
+            shutil.rmtree(root, ignore_errors=True)
+            raise
+        self._containers[spec.sandbox_id] = _Container(
+            spec, runtime, agent, agent.agent_pid or 0, self._cgroup_path(spec.sandbox_id)
+        )
+
+    async def adopt(self, spec: SandboxSpec) -> bool:
+        runtime = self.runtime(spec.runtime)
+        state = await runtime.state(spec.sandbox_id)
+        if state is None or state.status not in ("running", "paused"):
+            await self.destroy(spec.sandbox_id)
+            return False
+        edge_end, agent_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        agent = AgentConnection(edge_end)
+        try:
+            await runtime.exec_attached(spec.sandbox_id, agent_end, AGENT_PATH, self._dir / spec.sandbox_id / "runtime.log")
+            agent_end.close()
+            await agent.start(self._agent_start_timeout_s)
+        except Exception:
+            agent_end.close()
+            agent.close()
+            log.exception("could not re-attach to sandbox %s", spec.sandbox_id)
+            await self.destroy(spec.sandbox_id)
+            return False
+        self._containers[spec.sandbox_id] = _Container(
+            spec, runtime, agent, state.pid, self._cgroup_path(spec.sandbox_id)
+        )
+        return True
+
+    async def orphans(self, known_ids: set[str]) -> list[str]:
+        """Containers in our runtime state that no sandbox record owns."""
+        found: list[str] = []
+        for name in ("crun", "runc"):
+            if shutil.which(name) and (self._state_root / name).exists():
+                found += [cid for cid in await self.runtime(name).list_ids() if cid not in known_ids]
+        return found
+
+    def _get(self, sandbox_id: str) -> _Container:
+        container = self._containers.get(sandbox_id)
+        if container is None:
+            raise NotFound(f"no running container for sandbox {sandbox_id}")
+        if container.agent.closed.is_set():
+            raise SandboxGone(f"sandbox {sandbox_id} stopped: its init process exited")
+        return container
+
+    def run(self, sandbox_id: str, command: CommandSpec) -> _AgentCommand:
+        return _AgentCommand(self._get(sandbox_id), self._layout, command)
+
+    def files(self, sandbox_id: str) -> ConfinedTree:
+        container = self._get(sandbox_id)
+        try:
+            return ConfinedTree(f"/proc/{container.init_pid}/root")
+        except NotFound as exc:
+            raise Conflict(f"sandbox {sandbox_id} is not running") from exc
+
+    async def alive(self, sandbox_id: str) -> bool:
+        container = self._containers.get(sandbox_id)
+        return container is not None and not container.agent.closed.is_set()
+
+    async def wait_ended(self, sandbox_id: str) -> str:
+        container = self._get(sandbox_id)
+        await container.agent.closed.wait()
+        return "exited"
+
+    async def destroy(self, sandbox_id: str) -> None:
+        container = self._containers.pop(sandbox_id, None)
+        if container is not None:
+            container.agent.close()
+            await container.runtime.kill_and_delete(sandbox_id)
+        else:
+            for name in ("crun", "runc"):
+                if shutil.which(name):
+                    await self.runtime(name).kill_and_delete(sandbox_id)
+        shutil.rmtree(self._dir / sandbox_id, ignore_errors=True)
+
+    async def close(self) -> None:
+        for container in self._containers.values():
+            container.agent.close()
+        self._containers.clear()
+        self._mounts.unmount_all()

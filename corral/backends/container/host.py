@@ -1,0 +1,187 @@
+"""Privileged host setup for container sandboxes, kept in one place.
+
+Everything here needs root and touches the host: detecting the cgroup layout,
+moving the edge into a private mount namespace, mounting EROFS layers once per
+node, compiling the two small native helpers, and reading cgroup counters.
+Request handlers never do any of this directly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import enum
+import hashlib
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "CgroupLayout",
+    "detect_cgroup_layout",
+    "enter_private_mount_namespace",
+    "LayerMounts",
+    "NativeHelpers",
+    "build_native_helpers",
+    "oom_kill_count",
+    "become_child_subreaper",
+    "reap_orphaned_inits",
+]
+
+_CLONE_NEWNS = 0x00020000
+_MS_REC = 0x4000
+_MS_PRIVATE = 1 << 18
+_MS_RDONLY = 1
+_MNT_DETACH = 2
+_PR_SET_CHILD_SUBREAPER = 36
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _mount(source: str, target: str, fstype: str, flags: int, data: str | None) -> None:
+    _check(
+        _libc.mount(source.encode(), target.encode(), fstype.encode(), flags, data.encode() if data else None),
+        f"mount {fstype} on {target}",
+    )
+
+
+class CgroupLayout(enum.Enum):
+    """``unified``: pure cgroup v2. ``hybrid``: v1 controllers plus a v2 mount
+    (crun refuses that unless the v2 mount is hidden). ``legacy``: v1 only."""
+
+    UNIFIED = "unified"
+    HYBRID = "hybrid"
+    LEGACY = "legacy"
+
+
+def _fs_type(path: Path) -> str | None:
+    """The filesystem type of the last mount at ``path`` (the one in effect)."""
+    found = None
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        fields = line.split()
+        if len(fields) > 2 and fields[1] == str(path):
+            found = fields[2]
+    return found
+
+
+def detect_cgroup_layout() -> CgroupLayout:
+    if _fs_type(_CGROUP_ROOT) == "cgroup2":
+        return CgroupLayout.UNIFIED
+    if _fs_type(_CGROUP_ROOT / "unified") == "cgroup2":
+        return CgroupLayout.HYBRID
+    return CgroupLayout.LEGACY
+
+
+def enter_private_mount_namespace(layout: CgroupLayout) -> None:
+    """Give this process its own mount namespace (call before any thread starts).
+
+    Layer mounts made afterwards live and die with this process, so a crashed
+    server leaves no mounts on the host. On hybrid hosts the v2 mount is hidden
+    under a tmpfs so crun runs in plain v1 mode.
+    """
+    _check(_libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS) (run the server as root, before threads start)")
+    _check(_libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "make / private")
+    if layout is CgroupLayout.HYBRID:
+        # Room for many thousands of crun cgroup paths (4 MB filled after ~1,000).
+        _mount("tmpfs", str(_CGROUP_ROOT / "unified"), "tmpfs", 0, "size=64m,mode=755")
+
+
+def become_child_subreaper() -> None:
+    """Orphaned runtime processes re-parent to us and are reaped promptly."""
+    _check(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+class LayerMounts:
+    """Mounts each EROFS layer once per edge, read-only, shared by all sandboxes."""
+
+    def __init__(self, mount_root: Path) -> None:
+        self._root = mount_root
+        self._mounted: dict[str, Path] = {}
+
+    def mount(self, digest: str, image_file: Path) -> Path:
+        target = self._mounted.get(digest)
+        if target is not None:
+            return target
+        target = self._root / digest.replace(":", "-")
+        target.mkdir(parents=True, exist_ok=True)
+        if not os.path.ismount(target):
+            _mount(str(image_file), str(target), "erofs", _MS_RDONLY, None)
+        self._mounted[digest] = target
+        return target
+
+    def unmount_all(self) -> None:
+        for target in self._mounted.values():
+            _libc.umount2(str(target).encode(), _MNT_DETACH)
+        self._mounted.clear()
+
+
+@dataclass(frozen=True)
+class NativeHelpers:
+    agent: Path
+    launch: Path
+
+
+def build_native_helpers(out_root: Path) -> NativeHelpers:
+    """Compile corral-agent and corral-launch (static) once per source version."""
+    src_dir = Path(__file__).parent / "native"
+    sources = {name: src_dir / f"{name}.c" for name in ("agent", "launch")}
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources.values())).hexdigest()[:16]
+    out_dir = out_root / "bin" / digest
+    binaries = {name: out_dir / f"corral-{name}" for name in sources}
+    if all(b.exists() for b in binaries.values()):
+        return NativeHelpers(**binaries)
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        raise RuntimeError("a C compiler is needed to build corral-agent: apt-get install gcc libc6-dev")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, source in sources.items():
+        tmp = out_dir / f".corral-{name}.{os.getpid()}"
+        subprocess.run([compiler, "-O2", "-Wall", "-static", "-o", str(tmp), str(source)], check=True, capture_output=True)
+        os.replace(tmp, binaries[name])
+    return NativeHelpers(**binaries)
+
+
+def oom_kill_count(layout: CgroupLayout, cgroup_path: str) -> int:
+    """How many processes the kernel OOM-killed in this cgroup so far."""
+    if layout is CgroupLayout.UNIFIED:
+        path, key = _CGROUP_ROOT / cgroup_path.lstrip("/") / "memory.events", "oom_kill"
+    else:
+        path, key = _CGROUP_ROOT / "memory" / cgroup_path.lstrip("/") / "memory.oom_control", "oom_kill"
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except OSError:
+        pass
+    return 0
+
+
+def reap_orphaned_inits(names: frozenset[str] = frozenset({"agent"})) -> int:
+    """Reap exited container processes that were re-parented to us (we are a
+    subreaper). Only zombies whose command name is in ``names`` are reaped, so
+    the runtime processes asyncio itself waits for are never stolen from it."""
+    reaped = 0
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return reaped
+        if info is None:
+            return reaped
+        try:
+            stat = Path(f"/proc/{info.si_pid}/stat").read_text()
+        except OSError:
+            return reaped
+        if stat[stat.index("(") + 1 : stat.rindex(")")] not in names:
+            return reaped
+        os.waitpid(info.si_pid, os.WNOHANG)
+        reaped += 1

@@ -1,0 +1,510 @@
+/*
+ * corral-agent: the process inside a container sandbox that runs commands.
+ *
+ * It is the container's init (PID 1) or, after an edge restart, a second
+ * process started with `crun exec`. It talks to the edge over one inherited
+ * socket (fd 3 by default), never over anything in the sandbox's filesystem
+ * or network, and makes itself non-dumpable so sandbox processes cannot open
+ * its fds through /proc or ptrace it.
+ *
+ * Wire format (little endian), both directions:
+ *   u32 length (of what follows) | u8 type | u32 job id | payload
+ * Edge -> agent: EXEC, STDIN (empty payload closes stdin), SIGNAL, PING.
+ * Agent -> edge: HELLO, STARTED, STDOUT, STDERR, EXIT, ERROR, PONG.
+ * Keep in sync with corral/backends/container/agent_protocol.py.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+enum {
+    T_EXEC = 1, T_STDIN = 2, T_SIGNAL = 3, T_PING = 4,
+    T_STARTED = 10, T_STDOUT = 11, T_STDERR = 12, T_EXIT = 13, T_ERROR = 14,
+    T_PONG = 15, T_HELLO = 20,
+};
+enum { F_TIMED_OUT = 1, F_OUT_TRUNC = 2, F_ERR_TRUNC = 4 };
+#define AGENT_VERSION 1
+#define MAX_FRAME (16u << 20)
+#define MAX_JOBS 1024
+#define CHUNK 65536
+
+struct job {
+    uint32_t id;
+    pid_t pid;
+    int out_fd, err_fd, in_fd;
+    uint64_t cap, out_sent, err_sent;
+    int flags;
+    int exited, status;
+    int64_t deadline_ms;          /* 0 = no timeout */
+    char *in_buf;
+    size_t in_len, in_off;
+    int in_close;                 /* close stdin once the buffer is written */
+};
+
+static int ctl = -1;
+static struct job *jobs[MAX_JOBS];
+static int njobs;
+static char *rbuf;
+static size_t rlen, rcap;
+
+static int64_t now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void disconnect(void) {
+    if (ctl >= 0) close(ctl);
+    ctl = -1;
+}
+
+static int write_all(int fd, const void *buf, size_t len) {
+    const char *p = buf;
+    while (len > 0) {
+        ssize_t n = write(fd, p, len);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        p += n;
+        len -= (size_t)n;
+    }
+    return 0;
+}
+
+static void send_frame(uint8_t type, uint32_t id, const void *payload, size_t len) {
+    if (ctl < 0) return;
+    char hdr[9];
+    uint32_t total = (uint32_t)(5 + len);
+    memcpy(hdr, &total, 4);
+    hdr[4] = (char)type;
+    memcpy(hdr + 5, &id, 4);
+    if (write_all(ctl, hdr, 9) < 0 || (len && write_all(ctl, payload, len) < 0)) disconnect();
+}
+
+static void send_error(uint32_t id, const char *fmt, const char *arg) {
+    char msg[512];
+    snprintf(msg, sizeof msg, fmt, arg, strerror(errno));
+    send_frame(T_ERROR, id, msg, strlen(msg));
+}
+
+static struct job *find_job(uint32_t id) {
+    for (int i = 0; i < njobs; i++)
+        if (jobs[i]->id == id) return jobs[i];
+    return NULL;
+}
+
+/* Look up a user in the sandbox's /etc/passwd: names, "uid" or "uid:gid". */
+static int resolve_user(const char *spec, uid_t *uid, gid_t *gid, char *home, size_t home_len) {
+    char *end;
+    *uid = 0;
+    *gid = 0;
+    snprintf(home, home_len, "/");
+    if (spec[0] == '\0') spec = "root";
+    unsigned long n = strtoul(spec, &end, 10);
+    int numeric = end != spec && (*end == '\0' || *end == ':');
+    FILE *f = fopen("/etc/passwd", "re");
+    char line[1024];
+    int found = 0;
+    while (f && fgets(line, sizeof line, f)) {
+        char *fields[7] = {0};
+        char *save = NULL, *tok = line;
+        int k = 0;
+        for (char *p = strtok_r(tok, ":\n", &save); p && k < 7; p = strtok_r(NULL, ":\n", &save)) fields[k++] = p;
+        if (k < 6) continue;
+        if ((numeric && strtoul(fields[2], NULL, 10) == n) || (!numeric && strcmp(fields[0], spec) == 0)) {
+            *uid = (uid_t)strtoul(fields[2], NULL, 10);
+            *gid = (gid_t)strtoul(fields[3], NULL, 10);
+            snprintf(home, home_len, "%s", fields[5]);
+            found = 1;
+            break;
+        }
+    }
+    if (f) fclose(f);
+    if (numeric) {
+        *uid = (uid_t)n;
+        if (!found) *gid = (gid_t)n;
+        if (*end == ':') *gid = (gid_t)strtoul(end + 1, NULL, 10);
+        return 0;
+    }
+    return found ? 0 : -1;
+}
+
+static int has_env(char **envp, const char *name) {
+    size_t len = strlen(name);
+    for (char **e = envp; *e; e++)
+        if (strncmp(*e, name, len) == 0 && (*e)[len] == '=') return 1;
+    return 0;
+}
+
+static void child_fail(const char *what, const char *arg, int code) {
+    dprintf(2, "corral: %s '%s': %s\n", what, arg, strerror(errno));
+    _exit(code);
+}
+
+/* In the forked child: become the command. Never returns. */
+static void run_child(int in_fd, int out_w, int err_w, const char *user, const char *cwd,
+                      char **argv, char **envp, int nenv) {
+    sigset_t all;
+    sigemptyset(&all);
+    sigprocmask(SIG_SETMASK, &all, NULL);
+    signal(SIGPIPE, SIG_DFL);
+    setsid();
+    dup2(in_fd, 0);
+    dup2(out_w, 1);
+    dup2(err_w, 2);
+    for (int fd = 3; fd < 1024; fd++) close(fd);
+    int adj = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+    if (adj >= 0) {
+        (void)!write(adj, "0", 1);
+        close(adj);
+    }
+    uid_t uid;
+    gid_t gid;
+    char home[512];
+    if (resolve_user(user, &uid, &gid, home, sizeof home) < 0) {
+        errno = ENOENT;
+        child_fail("unknown user", user, 126);
+    }
+    /* Fill HOME/USER the way a login would, unless the caller set them. */
+    char home_env[600], user_env[300];
+    int k = nenv;
+    if (!has_env(envp, "HOME")) {
+        snprintf(home_env, sizeof home_env, "HOME=%s", home);
+        envp[k++] = home_env;
+    }
+    if (!has_env(envp, "USER") && !(user[0] >= '0' && user[0] <= '9')) {
+        snprintf(user_env, sizeof user_env, "USER=%s", user[0] ? user : "root");
+        envp[k++] = user_env;
+    }
+    envp[k] = NULL;
+    if (setgroups(1, &gid) < 0 && uid != getuid()) child_fail("cannot set groups for", user, 126);
+    if (setgid(gid) < 0) child_fail("cannot switch group for", user, 126);
+    if (setuid(uid) < 0) child_fail("cannot switch to user", user, 126);
+    if (cwd[0] && chdir(cwd) < 0) child_fail("cannot change directory to", cwd, 126);
+    environ = envp;
+    execvp(argv[0], argv);
+    child_fail("cannot run", argv[0], errno == ENOENT ? 127 : 126);
+}
+
+static void start_job(uint32_t id, const char *p, size_t len) {
+    if (find_job(id)) {
+        send_error(id, "duplicate job id%s%s", "");
+        return;
+    }
+    if (njobs >= MAX_JOBS) {
+        errno = EAGAIN;
+        send_error(id, "too many concurrent commands in this sandbox%s: %s", "");
+        return;
+    }
+    if (len < 24) {
+        errno = EINVAL;
+        send_error(id, "malformed exec request%s: %s", "");
+        return;
+    }
+    uint32_t flags, timeout_ms, argc, envc;
+    uint64_t cap;
+    memcpy(&flags, p, 4);
+    memcpy(&timeout_ms, p + 4, 4);
+    memcpy(&cap, p + 8, 8);
+    memcpy(&argc, p + 16, 4);
+    memcpy(&envc, p + 20, 4);
+    /* Strings: user, cwd, argv..., env... each NUL-terminated. */
+    size_t nstr = 2 + (size_t)argc + envc;
+    if (argc == 0 || nstr > 100000) {
+        errno = EINVAL;
+        send_error(id, "malformed exec request%s: %s", "");
+        return;
+    }
+    char **strs = calloc(nstr, sizeof(char *));
+    char **envp = calloc(envc + 3, sizeof(char *));
+    char **argv = calloc(argc + 1, sizeof(char *));
+    const char *q = p + 24, *end = p + len;
+    for (size_t i = 0; i < nstr; i++) {
+        const char *z = memchr(q, 0, (size_t)(end - q));
+        if (!z) {
+            free(strs); free(envp); free(argv);
+            errno = EINVAL;
+            send_error(id, "malformed exec request%s: %s", "");
+            return;
+        }
+        strs[i] = (char *)q;
+        q = z + 1;
+    }
+    for (uint32_t i = 0; i < argc; i++) argv[i] = strs[2 + i];
+    for (uint32_t i = 0; i < envc; i++) envp[i] = strs[2 + argc + i];
+
+    int out[2], err[2], in[2];
+    int has_stdin = flags & 1;
+    if (pipe2(out, O_CLOEXEC) < 0 || pipe2(err, O_CLOEXEC) < 0 || pipe2(in, O_CLOEXEC) < 0) {
+        send_error(id, "cannot create pipes%s: %s", "");
+        free(strs); free(envp); free(argv);
+        return;
+    }
+    if (!has_stdin) {
+        close(in[1]);
+        in[1] = -1;
+        close(in[0]);
+        in[0] = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    }
+    pid_t pid = fork();
+    if (pid == 0) run_child(in[0], out[1], err[1], strs[0], strs[1], argv, envp, (int)envc);
+    int fork_errno = errno;
+    close(out[1]);
+    close(err[1]);
+    if (in[0] >= 0) close(in[0]);
+    free(strs); free(envp); free(argv);
+    if (pid < 0) {
+        close(out[0]);
+        close(err[0]);
+        if (in[1] >= 0) close(in[1]);
+        errno = fork_errno;
+        send_error(id, "cannot start command (process limit reached?)%s: %s", "");
+        return;
+    }
+    struct job *j = calloc(1, sizeof *j);
+    j->id = id;
+    j->pid = pid;
+    j->out_fd = out[0];
+    j->err_fd = err[0];
+    j->in_fd = in[1];
+    j->cap = cap;
+    j->deadline_ms = timeout_ms ? now_ms() + timeout_ms : 0;
+    fcntl(j->out_fd, F_SETFL, O_NONBLOCK);
+    fcntl(j->err_fd, F_SETFL, O_NONBLOCK);
+    if (j->in_fd >= 0) fcntl(j->in_fd, F_SETFL, O_NONBLOCK);
+    jobs[njobs++] = j;
+    uint32_t upid = (uint32_t)pid;
+    send_frame(T_STARTED, id, &upid, 4);
+}
+
+static void close_stdin(struct job *j) {
+    if (j->in_fd >= 0) close(j->in_fd);
+    j->in_fd = -1;
+    free(j->in_buf);
+    j->in_buf = NULL;
+    j->in_len = j->in_off = 0;
+}
+
+static void flush_stdin(struct job *j) {
+    while (j->in_fd >= 0 && j->in_off < j->in_len) {
+        ssize_t n = write(j->in_fd, j->in_buf + j->in_off, j->in_len - j->in_off);
+        if (n < 0) {
+            if (errno == EAGAIN || errno == EINTR) return;
+            close_stdin(j);  /* EPIPE: the command stopped reading */
+            return;
+        }
+        j->in_off += (size_t)n;
+    }
+    if (j->in_fd >= 0 && j->in_off == j->in_len) {
+        free(j->in_buf);
+        j->in_buf = NULL;
+        j->in_len = j->in_off = 0;
+        if (j->in_close) close_stdin(j);
+    }
+}
+
+static void add_stdin(struct job *j, const char *p, size_t len) {
+    if (j->in_fd < 0) return;
+    if (len == 0) {
+        j->in_close = 1;
+    } else {
+        j->in_buf = realloc(j->in_buf, j->in_len + len);
+        memcpy(j->in_buf + j->in_len, p, len);
+        j->in_len += len;
+    }
+    flush_stdin(j);
+}
+
+/* Read what a job's pipe holds; forward up to the cap, drop the rest. */
+static void drain(struct job *j, int *fdp, uint64_t *sent, int trunc_flag, uint8_t type) {
+    char buf[CHUNK];
+    for (;;) {
+        ssize_t n = read(*fdp, buf, sizeof buf);
+        if (n > 0) {
+            uint64_t room = *sent < j->cap ? j->cap - *sent : 0;
+            size_t fwd = (uint64_t)n < room ? (size_t)n : (size_t)room;
+            if (fwd) send_frame(type, j->id, buf, fwd);
+            if (fwd < (size_t)n) j->flags |= trunc_flag;
+            *sent += fwd;
+            continue;
+        }
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && errno == EAGAIN) return;
+        close(*fdp);  /* EOF or error */
+        *fdp = -1;
+        return;
+    }
+}
+
+static void finish_job(int idx) {
+    struct job *j = jobs[idx];
+    if (j->out_fd >= 0) drain(j, &j->out_fd, &j->out_sent, F_OUT_TRUNC, T_STDOUT);
+    if (j->err_fd >= 0) drain(j, &j->err_fd, &j->err_sent, F_ERR_TRUNC, T_STDERR);
+    /* Background children may hold the pipes open; the command is done when its process is. */
+    if (j->out_fd >= 0) close(j->out_fd);
+    if (j->err_fd >= 0) close(j->err_fd);
+    close_stdin(j);
+    char payload[5];
+    int32_t code = WIFEXITED(j->status) ? WEXITSTATUS(j->status) : -WTERMSIG(j->status);
+    memcpy(payload, &code, 4);
+    payload[4] = (char)j->flags;
+    send_frame(T_EXIT, j->id, payload, 5);
+    free(j);
+    jobs[idx] = jobs[--njobs];
+}
+
+static void reap(void) {
+    int status;
+    pid_t pid;
+    while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+        for (int i = 0; i < njobs; i++) {
+            if (jobs[i]->pid == pid && !jobs[i]->exited) {
+                jobs[i]->exited = 1;
+                jobs[i]->status = status;
+                break;
+            }
+        }
+    }
+}
+
+static void handle_frame(uint8_t type, uint32_t id, const char *p, size_t len) {
+    struct job *j;
+    switch (type) {
+    case T_EXEC:
+        start_job(id, p, len);
+        break;
+    case T_STDIN:
+        if ((j = find_job(id))) add_stdin(j, p, len);
+        break;
+    case T_SIGNAL:
+        if ((j = find_job(id)) && len >= 4) {
+            uint32_t sig;
+            memcpy(&sig, p, 4);
+            kill(-j->pid, (int)sig);
+            kill(j->pid, (int)sig);
+        }
+        break;
+    case T_PING:
+        send_frame(T_PONG, id, p, len);
+        break;
+    default:
+        break;
+    }
+}
+
+static void read_ctl(void) {
+    if (rcap - rlen < CHUNK) {
+        rcap = rcap ? rcap * 2 : 4 * CHUNK;
+        rbuf = realloc(rbuf, rcap);
+    }
+    ssize_t n = read(ctl, rbuf + rlen, rcap - rlen);
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) return;
+    if (n <= 0) {
+        disconnect();
+        rlen = 0;
+        return;
+    }
+    rlen += (size_t)n;
+    size_t off = 0;
+    while (rlen - off >= 9) {
+        uint32_t total;
+        memcpy(&total, rbuf + off, 4);
+        if (total < 5 || total > MAX_FRAME) {
+            disconnect();
+            rlen = 0;
+            return;
+        }
+        if (rlen - off < 4 + (size_t)total) break;
+        uint32_t id;
+        memcpy(&id, rbuf + off + 5, 4);
+        handle_frame((uint8_t)rbuf[off + 4], id, rbuf + off + 9, total - 5);
+        off += 4 + total;
+    }
+    memmove(rbuf, rbuf + off, rlen - off);
+    rlen -= off;
+}
+
+int main(int argc, char **argv) {
+    ctl = argc > 2 && strcmp(argv[1], "--fd") == 0 ? atoi(argv[2]) : 3;
+    prctl(PR_SET_DUMPABLE, 0);
+    fcntl(ctl, F_SETFD, FD_CLOEXEC);
+    signal(SIGPIPE, SIG_IGN);
+    sigset_t mask;
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &mask, NULL);
+    int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+    int is_init = getpid() == 1;
+    uint32_t hello[2] = {AGENT_VERSION, (uint32_t)getpid()};
+    send_frame(T_HELLO, 0, hello, sizeof hello);
+
+    struct pollfd pfds[2 + 3 * MAX_JOBS];
+    struct job *owner[2 + 3 * MAX_JOBS];
+    for (;;) {
+        if (ctl < 0 && !is_init) break;  /* an attached agent ends with its edge */
+        int n = 0;
+        pfds[n] = (struct pollfd){.fd = sfd, .events = POLLIN};
+        owner[n++] = NULL;
+        pfds[n] = (struct pollfd){.fd = ctl, .events = POLLIN};
+        owner[n++] = NULL;
+        int64_t now = now_ms(), wait_ms = -1;
+        for (int i = 0; i < njobs; i++) {
+            struct job *j = jobs[i];
+            if (j->out_fd >= 0) { pfds[n] = (struct pollfd){.fd = j->out_fd, .events = POLLIN}; owner[n++] = j; }
+            if (j->err_fd >= 0) { pfds[n] = (struct pollfd){.fd = j->err_fd, .events = POLLIN}; owner[n++] = j; }
+            if (j->in_fd >= 0 && j->in_off < j->in_len) {
+                pfds[n] = (struct pollfd){.fd = j->in_fd, .events = POLLOUT};
+                owner[n++] = j;
+            }
+            if (j->deadline_ms && !j->exited) {
+                int64_t left = j->deadline_ms - now;
+                if (left < 0) left = 0;
+                if (wait_ms < 0 || left < wait_ms) wait_ms = left;
+            }
+        }
+        int r = poll(pfds, (nfds_t)n, (int)wait_ms);
+        if (r < 0 && errno != EINTR) break;
+        if (r > 0) {
+            if (pfds[0].revents) {
+                struct signalfd_siginfo si;
+                while (read(sfd, &si, sizeof si) == sizeof si) {}
+            }
+            for (int k = 2; k < n; k++) {
+                struct job *j = owner[k];
+                if (!pfds[k].revents) continue;
+                if (pfds[k].fd == j->out_fd) drain(j, &j->out_fd, &j->out_sent, F_OUT_TRUNC, T_STDOUT);
+                else if (pfds[k].fd == j->err_fd) drain(j, &j->err_fd, &j->err_sent, F_ERR_TRUNC, T_STDERR);
+                else if (pfds[k].fd == j->in_fd) flush_stdin(j);
+            }
+            if (ctl >= 0 && pfds[1].revents) read_ctl();
+        }
+        reap();
+        now = now_ms();
+        for (int i = 0; i < njobs; i++) {
+            struct job *j = jobs[i];
+            if (j->deadline_ms && !j->exited && now >= j->deadline_ms) {
+                j->flags |= F_TIMED_OUT;
+                j->deadline_ms = 0;
+                kill(-j->pid, SIGKILL);
+                kill(j->pid, SIGKILL);
+            }
+        }
+        for (int i = njobs - 1; i >= 0; i--)
+            if (jobs[i]->exited) finish_job(i);
+    }
+    return 0;
+}

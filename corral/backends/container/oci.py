@@ -1,0 +1,131 @@
+"""The OCI runtime spec (config.json) of a container sandbox: Corral's default
+security profile lives here.
+
+Isolation: new mount, PID, UTS, IPC and network namespaces (the network one
+has only loopback); cgroup limits for CPU, memory and PIDs; a seccomp profile
+that refuses what sandboxed agents never need; a reduced capability set;
+no_new_privs; masked and read-only /proc and /sys paths. The agent binary is
+bind-mounted read-only at AGENT_PATH and runs as the container's init.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["AGENT_PATH", "ContainerLimits", "build_config", "CAPABILITIES", "DENIED_SYSCALLS"]
+
+AGENT_PATH = "/.corral/agent"
+CFS_PERIOD_US = 100_000
+
+# Docker's default set minus NET_RAW and MKNOD: enough to switch users and
+# own files, not enough to touch the host.
+CAPABILITIES = [
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FOWNER",
+    "CAP_FSETID",
+    "CAP_KILL",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_AUDIT_WRITE",
+    "CAP_SETFCAP",
+]
+
+# Refused with EPERM. Kernel modules, kexec, reboot, mounts, swap, eBPF, perf,
+# userfaultfd, io_uring, keyrings, namespace games, clock changes, raw I/O.
+DENIED_SYSCALLS = [
+    "acct", "add_key", "bpf", "clock_adjtime", "clock_settime", "create_module", "delete_module",
+    "finit_module", "fsconfig", "fsmount", "fsopen", "fspick", "get_kernel_syms", "init_module",
+    "io_uring_enter", "io_uring_register", "io_uring_setup", "ioperm", "iopl", "kcmp", "kexec_file_load",
+    "kexec_load", "keyctl", "lookup_dcookie", "mount", "mount_setattr", "move_mount", "name_to_handle_at",
+    "nfsservctl", "open_by_handle_at", "open_tree", "perf_event_open", "pivot_root", "process_vm_readv",
+    "process_vm_writev", "quotactl", "quotactl_fd", "reboot", "request_key", "setns", "settimeofday",
+    "swapoff", "swapon", "syslog", "umount", "umount2", "unshare", "uselib", "userfaultfd", "ustat",
+    "vhangup", "adjtimex", "query_module", "sysfs", "_sysctl", "afs_syscall", "fanotify_init",
+]
+# Answered ENOSYS so that glibc falls back to clone(2) (EPERM would break threads).
+ENOSYS_SYSCALLS = ["clone3"]
+
+MASKED_PATHS = [
+    "/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats", "/proc/timer_list",
+    "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi", "/proc/kpagecgroup", "/proc/kpagecount",
+    "/proc/kpageflags", "/proc/kmsg", "/proc/sysrq-trigger", "/sys/firmware", "/sys/kernel/debug",
+    "/sys/devices/virtual/powercap",
+]
+READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys"]
+
+
+@dataclass(frozen=True)
+class ContainerLimits:
+    cpu: float
+    memory_mb: int
+    pids_max: int
+
+
+def _seccomp() -> dict[str, Any]:
+    return {
+        "defaultAction": "SCMP_ACT_ALLOW",
+        "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
+        "syscalls": [
+            {"names": DENIED_SYSCALLS, "action": "SCMP_ACT_ERRNO", "errnoRet": 1},
+            {"names": ENOSYS_SYSCALLS, "action": "SCMP_ACT_ERRNO", "errnoRet": 38},
+        ],
+    }
+
+
+def _mounts(agent_binary: Path) -> list[dict[str, Any]]:
+    nosuid_noexec = ["nosuid", "noexec", "nodev"]
+    return [
+        {"destination": "/proc", "type": "proc", "source": "proc", "options": nosuid_noexec},
+        {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+        {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+         "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
+        {"destination": "/dev/shm", "type": "tmpfs", "source": "shm", "options": [*nosuid_noexec, "mode=1777", "size=65536k"]},
+        {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": nosuid_noexec},
+        {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": [*nosuid_noexec, "ro"]},
+        {"destination": AGENT_PATH, "type": "bind", "source": str(agent_binary), "options": ["bind", "ro", "nosuid", "nodev"]},
+    ]
+
+
+def build_config(
+    *,
+    hostname: str,
+    limits: ContainerLimits,
+    cgroup_path: str,
+    agent_binary: Path,
+) -> dict[str, Any]:
+    """The config.json for one sandbox; ``root.path`` is ``rootfs`` in the bundle."""
+    capabilities = {key: list(CAPABILITIES) for key in ("bounding", "effective", "permitted")}
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "user": {"uid": 0, "gid": 0},
+            "args": [AGENT_PATH],
+            "env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
+            "cwd": "/",
+            "capabilities": capabilities,
+            "noNewPrivileges": True,
+        },
+        "root": {"path": "rootfs", "readonly": False},
+        "hostname": hostname,
+        "mounts": _mounts(agent_binary),
+        "linux": {
+            "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
+            "cgroupsPath": cgroup_path,
+            "resources": {
+                "memory": {"limit": limits.memory_mb << 20, "swap": limits.memory_mb << 20},
+                "cpu": {"quota": max(1000, int(limits.cpu * CFS_PERIOD_US)), "period": CFS_PERIOD_US},
+                "pids": {"limit": limits.pids_max},
+                "devices": [{"allow": False, "access": "rwm"}],
+            },
+            "seccomp": _seccomp(),
+            "maskedPaths": MASKED_PATHS,
+            "readonlyPaths": READONLY_PATHS,
+        },
+    }

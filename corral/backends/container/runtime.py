@@ -1,0 +1,137 @@
+"""The OCI runtime command line (crun by default, runc selectable).
+
+Only this module runs the runtime binary. Containers are started detached
+through corral-launch, which mounts the sandbox's overlay in a mount namespace
+of its own and hands the agent's socket to the runtime as fd 3.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import shutil
+import signal
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from corral.sdk._exceptions import InternalError, InvalidRequest
+
+__all__ = ["OciRuntime", "OciRuntimeFailed", "ContainerState", "Overlay"]
+
+_RUNTIME_TIMEOUT_S = 30.0
+# The agent must survive its sandbox's OOM; it resets its children to 0 so
+# they are the ones the kernel picks.
+AGENT_OOM_SCORE_ADJ = -1000
+
+
+class OciRuntimeFailed(InternalError):
+    """The OCI runtime failed; the message carries its stderr."""
+
+
+@dataclass(frozen=True)
+class ContainerState:
+    id: str
+    status: str  # "created" | "running" | "paused" | "stopped"
+    pid: int
+
+
+@dataclass(frozen=True)
+class Overlay:
+    lowers: list[Path]  # top first
+    upper: Path
+    work: Path
+
+
+class OciRuntime:
+    """One runtime binary with its own state directory."""
+
+    def __init__(self, name: str, state_root: Path, launch_binary: Path) -> None:
+        binary = shutil.which(name)
+        if binary is None:
+            raise InvalidRequest(f"OCI runtime {name!r} is not installed on this node (apt-get install {name})")
+        self.name = name
+        self._binary = binary
+        self._root = state_root
+        self._launch = launch_binary
+        state_root.mkdir(parents=True, exist_ok=True)
+
+    def _base(self) -> list[str]:
+        return [self._binary, "--root", str(self._root)]
+
+    async def _run(
+        self, args: list[str], *, pass_fds: tuple[int, ...] = (), check: bool = True, log_file: Path | None = None
+    ) -> tuple[int, str]:
+        """Run the runtime to completion. Detached starts pass ``log_file``: the
+        container inherits the runtime's stderr, so it must never be a pipe we
+        wait on (it would stay open as long as the container lives)."""
+        log = open(log_file, "ab+") if log_file is not None else None  # noqa: SIM115
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *args,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=log if log is not None else asyncio.subprocess.PIPE,
+                pass_fds=pass_fds,
+            )
+            try:
+                _, stderr = await asyncio.wait_for(proc.communicate(), _RUNTIME_TIMEOUT_S)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+                raise OciRuntimeFailed(f"{self.name} did not finish in {_RUNTIME_TIMEOUT_S:.0f}s: {' '.join(args[-3:])}")
+            if log is not None:
+                log.seek(0)
+                stderr = log.read()[-4096:]
+        finally:
+            if log is not None:
+                log.close()
+        message = (stderr or b"").decode(errors="replace").strip()
+        if check and proc.returncode != 0:
+            last = message.splitlines()[-1] if message else f"exit status {proc.returncode}"
+            raise OciRuntimeFailed(f"{self.name} failed: {last}")
+        return proc.returncode or 0, message
+
+    async def run_detached(self, container_id: str, bundle: Path, overlay: Overlay, ctl: socket.socket) -> None:
+        """Mount the overlay at bundle/rootfs and start the container detached."""
+        lowers = ":".join(str(p) for p in overlay.lowers)
+        args = [
+            str(self._launch), "--overlay", lowers, str(overlay.upper), str(overlay.work), str(bundle / "rootfs"),
+            "--ctl-fd", str(ctl.fileno()), "--oom-score-adj", str(AGENT_OOM_SCORE_ADJ), "--",
+            *self._base(), "run", "--detach", "--preserve-fds", "1", "--bundle", str(bundle), container_id,
+        ]  # fmt: skip
+        await self._run(args, pass_fds=(ctl.fileno(),), log_file=bundle.parent / "runtime.log")
+
+    async def exec_attached(self, container_id: str, ctl: socket.socket, agent_path: str, log_file: Path) -> None:
+        """Start a second agent in a running container (re-attach after an edge restart)."""
+        args = [
+            str(self._launch), "--ctl-fd", str(ctl.fileno()), "--",
+            *self._base(), "exec", "--detach", "--preserve-fds", "1", container_id, agent_path,
+        ]  # fmt: skip
+        await self._run(args, pass_fds=(ctl.fileno(),), log_file=log_file)
+
+    async def state(self, container_id: str) -> ContainerState | None:
+        proc = await asyncio.create_subprocess_exec(
+            *self._base(), "state", container_id,
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        out, _ = await asyncio.wait_for(proc.communicate(), _RUNTIME_TIMEOUT_S)
+        if proc.returncode != 0:
+            return None
+        data = json.loads(out)
+        return ContainerState(id=data["id"], status=data["status"], pid=int(data.get("pid") or 0))
+
+    async def list_ids(self) -> list[str]:
+        proc = await asyncio.create_subprocess_exec(
+            *self._base(), "list", "--format", "json",
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        out, _ = await asyncio.wait_for(proc.communicate(), _RUNTIME_TIMEOUT_S)
+        return [entry["id"] for entry in json.loads(out or b"[]") or []]
+
+    async def kill_and_delete(self, container_id: str) -> None:
+        """SIGKILL everything in the container, then remove it (idempotent)."""
+        await self._run([*self._base(), "kill", "--all", container_id, str(int(signal.SIGKILL))], check=False)
+        await self._run([*self._base(), "delete", "--force", container_id], check=False)

@@ -1,0 +1,51 @@
+"""Server settings: one typed object, every field overridable as ``CORRAL_<NAME>``.
+
+The table of settings in docs/configuration.md is generated from this class's
+field descriptions, so document a new setting here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from corral.sdk._config import default_config_path
+
+__all__ = ["Settings"]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CORRAL_", extra="ignore")
+
+    host: str = Field("127.0.0.1", description="Address the HTTP API listens on.")
+    port: int = Field(7070, description="Port the HTTP API listens on.")
+    data_dir: Path = Field(Path("/var/lib/corral/server"), description="This server's state: database, sandboxes, runtime state.")
+    node_dir: Path = Field(
+        Path("/var/lib/corral"),
+        description="Node-wide files shared by every server on the machine: layer store, compiled helpers.",
+    )
+    config_file: Path = Field(
+        default_factory=default_config_path,
+        description="Client config (URL and API key) that serve writes and the SDK and CLI read.",
+    )
+    database_url: str | None = Field(None, description="SQLAlchemy URL; default SQLite at <data_dir>/corral.db.")
+    edge_id: str = Field("e0", pattern=r"^[a-z0-9]{1,16}$", description="Id of this node's edge; part of every sandbox id.")
+    runtime: Literal["crun", "runc"] = Field("crun", description="Default OCI runtime for container sandboxes.")
+    cpu_overcommit: float = Field(16.0, gt=0, description="Admitted CPU may reach this multiple of the node's cores.")
+    memory_overcommit: float = Field(4.0, gt=0, description="Admitted memory may reach this multiple of the node's RAM.")
+    max_sandbox_memory_mb: int | None = Field(None, description="Largest memory_mb one sandbox may ask for; default the node's RAM.")
+    create_concurrency: int = Field(8, ge=1, description="Container creations the edge runs at once; more wait in line.")
+    max_file_bytes: int = Field(256 << 20, description="Largest file or tar upload/download through the API.")
+    ttl_check_interval_s: float = Field(1.0, gt=0, description="How often expired sandboxes are looked for.")
+    agent_start_timeout_s: float = Field(10.0, gt=0, description="How long a new sandbox's agent may take to say hello.")
+
+    @property
+    def database(self) -> str:
+        return self.database_url or f"sqlite:///{self.data_dir / 'corral.db'}"
+
+    @property
+    def layer_dir(self) -> Path:
+        return self.node_dir / "layers"

@@ -1,0 +1,330 @@
+"""The in-process edge: one node's sandboxes, their commands and admission.
+
+It owns the backend, decides whether this node can take another sandbox
+(CPU and memory overcommit), merges per-sandbox defaults into each command,
+keeps background commands and their output, and notices sandboxes that stop
+by themselves. File operations run in worker threads because a tar of a
+large tree blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import io
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from corral.backends.base import CommandExit, CommandOutput, CommandSpec, CommandStarted, RunningCommand, SandboxSpec
+from corral.backends.container.backend import ContainerBackend
+from corral.edge.protocol import EndedCallback
+from corral.sdk._exceptions import CapacityExhausted, InvalidRequest, NotFound
+from corral.sdk._models import CommandInfo, EdgeLoad, ExecEvent, ExecRequest, ExecResult, FileInfo
+
+__all__ = ["LocalEdge", "NodeCapacity"]
+
+log = logging.getLogger(__name__)
+_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_FINISHED_COMMANDS_KEPT = 256
+
+
+@dataclass(frozen=True)
+class NodeCapacity:
+    cpu: float
+    memory_mb: int
+    cpu_overcommit: float
+    memory_overcommit: float
+    max_file_bytes: int
+
+
+@dataclass
+class _Command:
+    command_id: str
+    cmd: str | list[str]
+    running: RunningCommand
+    started_at: float
+    stdout: bytearray = field(default_factory=bytearray)
+    stderr: bytearray = field(default_factory=bytearray)
+    exit: CommandExit | None = None
+    task: asyncio.Task[None] | None = None
+
+    def info(self) -> CommandInfo:
+        return CommandInfo(command_id=self.command_id, cmd=self.cmd, running=self.exit is None, result=self.result())
+
+    def result(self) -> ExecResult:
+        end = self.exit
+        return ExecResult(
+            exit_code=end.exit_code if end else None,
+            stdout=self.stdout.decode(errors="replace"),
+            stderr=self.stderr.decode(errors="replace"),
+            timed_out=bool(end and end.timed_out),
+            oom_killed=bool(end and end.oom_killed),
+            stdout_truncated=bool(end and end.stdout_truncated),
+            stderr_truncated=bool(end and end.stderr_truncated),
+            duration_ms=(time.monotonic() - self.started_at) * 1000,
+            command_id=self.command_id,
+        )
+
+
+@dataclass
+class _Sandbox:
+    spec: SandboxSpec
+    commands: dict[str, _Command] = field(default_factory=dict)
+    next_command: int = 1
+    watcher: asyncio.Task[None] | None = None
+
+
+class LocalEdge:
+    """An edge living in the gateway's process (the embedded single-node default)."""
+
+    def __init__(self, edge_id: str, backend: ContainerBackend, capacity: NodeCapacity, on_ended: EndedCallback) -> None:
+        self.edge_id = edge_id
+        self._backend = backend
+        self._capacity = capacity
+        self._on_ended = on_ended
+        self._sandboxes: dict[str, _Sandbox] = {}
+        self._reserved: dict[str, SandboxSpec] = {}
+
+    # -- admission and lifecycle -------------------------------------------
+
+    async def load(self) -> EdgeLoad:
+        specs = [s.spec for s in self._sandboxes.values()] + list(self._reserved.values())
+        return EdgeLoad(
+            edge_id=self.edge_id,
+            sandboxes=len(specs),
+            cpu_committed=sum(s.cpu for s in specs),
+            cpu_capacity=self._capacity.cpu * self._capacity.cpu_overcommit,
+            memory_committed_mb=sum(s.memory_mb for s in specs),
+            memory_capacity_mb=int(self._capacity.memory_mb * self._capacity.memory_overcommit),
+        )
+
+    async def _admit(self, spec: SandboxSpec) -> None:
+        if spec.cpu > self._capacity.cpu:
+            raise InvalidRequest(f"cpu={spec.cpu} is more than this node has ({self._capacity.cpu:g} cores)")
+        if spec.memory_mb > self._capacity.memory_mb:
+            raise InvalidRequest(f"memory_mb={spec.memory_mb} is more than this node has ({self._capacity.memory_mb} MiB)")
+        load = await self.load()
+        if load.cpu_committed + spec.cpu > load.cpu_capacity or (
+            load.memory_committed_mb + spec.memory_mb > load.memory_capacity_mb
+        ):
+            raise CapacityExhausted(
+                f"node {self.edge_id} is full ({load.sandboxes} sandboxes, {load.cpu_committed:g}/{load.cpu_capacity:g} "
+                f"cpu, {load.memory_committed_mb}/{load.memory_capacity_mb} MiB committed): retry later or kill sandboxes"
+            )
+        self._reserved[spec.sandbox_id] = spec
+
+    async def create(self, spec: SandboxSpec) -> None:
+        await self._admit(spec)
+        try:
+            await self._backend.create(spec)
+        finally:
+            self._reserved.pop(spec.sandbox_id, None)
+        self._track(spec)
+
+    def _track(self, spec: SandboxSpec) -> None:
+        sandbox = _Sandbox(spec)
+        sandbox.watcher = asyncio.get_running_loop().create_task(self._watch(spec.sandbox_id))
+        self._sandboxes[spec.sandbox_id] = sandbox
+
+    async def _watch(self, sandbox_id: str) -> None:
+        reason = await self._backend.wait_ended(sandbox_id)
+        sandbox = self._sandboxes.pop(sandbox_id, None)
+        if sandbox is None:
+            return
+        log.warning("sandbox %s stopped by itself (%s)", sandbox_id, reason)
+        await self._backend.destroy(sandbox_id)
+        self._on_ended(sandbox_id, reason, "the sandbox's init process exited")
+
+    async def adopt(self, specs: list[SandboxSpec]) -> dict[str, bool]:
+        alive: dict[str, bool] = {}
+        for spec in specs:
+            alive[spec.sandbox_id] = await self._backend.adopt(spec)
+            if alive[spec.sandbox_id]:
+                self._track(spec)
+        for orphan in await self._backend.orphans(set(alive)):
+            log.warning("removing container %s that no sandbox record owns", orphan)
+            await self._backend.destroy(orphan)
+        return alive
+
+    async def destroy(self, sandbox_id: str) -> None:
+        sandbox = self._sandboxes.pop(sandbox_id, None)
+        if sandbox is not None and sandbox.watcher is not None:
+            sandbox.watcher.cancel()
+        await self._backend.destroy(sandbox_id)
+
+    async def close(self) -> None:
+        for sandbox in self._sandboxes.values():
+            if sandbox.watcher is not None:
+                sandbox.watcher.cancel()
+            for command in sandbox.commands.values():
+                if command.task is not None:
+                    command.task.cancel()
+        self._sandboxes.clear()
+        await self._backend.close()
+
+    # -- commands -----------------------------------------------------------
+
+    def _get(self, sandbox_id: str) -> _Sandbox:
+        sandbox = self._sandboxes.get(sandbox_id)
+        if sandbox is None:
+            raise NotFound(f"sandbox {sandbox_id} is not running on edge {self.edge_id}")
+        return sandbox
+
+    def _start(self, sandbox: _Sandbox, request: ExecRequest, keep_stdin_open: bool = False) -> _Command:
+        spec = sandbox.spec
+        argv = ["/bin/sh", "-c", request.cmd] if isinstance(request.cmd, str) else list(request.cmd)
+        if not argv or not argv[0]:
+            raise InvalidRequest("cmd is empty: give a shell command string or a non-empty argv list")
+        env = {"PATH": _DEFAULT_PATH, **spec.env, **request.env}
+        stdin = request.stdin.encode() if request.stdin is not None else (b"" if keep_stdin_open else None)
+        command_spec = CommandSpec(
+            argv=argv,
+            env=env,
+            cwd=request.cwd or spec.cwd,
+            user=request.user or spec.user,
+            timeout_s=request.timeout_s,
+            output_cap_bytes=request.output_cap_bytes,
+            stdin=stdin,
+        )
+        command_id = f"c{sandbox.next_command}"
+        sandbox.next_command += 1
+        command = _Command(command_id, request.cmd, self._backend.run(spec.sandbox_id, command_spec), time.monotonic())
+        sandbox.commands[command_id] = command
+        finished = [c for c in sandbox.commands.values() if c.exit is not None]
+        for old in finished[: max(0, len(finished) - _FINISHED_COMMANDS_KEPT)]:
+            sandbox.commands.pop(old.command_id, None)
+        return command
+
+    @staticmethod
+    def _record(command: _Command, event: CommandStarted | CommandOutput | CommandExit) -> None:
+        if isinstance(event, CommandOutput):
+            (command.stdout if event.stream == "stdout" else command.stderr).extend(event.data)
+        elif isinstance(event, CommandExit):
+            command.exit = event
+
+    async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
+        sandbox = self._get(sandbox_id)
+        command = self._start(sandbox, request)
+        try:
+            async for event in command.running.events():
+                self._record(command, event)
+        finally:
+            sandbox.commands.pop(command.command_id, None)
+        return command.result()
+
+    async def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+        sandbox = self._get(sandbox_id)
+        command = self._start(sandbox, request)
+        decoders = {name: codecs.getincrementaldecoder("utf-8")(errors="replace") for name in ("stdout", "stderr")}
+        try:
+            async for event in command.running.events():
+                if isinstance(event, CommandStarted):
+                    yield ExecEvent(type="started", command_id=command.command_id)
+                elif isinstance(event, CommandOutput):
+                    text = decoders[event.stream].decode(event.data)
+                    if text:
+                        yield ExecEvent(type=event.stream, data=text)  # type: ignore[arg-type]
+                else:
+                    command.exit = event
+                    for name, decoder in decoders.items():
+                        tail = decoder.decode(b"", final=True)
+                        if tail:
+                            yield ExecEvent(type=name, data=tail)  # type: ignore[arg-type]
+                    yield ExecEvent(type="exit", command_id=command.command_id, result=command.result())
+        finally:
+            if command.exit is None:
+                command.running.signal(9)  # the client went away: do not leave it running
+            sandbox.commands.pop(command.command_id, None)
+
+    async def start_command(self, sandbox_id: str, request: ExecRequest) -> CommandInfo:
+        sandbox = self._get(sandbox_id)
+        command = self._start(sandbox, request, keep_stdin_open=True)
+        started = asyncio.get_running_loop().create_future()
+
+        async def consume() -> None:
+            try:
+                async for event in command.running.events():
+                    self._record(command, event)
+                    if isinstance(event, CommandStarted) and not started.done():
+                        started.set_result(None)
+            except Exception as exc:  # surfaced to the caller waiting for the start
+                if not started.done():
+                    started.set_exception(exc)
+                elif command.exit is None:
+                    command.exit = CommandExit(exit_code=-1)
+            finally:
+                if not started.done():
+                    started.set_result(None)
+
+        command.task = asyncio.get_running_loop().create_task(consume())
+        await started
+        return command.info()
+
+    def _command(self, sandbox_id: str, command_id: str) -> _Command:
+        command = self._get(sandbox_id).commands.get(command_id)
+        if command is None:
+            raise NotFound(f"no command {command_id} in sandbox {sandbox_id} (only background commands are kept)")
+        return command
+
+    async def command(self, sandbox_id: str, command_id: str, wait_s: float) -> CommandInfo:
+        command = self._command(sandbox_id, command_id)
+        if command.task is not None and wait_s > 0:
+            await asyncio.wait({command.task}, timeout=wait_s)
+        return command.info()
+
+    async def command_stdin(self, sandbox_id: str, command_id: str, data: bytes) -> None:
+        self._command(sandbox_id, command_id).running.write_stdin(data)
+
+    async def command_signal(self, sandbox_id: str, command_id: str, signo: int) -> None:
+        self._command(sandbox_id, command_id).running.signal(signo)
+
+    # -- files --------------------------------------------------------------
+
+    async def _in_tree(self, sandbox_id: str, operation, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self._get(sandbox_id)
+        tree = self._backend.files(sandbox_id)
+
+        def call():  # type: ignore[no-untyped-def]
+            with tree:
+                return operation(tree, *args, **kwargs)
+
+        return await asyncio.to_thread(call)
+
+    async def read_file(self, sandbox_id: str, path: str) -> bytes:
+        return await self._in_tree(sandbox_id, lambda t: t.read(path, max_bytes=self._capacity.max_file_bytes))
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int) -> FileInfo:
+        return await self._in_tree(sandbox_id, lambda t: t.write(path, data, mode=mode))
+
+    async def stat(self, sandbox_id: str, path: str) -> FileInfo:
+        return await self._in_tree(sandbox_id, lambda t: t.stat(path))
+
+    async def list_dir(self, sandbox_id: str, path: str) -> list[FileInfo]:
+        return await self._in_tree(sandbox_id, lambda t: t.list(path))
+
+    async def mkdir(self, sandbox_id: str, path: str, parents: bool, mode: int) -> FileInfo:
+        return await self._in_tree(sandbox_id, lambda t: t.mkdir(path, parents=parents, mode=mode))
+
+    async def remove(self, sandbox_id: str, path: str, recursive: bool) -> None:
+        await self._in_tree(sandbox_id, lambda t: t.remove(path, recursive=recursive))
+
+    async def upload_tar(self, sandbox_id: str, path: str, data: bytes) -> int:
+        limit = self._capacity.max_file_bytes
+        return await self._in_tree(sandbox_id, lambda t: t.extract_tar(path, io.BytesIO(data), max_bytes=limit))
+
+    async def download_tar(self, sandbox_id: str, path: str) -> bytes:
+        def pack(tree) -> bytes:  # type: ignore[no-untyped-def]
+            buffer = io.BytesIO()
+            tree.write_tar(path, buffer)
+            return buffer.getvalue()
+
+        return await self._in_tree(sandbox_id, pack)
+
+
+def node_capacity(cpu_overcommit: float, memory_overcommit: float, max_file_bytes: int) -> NodeCapacity:
+    """This machine's cores and RAM, with the configured overcommit."""
+    memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1 << 20)
+    return NodeCapacity(float(os.cpu_count() or 1), memory_mb, cpu_overcommit, memory_overcommit, max_file_bytes)

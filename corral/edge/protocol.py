@@ -1,0 +1,79 @@
+"""The gateway-to-edge boundary, and sandbox ids that name their edge.
+
+Edges will run on other nodes (as Ray actors), so the gateway talks to them
+only through ``Edge``: every argument and result is a plain model or bytes.
+``LocalEdge`` (edge/local.py) is the in-process implementation.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
+
+from corral.backends.base import SandboxSpec
+from corral.sdk._exceptions import NotFound
+from corral.sdk._models import CommandInfo, EdgeLoad, ExecEvent, ExecRequest, ExecResult, FileInfo
+
+__all__ = ["Edge", "EndedCallback", "new_sandbox_id", "edge_of"]
+
+_ID_PATTERN = re.compile(r"^sb-([a-z0-9]{1,16})-([0-9a-f]{16})$")
+
+EndedCallback = Callable[[str, str, str], None]
+"""Called as (sandbox_id, end_reason, message) when a sandbox stops by itself."""
+
+
+def new_sandbox_id(edge_id: str) -> str:
+    return f"sb-{edge_id}-{secrets.token_hex(8)}"
+
+
+def edge_of(sandbox_id: str) -> str:
+    match = _ID_PATTERN.match(sandbox_id)
+    if match is None:
+        raise NotFound(f"no sandbox {sandbox_id!r}: sandbox ids look like sb-e0-0123456789abcdef")
+    return match.group(1)
+
+
+class Edge(Protocol):
+    edge_id: str
+
+    async def load(self) -> EdgeLoad: ...
+
+    async def create(self, spec: SandboxSpec) -> None:
+        """Admit and start a sandbox; raises CapacityExhausted if this node refuses."""
+
+    async def adopt(self, specs: list[SandboxSpec]) -> dict[str, bool]:
+        """Take back sandboxes that outlived a restart; True for each still alive."""
+
+    async def destroy(self, sandbox_id: str) -> None: ...
+
+    async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult: ...
+
+    def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]: ...
+
+    async def start_command(self, sandbox_id: str, request: ExecRequest) -> CommandInfo: ...
+
+    async def command(self, sandbox_id: str, command_id: str, wait_s: float) -> CommandInfo: ...
+
+    async def command_stdin(self, sandbox_id: str, command_id: str, data: bytes) -> None: ...
+
+    async def command_signal(self, sandbox_id: str, command_id: str, signo: int) -> None: ...
+
+    async def read_file(self, sandbox_id: str, path: str) -> bytes: ...
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int) -> FileInfo: ...
+
+    async def stat(self, sandbox_id: str, path: str) -> FileInfo: ...
+
+    async def list_dir(self, sandbox_id: str, path: str) -> list[FileInfo]: ...
+
+    async def mkdir(self, sandbox_id: str, path: str, parents: bool, mode: int) -> FileInfo: ...
+
+    async def remove(self, sandbox_id: str, path: str, recursive: bool) -> None: ...
+
+    async def upload_tar(self, sandbox_id: str, path: str, data: bytes) -> int: ...
+
+    async def download_tar(self, sandbox_id: str, path: str) -> bytes: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,241 @@
+"""The HTTP API (FastAPI on uvicorn): parse, authenticate, hand to the service.
+
+Handlers stay thin: every request is validated into a model from
+corral.sdk._models before it reaches SandboxService, and every CorralError
+becomes its status with a ``{"error": {"code", "message"}}`` body. The
+OpenAPI document is served at /openapi.json.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel
+
+from corral.gateway.service import SandboxService
+from corral.sdk._exceptions import AuthenticationError, CorralError, InvalidRequest, PayloadTooLarge
+from corral.sdk._models import (
+    CommandInfo,
+    CreateSandboxRequest,
+    ExecRequest,
+    ExecResult,
+    FileInfo,
+    ImageInfo,
+    MkdirRequest,
+    SandboxInfo,
+    SetTtlRequest,
+)
+
+__all__ = ["create_app"]
+
+_bearer = HTTPBearer(auto_error=False)
+_ERROR_RESPONSES = {
+    status: {"description": description}
+    for status, description in [
+        (400, "invalid request"), (401, "missing or wrong API key"), (404, "unknown sandbox, image or path"),
+        (409, "wrong state"), (410, "the sandbox ended"), (413, "payload too large"), (503, "no capacity"),
+    ]
+}  # fmt: skip
+
+
+def _authenticate(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> None:
+    expected: bytes = request.app.state.api_key.encode()
+    if credentials is None or not hmac.compare_digest(credentials.credentials.encode(), expected):
+        raise AuthenticationError("missing or wrong API key: send 'Authorization: Bearer <key>' (see CORRAL_API_KEY)")
+
+
+def _service(request: Request) -> SandboxService:
+    return request.app.state.service  # type: ignore[no-any-return]
+
+
+Auth = Depends(_authenticate)
+Service = Annotated[SandboxService, Depends(_service)]
+PathQuery = Annotated[str, Query(description="Absolute path inside the sandbox.")]
+
+
+class SignalRequest(BaseModel):
+    signal: int = 9
+
+
+class UploadResult(BaseModel):
+    members: int
+
+
+def create_app(service_factory, api_key: str, max_file_bytes: int) -> FastAPI:  # type: ignore[no-untyped-def]
+    """``service_factory`` is an async context manager yielding the SandboxService."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with service_factory() as service:
+            app.state.service = service
+            yield
+
+    app = FastAPI(title="Corral", version="0.1.0", lifespan=lifespan, responses=_ERROR_RESPONSES)  # type: ignore[arg-type]
+    app.state.api_key = api_key
+
+    @app.exception_handler(CorralError)
+    async def corral_error(_request: Request, exc: CorralError) -> JSONResponse:
+        return JSONResponse(exc.to_body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()
+        )
+        error = InvalidRequest(f"invalid request: {problems}")
+        return JSONResponse(error.to_body(), status_code=error.status)
+
+    async def body_within_limit(request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and int(declared) > max_file_bytes:
+            raise PayloadTooLarge(f"upload of {declared} bytes is over the limit of {max_file_bytes} (CORRAL_MAX_FILE_BYTES)")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_file_bytes:
+                raise PayloadTooLarge(f"upload is over the limit of {max_file_bytes} bytes (CORRAL_MAX_FILE_BYTES)")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    @app.get("/healthz", include_in_schema=False)
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/images", dependencies=[Auth])
+    async def list_images(svc: Service) -> list[ImageInfo]:
+        return svc.images()
+
+    @app.post("/v1/sandboxes", status_code=201, dependencies=[Auth])
+    async def create_sandbox(body: CreateSandboxRequest, svc: Service) -> SandboxInfo:
+        return await svc.create(body)
+
+    @app.get("/v1/sandboxes", dependencies=[Auth])
+    async def list_sandboxes(
+        svc: Service,
+        state: Annotated[list[str] | None, Query(description="Filter by state; default creating and running.")] = None,
+        label: Annotated[list[str] | None, Query(description="key=value; all must match.")] = None,
+    ) -> list[SandboxInfo]:
+        labels = {}
+        for item in label or []:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise InvalidRequest(f"label filter {item!r} must look like key=value")
+            labels[key] = value
+        return svc.list(states=state, labels=labels)
+
+    @app.get("/v1/sandboxes/{sandbox_id}", dependencies=[Auth])
+    async def get_sandbox(sandbox_id: str, svc: Service) -> SandboxInfo:
+        return svc.get(sandbox_id)
+
+    @app.delete("/v1/sandboxes/{sandbox_id}", dependencies=[Auth])
+    async def kill_sandbox(sandbox_id: str, svc: Service) -> SandboxInfo:
+        return await svc.kill(sandbox_id)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/ttl", dependencies=[Auth])
+    async def set_ttl(sandbox_id: str, body: SetTtlRequest, svc: Service) -> SandboxInfo:
+        return svc.set_ttl(sandbox_id, body.ttl_s)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/exec", dependencies=[Auth])
+    async def exec_command(sandbox_id: str, body: ExecRequest, svc: Service) -> ExecResult:
+        return await svc.call(sandbox_id, lambda edge: edge.exec(sandbox_id, body))
+
+    @app.post(
+        "/v1/sandboxes/{sandbox_id}/exec/stream",
+        dependencies=[Auth],
+        response_class=StreamingResponse,
+        responses={200: {"content": {"application/x-ndjson": {}}, "description": "One ExecEvent per line."}},
+    )
+    async def exec_stream(sandbox_id: str, body: ExecRequest, svc: Service) -> StreamingResponse:
+        events = svc.stream(sandbox_id, lambda edge: edge.exec_stream(sandbox_id, body))
+        first = await anext(events)  # errors before the first event still get a proper status
+
+        async def lines() -> AsyncIterator[bytes]:
+            yield first.model_dump_json(exclude_none=True).encode() + b"\n"
+            async for event in events:
+                yield event.model_dump_json(exclude_none=True).encode() + b"\n"
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    @app.post("/v1/sandboxes/{sandbox_id}/commands", status_code=201, dependencies=[Auth])
+    async def start_command(sandbox_id: str, body: ExecRequest, svc: Service) -> CommandInfo:
+        return await svc.call(sandbox_id, lambda edge: edge.start_command(sandbox_id, body))
+
+    @app.get("/v1/sandboxes/{sandbox_id}/commands/{command_id}", dependencies=[Auth])
+    async def get_command(
+        sandbox_id: str, command_id: str, svc: Service, wait_s: Annotated[float, Query(ge=0, le=3600)] = 0
+    ) -> CommandInfo:
+        return await svc.call(sandbox_id, lambda edge: edge.command(sandbox_id, command_id, wait_s))
+
+    @app.post("/v1/sandboxes/{sandbox_id}/commands/{command_id}/stdin", status_code=204, dependencies=[Auth])
+    async def command_stdin(sandbox_id: str, command_id: str, request: Request, svc: Service) -> Response:
+        """Raw body bytes go to the command's stdin; an empty body closes it."""
+        data = await body_within_limit(request)
+        await svc.call(sandbox_id, lambda edge: edge.command_stdin(sandbox_id, command_id, data))
+        return Response(status_code=204)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/commands/{command_id}/signal", status_code=204, dependencies=[Auth])
+    async def command_signal(sandbox_id: str, command_id: str, body: SignalRequest, svc: Service) -> Response:
+        await svc.call(sandbox_id, lambda edge: edge.command_signal(sandbox_id, command_id, body.signal))
+        return Response(status_code=204)
+
+    @app.get(
+        "/v1/sandboxes/{sandbox_id}/files/content",
+        dependencies=[Auth],
+        response_class=Response,
+        responses={200: {"content": {"application/octet-stream": {}}}},
+    )
+    async def read_file(sandbox_id: str, path: PathQuery, svc: Service) -> Response:
+        data = await svc.call(sandbox_id, lambda edge: edge.read_file(sandbox_id, path))
+        return Response(data, media_type="application/octet-stream")
+
+    @app.put("/v1/sandboxes/{sandbox_id}/files/content", dependencies=[Auth])
+    async def write_file(
+        sandbox_id: str, path: PathQuery, request: Request, svc: Service, mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o644
+    ) -> FileInfo:
+        """The raw request body becomes the file's content (replaced atomically)."""
+        data = await body_within_limit(request)
+        return await svc.call(sandbox_id, lambda edge: edge.write_file(sandbox_id, path, data, mode))
+
+    @app.get("/v1/sandboxes/{sandbox_id}/files/stat", dependencies=[Auth])
+    async def stat_file(sandbox_id: str, path: PathQuery, svc: Service) -> FileInfo:
+        return await svc.call(sandbox_id, lambda edge: edge.stat(sandbox_id, path))
+
+    @app.get("/v1/sandboxes/{sandbox_id}/files/list", dependencies=[Auth])
+    async def list_dir(sandbox_id: str, path: PathQuery, svc: Service) -> list[FileInfo]:
+        return await svc.call(sandbox_id, lambda edge: edge.list_dir(sandbox_id, path))
+
+    @app.post("/v1/sandboxes/{sandbox_id}/files/mkdir", dependencies=[Auth])
+    async def mkdir(sandbox_id: str, body: MkdirRequest, svc: Service) -> FileInfo:
+        return await svc.call(sandbox_id, lambda edge: edge.mkdir(sandbox_id, body.path, body.parents, body.mode))
+
+    @app.delete("/v1/sandboxes/{sandbox_id}/files", status_code=204, dependencies=[Auth])
+    async def remove(sandbox_id: str, path: PathQuery, svc: Service, recursive: bool = False) -> Response:
+        await svc.call(sandbox_id, lambda edge: edge.remove(sandbox_id, path, recursive))
+        return Response(status_code=204)
+
+    @app.put("/v1/sandboxes/{sandbox_id}/files/tar", dependencies=[Auth])
+    async def upload_tar(sandbox_id: str, path: PathQuery, request: Request, svc: Service) -> UploadResult:
+        """Extract a tar (plain or compressed) from the body into the directory ``path``."""
+        data = await body_within_limit(request)
+        return UploadResult(members=await svc.call(sandbox_id, lambda edge: edge.upload_tar(sandbox_id, path, data)))
+
+    @app.get(
+        "/v1/sandboxes/{sandbox_id}/files/tar",
+        dependencies=[Auth],
+        response_class=Response,
+        responses={200: {"content": {"application/x-tar": {}}}},
+    )
+    async def download_tar(sandbox_id: str, path: PathQuery, svc: Service) -> Response:
+        data = await svc.call(sandbox_id, lambda edge: edge.download_tar(sandbox_id, path))
+        return Response(data, media_type="application/x-tar")
+
+    return app

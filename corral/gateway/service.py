@@ -1,0 +1,221 @@
+"""The control plane behind the HTTP API: sandbox records, placement, routing.
+
+It turns API requests into edge calls: resolves images to layers, asks the
+scheduler for an edge, records every sandbox in the state store before and
+after its edge acts, routes later requests by the edge id inside the sandbox
+id, destroys sandboxes whose TTL passed, and after a restart re-adopts what
+its edges still run (or marks it lost, never forgets it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+from corral.backends.base import LayerRef, SandboxSpec
+from corral.backends.container.host import reap_orphaned_inits
+from corral.edge.protocol import Edge, edge_of, new_sandbox_id
+from corral.images.store import LayerStore
+from corral.scheduler.placement import place
+from corral.sdk._exceptions import CapacityExhausted, InvalidRequest, NotFound, SandboxGone
+from corral.sdk._models import CreateSandboxRequest, ImageInfo, SandboxInfo, SandboxState
+from corral.state.db import StateStore
+
+__all__ = ["SandboxService"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_ACTIVE = [SandboxState.CREATING.value, SandboxState.RUNNING.value]
+
+
+class SandboxService:
+    def __init__(
+        self, *, store: StateStore, layers: LayerStore, edges: dict[str, Edge], default_runtime: str, ttl_check_interval_s: float
+    ) -> None:
+        self._store = store
+        self._layers = layers
+        self._edges = edges
+        self._default_runtime = default_runtime
+        self._ttl_interval_s = ttl_check_interval_s
+        self._reaper: asyncio.Task[None] | None = None
+
+    # -- startup and shutdown -----------------------------------------------
+
+    async def start(self) -> None:
+        for edge_id, edge in self._edges.items():
+            records = self._store.list(states=_ACTIVE, edge_id=edge_id)
+            specs = []
+            for record in records:
+                try:
+                    specs.append(self._spec_from_record(record))
+                except NotFound:
+                    self._store.end(record["id"], SandboxState.LOST, "lost", "its image layers are gone from this node")
+            alive = await edge.adopt(specs)
+            for sandbox_id, ok in alive.items():
+                if ok:
+                    self._store.update(sandbox_id, state=SandboxState.RUNNING.value)
+                else:
+                    self._store.end(sandbox_id, SandboxState.LOST, "lost", "the sandbox did not survive a server restart")
+            log.info("edge %s: re-adopted %d of %d sandboxes", edge_id, sum(alive.values()), len(alive))
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_expired())
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        for edge in self._edges.values():
+            await edge.close()
+
+    def on_ended(self, sandbox_id: str, reason: str, message: str) -> None:
+        """Edges call this when a sandbox stops by itself."""
+        self._store.end(sandbox_id, SandboxState.ENDED, reason, message)
+
+    async def _reap_expired(self) -> None:
+        while True:
+            await asyncio.sleep(self._ttl_interval_s)
+            try:
+                for sandbox_id in self._store.expired(time.time()):
+                    log.info("sandbox %s reached its TTL", sandbox_id)
+                    await self._destroy(sandbox_id, "ttl_expired")
+                reap_orphaned_inits()
+            except Exception:
+                log.exception("TTL reaper round failed; retrying")
+
+    # -- sandboxes -----------------------------------------------------------
+
+    def images(self) -> list[ImageInfo]:
+        return [
+            ImageInfo(name=i.ref, layers=list(i.layers), size_bytes=i.size_bytes, created_at=i.created_at)
+            for i in self._layers.images()
+        ]
+
+    def _layer_refs(self, digests: list[str]) -> tuple[LayerRef, ...]:
+        return tuple(LayerRef(digest=d, path=self._layers.layer_path(d)) for d in digests)
+
+    def _spec_from_record(self, record: dict) -> SandboxSpec:  # type: ignore[type-arg]
+        return SandboxSpec(
+            sandbox_id=record["id"],
+            image=record["image"],
+            layers=self._layer_refs(record["layers"]),
+            runtime=record["runtime"],
+            cpu=record["cpu"],
+            memory_mb=record["memory_mb"],
+            pids_max=record["pids_max"],
+            env=record["env"],
+            cwd=record["cwd"],
+            user=record["user"],
+        )
+
+    async def create(self, request: CreateSandboxRequest) -> SandboxInfo:
+        if not request.cwd.startswith("/"):
+            raise InvalidRequest(f"cwd must be an absolute path, got {request.cwd!r}")
+        for key in request.env:
+            if not key or "=" in key or "\0" in key:
+                raise InvalidRequest(f"invalid environment variable name {key!r}")
+        image = self._layers.resolve(request.image)
+        layers = self._layer_refs(list(image.layers))
+        refused: set[str] = set()
+        while True:
+            loads = [await edge.load() for edge_id, edge in self._edges.items() if edge_id not in refused]
+            edge_id = place(loads, cpu=request.cpu, memory_mb=request.memory_mb, exclude=frozenset(refused))
+            now = time.time()
+            spec = SandboxSpec(
+                sandbox_id=new_sandbox_id(edge_id),
+                image=image.ref,
+                layers=layers,
+                runtime=request.runtime or self._default_runtime,
+                cpu=request.cpu,
+                memory_mb=request.memory_mb,
+                pids_max=request.pids_max,
+                env=request.env,
+                cwd=request.cwd,
+                user=request.user,
+            )
+            self._store.insert(
+                {
+                    "id": spec.sandbox_id, "edge_id": edge_id, "state": SandboxState.CREATING.value,
+                    "image": spec.image, "backend": request.backend, "runtime": spec.runtime, "cpu": spec.cpu,
+                    "memory_mb": spec.memory_mb, "pids_max": spec.pids_max, "user": spec.user, "cwd": spec.cwd,
+                    "env": spec.env, "layers": [layer.digest for layer in layers], "labels": request.labels,
+                    "created_at": now, "expires_at": now + request.ttl_s if request.ttl_s else None,
+                }
+            )  # fmt: skip
+            try:
+                await self._edges[edge_id].create(spec)
+            except CapacityExhausted as exc:
+                self._store.end(spec.sandbox_id, SandboxState.ENDED, "refused", exc.message)
+                refused.add(edge_id)
+                continue
+            except BaseException as exc:
+                self._store.end(spec.sandbox_id, SandboxState.ENDED, "error", str(exc) or type(exc).__name__)
+                raise
+            self._store.update(spec.sandbox_id, state=SandboxState.RUNNING.value)
+            return self.get(spec.sandbox_id)
+
+    def get(self, sandbox_id: str) -> SandboxInfo:
+        record = self._store.get(sandbox_id)
+        if record is None:
+            raise NotFound(f"no sandbox {sandbox_id}: it never existed here (check the id, or CORRAL_URL)")
+        return StateStore.to_info(record)
+
+    def list(self, *, states: list[str] | None, labels: dict[str, str]) -> list[SandboxInfo]:
+        return [StateStore.to_info(r) for r in self._store.list(states=states or _ACTIVE, labels=labels)]
+
+    async def kill(self, sandbox_id: str) -> SandboxInfo:
+        info = self.get(sandbox_id)
+        if info.state in (SandboxState.CREATING, SandboxState.RUNNING):
+            await self._destroy(sandbox_id, "killed")
+        return self.get(sandbox_id)
+
+    async def _destroy(self, sandbox_id: str, reason: str) -> None:
+        edge = self._edges.get(edge_of(sandbox_id))
+        if edge is not None:
+            await edge.destroy(sandbox_id)
+        self._store.end(sandbox_id, SandboxState.ENDED, reason)
+
+    def set_ttl(self, sandbox_id: str, ttl_s: float | None) -> SandboxInfo:
+        info = self.get(sandbox_id)
+        self._raise_if_ended(info)
+        self._store.update(sandbox_id, expires_at=time.time() + ttl_s if ttl_s else None)
+        return self.get(sandbox_id)
+
+    @staticmethod
+    def _raise_if_ended(info: SandboxInfo) -> None:
+        if info.state in (SandboxState.ENDED, SandboxState.LOST):
+            detail = f" ({info.status_message})" if info.status_message else ""
+            raise SandboxGone(f"sandbox {info.id} has ended: {info.end_reason}{detail}; create a new one")
+
+    # -- routing to the owning edge ------------------------------------------
+
+    def edge(self, sandbox_id: str) -> Edge:
+        edge = self._edges.get(edge_of(sandbox_id))
+        if edge is None:
+            raise NotFound(f"sandbox {sandbox_id} belongs to edge {edge_of(sandbox_id)}, which this gateway does not know")
+        return edge
+
+    async def call(self, sandbox_id: str, operation: Callable[[Edge], Awaitable[T]]) -> T:
+        """Run an operation on the sandbox's edge; explain a miss from the record."""
+        try:
+            return await operation(self.edge(sandbox_id))
+        except NotFound as exc:
+            self._explain_missing(sandbox_id, exc)
+            raise
+
+    async def stream(self, sandbox_id: str, operation: Callable[[Edge], AsyncIterator[T]]) -> AsyncIterator[T]:
+        try:
+            async for item in operation(self.edge(sandbox_id)):
+                yield item
+        except NotFound as exc:
+            self._explain_missing(sandbox_id, exc)
+            raise
+
+    def _explain_missing(self, sandbox_id: str, exc: NotFound) -> None:
+        record = self._store.get(sandbox_id)
+        if record is None:
+            raise NotFound(f"no sandbox {sandbox_id}") from exc
+        self._raise_if_ended(StateStore.to_info(record))

@@ -1,0 +1,362 @@
+"""The asynchronous SDK. Hand-written; _sync_client.py is generated from it
+by scripts/unasync.py (run it after editing; a test checks they agree).
+
+``AsyncSandbox`` is plain data (id, URL, API key, info): it pickles, crosses
+Ray and survives a trainer restart; the HTTP connection is re-created lazily.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from corral.sdk._config import resolve_connection
+from corral.sdk._exceptions import CorralError, ServerUnavailable, error_from_response
+from corral.sdk._models import (
+    DEFAULT_CPU,
+    DEFAULT_EXEC_TIMEOUT_S,
+    DEFAULT_MEMORY_MB,
+    DEFAULT_OUTPUT_CAP_BYTES,
+    DEFAULT_PIDS_MAX,
+    DEFAULT_TTL_S,
+    CommandInfo,
+    CreateSandboxRequest,
+    ExecEvent,
+    ExecRequest,
+    ExecResult,
+    FileInfo,
+    ImageInfo,
+    MkdirRequest,
+    SandboxInfo,
+)
+
+__all__ = ["AsyncClient", "AsyncSandbox", "AsyncFiles"]
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class _AsyncTransport:
+    """One HTTP connection pool; turns error responses into CorralErrors."""
+
+    def __init__(self, url: str, api_key: str, timeout_s: float) -> None:
+        self.url = url
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self._http = httpx.AsyncClient(
+            base_url=url,
+            headers={"Authorization": f"Bearer {api_key}"},
+            timeout=httpx.Timeout(timeout_s),
+            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100),
+        )
+
+    @staticmethod
+    def _raise_for(response: httpx.Response) -> None:
+        if response.status_code < 400:
+            return
+        try:
+            body = response.json()
+        except ValueError:
+            body = None
+        raise error_from_response(response.status_code, body)
+
+    async def request(self, method: str, path: str, *, timeout_s: float | None = None, **kwargs: Any) -> httpx.Response:
+        if timeout_s is not None:
+            kwargs["timeout"] = httpx.Timeout(timeout_s + self.timeout_s)
+        try:
+            response = await self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise ServerUnavailable(f"cannot reach the Corral server at {self.url}: {exc!r}") from exc
+        self._raise_for(response)
+        return response
+
+    async def stream_lines(self, method: str, path: str, *, timeout_s: float, **kwargs: Any) -> AsyncIterator[str]:
+        try:
+            async with self._http.stream(method, path, timeout=httpx.Timeout(timeout_s + self.timeout_s), **kwargs) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    self._raise_for(response)
+                async for line in response.aiter_lines():
+                    if line:
+                        yield line
+        except httpx.TransportError as exc:
+            raise ServerUnavailable(f"lost the stream from the Corral server at {self.url}: {exc!r}") from exc
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
+def _exec_body(
+    cmd: str | list[str],
+    env: dict[str, str] | None,
+    cwd: str | None,
+    user: str | None,
+    timeout_s: float,
+    stdin: str | None,
+    output_cap_bytes: int,
+) -> dict[str, Any]:
+    request = ExecRequest(
+        cmd=cmd, env=env or {}, cwd=cwd, user=user, timeout_s=timeout_s, stdin=stdin, output_cap_bytes=output_cap_bytes
+    )
+    return request.model_dump(mode="json")
+
+
+class AsyncFiles:
+    """``sandbox.files``: file operations confined to the sandbox's root."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sandbox = sandbox
+
+    def _path(self, suffix: str) -> str:
+        return f"/v1/sandboxes/{self._sandbox.id}/files{suffix}"
+
+    async def read(self, path: str) -> bytes:
+        response = await self._sandbox._transport.request("GET", self._path("/content"), params={"path": path})
+        return response.content
+
+    async def read_text(self, path: str) -> str:
+        return (await self.read(path)).decode()
+
+    async def write(self, path: str, data: bytes | str, *, mode: int = 0o644) -> FileInfo:
+        content = data.encode() if isinstance(data, str) else data
+        response = await self._sandbox._transport.request(
+            "PUT", self._path("/content"), params={"path": path, "mode": mode}, content=content
+        )
+        return FileInfo.model_validate(response.json())
+
+    async def stat(self, path: str) -> FileInfo:
+        response = await self._sandbox._transport.request("GET", self._path("/stat"), params={"path": path})
+        return FileInfo.model_validate(response.json())
+
+    async def exists(self, path: str) -> bool:
+        try:
+            await self.stat(path)
+        except CorralError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    async def list(self, path: str) -> list[FileInfo]:
+        response = await self._sandbox._transport.request("GET", self._path("/list"), params={"path": path})
+        return [FileInfo.model_validate(item) for item in response.json()]
+
+    async def mkdir(self, path: str, *, parents: bool = True, mode: int = 0o755) -> FileInfo:
+        body = MkdirRequest(path=path, parents=parents, mode=mode).model_dump()
+        response = await self._sandbox._transport.request("POST", self._path("/mkdir"), json=body)
+        return FileInfo.model_validate(response.json())
+
+    async def remove(self, path: str, *, recursive: bool = False) -> None:
+        await self._sandbox._transport.request(
+            "DELETE", self._path(""), params={"path": path, "recursive": str(recursive).lower()}
+        )
+
+    async def upload_tar(self, path: str, tar_bytes: bytes) -> int:
+        """Extract a tar archive (plain or compressed) into directory ``path``; returns the member count."""
+        response = await self._sandbox._transport.request(
+            "PUT", self._path("/tar"), params={"path": path}, content=tar_bytes
+        )
+        return int(response.json()["members"])
+
+    async def download_tar(self, path: str) -> bytes:
+        response = await self._sandbox._transport.request("GET", self._path("/tar"), params={"path": path})
+        return response.content
+
+
+class AsyncSandbox:
+    """A handle on one sandbox. Plain data: pickle it, send it to another process."""
+
+    def __init__(self, info: SandboxInfo, url: str, api_key: str, timeout_s: float = DEFAULT_TIMEOUT_S, *,
+                 transport: _AsyncTransport | None = None) -> None:  # fmt: skip
+        self.info = info
+        self.url = url
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self._own_transport: _AsyncTransport | None = None
+        self._shared_transport = transport
+        self.files = AsyncFiles(self)
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def _transport(self) -> _AsyncTransport:
+        if self._shared_transport is not None:
+            return self._shared_transport
+        if self._own_transport is None:
+            self._own_transport = _AsyncTransport(self.url, self.api_key, self.timeout_s)
+        return self._own_transport
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"info": self.info.model_dump(mode="json"), "url": self.url, "api_key": self.api_key,
+                "timeout_s": self.timeout_s}  # fmt: skip
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(SandboxInfo.model_validate(state["info"]), state["url"], state["api_key"], state["timeout_s"])  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return f"<AsyncSandbox {self.id} {self.info.state.value} image={self.info.image}>"
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        try:
+            await self.kill()
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close this handle's own connection (the sandbox keeps running)."""
+        if self._own_transport is not None:
+            await self._own_transport.aclose()
+            self._own_transport = None
+
+    async def refresh(self) -> SandboxInfo:
+        response = await self._transport.request("GET", f"/v1/sandboxes/{self.id}")
+        self.info = SandboxInfo.model_validate(response.json())
+        return self.info
+
+    async def kill(self) -> SandboxInfo:
+        response = await self._transport.request("DELETE", f"/v1/sandboxes/{self.id}")
+        self.info = SandboxInfo.model_validate(response.json())
+        return self.info
+
+    async def set_ttl(self, ttl_s: float | None) -> SandboxInfo:
+        response = await self._transport.request("POST", f"/v1/sandboxes/{self.id}/ttl", json={"ttl_s": ttl_s})
+        self.info = SandboxInfo.model_validate(response.json())
+        return self.info
+
+    async def exec(
+        self,
+        cmd: str | list[str],
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        timeout_s: float = DEFAULT_EXEC_TIMEOUT_S,
+        stdin: str | None = None,
+        output_cap_bytes: int = DEFAULT_OUTPUT_CAP_BYTES,
+    ) -> ExecResult:
+        """Run a command and wait for it. A shell string runs under /bin/sh -c."""
+        body = _exec_body(cmd, env, cwd, user, timeout_s, stdin, output_cap_bytes)
+        response = await self._transport.request("POST", f"/v1/sandboxes/{self.id}/exec", json=body, timeout_s=timeout_s)
+        return ExecResult.model_validate(response.json())
+
+    async def exec_stream(
+        self,
+        cmd: str | list[str],
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        timeout_s: float = DEFAULT_EXEC_TIMEOUT_S,
+        stdin: str | None = None,
+        output_cap_bytes: int = DEFAULT_OUTPUT_CAP_BYTES,
+    ) -> AsyncIterator[ExecEvent]:
+        """Run a command, yielding output as it comes; the last event is ``exit`` with the result."""
+        body = _exec_body(cmd, env, cwd, user, timeout_s, stdin, output_cap_bytes)
+        async for line in self._transport.stream_lines(
+            "POST", f"/v1/sandboxes/{self.id}/exec/stream", json=body, timeout_s=timeout_s
+        ):
+            yield ExecEvent.model_validate_json(line)
+
+    async def start(
+        self,
+        cmd: str | list[str],
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        timeout_s: float = DEFAULT_EXEC_TIMEOUT_S,
+        output_cap_bytes: int = DEFAULT_OUTPUT_CAP_BYTES,
+    ) -> CommandInfo:
+        """Start a background command; its stdin stays open (see send_stdin)."""
+        body = _exec_body(cmd, env, cwd, user, timeout_s, None, output_cap_bytes)
+        response = await self._transport.request("POST", f"/v1/sandboxes/{self.id}/commands", json=body)
+        return CommandInfo.model_validate(response.json())
+
+    async def command(self, command_id: str, *, wait_s: float = 0.0) -> CommandInfo:
+        """A background command's state and output so far; wait_s waits for it to finish."""
+        response = await self._transport.request(
+            "GET", f"/v1/sandboxes/{self.id}/commands/{command_id}", params={"wait_s": wait_s}, timeout_s=wait_s
+        )
+        return CommandInfo.model_validate(response.json())
+
+    async def send_stdin(self, command_id: str, data: bytes | str) -> None:
+        """Write to a background command's stdin; empty data closes it."""
+        content = data.encode() if isinstance(data, str) else data
+        await self._transport.request("POST", f"/v1/sandboxes/{self.id}/commands/{command_id}/stdin", content=content)
+
+    async def signal(self, command_id: str, signo: int = 9) -> None:
+        await self._transport.request(
+            "POST", f"/v1/sandboxes/{self.id}/commands/{command_id}/signal", json={"signal": signo}
+        )
+
+
+class AsyncClient:
+    """Entry point of the SDK. Settings: argument > CORRAL_URL/CORRAL_API_KEY > config file."""
+
+    def __init__(self, url: str | None = None, api_key: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.url, self.api_key = resolve_connection(url, api_key)
+        self.timeout_s = timeout_s
+        self._transport = _AsyncTransport(self.url, self.api_key, timeout_s)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._transport.aclose()
+
+    def _handle(self, info: SandboxInfo) -> AsyncSandbox:
+        return AsyncSandbox(info, self.url, self.api_key, self.timeout_s, transport=self._transport)
+
+    async def create(
+        self,
+        image: str = "busybox",
+        *,
+        cpu: float = DEFAULT_CPU,
+        memory_mb: int = DEFAULT_MEMORY_MB,
+        pids_max: int = DEFAULT_PIDS_MAX,
+        env: dict[str, str] | None = None,
+        cwd: str = "/",
+        user: str = "root",
+        labels: dict[str, str] | None = None,
+        ttl_s: float | None = DEFAULT_TTL_S,
+        runtime: str | None = None,
+        backend: str = "container",
+    ) -> AsyncSandbox:
+        body = CreateSandboxRequest.model_validate(
+            {
+                "image": image, "backend": backend, "runtime": runtime, "cpu": cpu, "memory_mb": memory_mb,
+                "pids_max": pids_max, "env": env or {}, "cwd": cwd, "user": user, "labels": labels or {}, "ttl_s": ttl_s,
+            }
+        )  # fmt: skip
+        response = await self._transport.request("POST", "/v1/sandboxes", json=body.model_dump(mode="json"))
+        return self._handle(SandboxInfo.model_validate(response.json()))
+
+    async def get(self, sandbox_id: str) -> AsyncSandbox:
+        response = await self._transport.request("GET", f"/v1/sandboxes/{sandbox_id}")
+        return self._handle(SandboxInfo.model_validate(response.json()))
+
+    def connect(self, sandbox: AsyncSandbox) -> AsyncSandbox:
+        """Share this client's connection pool with an unpickled handle."""
+        return AsyncSandbox(sandbox.info, self.url, self.api_key, self.timeout_s, transport=self._transport)
+
+    async def list(self, *, state: list[str] | None = None, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
+        params = {"state": state or [], "label": [f"{k}={v}" for k, v in (labels or {}).items()]}
+        response = await self._transport.request("GET", "/v1/sandboxes", params=params)
+        return [SandboxInfo.model_validate(item) for item in response.json()]
+
+    async def kill(self, sandbox_id: str) -> SandboxInfo:
+        response = await self._transport.request("DELETE", f"/v1/sandboxes/{sandbox_id}")
+        return SandboxInfo.model_validate(response.json())
+
+    async def images(self) -> list[ImageInfo]:
+        response = await self._transport.request("GET", "/v1/images")
+        return [ImageInfo.model_validate(item) for item in response.json()]

@@ -1,0 +1,164 @@
+"""Typed request and response models shared by the HTTP API and the SDK.
+
+The gateway validates requests with these and the SDK parses responses with
+them, so the wire format is defined once. Units are in the field names.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "DEFAULT_CPU",
+    "DEFAULT_MEMORY_MB",
+    "DEFAULT_PIDS_MAX",
+    "DEFAULT_TTL_S",
+    "DEFAULT_EXEC_TIMEOUT_S",
+    "DEFAULT_OUTPUT_CAP_BYTES",
+    "SandboxState",
+    "CreateSandboxRequest",
+    "SandboxInfo",
+    "SetTtlRequest",
+    "ExecRequest",
+    "ExecResult",
+    "ExecEvent",
+    "CommandInfo",
+    "FileInfo",
+    "MkdirRequest",
+    "ImageInfo",
+    "EdgeLoad",
+]
+
+DEFAULT_CPU = 1.0
+DEFAULT_MEMORY_MB = 512
+DEFAULT_PIDS_MAX = 256
+DEFAULT_TTL_S = 3600
+DEFAULT_EXEC_TIMEOUT_S = 300.0
+DEFAULT_OUTPUT_CAP_BYTES = 1 << 20
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SandboxState(str, Enum):
+    """Life of a sandbox: ``creating`` → ``running`` → ``ended``; ``lost`` when
+    its edge can no longer account for it (e.g. it vanished during a restart)."""
+
+    CREATING = "creating"
+    RUNNING = "running"
+    ENDED = "ended"
+    LOST = "lost"
+
+
+class CreateSandboxRequest(_Model):
+    image: str = Field("busybox", description="Image name (name or name:version) from `GET /v1/images`.")
+    backend: Literal["container"] = "container"
+    runtime: Literal["crun", "runc"] | None = Field(None, description="OCI runtime; the server's default when unset.")
+    cpu: float = Field(DEFAULT_CPU, gt=0, description="CPU cores (CFS quota).")
+    memory_mb: int = Field(DEFAULT_MEMORY_MB, gt=0, description="Memory limit in MiB; exceeding it OOM-kills.")
+    pids_max: int = Field(DEFAULT_PIDS_MAX, ge=8, le=65536, description="Maximum processes inside the sandbox.")
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str = "/"
+    user: str = Field("root", description="User name or uid[:gid] that commands run as by default.")
+    labels: dict[str, str] = Field(default_factory=dict)
+    ttl_s: float | None = Field(DEFAULT_TTL_S, gt=0, description="Destroyed this many seconds after creation; null = never.")
+
+
+class SandboxInfo(_Model):
+    id: str
+    edge_id: str
+    state: SandboxState
+    image: str
+    backend: str
+    runtime: str
+    cpu: float
+    memory_mb: int
+    pids_max: int
+    user: str
+    cwd: str
+    labels: dict[str, str]
+    created_at: float = Field(description="Unix time, seconds.")
+    expires_at: float | None = Field(None, description="Unix time when the TTL destroys it.")
+    ended_at: float | None = None
+    end_reason: str | None = Field(None, description="Why it ended: killed, ttl_expired, oom, exited, lost, error.")
+    status_message: str | None = None
+
+
+class SetTtlRequest(_Model):
+    ttl_s: float | None = Field(..., gt=0, description="Seconds from now; null removes the TTL.")
+
+
+class ExecRequest(_Model):
+    cmd: str | list[str] = Field(..., description="A shell command (run by /bin/sh -c) or an argv list.")
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    user: str | None = None
+    timeout_s: float = Field(DEFAULT_EXEC_TIMEOUT_S, gt=0, le=86400)
+    stdin: str | None = Field(None, description="Text written to the command's stdin, which is then closed.")
+    output_cap_bytes: int = Field(DEFAULT_OUTPUT_CAP_BYTES, ge=0, le=1 << 30, description="Per stream; the rest is dropped and flagged.")
+
+
+class ExecResult(_Model):
+    exit_code: int | None = Field(description="None while running; -N when killed by signal N.")
+    stdout: str = ""
+    stderr: str = ""
+    timed_out: bool = False
+    oom_killed: bool = False
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    duration_ms: float = 0.0
+    command_id: str | None = None
+
+
+class ExecEvent(_Model):
+    """One line of a streamed exec: output chunks, then exactly one ``exit``."""
+
+    type: Literal["started", "stdout", "stderr", "exit"]
+    data: str | None = None
+    command_id: str | None = None
+    result: ExecResult | None = None
+
+
+class CommandInfo(_Model):
+    command_id: str
+    cmd: str | list[str]
+    running: bool
+    result: ExecResult
+
+
+class FileInfo(_Model):
+    path: str
+    name: str
+    type: Literal["file", "dir", "symlink", "other"]
+    size: int
+    mode: int
+    mtime: float
+    uid: int
+    gid: int
+    link_target: str | None = None
+
+
+class MkdirRequest(_Model):
+    path: str
+    parents: bool = True
+    mode: int = 0o755
+
+
+class ImageInfo(_Model):
+    name: str
+    layers: list[str] = Field(description="Layer digests, bottom first.")
+    size_bytes: int
+    created_at: float
+
+
+class EdgeLoad(_Model):
+    edge_id: str
+    sandboxes: int
+    cpu_committed: float
+    cpu_capacity: float
+    memory_committed_mb: int
+    memory_capacity_mb: int

@@ -1,0 +1,103 @@
+"""`corral serve`: the embedded single-node default in one process.
+
+HTTP API + scheduler + one in-process edge with the container backend, state
+in SQLite. Host setup (private mount namespace, subreaper, native helpers)
+happens here, once, before the event loop and its threads start.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import uvicorn
+
+from corral.backends.container.backend import ContainerBackend
+from corral.backends.container.host import (
+    become_child_subreaper,
+    build_native_helpers,
+    detect_cgroup_layout,
+    enter_private_mount_namespace,
+)
+from corral.config import Settings
+from corral.edge.local import LocalEdge, node_capacity
+from corral.gateway.app import create_app
+from corral.gateway.service import SandboxService
+from corral.images.store import LayerStore
+from corral.state.db import StateStore
+
+__all__ = ["serve", "load_or_create_api_key"]
+
+log = logging.getLogger("corral")
+
+
+def _write_private(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
+
+
+def load_or_create_api_key(settings: Settings) -> str:
+    """The server's API key: generated on first start, kept in the data dir."""
+    key_file = settings.data_dir / "api_key"
+    if key_file.exists():
+        return key_file.read_text().strip()
+    key = f"ck_{secrets.token_hex(24)}"
+    _write_private(key_file, key + "\n")
+    return key
+
+
+def serve(settings: Settings) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if os.geteuid() != 0:
+        raise SystemExit("corral serve needs root: it creates namespaces, cgroups and mounts")
+    layout = detect_cgroup_layout()
+    enter_private_mount_namespace(layout)
+    become_child_subreaper()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    helpers = build_native_helpers(settings.node_dir)
+    api_key = load_or_create_api_key(settings)
+    url = f"http://{settings.host}:{settings.port}"
+    _write_private(settings.config_file, json.dumps({"url": url, "api_key": api_key}, indent=2) + "\n")
+    log.info("cgroup layout %s; data in %s; client config in %s", layout.value, settings.data_dir, settings.config_file)
+
+    @asynccontextmanager
+    async def service_factory() -> AsyncIterator[SandboxService]:
+        store = StateStore(settings.database)
+        layers = LayerStore(settings.layer_dir)
+        backend = ContainerBackend(
+            data_dir=settings.data_dir,
+            helpers=helpers,
+            layout=layout,
+            default_runtime=settings.runtime,
+            agent_start_timeout_s=settings.agent_start_timeout_s,
+            create_concurrency=settings.create_concurrency,
+        )
+        capacity = node_capacity(settings.cpu_overcommit, settings.memory_overcommit, settings.max_file_bytes)
+        edges = {}
+        service = SandboxService(
+            store=store,
+            layers=layers,
+            edges=edges,
+            default_runtime=settings.runtime,
+            ttl_check_interval_s=settings.ttl_check_interval_s,
+        )
+        edges[settings.edge_id] = LocalEdge(settings.edge_id, backend, capacity, service.on_ended)
+        await service.start()
+        log.info("serving on %s (%d images)", url, len(layers.images()))
+        try:
+            yield service
+        finally:
+            await service.close()
+            store.close()
+
+    app = create_app(service_factory, api_key, settings.max_file_bytes)
+    uvicorn.run(app, host=settings.host, port=settings.port, loop="uvloop", http="httptools", log_level="warning")

@@ -1,0 +1,129 @@
+"""Durable control-plane state: the sandbox records.
+
+SQLAlchemy Core with one schema for SQLite (the embedded default, WAL mode)
+and PostgreSQL (shared by several gateways later). The edge keeps live state
+in memory; this table is what survives a restart and what `list` reads.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Column,
+    Float,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    create_engine,
+    event,
+    select,
+    update,
+)
+from sqlalchemy.engine import Engine
+
+from corral.sdk._models import SandboxInfo, SandboxState
+
+__all__ = ["SandboxRecord", "StateStore"]
+
+metadata = MetaData()
+
+sandboxes = Table(
+    "sandboxes",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("edge_id", String(32), nullable=False, index=True),
+    Column("state", String(16), nullable=False, index=True),
+    Column("image", String(256), nullable=False),
+    Column("backend", String(32), nullable=False),
+    Column("runtime", String(32), nullable=False),
+    Column("cpu", Float, nullable=False),
+    Column("memory_mb", Integer, nullable=False),
+    Column("pids_max", Integer, nullable=False),
+    Column("user", String(256), nullable=False),
+    Column("cwd", Text, nullable=False),
+    Column("env", JSON, nullable=False),
+    Column("layers", JSON, nullable=False),
+    Column("labels", JSON, nullable=False),
+    Column("created_at", Float, nullable=False),
+    Column("expires_at", Float, nullable=True, index=True),
+    Column("ended_at", Float, nullable=True),
+    Column("end_reason", String(32), nullable=True),
+    Column("status_message", Text, nullable=True),
+)
+
+SandboxRecord = dict[str, Any]
+_ACTIVE = (SandboxState.CREATING.value, SandboxState.RUNNING.value)
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.execute("PRAGMA busy_timeout=5000")
+    cursor.close()
+
+
+class StateStore:
+    def __init__(self, url: str) -> None:
+        if url.startswith("sqlite:///"):
+            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        self._engine: Engine = create_engine(url, future=True)
+        if self._engine.dialect.name == "sqlite":
+            event.listen(self._engine, "connect", _sqlite_pragmas)
+        metadata.create_all(self._engine)
+
+    def insert(self, record: SandboxRecord) -> None:
+        with self._engine.begin() as conn:
+            conn.execute(sandboxes.insert().values(**record))
+
+    def update(self, sandbox_id: str, **values: Any) -> None:
+        with self._engine.begin() as conn:
+            conn.execute(update(sandboxes).where(sandboxes.c.id == sandbox_id).values(**values))
+
+    def end(self, sandbox_id: str, state: SandboxState, reason: str, message: str | None = None) -> bool:
+        """Mark an active sandbox ended; False if it had already ended."""
+        with self._engine.begin() as conn:
+            result = conn.execute(
+                update(sandboxes)
+                .where(sandboxes.c.id == sandbox_id, sandboxes.c.state.in_(_ACTIVE))
+                .values(state=state.value, end_reason=reason, ended_at=time.time(), status_message=message)
+            )
+            return result.rowcount > 0
+
+    def get(self, sandbox_id: str) -> SandboxRecord | None:
+        with self._engine.connect() as conn:
+            row = conn.execute(select(sandboxes).where(sandboxes.c.id == sandbox_id)).mappings().first()
+            return dict(row) if row else None
+
+    def list(
+        self, *, states: list[str] | None = None, labels: dict[str, str] | None = None, edge_id: str | None = None
+    ) -> list[SandboxRecord]:
+        query = select(sandboxes).order_by(sandboxes.c.created_at)
+        if states:
+            query = query.where(sandboxes.c.state.in_(states))
+        if edge_id:
+            query = query.where(sandboxes.c.edge_id == edge_id)
+        with self._engine.connect() as conn:
+            rows = [dict(r) for r in conn.execute(query).mappings()]
+        if labels:
+            rows = [r for r in rows if all(r["labels"].get(k) == v for k, v in labels.items())]
+        return rows
+
+    def expired(self, now: float) -> list[str]:
+        query = select(sandboxes.c.id).where(sandboxes.c.state.in_(_ACTIVE), sandboxes.c.expires_at <= now)
+        with self._engine.connect() as conn:
+            return [r[0] for r in conn.execute(query)]
+
+    def close(self) -> None:
+        self._engine.dispose()
+
+    @staticmethod
+    def to_info(record: SandboxRecord) -> SandboxInfo:
+        fields = {k: record[k] for k in SandboxInfo.model_fields if k in record}
+        return SandboxInfo(**fields)
