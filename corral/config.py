@@ -34,7 +34,7 @@ class Settings(BaseSettings):
     database_url: str | None = Field(None, description="SQLAlchemy URL; default SQLite at <data_dir>/corral.db.")
     edge_id: str = Field("e0", pattern=r"^[a-z0-9]{1,16}$", description="Id of this node's edge; part of every sandbox id.")
     runtime: Literal["crun", "runc"] = Field("crun", description="Default OCI runtime for container sandboxes.")
-    cpu_overcommit: float = Field(16.0, gt=0, description="Admitted CPU may reach this multiple of the node's cores.")
+    cpu_overcommit: float = Field(64.0, gt=0, description="Admitted CPU may reach this multiple of the node's cores.")
     memory_overcommit: float = Field(4.0, gt=0, description="Admitted memory may reach this multiple of the node's RAM.")
     max_sandbox_memory_mb: int | None = Field(None, description="Largest memory_mb one sandbox may ask for; default the node's RAM.")
     create_concurrency: int = Field(8, ge=1, description="Container creations the edge runs at once; more wait in line.")

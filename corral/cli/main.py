@@ -15,7 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 from corral.sdk import Client, CorralError, SandboxInfo
 
@@ -33,7 +33,8 @@ def _when(ts: float | None) -> str:
 
 
 def _sandbox_table(rows: list[SandboxInfo]) -> Table:
-    table = Table("ID", "STATE", "IMAGE", "CPU", "MEM MiB", "LABELS", "CREATED", "EXPIRES")
+    table = Table("STATE", "IMAGE", "CPU", "MEM MiB", "LABELS", "CREATED", "EXPIRES")
+    table.columns.insert(0, Column("ID", no_wrap=True, min_width=22))
     for info in rows:
         labels = ",".join(f"{k}={v}" for k, v in info.labels.items())
         state = info.state.value + (f" ({info.end_reason})" if info.end_reason else "")

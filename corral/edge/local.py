@@ -94,6 +94,8 @@ class LocalEdge:
         specs = [s.spec for s in self._sandboxes.values()] + list(self._reserved.values())
         return EdgeLoad(
             edge_id=self.edge_id,
+            node_cpu=self._capacity.cpu,
+            node_memory_mb=self._capacity.memory_mb,
             sandboxes=len(specs),
             cpu_committed=sum(s.cpu for s in specs),
             cpu_capacity=self._capacity.cpu * self._capacity.cpu_overcommit,

@@ -160,6 +160,7 @@ class SandboxService:
     def get(self, sandbox_id: str) -> SandboxInfo:
         record = self._store.get(sandbox_id)
         if record is None:
+            edge_of(sandbox_id)  # a malformed id gets the more useful message
             raise NotFound(f"no sandbox {sandbox_id}: it never existed here (check the id, or CORRAL_URL)")
         return StateStore.to_info(record)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from corral.sdk._exceptions import CapacityExhausted
+from corral.sdk._exceptions import CapacityExhausted, InvalidRequest
 from corral.sdk._models import EdgeLoad
 
 __all__ = ["place", "utilisation"]
@@ -36,7 +36,14 @@ def place(
     candidates: int = DEFAULT_CANDIDATES,
     rng: random.Random | None = None,
 ) -> str:
-    """The id of the edge to try; CapacityExhausted when none fits."""
+    """The id of the edge to try; InvalidRequest when no node could ever fit
+    it, CapacityExhausted when none can now."""
+    if loads and all(cpu > load.node_cpu or memory_mb > load.node_memory_mb for load in loads):
+        biggest = max(loads, key=lambda load: (load.node_cpu, load.node_memory_mb))
+        raise InvalidRequest(
+            f"no node is that big: asked for cpu={cpu:g}, memory_mb={memory_mb}; the largest node has "
+            f"{biggest.node_cpu:g} cores and {biggest.node_memory_mb} MiB"
+        )
     fitting = [
         load
         for load in loads

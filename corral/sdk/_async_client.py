@@ -8,12 +8,13 @@ Ray and survives a trainer restart; the HTTP connection is re-created lazily.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
+from pydantic import BaseModel, ValidationError
 
 from corral.sdk._config import resolve_connection
-from corral.sdk._exceptions import CorralError, ServerUnavailable, error_from_response
+from corral.sdk._exceptions import CorralError, InvalidRequest, ServerUnavailable, error_from_response
 from corral.sdk._models import (
     DEFAULT_CPU,
     DEFAULT_EXEC_TIMEOUT_S,
@@ -35,6 +36,7 @@ from corral.sdk._models import (
 __all__ = ["AsyncClient", "AsyncSandbox", "AsyncFiles"]
 
 DEFAULT_TIMEOUT_S = 60.0
+M = TypeVar("M", bound=BaseModel)
 
 
 class _AsyncTransport:
@@ -87,6 +89,15 @@ class _AsyncTransport:
         await self._http.aclose()
 
 
+def _validated(model: type[M], fields: dict[str, Any]) -> M:
+    """Check arguments before sending, with the same errors the server gives."""
+    try:
+        return model.model_validate(fields)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg']}" for e in exc.errors())
+        raise InvalidRequest(f"invalid request: {problems}") from None
+
+
 def _exec_body(
     cmd: str | list[str],
     env: dict[str, str] | None,
@@ -96,10 +107,9 @@ def _exec_body(
     stdin: str | None,
     output_cap_bytes: int,
 ) -> dict[str, Any]:
-    request = ExecRequest(
-        cmd=cmd, env=env or {}, cwd=cwd, user=user, timeout_s=timeout_s, stdin=stdin, output_cap_bytes=output_cap_bytes
-    )
-    return request.model_dump(mode="json")
+    fields = {"cmd": cmd, "env": env or {}, "cwd": cwd, "user": user, "timeout_s": timeout_s, "stdin": stdin,
+              "output_cap_bytes": output_cap_bytes}  # fmt: skip
+    return _validated(ExecRequest, fields).model_dump(mode="json")
 
 
 class AsyncFiles:
@@ -143,7 +153,7 @@ class AsyncFiles:
         return [FileInfo.model_validate(item) for item in response.json()]
 
     async def mkdir(self, path: str, *, parents: bool = True, mode: int = 0o755) -> FileInfo:
-        body = MkdirRequest(path=path, parents=parents, mode=mode).model_dump()
+        body = _validated(MkdirRequest, {"path": path, "parents": parents, "mode": mode}).model_dump()
         response = await self._sandbox._transport.request("POST", self._path("/mkdir"), json=body)
         return FileInfo.model_validate(response.json())
 
@@ -331,7 +341,8 @@ class AsyncClient:
         runtime: str | None = None,
         backend: str = "container",
     ) -> AsyncSandbox:
-        body = CreateSandboxRequest.model_validate(
+        body = _validated(
+            CreateSandboxRequest,
             {
                 "image": image, "backend": backend, "runtime": runtime, "cpu": cpu, "memory_mb": memory_mb,
                 "pids_max": pids_max, "env": env or {}, "cwd": cwd, "user": user, "labels": labels or {}, "ttl_s": ttl_s,

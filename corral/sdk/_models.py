@@ -157,6 +157,8 @@ class ImageInfo(_Model):
 
 class EdgeLoad(_Model):
     edge_id: str
+    node_cpu: float = Field(description="Physical cores; no sandbox may ask for more.")
+    node_memory_mb: int = Field(description="Physical memory; no sandbox may ask for more.")
     sandboxes: int
     cpu_committed: float
     cpu_capacity: float

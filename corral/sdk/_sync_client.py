@@ -6,12 +6,13 @@ The synchronous SDK, with the same names and behaviour as the async one.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
+from pydantic import BaseModel, ValidationError
 
 from corral.sdk._config import resolve_connection
-from corral.sdk._exceptions import CorralError, ServerUnavailable, error_from_response
+from corral.sdk._exceptions import CorralError, InvalidRequest, ServerUnavailable, error_from_response
 from corral.sdk._models import (
     DEFAULT_CPU,
     DEFAULT_EXEC_TIMEOUT_S,
@@ -33,6 +34,7 @@ from corral.sdk._models import (
 __all__ = ["Client", "Sandbox", "Files"]
 
 DEFAULT_TIMEOUT_S = 60.0
+M = TypeVar("M", bound=BaseModel)
 
 
 class _SyncTransport:
@@ -85,6 +87,15 @@ class _SyncTransport:
         self._http.close()
 
 
+def _validated(model: type[M], fields: dict[str, Any]) -> M:
+    """Check arguments before sending, with the same errors the server gives."""
+    try:
+        return model.model_validate(fields)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'value'}: {e['msg']}" for e in exc.errors())
+        raise InvalidRequest(f"invalid request: {problems}") from None
+
+
 def _exec_body(
     cmd: str | list[str],
     env: dict[str, str] | None,
@@ -94,10 +105,9 @@ def _exec_body(
     stdin: str | None,
     output_cap_bytes: int,
 ) -> dict[str, Any]:
-    request = ExecRequest(
-        cmd=cmd, env=env or {}, cwd=cwd, user=user, timeout_s=timeout_s, stdin=stdin, output_cap_bytes=output_cap_bytes
-    )
-    return request.model_dump(mode="json")
+    fields = {"cmd": cmd, "env": env or {}, "cwd": cwd, "user": user, "timeout_s": timeout_s, "stdin": stdin,
+              "output_cap_bytes": output_cap_bytes}  # fmt: skip
+    return _validated(ExecRequest, fields).model_dump(mode="json")
 
 
 class Files:
@@ -141,7 +151,7 @@ class Files:
         return [FileInfo.model_validate(item) for item in response.json()]
 
     def mkdir(self, path: str, *, parents: bool = True, mode: int = 0o755) -> FileInfo:
-        body = MkdirRequest(path=path, parents=parents, mode=mode).model_dump()
+        body = _validated(MkdirRequest, {"path": path, "parents": parents, "mode": mode}).model_dump()
         response = self._sandbox._transport.request("POST", self._path("/mkdir"), json=body)
         return FileInfo.model_validate(response.json())
 
@@ -329,7 +339,8 @@ class Client:
         runtime: str | None = None,
         backend: str = "container",
     ) -> Sandbox:
-        body = CreateSandboxRequest.model_validate(
+        body = _validated(
+            CreateSandboxRequest,
             {
                 "image": image, "backend": backend, "runtime": runtime, "cpu": cpu, "memory_mb": memory_mb,
                 "pids_max": pids_max, "env": env or {}, "cwd": cwd, "user": user, "labels": labels or {}, "ttl_s": ttl_s,

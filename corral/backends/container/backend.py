@@ -135,7 +135,7 @@ class ContainerBackend:
         try:
             async with self._create_slots:
                 try:
-                    await runtime.run_detached(spec.sandbox_id, bundle, Overlay(lowers, upper, work), agent_end)
+                    init_pid = await runtime.run_detached(spec.sandbox_id, bundle, Overlay(lowers, upper, work), agent_end)
                 finally:
                     agent_end.close()
                 await agent.start(self._agent_start_timeout_s)
@@ -144,9 +144,7 @@ class ContainerBackend:
             await runtime.kill_and_delete(spec.sandbox_id)
             shutil.rmtree(root, ignore_errors=True)
             raise
-        self._containers[spec.sandbox_id] = _Container(
-            spec, runtime, agent, agent.agent_pid or 0, self._cgroup_path(spec.sandbox_id)
-        )
+        self._containers[spec.sandbox_id] = _Container(spec, runtime, agent, init_pid, self._cgroup_path(spec.sandbox_id))
 
     async def adopt(self, spec: SandboxSpec) -> bool:
         runtime = self.runtime(spec.runtime)

@@ -94,15 +94,18 @@ class OciRuntime:
             raise OciRuntimeFailed(f"{self.name} failed: {last}")
         return proc.returncode or 0, message
 
-    async def run_detached(self, container_id: str, bundle: Path, overlay: Overlay, ctl: socket.socket) -> None:
-        """Mount the overlay at bundle/rootfs and start the container detached."""
+    async def run_detached(self, container_id: str, bundle: Path, overlay: Overlay, ctl: socket.socket) -> int:
+        """Mount the overlay at bundle/rootfs and start the container detached; returns its init's host pid."""
         lowers = ":".join(str(p) for p in overlay.lowers)
+        pid_file = bundle.parent / "init.pid"
         args = [
             str(self._launch), "--overlay", lowers, str(overlay.upper), str(overlay.work), str(bundle / "rootfs"),
             "--ctl-fd", str(ctl.fileno()), "--oom-score-adj", str(AGENT_OOM_SCORE_ADJ), "--",
-            *self._base(), "run", "--detach", "--preserve-fds", "1", "--bundle", str(bundle), container_id,
+            *self._base(), "run", "--detach", "--preserve-fds", "1", "--pid-file", str(pid_file),
+            "--bundle", str(bundle), container_id,
         ]  # fmt: skip
         await self._run(args, pass_fds=(ctl.fileno(),), log_file=bundle.parent / "runtime.log")
+        return int(pid_file.read_text())
 
     async def exec_attached(self, container_id: str, ctl: socket.socket, agent_path: str, log_file: Path) -> None:
         """Start a second agent in a running container (re-attach after an edge restart)."""

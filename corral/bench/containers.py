@@ -1,0 +1,435 @@
+"""`corral bench`: container sandbox latency, measured against plain crun in the same run.
+
+Corral is measured through the real SDK over HTTP against an embedded server
+this command starts for itself: create -> first exec, exec round trip, and a
+burst of concurrent creates. The baseline is plain crun on a copy of the same
+busybox rootfs with the same limits and security profile, minus what Corral
+adds (agent, overlay, scheduler, HTTP): `crun run --detach` + `crun exec`, and
+`crun exec` alone. This machine is noisy, so absolute numbers drift from run to
+run; both sides are therefore sampled in one process, interleaved sample by
+sample, and the verdicts use ratios (or the absolute ceiling the spec promises).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from corral.backends.container import host, oci
+from corral.config import Settings
+from corral.images.store import LayerStore
+from corral.sdk import AsyncClient, AsyncSandbox, Client, CorralError, ExecResult, InvalidRequest
+
+__all__ = ["percentile", "summarize", "run_benchmark"]
+
+IMAGE = "busybox"
+EXEC_WARMUP_CALLS = 5
+EXEC_SAMPLES_PER_RUN = 10
+# Small enough that a burst of a hundred fits the server's CPU admission
+# (cores x cpu_overcommit); the baseline containers get the same limits.
+LIMITS = oci.ContainerLimits(cpu=0.25, memory_mb=128, pids_max=256)
+SANDBOX_TTL_S = 600.0  # a sandbox leaked by a crashed bench still goes away
+CREATE_RATIO_TARGET = 1.5  # docs/spec.md: create -> first exec within 1.5x plain crun
+EXEC_P50_TARGET_MS = 5.0  # docs/spec.md: exec round trip p50 under 5 ms
+SERVER_START_TIMEOUT_S = 60.0
+SERVER_STOP_GRACE_S = 15.0
+CRUN_TIMEOUT_S = 30.0
+BENCH_CGROUP = "corral-bench"
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+REAP_TIMEOUT_S = 5.0
+
+
+# -- statistics (pure) -------------------------------------------------------
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100), interpolating linearly between the two
+    closest ranks (numpy's default): rank = (n - 1) * q / 100."""
+    if not samples:
+        raise ValueError("percentile of an empty sample")
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be in [0, 100], got {q}")
+    ordered = sorted(samples)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def summarize(samples: Sequence[float]) -> dict[str, float]:
+    """p50, p95, mean, min, max and n of a non-empty sample."""
+    if not samples:
+        raise ValueError("summary of an empty sample")
+    return {
+        "p50": percentile(samples, 50),
+        "p95": percentile(samples, 95),
+        "mean": statistics.fmean(samples),
+        "min": min(samples),
+        "max": max(samples),
+        "n": len(samples),
+    }
+
+
+def _timed_ms(action: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    action()
+    return (time.perf_counter() - started) * 1000
+
+
+# -- the embedded server -----------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _stop_process(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, a grace period, then SIGKILL."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=SERVER_STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+@contextlib.contextmanager
+def _embedded_server(data_dir: Path) -> Iterator[tuple[str, str]]:
+    """Run `corral serve` on a free loopback port; yield (url, api_key). On exit,
+    kill every sandbox it still has, stop it, and remove any container it left."""
+    data_dir.mkdir(parents=True)
+    port, config_file, log_path = _free_port(), data_dir / "client.json", data_dir / "server.log"
+    env = {**os.environ, "CORRAL_DATA_DIR": str(data_dir), "CORRAL_PORT": str(port),
+           "CORRAL_CONFIG_FILE": str(config_file)}  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen([sys.executable, "-m", "corral.cli.main", "serve"], env=env,
+                                   stdin=subprocess.DEVNULL, stdout=log, stderr=log)  # fmt: skip
+    try:
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        while not _healthy(url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"corral serve did not come up; its log ends:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.05)
+        api_key = str(json.loads(config_file.read_text())["api_key"])
+        try:
+            yield url, api_key
+        finally:
+            _kill_all_sandboxes(url, api_key)
+    finally:
+        _stop_process(process)
+        with _Crun(data_dir / "run" / "crun", data_dir / "cleanup.log") as leftovers:
+            leftovers.delete_all()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _kill_all_sandboxes(url: str, api_key: str) -> None:
+    with contextlib.suppress(CorralError), Client(url, api_key) as client:
+        for info in client.list():
+            with contextlib.suppress(CorralError):
+                client.kill(info.id)
+
+
+# -- the crun baseline -------------------------------------------------------
+
+
+class _Crun:
+    """Plain crun with a state root of its own. Its stderr goes to a log file,
+    never a pipe: a detached container keeps the stderr it inherited open."""
+
+    def __init__(self, state_root: Path, log_path: Path) -> None:
+        binary = shutil.which("crun")
+        if binary is None:
+            raise InvalidRequest("crun is not installed: apt-get install crun")
+        self._base = [binary, "--root", str(state_root)]
+        self._log_path = log_path
+        self._log: IO[bytes] = open(log_path, "ab")  # noqa: SIM115
+
+    def __enter__(self) -> _Crun:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._log.close()
+
+    def _run(self, *args: str, check: bool = True) -> None:
+        try:
+            subprocess.run([*self._base, *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=self._log, check=check, timeout=CRUN_TIMEOUT_S)  # fmt: skip
+        except subprocess.CalledProcessError as exc:
+            self._log.flush()
+            tail = self._log_path.read_bytes()[-600:].decode(errors="replace").strip()
+            raise RuntimeError(f"crun {args[0]} exited {exc.returncode}: {tail}") from None
+
+    def run_detached(self, container_id: str, bundle: Path) -> None:
+        self._run("run", "--detach", "--bundle", str(bundle), container_id)
+
+    def exec_true(self, container_id: str) -> None:
+        self._run("exec", container_id, "/bin/true")
+
+    def kill_and_delete(self, container_id: str) -> None:
+        """Kill and delete, then reap its init: being a subreaper, we are its parent now."""
+        state = subprocess.run([*self._base, "state", container_id], stdin=subprocess.DEVNULL, capture_output=True,
+                               text=True, timeout=CRUN_TIMEOUT_S)  # fmt: skip
+        init_pid = int(json.loads(state.stdout).get("pid") or 0) if state.returncode == 0 else 0
+        self._run("kill", container_id, "KILL", check=False)
+        self._run("delete", "-f", container_id, check=False)
+        deadline = time.monotonic() + REAP_TIMEOUT_S
+        with contextlib.suppress(ChildProcessError):
+            while init_pid and os.waitpid(init_pid, os.WNOHANG) == (0, 0) and time.monotonic() < deadline:
+                time.sleep(0.001)
+
+    def delete_all(self) -> None:
+        listing = subprocess.run([*self._base, "list", "-q"], stdin=subprocess.DEVNULL, capture_output=True,
+                                 text=True, timeout=CRUN_TIMEOUT_S)  # fmt: skip
+        for container_id in listing.stdout.split():
+            self.kill_and_delete(container_id)
+
+
+def _build_baseline_bundle(bundle: Path, layer_file: Path) -> None:
+    """Copy the busybox EROFS layer into bundle/rootfs (a plain directory)."""
+    mountpoint = bundle.parent / "layer-mnt"
+    mountpoint.mkdir(parents=True)
+    bundle.mkdir()
+    subprocess.run(["mount", "-t", "erofs", "-o", "ro", str(layer_file), str(mountpoint)],
+                   check=True, capture_output=True, timeout=CRUN_TIMEOUT_S)  # fmt: skip
+    try:
+        subprocess.run(["cp", "-a", f"{mountpoint}/.", str(bundle / "rootfs")], check=True, capture_output=True, timeout=300)
+    finally:
+        subprocess.run(["umount", str(mountpoint)], check=True, capture_output=True, timeout=CRUN_TIMEOUT_S)
+
+
+def _write_bundle_config(bundle: Path, container_id: str) -> None:
+    """Corral's own config.json for a sandbox, but running sleep instead of the agent."""
+    config = oci.build_config(hostname=container_id[-12:], limits=LIMITS,
+                              cgroup_path=f"/{BENCH_CGROUP}/{container_id}", agent_binary=Path("/nonexistent"))  # fmt: skip
+    config["process"]["args"] = ["/bin/sleep", "1000"]
+    config["mounts"] = [m for m in config["mounts"] if m["destination"] != oci.AGENT_PATH]
+    (bundle / "config.json").write_text(json.dumps(config))
+
+
+def _remove_bench_cgroups() -> None:
+    """crun delete removes each container's cgroup; drop the empty parents."""
+    parents = [_CGROUP_ROOT / BENCH_CGROUP, *(d / BENCH_CGROUP for d in _CGROUP_ROOT.iterdir() if d.is_dir())]
+    for parent in parents:
+        with contextlib.suppress(OSError):
+            parent.rmdir()
+
+
+# -- samples -----------------------------------------------------------------
+
+
+def _require_success(result: ExecResult) -> None:
+    if result.exit_code != 0:
+        raise RuntimeError(f"`true` in the sandbox exited {result.exit_code}: {result.stderr[-300:]}")
+
+
+def _corral_create_sample(client: Client) -> float:
+    started = time.perf_counter()
+    sandbox = client.create(IMAGE, cpu=LIMITS.cpu, memory_mb=LIMITS.memory_mb, ttl_s=SANDBOX_TTL_S)
+    try:
+        _require_success(sandbox.exec("true"))
+        return (time.perf_counter() - started) * 1000
+    finally:
+        sandbox.kill()
+
+
+def _crun_create_sample(crun: _Crun, bundle: Path, container_id: str) -> float:
+    _write_bundle_config(bundle, container_id)
+    started = time.perf_counter()
+    try:
+        crun.run_detached(container_id, bundle)
+        crun.exec_true(container_id)
+        return (time.perf_counter() - started) * 1000
+    finally:
+        crun.kill_and_delete(container_id)
+
+
+async def _concurrent_create(url: str, api_key: str, count: int, on_created: Callable[[], None]) -> dict[str, Any]:
+    async with AsyncClient(url, api_key) as client:
+
+        async def create_one() -> AsyncSandbox:
+            sandbox = await client.create(IMAGE, cpu=LIMITS.cpu, memory_mb=LIMITS.memory_mb, ttl_s=SANDBOX_TTL_S)
+            on_created()
+            return sandbox
+
+        started = time.perf_counter()
+        results = await asyncio.gather(*(create_one() for _ in range(count)), return_exceptions=True)
+        wall_s = time.perf_counter() - started
+        created = [r for r in results if isinstance(r, AsyncSandbox)]
+        errors = sorted({f"{type(r).__name__}: {r}" for r in results if isinstance(r, BaseException)})
+        await asyncio.gather(*(sandbox.kill() for sandbox in created), return_exceptions=True)
+    return {"requested": count, "succeeded": len(created), "wall_s": wall_s,
+            "creations_per_s": len(created) / wall_s, "errors": errors[:5]}  # fmt: skip
+
+
+def _measure(work_dir: Path, layer_file: Path, runs: int, concurrency: int, progress: Progress) -> dict[str, Any]:
+    bundle = work_dir / "baseline" / "bundle"
+    with contextlib.ExitStack() as stack:
+        task = progress.add_task("baseline rootfs (mount EROFS, cp -a)", total=1)
+        _build_baseline_bundle(bundle, layer_file)
+        progress.update(task, completed=1)
+        crun = stack.enter_context(_Crun(work_dir / "crun-root", work_dir / "crun.log"))
+        stack.callback(crun.delete_all)
+        task = progress.add_task("starting corral serve", total=1)
+        url, api_key = stack.enter_context(_embedded_server(work_dir / "server"))
+        client = stack.enter_context(Client(url, api_key))
+        progress.update(task, completed=1)
+
+        create_corral: list[float] = []
+        create_crun: list[float] = []
+        task = progress.add_task("create → first exec (corral, crun)", total=runs)
+        for i in range(runs):
+            create_corral.append(_corral_create_sample(client))
+            create_crun.append(_crun_create_sample(crun, bundle, f"bench-create-{i}"))
+            progress.advance(task)
+
+        exec_corral: list[float] = []
+        exec_crun: list[float] = []
+        task = progress.add_task("exec round trip (corral, crun)", total=EXEC_WARMUP_CALLS + runs * EXEC_SAMPLES_PER_RUN)
+        with client.create(IMAGE, cpu=LIMITS.cpu, memory_mb=LIMITS.memory_mb, ttl_s=SANDBOX_TTL_S) as sandbox:
+            _write_bundle_config(bundle, "bench-exec")
+            crun.run_detached("bench-exec", bundle)
+            for i in range(EXEC_WARMUP_CALLS + runs * EXEC_SAMPLES_PER_RUN):
+                corral_ms = _timed_ms(lambda: _require_success(sandbox.exec("true")))
+                crun_ms = _timed_ms(lambda: crun.exec_true("bench-exec"))
+                if i >= EXEC_WARMUP_CALLS:
+                    exec_corral.append(corral_ms)
+                    exec_crun.append(crun_ms)
+                progress.advance(task)
+            crun.kill_and_delete("bench-exec")
+
+        task = progress.add_task(f"concurrent create ×{concurrency} (corral)", total=concurrency)
+        burst = asyncio.run(_concurrent_create(url, api_key, concurrency, lambda: progress.advance(task)))
+        cleanup = progress.add_task("cleaning up (kill sandboxes, stop server, delete containers)", total=1)
+    progress.update(cleanup, completed=1)
+    return {
+        "corral": {"create_to_first_exec": summarize(create_corral), "exec_roundtrip": summarize(exec_corral),
+                   "concurrent_create": burst},
+        "baseline": {"crun_create_start_exec": summarize(create_crun), "crun_exec": summarize(exec_crun)},
+    }  # fmt: skip
+
+
+# -- report ------------------------------------------------------------------
+
+
+def _host_info(layout: host.CgroupLayout) -> dict[str, Any]:
+    version = subprocess.run(["crun", "--version"], capture_output=True, text=True, timeout=CRUN_TIMEOUT_S)
+    return {"kernel": platform.release(), "cpu_count": os.cpu_count(), "cgroup_layout": layout.value,
+            "crun_version": version.stdout.splitlines()[0] if version.stdout else "unknown"}  # fmt: skip
+
+
+def _checks(results: dict[str, Any]) -> list[dict[str, Any]]:
+    corral, baseline = results["corral"], results["baseline"]
+    create_ratio = corral["create_to_first_exec"]["p50"] / baseline["crun_create_start_exec"]["p50"]
+    exec_p50 = corral["exec_roundtrip"]["p50"]
+    burst = corral["concurrent_create"]
+    return [
+        {"metric": "create_to_first_exec", "target": f"ratio ≤ {CREATE_RATIO_TARGET:g}", "value": create_ratio,
+         "ok": create_ratio <= CREATE_RATIO_TARGET},
+        {"metric": "exec_roundtrip", "target": f"p50 ≤ {EXEC_P50_TARGET_MS:g} ms", "value": exec_p50,
+         "ok": exec_p50 <= EXEC_P50_TARGET_MS},
+        {"metric": "concurrent_create", "target": "all succeed", "value": burst["succeeded"],
+         "ok": burst["succeeded"] == burst["requested"]},
+    ]  # fmt: skip
+
+
+def _table(report: dict[str, Any]) -> Table:
+    corral, baseline = report["corral"], report["baseline"]
+    checks = {check["metric"]: check for check in report["checks"]}
+    table = Table("metric", "corral p50 ms", "corral p95 ms", "baseline p50 ms", "ratio", "target", "verdict",
+                  title="corral bench", caption=_caption(report))  # fmt: skip
+
+    def verdict(metric: str, failed: str = "over") -> str:
+        return "[green]ok[/green]" if checks[metric]["ok"] else f"[red]{failed}[/red]"
+
+    for metric, label, base_key in (
+        ("create_to_first_exec", "create → first exec", "crun_create_start_exec"),
+        ("exec_roundtrip", "exec round trip", "crun_exec"),
+    ):
+        ours, theirs = corral[metric], baseline[base_key]
+        table.add_row(label, f"{ours['p50']:.1f}", f"{ours['p95']:.1f}", f"{theirs['p50']:.1f}",
+                      f"{ours['p50'] / theirs['p50']:.2f}", checks[metric]["target"], verdict(metric))  # fmt: skip
+    burst = corral["concurrent_create"]
+    table.add_row(f"concurrent creates ×{burst['requested']}", f"{burst['succeeded']}/{burst['requested']} ok",
+                  f"{burst['wall_s']:.2f} s wall", "-", f"{burst['creations_per_s']:.1f}/s",
+                  "all succeed", verdict("concurrent_create", "failed"))  # fmt: skip
+    return table
+
+
+def _caption(report: dict[str, Any]) -> str:
+    info, params = report["host"], report["params"]
+    return (f"baselines: crun run --detach + crun exec, and crun exec; {params['runs']} creates and "
+            f"{params['exec_samples']} execs per side, interleaved. Kernel {info['kernel']}, "
+            f"{info['cpu_count']} cpus, cgroup {info['cgroup_layout']}, {info['crun_version']}.")  # fmt: skip
+
+
+def run_benchmark(*, runs: int, concurrency: int, as_json: bool, console: Console) -> None:
+    """Measure Corral and the plain-crun baseline, then print a table (or JSON)."""
+    if runs < 1 or concurrency < 1:
+        raise InvalidRequest("--runs and --concurrency must be at least 1")
+    if os.geteuid() != 0:
+        raise SystemExit("corral bench needs root: its crun baseline creates namespaces, cgroups and mounts")
+    layout = host.detect_cgroup_layout()
+    # Before any thread (the progress bar starts one): unshare(CLONE_NEWNS) refuses
+    # a threaded process. Hides the v2 mount on hybrid hosts so crun works.
+    host.enter_private_mount_namespace(layout)
+    host.become_child_subreaper()  # container inits re-parent to us; kill_and_delete reaps them
+    store = LayerStore(Settings().layer_dir)
+    image = store.resolve(IMAGE)
+    if len(image.layers) != 1:
+        raise InvalidRequest(f"the bench expects a single-layer {IMAGE} image, found {len(image.layers)} layers")
+    layer_file = store.layer_path(image.layers[0])
+
+    work_dir = Path(tempfile.mkdtemp(prefix="corral-bench."))
+    progress_console = Console(stderr=True) if as_json else console
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    try:
+        with Progress(*columns, console=progress_console) as progress:
+            results = _measure(work_dir, layer_file, runs, concurrency, progress)
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+        _remove_bench_cgroups()
+    report: dict[str, Any] = {
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "unit": "ms",
+        "params": {"runs": runs, "concurrency": concurrency, "image": IMAGE, "cpu": LIMITS.cpu,
+                   "memory_mb": LIMITS.memory_mb, "exec_samples": runs * EXEC_SAMPLES_PER_RUN},
+        "host": _host_info(layout),
+        **results,
+    }  # fmt: skip
+    report["checks"] = _checks(report)
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        console.print(_table(report))

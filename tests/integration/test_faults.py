@@ -1,0 +1,113 @@
+"""Bad behaviour inside sandboxes and faults of the server itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+
+import corral
+from tests.conftest import ServerProcess
+
+
+def test_out_of_memory_is_reported_and_contained(client: corral.Client, server: ServerProcess) -> None:
+    with client.create("busybox", memory_mb=32) as sandbox:
+        result = sandbox.exec("tail /dev/zero", timeout_s=60)  # tail buffers a line that never ends
+        assert result.exit_code == -9
+        assert result.oom_killed and not result.timed_out
+        assert sandbox.exec("echo still-here").stdout == "still-here\n"
+    assert httpx.get(f"{server.url}/healthz").status_code == 200
+
+
+def test_fork_bomb_is_contained_by_pid_limit(client: corral.Client) -> None:
+    with client.create("busybox", pids_max=64) as sandbox:
+        result = sandbox.exec("bomb() { bomb | bomb & }; bomb; sleep 2", timeout_s=3)
+        assert result.timed_out or result.exit_code is not None
+        deadline = time.monotonic() + 10
+        while True:  # the bomb's leftovers die with its process group; the sandbox answers again
+            after = sandbox.exec("echo alive", timeout_s=5)
+            if after.stdout == "alive\n" or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert after.stdout == "alive\n"
+        with client.create("busybox") as neighbour:  # the node is fine
+            assert neighbour.exec("echo ok").stdout == "ok\n"
+
+
+def test_init_exit_marks_sandbox_ended(fresh_server: ServerProcess) -> None:
+    with fresh_server.client() as client:
+        sandbox = client.create("busybox")
+        runtime_root = fresh_server.data_dir / "run" / "crun"
+        subprocess.run(["crun", "--root", str(runtime_root), "kill", sandbox.id, "KILL"], check=True, capture_output=True)
+        deadline = time.monotonic() + 10
+        while client.get(sandbox.id).info.state == corral.SandboxState.RUNNING:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        info = client.get(sandbox.id).info
+        assert info.state == corral.SandboxState.ENDED and info.end_reason == "exited"
+        try:
+            sandbox.exec("true")
+            raise AssertionError("exec on an ended sandbox must fail")
+        except corral.SandboxGone as exc:
+            assert "exited" in exc.message
+
+
+def test_restart_keeps_running_sandboxes(fresh_server: ServerProcess) -> None:
+    with fresh_server.client() as client:
+        sandbox = client.create("busybox", labels={"keep": "1"}, env={"K": "v"})
+        sandbox.files.write("/state.txt", "before restart")
+        background = sandbox.start("sleep 600")
+    fresh_server.stop()
+    fresh_server.start()
+    with fresh_server.client() as client:
+        listed = client.list(labels={"keep": "1"})
+        assert [s.id for s in listed] == [sandbox.id]
+        assert listed[0].state == corral.SandboxState.RUNNING
+        handle = client.connect(sandbox)
+        assert handle.files.read_text("/state.txt") == "before restart"
+        assert handle.exec("echo $K").stdout == "v\n"
+        assert "sleep 600" in handle.exec("ps").stdout  # processes survived too
+        del background
+
+
+def test_sandbox_gone_during_restart_is_reported_lost(fresh_server: ServerProcess) -> None:
+    with fresh_server.client() as client:
+        doomed = client.create("busybox")
+        survivor = client.create("busybox")
+    fresh_server.stop(signal.SIGKILL)  # a crash, not a clean stop
+    runtime_root = fresh_server.data_dir / "run" / "crun"
+    subprocess.run(["crun", "--root", str(runtime_root), "kill", doomed.id, "KILL"], check=True, capture_output=True)
+    time.sleep(0.3)
+    fresh_server.start()
+    with fresh_server.client() as client:
+        lost = client.get(doomed.id).info
+        assert lost.state == corral.SandboxState.LOST
+        assert "restart" in (lost.status_message or "")
+        assert client.get(survivor.id).info.state == corral.SandboxState.RUNNING
+        assert client.connect(survivor).exec("echo ok").stdout == "ok\n"
+        try:
+            client.connect(doomed).exec("true")
+            raise AssertionError("a lost sandbox must not accept commands")
+        except corral.SandboxGone as exc:
+            assert "lost" in exc.message
+        state = subprocess.run(
+            ["crun", "--root", str(runtime_root), "list", "--format", "json"], capture_output=True, text=True, check=True
+        )
+        assert doomed.id not in [c["id"] for c in json.loads(state.stdout or "[]") or []]
+
+
+def test_no_mounts_or_cgroups_left_behind(fresh_server: ServerProcess) -> None:
+    with fresh_server.client() as client:
+        ids = [client.create("busybox").id for _ in range(3)]
+        for sandbox_id in ids:
+            client.kill(sandbox_id)
+    for sandbox_id in ids:
+        assert not (fresh_server.data_dir / "sandboxes" / sandbox_id).exists()
+        for controller in ("memory", "pids", "cpu"):
+            assert not os.path.exists(f"/sys/fs/cgroup/{controller}/corral/{sandbox_id}")
+    mounts = open("/proc/mounts").read()
+    assert str(fresh_server.data_dir) not in mounts  # overlays live only in the containers' namespaces

@@ -1,0 +1,101 @@
+"""The default security profile, checked from inside real sandboxes and from the host."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import corral
+from tests.conftest import ServerProcess
+
+
+def _status(sandbox: corral.Sandbox) -> dict[str, str]:
+    lines = sandbox.exec("cat /proc/self/status").stdout.splitlines()
+    return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}
+
+
+def test_seccomp_no_new_privs_and_capabilities(sandbox: corral.Sandbox) -> None:
+    status = _status(sandbox)
+    assert status["Seccomp"] == "2"
+    assert status["NoNewPrivs"] == "1"
+    cap_sys_admin = 1 << 21
+    assert int(status["CapEff"], 16) & cap_sys_admin == 0
+    assert int(status["CapBnd"], 16) & cap_sys_admin == 0
+
+
+def test_denied_syscalls(sandbox: corral.Sandbox) -> None:
+    result = sandbox.exec("mount -t tmpfs none /mnt; echo rc=$?")
+    assert "rc=0" not in result.stdout
+    assert sandbox.exec("unshare -n true; echo rc=$?").stdout.strip() != "rc=0"
+
+
+def test_own_namespaces(sandbox: corral.Sandbox) -> None:
+    processes = sandbox.exec("ps -o pid,comm").stdout.splitlines()[1:]
+    assert [p.split()[0] for p in processes][0] == "1"  # its own PID namespace: the agent is PID 1
+    assert len(processes) <= 4
+    links = sandbox.exec("ip -o link").stdout.splitlines()
+    assert len(links) == 1 and ": lo:" in links[0]  # loopback only
+    assert sandbox.exec("hostname").stdout.strip() == sandbox.id[-12:]
+
+
+def test_no_network_beyond_loopback(sandbox: corral.Sandbox) -> None:
+    """No routes at all, and the host's loopback is not the sandbox's (only loopback is used here)."""
+    import socket
+
+    assert sandbox.exec("ip route; ip -6 route").stdout.strip() == ""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        result = sandbox.exec(f"echo hi | nc -w 1 127.0.0.1 {port}; echo rc=$?", timeout_s=10)
+        assert result.stdout.strip().endswith("rc=1")
+        listener.settimeout(0.2)
+        try:
+            listener.accept()
+            raise AssertionError("the sandbox reached a port on the host's loopback")
+        except TimeoutError:
+            pass
+
+
+def test_masked_proc_paths(sandbox: corral.Sandbox) -> None:
+    for path in ["/proc/kcore", "/proc/kpagecgroup", "/proc/sysrq-trigger"]:
+        result = sandbox.exec(f"head -c 16 {path} | wc -c")
+        assert result.stdout.strip() == "0", path
+    assert sandbox.exec("echo 1 > /proc/sys/kernel/panic; echo rc=$?").stdout.strip() != "rc=0"
+
+
+def test_cgroup_limits_applied(client: corral.Client) -> None:
+    with client.create("busybox", cpu=0.5, memory_mb=96, pids_max=40) as sandbox:
+        cgroup = f"corral/{sandbox.id}"
+        memory_v1 = Path("/sys/fs/cgroup/memory") / cgroup / "memory.limit_in_bytes"
+        if memory_v1.exists():
+            assert int(memory_v1.read_text()) == 96 << 20
+            assert int((Path("/sys/fs/cgroup/pids") / cgroup / "pids.max").read_text()) == 40
+            assert int((Path("/sys/fs/cgroup/cpu") / cgroup / "cpu.cfs_quota_us").read_text()) == 50_000
+        else:
+            unified = Path("/sys/fs/cgroup") / cgroup
+            assert int((unified / "memory.max").read_text()) == 96 << 20
+            assert (unified / "pids.max").read_text().strip() == "40"
+            assert (unified / "cpu.max").read_text().split()[0] == "50000"
+
+
+def test_base_layer_is_read_only_and_shared(client: corral.Client, server: ServerProcess) -> None:
+    with client.create("busybox") as first, client.create("busybox") as second:
+        assert first.exec("echo hacked > /bin/busybox.note; rm /bin/ls; echo x >> /etc/passwd").exit_code == 0
+        assert second.exec("ls /bin/ls && ! test -e /bin/busybox.note && ! grep -q '^x$' /etc/passwd").exit_code == 0
+        upper = server.data_dir / "sandboxes" / first.id / "upper"
+        assert (upper / "bin" / "busybox.note").exists()  # writes land in the sandbox's own upper dir
+
+
+def test_sandboxes_cannot_see_each_other(client: corral.Client) -> None:
+    with client.create("busybox") as first, client.create("busybox") as second:
+        first.exec("sleep 300 &")
+        first.files.write("/tmp/only-first", "1")
+        assert "sleep 300" not in second.exec("ps").stdout
+        assert not second.files.exists("/tmp/only-first")
+
+
+def test_agent_channel_not_reachable(sandbox: corral.Sandbox) -> None:
+    result = sandbox.exec("ls -la /proc/1/fd/ 2>&1; cat /proc/1/environ 2>&1; echo end")
+    assert "socket:" not in result.stdout  # the agent is not dumpable: its fds stay hidden
+    assert sandbox.exec("ls /.corral").stdout.split() == ["agent"]
+    assert sandbox.exec("echo x > /.corral/agent; echo rc=$?").stdout.strip() != "rc=0"
