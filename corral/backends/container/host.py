@@ -62,20 +62,22 @@ class CgroupLayout(enum.Enum):
     LEGACY = "legacy"
 
 
-def _fs_type(path: Path) -> str | None:
+def _fs_type(path: Path, mounts: str) -> str | None:
     """The filesystem type of the last mount at ``path`` (the one in effect)."""
     found = None
-    for line in Path("/proc/self/mounts").read_text().splitlines():
+    for line in mounts.splitlines():
         fields = line.split()
         if len(fields) > 2 and fields[1] == str(path):
             found = fields[2]
     return found
 
 
-def detect_cgroup_layout() -> CgroupLayout:
-    if _fs_type(_CGROUP_ROOT) == "cgroup2":
+def detect_cgroup_layout(mounts: str | None = None) -> CgroupLayout:
+    """Read the layout from a mount table (default: this process's)."""
+    table = Path("/proc/self/mounts").read_text() if mounts is None else mounts
+    if _fs_type(_CGROUP_ROOT, table) == "cgroup2":
         return CgroupLayout.UNIFIED
-    if _fs_type(_CGROUP_ROOT / "unified") == "cgroup2":
+    if _fs_type(_CGROUP_ROOT / "unified", table) == "cgroup2":
         return CgroupLayout.HYBRID
     return CgroupLayout.LEGACY
 
