@@ -100,4 +100,6 @@ def serve(settings: Settings) -> None:
             store.close()
 
     app = create_app(service_factory, api_key, settings.max_file_bytes)
-    uvicorn.run(app, host=settings.host, port=settings.port, loop="uvloop", http="httptools", log_level="warning")
+    # The stock asyncio loop, not uvloop: uvloop spawned the runtime processes
+    # more slowly here (container create 16.9 ms vs 9.4 ms, median of 20).
+    uvicorn.run(app, host=settings.host, port=settings.port, loop="asyncio", http="httptools", log_level="warning")
