@@ -36,7 +36,6 @@ class Settings(BaseSettings):
     runtime: Literal["crun", "runc"] = Field("crun", description="Default OCI runtime for container sandboxes.")
     cpu_overcommit: float = Field(64.0, gt=0, description="Admitted CPU may reach this multiple of the node's cores.")
     memory_overcommit: float = Field(4.0, gt=0, description="Admitted memory may reach this multiple of the node's RAM.")
-    max_sandbox_memory_mb: int | None = Field(None, description="Largest memory_mb one sandbox may ask for; default the node's RAM.")
     create_concurrency: int = Field(8, ge=1, description="Container creations the edge runs at once; more wait in line.")
     max_file_bytes: int = Field(256 << 20, description="Largest file or tar upload/download through the API.")
     ttl_check_interval_s: float = Field(1.0, gt=0, description="How often expired sandboxes are looked for.")
