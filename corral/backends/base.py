@@ -98,7 +98,8 @@ class Backend(Protocol):
     async def adopt(self, spec: SandboxSpec) -> bool:
         """Reconnect to a sandbox that outlived an edge restart; False if it is gone."""
 
-    async def alive(self, sandbox_id: str) -> bool: ...
+    async def orphans(self, known_ids: set[str]) -> list[str]:
+        """Sandboxes this backend still runs that no record owns (found after a restart)."""
 
     async def wait_ended(self, sandbox_id: str) -> str:
         """Return (with a reason) when the sandbox stops by itself; cancel to stop waiting."""

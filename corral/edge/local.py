@@ -18,8 +18,15 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from corral.backends.base import CommandExit, CommandOutput, CommandSpec, CommandStarted, RunningCommand, SandboxSpec
-from corral.backends.container.backend import ContainerBackend
+from corral.backends.base import (
+    Backend,
+    CommandExit,
+    CommandOutput,
+    CommandSpec,
+    CommandStarted,
+    RunningCommand,
+    SandboxSpec,
+)
 from corral.edge.protocol import EndedCallback
 from corral.sdk._exceptions import CapacityExhausted, InvalidRequest, NotFound
 from corral.sdk._models import CommandInfo, EdgeLoad, ExecEvent, ExecRequest, ExecResult, FileInfo
@@ -80,7 +87,7 @@ class _Sandbox:
 class LocalEdge:
     """An edge living in the gateway's process (the embedded single-node default)."""
 
-    def __init__(self, edge_id: str, backend: ContainerBackend, capacity: NodeCapacity, on_ended: EndedCallback) -> None:
+    def __init__(self, edge_id: str, backend: Backend, capacity: NodeCapacity, on_ended: EndedCallback) -> None:
         self.edge_id = edge_id
         self._backend = backend
         self._capacity = capacity

@@ -195,10 +195,6 @@ class ContainerBackend:
         except NotFound as exc:
             raise Conflict(f"sandbox {sandbox_id} is not running") from exc
 
-    async def alive(self, sandbox_id: str) -> bool:
-        container = self._containers.get(sandbox_id)
-        return container is not None and not container.agent.closed.is_set()
-
     async def wait_ended(self, sandbox_id: str) -> str:
         container = self._get(sandbox_id)
         await container.agent.closed.wait()
