@@ -104,5 +104,8 @@ class Backend(Protocol):
     async def wait_ended(self, sandbox_id: str) -> str:
         """Return (with a reason) when the sandbox stops by itself; cancel to stop waiting."""
 
+    def housekeeping(self) -> None:
+        """Periodic upkeep the edge calls about once a second (e.g. reaping)."""
+
     async def close(self) -> None:
         """Release node resources; running sandboxes keep running."""

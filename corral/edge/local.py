@@ -36,6 +36,7 @@ __all__ = ["LocalEdge", "NodeCapacity"]
 log = logging.getLogger(__name__)
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _FINISHED_COMMANDS_KEPT = 256
+_HOUSEKEEPING_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,18 @@ class LocalEdge:
         self._on_ended = on_ended
         self._sandboxes: dict[str, _Sandbox] = {}
         self._reserved: dict[str, SandboxSpec] = {}
+        self._housekeeping: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._housekeeping = asyncio.get_running_loop().create_task(self._keep_house())
+
+    async def _keep_house(self) -> None:
+        while True:
+            await asyncio.sleep(_HOUSEKEEPING_INTERVAL_S)
+            try:
+                self._backend.housekeeping()
+            except Exception:
+                log.exception("edge %s: housekeeping failed; retrying", self.edge_id)
 
     # -- admission and lifecycle -------------------------------------------
 
@@ -165,6 +178,8 @@ class LocalEdge:
         await self._backend.destroy(sandbox_id)
 
     async def close(self) -> None:
+        if self._housekeeping is not None:
+            self._housekeeping.cancel()
         for sandbox in self._sandboxes.values():
             if sandbox.watcher is not None:
                 sandbox.watcher.cancel()

@@ -38,6 +38,9 @@ def edge_of(sandbox_id: str) -> str:
 class Edge(Protocol):
     edge_id: str
 
+    async def start(self) -> None:
+        """Begin the edge's own housekeeping; called once before adopt()."""
+
     async def load(self) -> EdgeLoad: ...
 
     async def create(self, spec: SandboxSpec) -> None:

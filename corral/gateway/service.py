@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from corral.backends.base import LayerRef, SandboxSpec
-from corral.backends.container.host import reap_orphaned_inits
 from corral.edge.protocol import Edge, edge_of, new_sandbox_id
 from corral.images.store import LayerStore
 from corral.scheduler.placement import place
@@ -47,6 +46,7 @@ class SandboxService:
 
     async def start(self) -> None:
         for edge_id, edge in self._edges.items():
+            await edge.start()
             records = self._store.list(states=_ACTIVE, edge_id=edge_id)
             specs = []
             for record in records:
@@ -82,7 +82,6 @@ class SandboxService:
                 for sandbox_id in self._store.expired(time.time()):
                     log.info("sandbox %s reached its TTL", sandbox_id)
                     await self._destroy(sandbox_id, "ttl_expired")
-                reap_orphaned_inits()
             except Exception:
                 log.exception("TTL reaper round failed; retrying")
 

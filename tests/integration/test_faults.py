@@ -100,7 +100,22 @@ def test_sandbox_gone_during_restart_is_reported_lost(fresh_server: ServerProces
         assert doomed.id not in [c["id"] for c in json.loads(state.stdout or "[]") or []]
 
 
-def test_no_mounts_or_cgroups_left_behind(fresh_server: ServerProcess) -> None:
+def _zombie_children(pid: int) -> list[int]:
+    zombies = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                stat = open(f"{entry.path}/stat").read()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if fields[0] == "Z" and int(fields[1]) == pid:
+                zombies.append(int(entry.name))
+    return zombies
+
+
+def test_nothing_left_behind(fresh_server: ServerProcess) -> None:
+    """No mounts, cgroups, sandbox dirs or zombie processes after sandboxes end."""
     with fresh_server.client() as client:
         ids = [client.create("busybox").id for _ in range(3)]
         for sandbox_id in ids:
@@ -111,3 +126,8 @@ def test_no_mounts_or_cgroups_left_behind(fresh_server: ServerProcess) -> None:
             assert not os.path.exists(f"/sys/fs/cgroup/{controller}/corral/{sandbox_id}")
     mounts = open("/proc/mounts").read()
     assert str(fresh_server.data_dir) not in mounts  # overlays live only in the containers' namespaces
+    assert fresh_server.process is not None
+    deadline = time.monotonic() + 5
+    while _zombie_children(fresh_server.process.pid):  # the edge reaps what it inherits as subreaper
+        assert time.monotonic() < deadline, _zombie_children(fresh_server.process.pid)
+        time.sleep(0.1)

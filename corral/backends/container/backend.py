@@ -21,7 +21,7 @@ from pathlib import Path
 from corral.backends.base import CommandEvent, CommandExit, CommandOutput, CommandSpec, CommandStarted, SandboxSpec
 from corral.backends.container.agent_protocol import AgentConnection, AgentExit, AgentOutput, AgentStarted, ExecOrder
 from corral.backends.container.files import ConfinedTree
-from corral.backends.container.host import CgroupLayout, LayerMounts, NativeHelpers, oom_kill_count
+from corral.backends.container.host import CgroupLayout, LayerMounts, NativeHelpers, oom_kill_count, orphans
 from corral.backends.container.oci import AGENT_PATH, ContainerLimits, build_config
 from corral.backends.container.runtime import OciRuntime, Overlay
 from corral.sdk._exceptions import Conflict, NotFound, SandboxGone
@@ -210,6 +210,9 @@ class ContainerBackend:
                 if shutil.which(name):
                     await self.runtime(name).kill_and_delete(sandbox_id)
         shutil.rmtree(self._dir / sandbox_id, ignore_errors=True)
+
+    def housekeeping(self) -> None:
+        orphans.reap()
 
     async def close(self) -> None:
         for container in self._containers.values():

@@ -8,6 +8,7 @@ Request handlers never do any of this directly.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import enum
@@ -15,6 +16,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +29,8 @@ __all__ = [
     "build_native_helpers",
     "oom_kill_count",
     "become_child_subreaper",
-    "reap_orphaned_inits",
+    "OrphanReaper",
+    "orphans",
 ]
 
 _CLONE_NEWNS = 0x00020000
@@ -167,23 +170,55 @@ def oom_kill_count(layout: CgroupLayout, cgroup_path: str) -> int:
     return 0
 
 
-def reap_orphaned_inits(names: frozenset[str] = frozenset({"agent"})) -> int:
-    """Reap exited container processes that were re-parented to us (we are a
-    subreaper). Only zombies whose command name is in ``names`` are reaped, so
-    the runtime processes asyncio itself waits for are never stolen from it."""
-    reaped = 0
-    while True:
+class OrphanReaper:
+    """Reaps processes re-parented to this subreaper that nobody waits for:
+    the runtime's intermediate forks and the inits of deleted containers.
+
+    asyncio waits for the runtime processes it spawned by pid, so those are
+    registered here (``spawned``) and left alone; while a spawn is in flight
+    its pid is not known yet, so no round runs then.
+    """
+
+    def __init__(self) -> None:
+        self._tracked: set[int] = set()
+        self._spawning = 0
+
+    @contextlib.contextmanager
+    def spawned(self) -> Iterator[Callable[[int], None]]:
+        """Wrap a spawn and the wait for it; call the yielded function with the pid."""
+        pids: list[int] = []
+        self._spawning += 1
+
+        def track(pid: int) -> None:
+            pids.append(pid)
+            self._tracked.add(pid)
+            self._spawning -= 1
+
         try:
-            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:
-            return reaped
-        if info is None:
-            return reaped
-        try:
-            stat = Path(f"/proc/{info.si_pid}/stat").read_text()
-        except OSError:
-            return reaped
-        if stat[stat.index("(") + 1 : stat.rindex(")")] not in names:
-            return reaped
-        os.waitpid(info.si_pid, os.WNOHANG)
-        reaped += 1
+            yield track
+        finally:
+            if not pids:
+                self._spawning -= 1
+            self._tracked.difference_update(pids)
+
+    def reap(self) -> int:
+        if self._spawning:
+            return 0
+        me, reaped = os.getpid(), 0
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit() or int(entry.name) in self._tracked:
+                continue
+            try:
+                stat = Path(entry.path, "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if fields[0] == "Z" and int(fields[1]) == me:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(int(entry.name), os.WNOHANG)
+                    reaped += 1
+        return reaped
+
+
+orphans = OrphanReaper()
+"""The process-wide reaper (being a subreaper is a property of the process)."""

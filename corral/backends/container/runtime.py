@@ -16,6 +16,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from corral.backends.container.host import orphans
 from corral.sdk._exceptions import InternalError, InvalidRequest
 
 __all__ = ["OciRuntime", "OciRuntimeFailed", "ContainerState", "Overlay"]
@@ -62,26 +63,30 @@ class OciRuntime:
 
     async def _run(
         self, args: list[str], *, pass_fds: tuple[int, ...] = (), check: bool = True, log_file: Path | None = None
-    ) -> tuple[int, str]:
-        """Run the runtime to completion. Detached starts pass ``log_file``: the
-        container inherits the runtime's stderr, so it must never be a pipe we
-        wait on (it would stay open as long as the container lives)."""
+    ) -> tuple[int, bytes, str]:
+        """Run the runtime to completion: (exit status, stdout, stderr text).
+
+        Detached starts pass ``log_file``: the container inherits the runtime's
+        stderr, so it must never be a pipe we wait on (it would stay open as
+        long as the container lives)."""
         log = open(log_file, "ab+") if log_file is not None else None  # noqa: SIM115
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *args,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=log if log is not None else asyncio.subprocess.PIPE,
-                pass_fds=pass_fds,
-            )
-            try:
-                _, stderr = await asyncio.wait_for(proc.communicate(), _RUNTIME_TIMEOUT_S)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
-                raise OciRuntimeFailed(f"{self.name} did not finish in {_RUNTIME_TIMEOUT_S:.0f}s: {' '.join(args[-3:])}")
+            with orphans.spawned() as track:
+                proc = await asyncio.create_subprocess_exec(
+                    *args,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.DEVNULL if log is not None else asyncio.subprocess.PIPE,
+                    stderr=log if log is not None else asyncio.subprocess.PIPE,
+                    pass_fds=pass_fds,
+                )
+                track(proc.pid)
+                try:
+                    stdout, stderr = await asyncio.wait_for(proc.communicate(), _RUNTIME_TIMEOUT_S)
+                except TimeoutError:
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.kill()
+                    await proc.wait()
+                    raise OciRuntimeFailed(f"{self.name} timed out after {_RUNTIME_TIMEOUT_S:.0f}s: {args[-3:]}") from None
             if log is not None:
                 log.seek(0)
                 stderr = log.read()[-4096:]
@@ -92,7 +97,7 @@ class OciRuntime:
         if check and proc.returncode != 0:
             last = message.splitlines()[-1] if message else f"exit status {proc.returncode}"
             raise OciRuntimeFailed(f"{self.name} failed: {last}")
-        return proc.returncode or 0, message
+        return proc.returncode or 0, stdout or b"", message
 
     async def run_detached(self, container_id: str, bundle: Path, overlay: Overlay, ctl: socket.socket) -> int:
         """Mount the overlay at bundle/rootfs and start the container detached; returns its init's host pid."""
@@ -116,22 +121,14 @@ class OciRuntime:
         await self._run(args, pass_fds=(ctl.fileno(),), log_file=log_file)
 
     async def state(self, container_id: str) -> ContainerState | None:
-        proc = await asyncio.create_subprocess_exec(
-            *self._base(), "state", container_id,
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-        )  # fmt: skip
-        out, _ = await asyncio.wait_for(proc.communicate(), _RUNTIME_TIMEOUT_S)
-        if proc.returncode != 0:
+        code, out, _ = await self._run([*self._base(), "state", container_id], check=False)
+        if code != 0:
             return None
         data = json.loads(out)
         return ContainerState(id=data["id"], status=data["status"], pid=int(data.get("pid") or 0))
 
     async def list_ids(self) -> list[str]:
-        proc = await asyncio.create_subprocess_exec(
-            *self._base(), "list", "--format", "json",
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-        )  # fmt: skip
-        out, _ = await asyncio.wait_for(proc.communicate(), _RUNTIME_TIMEOUT_S)
+        _, out, _ = await self._run([*self._base(), "list", "--format", "json"])
         return [entry["id"] for entry in json.loads(out or b"[]") or []]
 
     async def kill_and_delete(self, container_id: str) -> None:
