@@ -3,11 +3,11 @@
 Corral is measured through the real SDK over HTTP against an embedded server
 this command starts for itself: create -> first exec, exec round trip, and a
 burst of concurrent creates. The baseline is plain crun on a copy of the same
-busybox rootfs with the same limits and security profile, minus what Corral
-adds (agent, overlay, scheduler, HTTP): `crun run --detach` + `crun exec`, and
-`crun exec` alone. This machine is noisy, so absolute numbers drift from run to
-run; both sides are therefore sampled in one process, interleaved sample by
-sample, and the verdicts use ratios (or the absolute ceiling the spec promises).
+busybox rootfs, with Corral's own config.json (limits, namespaces, seccomp)
+minus the agent: `crun run --detach` + `crun exec`, and `crun exec` alone.
+This machine is noisy, so absolute numbers drift from run to run; both sides
+are sampled in one process, interleaved sample by sample, and the verdicts
+compare them as ratios (or against the absolute ceiling for exec).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Self
 
 import httpx
 from rich.console import Console
@@ -41,7 +41,7 @@ from corral.config import Settings
 from corral.images.store import LayerStore
 from corral.sdk import AsyncClient, AsyncSandbox, Client, CorralError, ExecResult, InvalidRequest
 
-__all__ = ["percentile", "summarize", "run_benchmark"]
+__all__ = ["percentile", "run_benchmark", "summarize"]
 
 IMAGE = "busybox"
 EXEC_WARMUP_CALLS = 5
@@ -50,17 +50,13 @@ EXEC_SAMPLES_PER_RUN = 10
 # (cores x cpu_overcommit); the baseline containers get the same limits.
 LIMITS = oci.ContainerLimits(cpu=0.25, memory_mb=128, pids_max=256)
 SANDBOX_TTL_S = 600.0  # a sandbox leaked by a crashed bench still goes away
-CREATE_RATIO_TARGET = 1.5  # docs/spec.md: create -> first exec within 1.5x plain crun
-EXEC_P50_TARGET_MS = 5.0  # docs/spec.md: exec round trip p50 under 5 ms
+CREATE_RATIO_TARGET = 1.5  # create -> first exec p50, as a multiple of plain crun's
+EXEC_P50_TARGET_MS = 5.0  # exec round trip p50, absolute
 SERVER_START_TIMEOUT_S = 60.0
 SERVER_STOP_GRACE_S = 15.0
 CRUN_TIMEOUT_S = 30.0
 BENCH_CGROUP = "corral-bench"
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
-REAP_TIMEOUT_S = 5.0
-
-
-# -- statistics (pure) -------------------------------------------------------
 
 
 def percentile(samples: Sequence[float], q: float) -> float:
@@ -81,14 +77,8 @@ def summarize(samples: Sequence[float]) -> dict[str, float]:
     """p50, p95, mean, min, max and n of a non-empty sample."""
     if not samples:
         raise ValueError("summary of an empty sample")
-    return {
-        "p50": percentile(samples, 50),
-        "p95": percentile(samples, 95),
-        "mean": statistics.fmean(samples),
-        "min": min(samples),
-        "max": max(samples),
-        "n": len(samples),
-    }
+    return {"p50": percentile(samples, 50), "p95": percentile(samples, 95), "mean": statistics.fmean(samples),
+            "min": min(samples), "max": max(samples), "n": len(samples)}  # fmt: skip
 
 
 def _timed_ms(action: Callable[[], object]) -> float:
@@ -97,31 +87,34 @@ def _timed_ms(action: Callable[[], object]) -> float:
     return (time.perf_counter() - started) * 1000
 
 
-# -- the embedded server -----------------------------------------------------
-
-
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
 
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 def _stop_process(process: subprocess.Popen[bytes]) -> None:
     """SIGTERM, a grace period, then SIGKILL."""
-    if process.poll() is not None:
-        return
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=SERVER_STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=SERVER_STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 @contextlib.contextmanager
 def _embedded_server(data_dir: Path) -> Iterator[tuple[str, str]]:
     """Run `corral serve` on a free loopback port; yield (url, api_key). On exit,
-    kill every sandbox it still has, stop it, and remove any container it left."""
+    kill its sandboxes, stop it, and remove whatever container it left."""
     data_dir.mkdir(parents=True)
     port, config_file, log_path = _free_port(), data_dir / "client.json", data_dir / "server.log"
     env = {**os.environ, "CORRAL_DATA_DIR": str(data_dir), "CORRAL_PORT": str(port),
@@ -140,28 +133,15 @@ def _embedded_server(data_dir: Path) -> Iterator[tuple[str, str]]:
         try:
             yield url, api_key
         finally:
-            _kill_all_sandboxes(url, api_key)
+            with contextlib.suppress(CorralError), Client(url, api_key) as client:
+                for info in client.list():
+                    with contextlib.suppress(CorralError):
+                        client.kill(info.id)
     finally:
         _stop_process(process)
         with _Crun(data_dir / "run" / "crun", data_dir / "cleanup.log") as leftovers:
             leftovers.delete_all()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200
-    except httpx.TransportError:
-        return False
-
-
-def _kill_all_sandboxes(url: str, api_key: str) -> None:
-    with contextlib.suppress(CorralError), Client(url, api_key) as client:
-        for info in client.list():
-            with contextlib.suppress(CorralError):
-                client.kill(info.id)
-
-
-# -- the crun baseline -------------------------------------------------------
+        host.orphans.reap()
 
 
 class _Crun:
@@ -176,7 +156,7 @@ class _Crun:
         self._log_path = log_path
         self._log: IO[bytes] = open(log_path, "ab")  # noqa: SIM115
 
-    def __enter__(self) -> _Crun:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -198,39 +178,34 @@ class _Crun:
         self._run("exec", container_id, "/bin/true")
 
     def kill_and_delete(self, container_id: str) -> None:
-        """Kill and delete, then reap its init: being a subreaper, we are its parent now."""
-        state = subprocess.run([*self._base, "state", container_id], stdin=subprocess.DEVNULL, capture_output=True,
-                               text=True, timeout=CRUN_TIMEOUT_S)  # fmt: skip
-        init_pid = int(json.loads(state.stdout).get("pid") or 0) if state.returncode == 0 else 0
+        """By the time delete -f returns the init has exited, so its zombie is reaped here."""
         self._run("kill", container_id, "KILL", check=False)
         self._run("delete", "-f", container_id, check=False)
-        deadline = time.monotonic() + REAP_TIMEOUT_S
-        with contextlib.suppress(ChildProcessError):
-            while init_pid and os.waitpid(init_pid, os.WNOHANG) == (0, 0) and time.monotonic() < deadline:
-                time.sleep(0.001)
+        host.orphans.reap()
 
     def delete_all(self) -> None:
         listing = subprocess.run([*self._base, "list", "-q"], stdin=subprocess.DEVNULL, capture_output=True,
-                                 text=True, timeout=CRUN_TIMEOUT_S)  # fmt: skip
+                                 text=True, check=False, timeout=CRUN_TIMEOUT_S)  # fmt: skip
         for container_id in listing.stdout.split():
             self.kill_and_delete(container_id)
 
 
 def _build_baseline_bundle(bundle: Path, layer_file: Path) -> None:
-    """Copy the busybox EROFS layer into bundle/rootfs (a plain directory)."""
+    """Copy the busybox EROFS layer into bundle/rootfs, a plain directory."""
     mountpoint = bundle.parent / "layer-mnt"
     mountpoint.mkdir(parents=True)
     bundle.mkdir()
     subprocess.run(["mount", "-t", "erofs", "-o", "ro", str(layer_file), str(mountpoint)],
                    check=True, capture_output=True, timeout=CRUN_TIMEOUT_S)  # fmt: skip
     try:
-        subprocess.run(["cp", "-a", f"{mountpoint}/.", str(bundle / "rootfs")], check=True, capture_output=True, timeout=300)
+        copy = ["cp", "-a", f"{mountpoint}/.", str(bundle / "rootfs")]
+        subprocess.run(copy, check=True, capture_output=True, timeout=CRUN_TIMEOUT_S * 10)
     finally:
         subprocess.run(["umount", str(mountpoint)], check=True, capture_output=True, timeout=CRUN_TIMEOUT_S)
 
 
 def _write_bundle_config(bundle: Path, container_id: str) -> None:
-    """Corral's own config.json for a sandbox, but running sleep instead of the agent."""
+    """A sandbox's config.json, running sleep instead of the agent."""
     config = oci.build_config(hostname=container_id[-12:], limits=LIMITS,
                               cgroup_path=f"/{BENCH_CGROUP}/{container_id}", agent_binary=Path("/nonexistent"))  # fmt: skip
     config["process"]["args"] = ["/bin/sleep", "1000"]
@@ -239,14 +214,10 @@ def _write_bundle_config(bundle: Path, container_id: str) -> None:
 
 
 def _remove_bench_cgroups() -> None:
-    """crun delete removes each container's cgroup; drop the empty parents."""
-    parents = [_CGROUP_ROOT / BENCH_CGROUP, *(d / BENCH_CGROUP for d in _CGROUP_ROOT.iterdir() if d.is_dir())]
-    for parent in parents:
+    """crun delete removes each container's cgroup; drop the (empty) parents."""
+    for parent in [_CGROUP_ROOT / BENCH_CGROUP, *(d / BENCH_CGROUP for d in _CGROUP_ROOT.iterdir() if d.is_dir())]:
         with contextlib.suppress(OSError):
             parent.rmdir()
-
-
-# -- samples -----------------------------------------------------------------
 
 
 def _require_success(result: ExecResult) -> None:
@@ -295,65 +266,54 @@ async def _concurrent_create(url: str, api_key: str, count: int, on_created: Cal
 
 def _measure(work_dir: Path, layer_file: Path, runs: int, concurrency: int, progress: Progress) -> dict[str, Any]:
     bundle = work_dir / "baseline" / "bundle"
+    samples: dict[str, list[float]] = {"corral_create": [], "crun_create": [], "corral_exec": [], "crun_exec": []}
     with contextlib.ExitStack() as stack:
         task = progress.add_task("baseline rootfs (mount EROFS, cp -a)", total=1)
         _build_baseline_bundle(bundle, layer_file)
-        progress.update(task, completed=1)
         crun = stack.enter_context(_Crun(work_dir / "crun-root", work_dir / "crun.log"))
         stack.callback(crun.delete_all)
+        progress.update(task, completed=1)
         task = progress.add_task("starting corral serve", total=1)
         url, api_key = stack.enter_context(_embedded_server(work_dir / "server"))
         client = stack.enter_context(Client(url, api_key))
         progress.update(task, completed=1)
 
-        create_corral: list[float] = []
-        create_crun: list[float] = []
         task = progress.add_task("create → first exec (corral, crun)", total=runs)
         for i in range(runs):
-            create_corral.append(_corral_create_sample(client))
-            create_crun.append(_crun_create_sample(crun, bundle, f"bench-create-{i}"))
+            samples["corral_create"].append(_corral_create_sample(client))
+            samples["crun_create"].append(_crun_create_sample(crun, bundle, f"bench-create-{i}"))
             progress.advance(task)
 
-        exec_corral: list[float] = []
-        exec_crun: list[float] = []
-        task = progress.add_task("exec round trip (corral, crun)", total=EXEC_WARMUP_CALLS + runs * EXEC_SAMPLES_PER_RUN)
+        calls = EXEC_WARMUP_CALLS + runs * EXEC_SAMPLES_PER_RUN
+        task = progress.add_task("exec round trip (corral, crun)", total=calls)
         with client.create(IMAGE, cpu=LIMITS.cpu, memory_mb=LIMITS.memory_mb, ttl_s=SANDBOX_TTL_S) as sandbox:
             _write_bundle_config(bundle, "bench-exec")
             crun.run_detached("bench-exec", bundle)
-            for i in range(EXEC_WARMUP_CALLS + runs * EXEC_SAMPLES_PER_RUN):
+            for i in range(calls):
                 corral_ms = _timed_ms(lambda: _require_success(sandbox.exec("true")))
                 crun_ms = _timed_ms(lambda: crun.exec_true("bench-exec"))
                 if i >= EXEC_WARMUP_CALLS:
-                    exec_corral.append(corral_ms)
-                    exec_crun.append(crun_ms)
+                    samples["corral_exec"].append(corral_ms)
+                    samples["crun_exec"].append(crun_ms)
                 progress.advance(task)
             crun.kill_and_delete("bench-exec")
 
         task = progress.add_task(f"concurrent create ×{concurrency} (corral)", total=concurrency)
         burst = asyncio.run(_concurrent_create(url, api_key, concurrency, lambda: progress.advance(task)))
-        cleanup = progress.add_task("cleaning up (kill sandboxes, stop server, delete containers)", total=1)
+        cleanup = progress.add_task("cleaning up (sandboxes, server, containers)", total=1)
     progress.update(cleanup, completed=1)
     return {
-        "corral": {"create_to_first_exec": summarize(create_corral), "exec_roundtrip": summarize(exec_corral),
-                   "concurrent_create": burst},
-        "baseline": {"crun_create_start_exec": summarize(create_crun), "crun_exec": summarize(exec_crun)},
+        "corral": {"create_to_first_exec": summarize(samples["corral_create"]),
+                   "exec_roundtrip": summarize(samples["corral_exec"]), "concurrent_create": burst},
+        "baseline": {"crun_create_start_exec": summarize(samples["crun_create"]),
+                     "crun_exec": summarize(samples["crun_exec"])},
     }  # fmt: skip
-
-
-# -- report ------------------------------------------------------------------
-
-
-def _host_info(layout: host.CgroupLayout) -> dict[str, Any]:
-    version = subprocess.run(["crun", "--version"], capture_output=True, text=True, timeout=CRUN_TIMEOUT_S)
-    return {"kernel": platform.release(), "cpu_count": os.cpu_count(), "cgroup_layout": layout.value,
-            "crun_version": version.stdout.splitlines()[0] if version.stdout else "unknown"}  # fmt: skip
 
 
 def _checks(results: dict[str, Any]) -> list[dict[str, Any]]:
     corral, baseline = results["corral"], results["baseline"]
     create_ratio = corral["create_to_first_exec"]["p50"] / baseline["crun_create_start_exec"]["p50"]
-    exec_p50 = corral["exec_roundtrip"]["p50"]
-    burst = corral["concurrent_create"]
+    exec_p50, burst = corral["exec_roundtrip"]["p50"], corral["concurrent_create"]
     return [
         {"metric": "create_to_first_exec", "target": f"ratio ≤ {CREATE_RATIO_TARGET:g}", "value": create_ratio,
          "ok": create_ratio <= CREATE_RATIO_TARGET},
@@ -365,10 +325,13 @@ def _checks(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _table(report: dict[str, Any]) -> Table:
-    corral, baseline = report["corral"], report["baseline"]
+    corral, baseline, info, params = report["corral"], report["baseline"], report["host"], report["params"]
     checks = {check["metric"]: check for check in report["checks"]}
+    caption = (f"baselines: crun run --detach + crun exec, and crun exec; {params['runs']} creates and "
+               f"{params['exec_samples']} execs per side, interleaved. Kernel {info['kernel']}, "
+               f"{info['cpu_count']} cpus, cgroup {info['cgroup_layout']}, {info['crun_version']}.")  # fmt: skip
     table = Table("metric", "corral p50 ms", "corral p95 ms", "baseline p50 ms", "ratio", "target", "verdict",
-                  title="corral bench", caption=_caption(report))  # fmt: skip
+                  title="corral bench", caption=caption)  # fmt: skip
 
     def verdict(metric: str, failed: str = "over") -> str:
         return "[green]ok[/green]" if checks[metric]["ok"] else f"[red]{failed}[/red]"
@@ -387,13 +350,6 @@ def _table(report: dict[str, Any]) -> Table:
     return table
 
 
-def _caption(report: dict[str, Any]) -> str:
-    info, params = report["host"], report["params"]
-    return (f"baselines: crun run --detach + crun exec, and crun exec; {params['runs']} creates and "
-            f"{params['exec_samples']} execs per side, interleaved. Kernel {info['kernel']}, "
-            f"{info['cpu_count']} cpus, cgroup {info['cgroup_layout']}, {info['crun_version']}.")  # fmt: skip
-
-
 def run_benchmark(*, runs: int, concurrency: int, as_json: bool, console: Console) -> None:
     """Measure Corral and the plain-crun baseline, then print a table (or JSON)."""
     if runs < 1 or concurrency < 1:
@@ -401,31 +357,33 @@ def run_benchmark(*, runs: int, concurrency: int, as_json: bool, console: Consol
     if os.geteuid() != 0:
         raise SystemExit("corral bench needs root: its crun baseline creates namespaces, cgroups and mounts")
     layout = host.detect_cgroup_layout()
-    # Before any thread (the progress bar starts one): unshare(CLONE_NEWNS) refuses
-    # a threaded process. Hides the v2 mount on hybrid hosts so crun works.
+    # Before any thread (the progress bar starts one): unshare(CLONE_NEWNS)
+    # refuses a threaded process. On hybrid hosts this hides v2 so crun works.
     host.enter_private_mount_namespace(layout)
-    host.become_child_subreaper()  # container inits re-parent to us; kill_and_delete reaps them
+    host.become_child_subreaper()  # crun forks and dead inits come to us; host.orphans reaps them
     store = LayerStore(Settings().layer_dir)
     image = store.resolve(IMAGE)
     if len(image.layers) != 1:
         raise InvalidRequest(f"the bench expects a single-layer {IMAGE} image, found {len(image.layers)} layers")
     layer_file = store.layer_path(image.layers[0])
+    crun_version = subprocess.run(["crun", "--version"], capture_output=True, text=True, check=False, timeout=10)
 
     work_dir = Path(tempfile.mkdtemp(prefix="corral-bench."))
-    progress_console = Console(stderr=True) if as_json else console
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())  # fmt: skip
     try:
-        with Progress(*columns, console=progress_console) as progress:
+        with Progress(*columns, console=Console(stderr=True) if as_json else console) as progress:
             results = _measure(work_dir, layer_file, runs, concurrency, progress)
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
         _remove_bench_cgroups()
     report: dict[str, Any] = {
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "unit": "ms",
         "params": {"runs": runs, "concurrency": concurrency, "image": IMAGE, "cpu": LIMITS.cpu,
                    "memory_mb": LIMITS.memory_mb, "exec_samples": runs * EXEC_SAMPLES_PER_RUN},
-        "host": _host_info(layout),
+        "host": {"kernel": platform.release(), "cpu_count": os.cpu_count(), "cgroup_layout": layout.value,
+                 "crun_version": (crun_version.stdout.splitlines() or ["unknown"])[0]},
         **results,
     }  # fmt: skip
     report["checks"] = _checks(report)

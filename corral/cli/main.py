@@ -20,7 +20,8 @@ from rich.table import Column, Table
 from corral.sdk import Client, CorralError, SandboxInfo
 
 app = typer.Typer(help="Corral: sandboxes for agentic RL.", no_args_is_help=True, add_completion=False)
-console = Console()
+# Piped output (CI logs, scripts) gets full-width tables instead of wrapped 80-column ones.
+console = Console(width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True)
 
 

@@ -204,19 +204,24 @@ class OrphanReaper:
     def reap(self) -> int:
         if self._spawning:
             return 0
-        me, reaped = os.getpid(), 0
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit() or int(entry.name) in self._tracked:
-                continue
+        reaped = 0
+        # An orphan is handed to any of our threads, so read every task's children.
+        for children in Path("/proc/self/task").glob("*/children"):
             try:
-                stat = Path(entry.path, "stat").read_text()
+                pids = [int(pid) for pid in children.read_text().split()]
             except OSError:
                 continue
-            fields = stat[stat.rindex(")") + 2 :].split()
-            if fields[0] == "Z" and int(fields[1]) == me:
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(int(entry.name), os.WNOHANG)
-                    reaped += 1
+            for pid in pids:
+                if pid in self._tracked:
+                    continue
+                try:
+                    stat = Path(f"/proc/{pid}/stat").read_text()
+                except OSError:
+                    continue
+                if stat[stat.rindex(")") + 2] == "Z":
+                    with contextlib.suppress(ChildProcessError):
+                        os.waitpid(pid, os.WNOHANG)
+                        reaped += 1
         return reaped
 
 
