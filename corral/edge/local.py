@@ -27,8 +27,9 @@ from corral.backends.base import (
     RunningCommand,
     SandboxSpec,
 )
+from corral.backends.container.files import ConfinedTree
 from corral.edge.protocol import EndedCallback
-from corral.sdk._exceptions import CapacityExhausted, InvalidRequest, NotFound
+from corral.sdk._exceptions import CapacityExhausted, InvalidRequest, NotFound, SandboxGone
 from corral.sdk._models import CommandInfo, EdgeLoad, ExecEvent, ExecRequest, ExecResult, FileInfo
 
 __all__ = ["LocalEdge", "NodeCapacity"]
@@ -83,6 +84,23 @@ class _Sandbox:
     commands: dict[str, _Command] = field(default_factory=dict)
     next_command: int = 1
     watcher: asyncio.Task[None] | None = None
+    owner: tuple[int, int] | None = None  # uid, gid of spec.user, looked up on first file write
+
+
+def _lookup_owner(tree: ConfinedTree, user: str) -> tuple[int, int]:
+    """The uid and gid that ``user`` (name, uid or uid:gid) has in the sandbox's own /etc/passwd."""
+    uid_text, _, gid_text = user.partition(":")
+    if uid_text.isdigit():
+        return int(uid_text), int(gid_text) if gid_text.isdigit() else int(uid_text)
+    try:
+        passwd = tree.read("/etc/passwd", max_bytes=1 << 20).decode(errors="replace")
+    except NotFound:
+        passwd = ""
+    for line in passwd.splitlines():
+        fields = line.split(":")
+        if len(fields) >= 4 and fields[0] == user and fields[2].isdigit() and fields[3].isdigit():
+            return int(fields[2]), int(fields[3])
+    raise InvalidRequest(f"user {user!r} is not in the sandbox's /etc/passwd")
 
 
 class LocalEdge:
@@ -94,7 +112,8 @@ class LocalEdge:
         self._capacity = capacity
         self._on_ended = on_ended
         self._sandboxes: dict[str, _Sandbox] = {}
-        self._reserved: dict[str, SandboxSpec] = {}
+        self._reserved: dict[str, SandboxSpec] = {}  # admitted, still starting
+        self._cancelled: set[str] = set()  # killed while starting: destroyed once the start returns
         self._housekeeping: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -144,6 +163,10 @@ class LocalEdge:
             await self._backend.create(spec)
         finally:
             self._reserved.pop(spec.sandbox_id, None)
+        if spec.sandbox_id in self._cancelled:
+            self._cancelled.discard(spec.sandbox_id)
+            await self._backend.destroy(spec.sandbox_id)
+            raise SandboxGone(f"sandbox {spec.sandbox_id} was killed while it was starting")
         self._track(spec)
 
     def _track(self, spec: SandboxSpec) -> None:
@@ -172,6 +195,9 @@ class LocalEdge:
         return alive
 
     async def destroy(self, sandbox_id: str) -> None:
+        if sandbox_id in self._reserved:  # let the start finish, then undo it (see create)
+            self._cancelled.add(sandbox_id)
+            return
         sandbox = self._sandboxes.pop(sandbox_id, None)
         if sandbox is not None and sandbox.watcher is not None:
             sandbox.watcher.cancel()
@@ -321,7 +347,16 @@ class LocalEdge:
         return await self._in_tree(sandbox_id, lambda t: t.read(path, max_bytes=self._capacity.max_file_bytes))
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int) -> FileInfo:
-        return await self._in_tree(sandbox_id, lambda t: t.write(path, data, mode=mode))
+        """Files (and the directories made for them) belong to the sandbox's user, as if it wrote them."""
+        sandbox = self._get(sandbox_id)
+
+        def write(tree: ConfinedTree) -> FileInfo:
+            if sandbox.owner is None:
+                sandbox.owner = _lookup_owner(tree, sandbox.spec.user)
+            uid, gid = sandbox.owner
+            return tree.write(path, data, mode=mode, uid=uid, gid=gid)
+
+        return await self._in_tree(sandbox_id, write)
 
     async def stat(self, sandbox_id: str, path: str) -> FileInfo:
         return await self._in_tree(sandbox_id, lambda t: t.stat(path))

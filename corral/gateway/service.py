@@ -153,7 +153,9 @@ class SandboxService:
             except BaseException as exc:
                 self._store.end(spec.sandbox_id, SandboxState.ENDED, "error", str(exc) or type(exc).__name__)
                 raise
-            self._store.update(spec.sandbox_id, state=SandboxState.RUNNING.value)
+            if not self._store.mark_running(spec.sandbox_id):
+                await self._edges[edge_id].destroy(spec.sandbox_id)  # killed while it was starting
+                self._raise_if_ended(self.get(spec.sandbox_id))
             return self.get(spec.sandbox_id)
 
     def get(self, sandbox_id: str) -> SandboxInfo:

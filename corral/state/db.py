@@ -86,6 +86,16 @@ class StateStore:
         with self._engine.begin() as conn:
             conn.execute(update(sandboxes).where(sandboxes.c.id == sandbox_id).values(**values))
 
+    def mark_running(self, sandbox_id: str) -> bool:
+        """creating → running; False if the sandbox was ended meanwhile (killed while it started)."""
+        with self._engine.begin() as conn:
+            result = conn.execute(
+                update(sandboxes)
+                .where(sandboxes.c.id == sandbox_id, sandboxes.c.state == SandboxState.CREATING.value)
+                .values(state=SandboxState.RUNNING.value)
+            )
+            return result.rowcount > 0
+
     def end(self, sandbox_id: str, state: SandboxState, reason: str, message: str | None = None) -> bool:
         """Mark an active sandbox ended; False if it had already ended."""
         with self._engine.begin() as conn:

@@ -131,3 +131,33 @@ def test_nothing_left_behind(fresh_server: ServerProcess) -> None:
     while _zombie_children(fresh_server.process.pid):  # the edge reaps what it inherits as subreaper
         assert time.monotonic() < deadline, _zombie_children(fresh_server.process.pid)
         time.sleep(0.1)
+
+
+async def test_kill_during_create_wins(fresh_server: ServerProcess) -> None:
+    """A sandbox killed while it is still starting never comes up, and nothing of it stays running."""
+    import asyncio
+
+    async with corral.AsyncClient(fresh_server.url, fresh_server.api_key) as client:
+        creates = [asyncio.create_task(client.create("busybox", memory_mb=64, labels={"race": "1"})) for _ in range(24)]
+        killed: set[str] = set()
+        while not all(task.done() for task in creates):
+            for info in await client.list(state=["creating"], labels={"race": "1"}):
+                if info.id not in killed:
+                    killed.add(info.id)
+                    await client.kill(info.id)
+            await asyncio.sleep(0)
+        results = await asyncio.gather(*creates, return_exceptions=True)
+        assert killed, "no create was caught in flight; the race was not exercised"
+        errors = [r for r in results if not isinstance(r, corral.AsyncSandbox)]
+        assert all(isinstance(e, corral.SandboxGone) and "while it was starting" in e.message for e in errors), errors
+        # Some kills land after their create returned: those sandboxes ended too.
+        survivors = {r.id for r in results if isinstance(r, corral.AsyncSandbox)} - killed
+        running = {s.id for s in await client.list(labels={"race": "1"})}
+        assert running == survivors
+        for sandbox_id in killed:
+            assert (await client.get(sandbox_id)).info.end_reason == "killed"
+    listing = subprocess.run(
+        ["crun", "--root", str(fresh_server.data_dir / "run" / "crun"), "list", "--format", "json"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert {c["id"] for c in json.loads(listing.stdout or "[]") or []} == survivors

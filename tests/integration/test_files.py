@@ -116,3 +116,12 @@ def test_oversized_upload_is_refused(server, sandbox: corral.Sandbox) -> None:  
     assert response.startswith("HTTP/1.1 413"), response
     assert "payload_too_large" in response
     assert not sandbox.files.exists("/big")
+
+
+def test_files_belong_to_the_sandbox_user(client: corral.Client) -> None:
+    with client.create("busybox", user="user") as sandbox:
+        info = sandbox.files.write("/home/user/new/notes.txt", "a\n")
+        assert (info.uid, info.gid) == (1000, 1000)
+        assert sandbox.exec("echo b >> /home/user/new/notes.txt && cat /home/user/new/notes.txt").stdout == "a\nb\n"
+    with client.create("busybox") as sandbox:
+        assert (sandbox.files.write("/root/x", "1").uid) == 0
