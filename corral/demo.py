@@ -14,27 +14,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Coroutine, Iterator
+from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
 from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from corral.embedded import EmbeddedServer
 from corral.sdk import AsyncClient, AsyncSandbox, CorralError, ExecResult
 
 IMAGE = "debian-12"
@@ -45,9 +41,6 @@ SANDBOX_TTL_S = 600.0  # sandboxes leaked by a crashed demo still go away while 
 JOB_LABELS = {"job": "demo"}
 CREATE_TIMEOUT_S = 60.0
 EXEC_TIMEOUT_S = 60.0
-SERVER_START_TIMEOUT_S = 60.0
-SERVER_STOP_GRACE_S = 15.0
-RUNTIME_TIMEOUT_S = 30.0
 WORKDIR = "/work"
 # -B: the fix keeps calc.py's size and may keep its mtime second, the two things a cached .pyc is checked against.
 TEST_CMD = "python3 -B test_calc.py"
@@ -228,57 +221,6 @@ async def _demo(url: str, api_key: str, count: int, console: Console) -> bool:
     return all_killed and all(e.failure is None for e in episodes)
 
 
-@contextlib.contextmanager
-def _embedded_server(data_dir: Path) -> Iterator[tuple[str, str]]:
-    """Run `corral serve` on a free loopback port and yield (url, api_key). On exit, send SIGTERM, wait up to
-    SERVER_STOP_GRACE_S, then send SIGKILL, and delete any container that the server left behind."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    url, config_file, log_path = f"http://127.0.0.1:{port}", data_dir / "client.json", data_dir / "server.log"
-    env = {**os.environ, "CORRAL_DATA_DIR": str(data_dir), "CORRAL_HOST": "127.0.0.1", "CORRAL_PORT": str(port),
-           "CORRAL_CONFIG_FILE": str(config_file)}  # fmt: skip
-    with open(log_path, "ab") as log:
-        # A session of its own keeps Ctrl-C away from the server, so the demo can still kill its sandboxes.
-        process = subprocess.Popen([sys.executable, "-m", "corral.cli.main", "serve"], stdin=subprocess.DEVNULL,
-                                   env=env, stdout=log, stderr=log, start_new_session=True)  # fmt: skip
-    try:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200:
-                    break
-            if process.poll() is not None or time.monotonic() > deadline:
-                problem = "did not answer /healthz" if process.returncode is None else f"exited ({process.returncode})"
-                tail = log_path.read_text(errors="replace")[-3000:]
-                raise SystemExit(f"corral serve {problem} within {SERVER_START_TIMEOUT_S:.0f} s; its log ends:\n{tail}")
-            time.sleep(0.05)
-        yield url, str(json.loads(config_file.read_text())["api_key"])
-    finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=SERVER_STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        _delete_leftover_containers(data_dir / "run")
-
-
-def _delete_leftover_containers(state_root: Path) -> None:
-    """Containers outlive their server (a restarted server adopts them), so delete any that a failed kill left,
-    while their runtime state still exists."""
-    for runtime in ("crun", "runc"):
-        command = [shutil.which(runtime) or runtime, "--root", str(state_root / runtime)]
-        if (state_root / runtime).is_dir():
-            listing = subprocess.run([*command, "list", "-q"], capture_output=True, text=True,
-                                     timeout=RUNTIME_TIMEOUT_S)  # fmt: skip
-            for container_id in listing.stdout.split():
-                print(f"deleting container {container_id}, which outlived the server", file=sys.stderr)
-                subprocess.run([*command, "delete", "--force", container_id], capture_output=True,
-                               timeout=RUNTIME_TIMEOUT_S)  # fmt: skip
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m corral.demo", description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--sandboxes", type=int, default=DEFAULT_SANDBOXES, metavar="N",
@@ -292,9 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     data_dir = Path(tempfile.mkdtemp(prefix="corral-demo-", dir="/var/tmp"))
     try:
-        with _embedded_server(data_dir) as (url, api_key):
-            console.print(f"corral server at {url}, data in {data_dir}", style="dim")
-            return 0 if asyncio.run(_demo(url, api_key, args.sandboxes, console)) else 1
+        with EmbeddedServer(data_dir) as server:
+            console.print(f"corral server at {server.url}, data in {data_dir}", style="dim")
+            return 0 if asyncio.run(_demo(server.url, server.api_key, args.sandboxes, console)) else 1
     except KeyboardInterrupt:
         console.print("[yellow]Interrupted.[/yellow]")
         return 130

@@ -20,26 +20,23 @@ import math
 import os
 import platform
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any, Self
 
-import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from corral.backends.container import host, oci
 from corral.config import Settings
+from corral.embedded import EmbeddedServer
 from corral.images.store import LayerStore
-from corral.sdk import AsyncClient, AsyncSandbox, Client, CorralError, ExecResult, InvalidRequest
+from corral.sdk import AsyncClient, AsyncSandbox, Client, ExecResult, InvalidRequest
 
 __all__ = ["percentile", "run_benchmark", "summarize"]
 
@@ -52,8 +49,6 @@ LIMITS = oci.ContainerLimits(cpu=0.25, memory_mb=128, pids_max=256)
 SANDBOX_TTL_S = 600.0  # a sandbox leaked by a crashed bench still goes away
 CREATE_RATIO_TARGET = 1.5  # create -> first exec p50, as a multiple of plain crun's
 EXEC_P50_TARGET_MS = 5.0  # exec round trip p50, absolute
-SERVER_START_TIMEOUT_S = 60.0
-SERVER_STOP_GRACE_S = 15.0
 CRUN_TIMEOUT_S = 30.0
 BENCH_CGROUP = "corral-bench"
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -87,60 +82,13 @@ def _timed_ms(action: Callable[[], object]) -> float:
     return (time.perf_counter() - started) * 1000
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200
-    except httpx.TransportError:
-        return False
-
-
-def _stop_process(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM, a grace period, then SIGKILL."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=SERVER_STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 @contextlib.contextmanager
 def _embedded_server(data_dir: Path) -> Iterator[tuple[str, str]]:
-    """Run `corral serve` on a free loopback port; yield (url, api_key). On exit,
-    kill its sandboxes, stop it, and remove whatever container it left."""
-    data_dir.mkdir(parents=True)
-    port, config_file, log_path = _free_port(), data_dir / "client.json", data_dir / "server.log"
-    env = {**os.environ, "CORRAL_DATA_DIR": str(data_dir), "CORRAL_PORT": str(port),
-           "CORRAL_CONFIG_FILE": str(config_file)}  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen([sys.executable, "-m", "corral.cli.main", "serve"], env=env,
-                                   stdin=subprocess.DEVNULL, stdout=log, stderr=log)  # fmt: skip
+    """Yield (url, api_key) of a throwaway server; reap what its sandboxes leave us as subreaper."""
     try:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while not _healthy(url):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"corral serve did not come up; its log ends:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.05)
-        api_key = str(json.loads(config_file.read_text())["api_key"])
-        try:
-            yield url, api_key
-        finally:
-            with contextlib.suppress(CorralError), Client(url, api_key) as client:
-                for info in client.list():
-                    with contextlib.suppress(CorralError):
-                        client.kill(info.id)
+        with EmbeddedServer(data_dir) as server:
+            yield server.url, server.api_key
     finally:
-        _stop_process(process)
-        with _Crun(data_dir / "run" / "crun", data_dir / "cleanup.log") as leftovers:
-            leftovers.delete_all()
         host.orphans.reap()
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import corral
-from tests.conftest import ServerProcess
+from corral.embedded import EmbeddedServer
 
 
 def _status(sandbox: corral.Sandbox) -> dict[str, str]:
@@ -78,7 +78,7 @@ def test_cgroup_limits_applied(client: corral.Client) -> None:
             assert (unified / "cpu.max").read_text().split()[0] == "50000"
 
 
-def test_base_layer_is_read_only_and_shared(client: corral.Client, server: ServerProcess) -> None:
+def test_base_layer_is_read_only_and_shared(client: corral.Client, server: EmbeddedServer) -> None:
     with client.create("busybox") as first, client.create("busybox") as second:
         assert first.exec("echo hacked > /bin/busybox.note; rm /bin/ls; echo x >> /etc/passwd").exit_code == 0
         assert second.exec("ls /bin/ls && ! test -e /bin/busybox.note && ! grep -q '^x$' /etc/passwd").exit_code == 0

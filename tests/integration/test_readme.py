@@ -6,10 +6,11 @@ import re
 import subprocess
 import sys
 
-from tests.conftest import REPO, ServerProcess
+from corral.embedded import EmbeddedServer
+from tests.conftest import REPO
 
 
-def test_readme_python_example(server: ServerProcess) -> None:
+def test_readme_python_example(server: EmbeddedServer) -> None:
     readme = (REPO / "README.md").read_text()
     example = re.search(r"```python\n(.*?)```", readme, re.S)
     assert example is not None

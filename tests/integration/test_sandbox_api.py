@@ -11,7 +11,8 @@ import httpx
 import pytest
 
 import corral
-from tests.conftest import REPO, ServerProcess
+from corral.embedded import EmbeddedServer
+from tests.conftest import REPO
 
 
 def test_create_get_list_kill(client: corral.Client) -> None:
@@ -37,7 +38,7 @@ def test_context_manager_kills_on_exit(client: corral.Client) -> None:
     assert client.get(sandbox.id).info.state == corral.SandboxState.ENDED
 
 
-def test_handle_is_plain_data(client: corral.Client, server: ServerProcess) -> None:
+def test_handle_is_plain_data(client: corral.Client, server: EmbeddedServer) -> None:
     with client.create("busybox") as sandbox:
         clone = pickle.loads(pickle.dumps(sandbox))
         assert clone.id == sandbox.id and clone.url == server.url
@@ -101,7 +102,7 @@ def test_unknown_sandbox(client: corral.Client) -> None:
         client.get("garbage")
 
 
-def test_wrong_api_key(server: ServerProcess) -> None:
+def test_wrong_api_key(server: EmbeddedServer) -> None:
     with pytest.raises(corral.AuthenticationError):
         corral.Client(server.url, "ck_wrong").list()
     response = httpx.get(f"{server.url}/v1/sandboxes")
@@ -114,7 +115,7 @@ def test_unreachable_server() -> None:
         corral.Client("http://127.0.0.1:1", "ck_x").list()
 
 
-def test_openapi_document(server: ServerProcess) -> None:
+def test_openapi_document(server: EmbeddedServer) -> None:
     document = httpx.get(f"{server.url}/openapi.json").json()
     paths = document["paths"]
     for path in ["/v1/sandboxes", "/v1/sandboxes/{sandbox_id}/exec", "/v1/sandboxes/{sandbox_id}/files/content"]:
@@ -122,7 +123,7 @@ def test_openapi_document(server: ServerProcess) -> None:
     assert "CreateSandboxRequest" in document["components"]["schemas"]
 
 
-def test_cli_against_running_server(server: ServerProcess) -> None:
+def test_cli_against_running_server(server: EmbeddedServer) -> None:
     env = server.env()
 
     def corral_cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from corral.backends.container.agent_protocol import AgentConnection, AgentExit, AgentOutput, AgentStarted, ExecOrder
+from corral.backends.container.agent_protocol import (
+    AgentConnection,
+    AgentExit,
+    AgentOutput,
+    AgentStarted,
+    ExecOrder,
+)
 from corral.backends.container.host import build_native_helpers
 
 

@@ -13,7 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from corral.images import LayerStore, build_busybox_rootfs, build_erofs, ensure_base_images
+from corral.images import (
+    LayerStore,
+    build_busybox_rootfs,
+    build_erofs,
+    ensure_base_images,
+)
 from corral.images.bases import debian_mirror
 from corral.sdk._exceptions import InvalidRequest, NotFound
 

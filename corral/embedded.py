@@ -1,0 +1,149 @@
+"""A throwaway `corral serve` subprocess: for the demo, the benchmark and the tests.
+
+It runs on a free loopback port with a data dir of its own, in a session of
+its own (Ctrl-C reaches the caller, which can still clean up), and on stop
+kills its sandboxes, stops the server (SIGTERM, a grace period, SIGKILL) and
+deletes any container that outlived it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+from corral.sdk import Client, CorralError
+
+__all__ = ["EmbeddedServer", "free_port"]
+
+START_TIMEOUT_S = 60.0
+STOP_GRACE_S = 15.0
+RUNTIME_TIMEOUT_S = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class EmbeddedServer:
+    def __init__(self, data_dir: Path, *, port: int | None = None, env: dict[str, str] | None = None) -> None:
+        self.data_dir = data_dir
+        self.port = port or free_port()
+        self.log_path = data_dir / "server.log"
+        self._extra_env = env or {}
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def config_file(self) -> Path:
+        return self.data_dir / "client.json"
+
+    @property
+    def api_key(self) -> str:
+        return str(json.loads(self.config_file.read_text())["api_key"])
+
+    def env(self) -> dict[str, str]:
+        """The environment that points the server, the SDK and the CLI at this server."""
+        return {
+            **os.environ,
+            "CORRAL_DATA_DIR": str(self.data_dir),
+            "CORRAL_HOST": "127.0.0.1",
+            "CORRAL_PORT": str(self.port),
+            "CORRAL_CONFIG_FILE": str(self.config_file),
+            **self._extra_env,
+        }
+
+    def client(self) -> Client:
+        return Client(self.url, self.api_key)
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "corral.cli.main", "serve"],
+                env=self.env(), stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                problem = f"exited ({self.process.returncode})" if self.process.returncode is not None else "did not answer"
+                tail = self.log_path.read_text(errors="replace")[-3000:]
+                self.stop()
+                raise RuntimeError(f"corral serve {problem} within {timeout_s:.0f} s; its log ends:\n{tail}")
+            time.sleep(0.05)
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def kill_all_sandboxes(self) -> None:
+        if not self.running():
+            return
+        try:
+            with self.client() as client:
+                for info in client.list():
+                    try:
+                        client.kill(info.id)
+                    except CorralError:
+                        pass
+        except CorralError:
+            pass
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Stop the server only; its sandboxes keep running (a restart adopts them)."""
+        if not self.running():
+            return
+        assert self.process is not None
+        self.process.send_signal(sig)
+        try:
+            self.process.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def shutdown(self) -> None:
+        """Kill the sandboxes, stop the server, delete any container that outlived it."""
+        try:
+            self.kill_all_sandboxes()
+        finally:
+            self.stop()
+            self._delete_leftover_containers()
+
+    def _delete_leftover_containers(self) -> None:
+        for runtime in ("crun", "runc"):
+            state_root = self.data_dir / "run" / runtime
+            binary = shutil.which(runtime)
+            if binary is None or not state_root.is_dir():
+                continue
+            command = [binary, "--root", str(state_root)]
+            listing = subprocess.run([*command, "list", "-q"], capture_output=True, text=True, timeout=RUNTIME_TIMEOUT_S)
+            for container_id in listing.stdout.split():
+                print(f"deleting container {container_id}, which outlived its server", file=sys.stderr)
+                subprocess.run([*command, "delete", "--force", container_id], capture_output=True, timeout=RUNTIME_TIMEOUT_S)
+
+    def __enter__(self) -> EmbeddedServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.shutdown()
