@@ -78,6 +78,30 @@ class _Command:
         )
 
 
+class _Commitments:
+    """CPU and memory promised to admitted sandboxes (starting or running), kept as running sums."""
+
+    def __init__(self) -> None:
+        self._specs: dict[str, SandboxSpec] = {}
+        self.cpu = 0.0
+        self.memory_mb = 0
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def add(self, spec: SandboxSpec) -> None:
+        if spec.sandbox_id not in self._specs:
+            self._specs[spec.sandbox_id] = spec
+            self.cpu += spec.cpu
+            self.memory_mb += spec.memory_mb
+
+    def remove(self, sandbox_id: str) -> None:
+        spec = self._specs.pop(sandbox_id, None)
+        if spec is not None:
+            self.cpu -= spec.cpu
+            self.memory_mb -= spec.memory_mb
+
+
 @dataclass
 class _Sandbox:
     spec: SandboxSpec
@@ -112,7 +136,8 @@ class LocalEdge:
         self._capacity = capacity
         self._on_ended = on_ended
         self._sandboxes: dict[str, _Sandbox] = {}
-        self._reserved: dict[str, SandboxSpec] = {}  # admitted, still starting
+        self._starting: set[str] = set()
+        self._committed = _Commitments()
         self._cancelled: set[str] = set()  # killed while starting: destroyed once the start returns
         self._housekeeping: asyncio.Task[None] | None = None
 
@@ -130,15 +155,14 @@ class LocalEdge:
     # -- admission and lifecycle -------------------------------------------
 
     async def load(self) -> EdgeLoad:
-        specs = [s.spec for s in self._sandboxes.values()] + list(self._reserved.values())
         return EdgeLoad(
             edge_id=self.edge_id,
             node_cpu=self._capacity.cpu,
             node_memory_mb=self._capacity.memory_mb,
-            sandboxes=len(specs),
-            cpu_committed=sum(s.cpu for s in specs),
+            sandboxes=len(self._committed),
+            cpu_committed=self._committed.cpu,
             cpu_capacity=self._capacity.cpu * self._capacity.cpu_overcommit,
-            memory_committed_mb=sum(s.memory_mb for s in specs),
+            memory_committed_mb=self._committed.memory_mb,
             memory_capacity_mb=int(self._capacity.memory_mb * self._capacity.memory_overcommit),
         )
 
@@ -155,21 +179,26 @@ class LocalEdge:
                 f"node {self.edge_id} is full ({load.sandboxes} sandboxes, {load.cpu_committed:g}/{load.cpu_capacity:g} "
                 f"cpu, {load.memory_committed_mb}/{load.memory_capacity_mb} MiB committed): retry later or kill sandboxes"
             )
-        self._reserved[spec.sandbox_id] = spec
+        self._committed.add(spec)
 
     async def create(self, spec: SandboxSpec) -> None:
         await self._admit(spec)
+        self._starting.add(spec.sandbox_id)
         try:
             await self._backend.create(spec)
+            if spec.sandbox_id in self._cancelled:
+                await self._backend.destroy(spec.sandbox_id)
+                raise SandboxGone(f"sandbox {spec.sandbox_id} was killed while it was starting")
+        except BaseException:
+            self._committed.remove(spec.sandbox_id)
+            raise
         finally:
-            self._reserved.pop(spec.sandbox_id, None)
-        if spec.sandbox_id in self._cancelled:
+            self._starting.discard(spec.sandbox_id)
             self._cancelled.discard(spec.sandbox_id)
-            await self._backend.destroy(spec.sandbox_id)
-            raise SandboxGone(f"sandbox {spec.sandbox_id} was killed while it was starting")
         self._track(spec)
 
     def _track(self, spec: SandboxSpec) -> None:
+        self._committed.add(spec)
         sandbox = _Sandbox(spec)
         sandbox.watcher = asyncio.get_running_loop().create_task(self._watch(spec.sandbox_id))
         self._sandboxes[spec.sandbox_id] = sandbox
@@ -179,6 +208,7 @@ class LocalEdge:
         sandbox = self._sandboxes.pop(sandbox_id, None)
         if sandbox is None:
             return
+        self._committed.remove(sandbox_id)
         log.warning("sandbox %s stopped by itself (%s)", sandbox_id, reason)
         await self._backend.destroy(sandbox_id)
         self._on_ended(sandbox_id, reason, "the sandbox's init process exited")
@@ -195,9 +225,10 @@ class LocalEdge:
         return alive
 
     async def destroy(self, sandbox_id: str) -> None:
-        if sandbox_id in self._reserved:  # let the start finish, then undo it (see create)
+        if sandbox_id in self._starting:  # let the start finish, then undo it (see create)
             self._cancelled.add(sandbox_id)
             return
+        self._committed.remove(sandbox_id)
         sandbox = self._sandboxes.pop(sandbox_id, None)
         if sandbox is not None and sandbox.watcher is not None:
             sandbox.watcher.cancel()
@@ -213,6 +244,7 @@ class LocalEdge:
                 if command.task is not None:
                     command.task.cancel()
         self._sandboxes.clear()
+        self._committed = _Commitments()
         await self._backend.close()
 
     # -- commands -----------------------------------------------------------

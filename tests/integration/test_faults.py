@@ -164,3 +164,19 @@ async def test_kill_during_create_wins(fresh_server: EmbeddedServer) -> None:
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert {c["id"] for c in json.loads(listing.stdout or "[]") or []} == survivors
+
+
+def test_admission_refuses_beyond_overcommit_and_frees_on_kill(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """With CPU overcommit 1 on this node, sandboxes asking for all cores fit only while there is room."""
+    cores = os.cpu_count() or 1
+    with EmbeddedServer(tmp_path / "server", env={"CORRAL_CPU_OVERCOMMIT": "1"}) as server, server.client() as client:
+        first = client.create("busybox", cpu=cores)
+        try:
+            client.create("busybox", cpu=cores)
+            raise AssertionError("the node admitted more CPU than it has")
+        except corral.CapacityExhausted as exc:
+            assert "retry later" in exc.message
+        assert [s.id for s in client.list()] == [first.id]
+        first.kill()
+        second = client.create("busybox", cpu=cores)  # the killed sandbox's share was given back
+        assert second.exec("true").exit_code == 0
