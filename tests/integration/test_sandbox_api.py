@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 import subprocess
 import sys
@@ -121,6 +122,7 @@ def test_openapi_document(server: EmbeddedServer) -> None:
     for path in ["/v1/sandboxes", "/v1/sandboxes/{sandbox_id}/exec", "/v1/sandboxes/{sandbox_id}/files/content"]:
         assert path in paths
     assert "CreateSandboxRequest" in document["components"]["schemas"]
+    assert document == json.loads((REPO / "docs" / "openapi.json").read_text())  # the repo's copy is what runs
 
 
 def test_cli_against_running_server(server: EmbeddedServer) -> None:

@@ -93,6 +93,6 @@ def test_handle_pickles_without_its_connection() -> None:
     assert (clone.id, clone.url, clone.api_key, clone.info) == (sandbox.id, sandbox.url, sandbox.api_key, sandbox.info)
 
 
-def test_configuration_doc_is_current() -> None:
-    check = subprocess.run([sys.executable, "scripts/gen_config_doc.py", "--check"], cwd=REPO, capture_output=True, text=True)
+def test_generated_docs_are_current() -> None:
+    check = subprocess.run([sys.executable, "scripts/gen_docs.py", "--check"], cwd=REPO, capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
