@@ -116,8 +116,12 @@ class SandboxService:
         for key in request.env:
             if not key or "=" in key or "\0" in key:
                 raise InvalidRequest(f"invalid environment variable name {key!r}")
-        image = self._layers.resolve(request.image)
-        layers = self._layer_refs(list(image.layers))
+        if request.layers:
+            layers = self._layer_refs(request.layers)
+            image_name = "+".join(digest.split(":")[-1][:12] for digest in request.layers)
+        else:
+            image = self._layers.resolve(request.image)
+            layers, image_name = self._layer_refs(list(image.layers)), image.ref
         refused: set[str] = set()
         while True:
             loads = [await edge.load() for edge_id, edge in self._edges.items() if edge_id not in refused]
@@ -125,7 +129,7 @@ class SandboxService:
             now = time.time()
             spec = SandboxSpec(
                 sandbox_id=new_sandbox_id(edge_id),
-                image=image.ref,
+                image=image_name,
                 layers=layers,
                 runtime=request.runtime or self._default_runtime,
                 cpu=request.cpu,

@@ -56,6 +56,9 @@ class SandboxState(str, Enum):
 
 class CreateSandboxRequest(_Model):
     image: str = Field("busybox", description="Image name (name or name:version) from `GET /v1/images`.")
+    layers: list[str] | None = Field(
+        None, description="Layer digests, bottom first, to stack instead of the image's own layers."
+    )
     backend: Literal["container"] = "container"
     runtime: Literal["crun", "runc"] | None = Field(None, description="OCI runtime; the server's default when unset.")
     cpu: float = Field(DEFAULT_CPU, gt=0, description="CPU cores (CFS quota).")

@@ -338,12 +338,15 @@ class Client:
         ttl_s: float | None = DEFAULT_TTL_S,
         runtime: str | None = None,
         backend: str = "container",
+        layers: list[str] | None = None,
     ) -> Sandbox:
+        """Create a sandbox from ``image``, or from explicit ``layers`` (digests, bottom first)."""
         body = _validated(
             CreateSandboxRequest,
             {
                 "image": image, "backend": backend, "runtime": runtime, "cpu": cpu, "memory_mb": memory_mb,
                 "pids_max": pids_max, "env": env or {}, "cwd": cwd, "user": user, "labels": labels or {}, "ttl_s": ttl_s,
+                "layers": layers,
             }
         )  # fmt: skip
         response = self._transport.request("POST", "/v1/sandboxes", json=body.model_dump(mode="json"))

@@ -82,6 +82,15 @@ def test_set_ttl_extends_and_removes(client: corral.Client) -> None:
     sandbox.kill()
 
 
+def test_create_from_explicit_layers(client: corral.Client) -> None:
+    busybox = next(i for i in client.images() if i.name == "busybox:latest")
+    with client.create(layers=busybox.layers) as sandbox:
+        assert sandbox.info.image == busybox.layers[0].split(":")[1][:12]
+        assert sandbox.exec("echo layered").stdout == "layered\n"
+    with pytest.raises(corral.NotFound):
+        client.create(layers=["sha256:" + "0" * 64])
+
+
 def test_unknown_image(client: corral.Client) -> None:
     with pytest.raises(corral.NotFound, match="busybox"):  # the message lists what exists
         client.create("no-such-image")
