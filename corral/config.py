@@ -22,7 +22,9 @@ class Settings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="Address the HTTP API listens on.")
     port: int = Field(7070, description="Port the HTTP API listens on.")
-    data_dir: Path = Field(Path("/var/lib/corral/server"), description="This server's state: database, sandboxes, runtime state.")
+    data_dir: Path = Field(
+        Path("/var/lib/corral/server"), description="This server's state: database, sandboxes, runtime state."
+    )
     node_dir: Path = Field(
         Path("/var/lib/corral"),
         description="Node-wide files shared by every server on the machine: layer store, compiled helpers.",
@@ -32,14 +34,22 @@ class Settings(BaseSettings):
         description="Client config (URL and API key) that serve writes and the SDK and CLI read.",
     )
     database_url: str | None = Field(None, description="SQLAlchemy URL; default SQLite at <data_dir>/corral.db.")
-    edge_id: str = Field("e0", pattern=r"^[a-z0-9]{1,16}$", description="Id of this node's edge; part of every sandbox id.")
+    edge_id: str = Field(
+        "e0", pattern=r"^[a-z0-9]{1,16}$", description="Id of this node's edge; part of every sandbox id."
+    )
     runtime: Literal["crun", "runc"] = Field("crun", description="Default OCI runtime for container sandboxes.")
     cpu_overcommit: float = Field(64.0, gt=0, description="Admitted CPU may reach this multiple of the node's cores.")
-    memory_overcommit: float = Field(4.0, gt=0, description="Admitted memory may reach this multiple of the node's RAM.")
-    create_concurrency: int = Field(8, ge=1, description="Container creations the edge runs at once; more wait in line.")
+    memory_overcommit: float = Field(
+        4.0, gt=0, description="Admitted memory may reach this multiple of the node's RAM."
+    )
+    create_concurrency: int = Field(
+        8, ge=1, description="Container creations the edge runs at once; more wait in line."
+    )
     max_file_bytes: int = Field(256 << 20, description="Largest file or tar upload/download through the API.")
     ttl_check_interval_s: float = Field(1.0, gt=0, description="How often expired sandboxes are looked for.")
-    agent_start_timeout_s: float = Field(10.0, gt=0, description="How long a new sandbox's agent may take to say hello.")
+    agent_start_timeout_s: float = Field(
+        10.0, gt=0, description="How long a new sandbox's agent may take to say hello."
+    )
 
     @property
     def database(self) -> str:

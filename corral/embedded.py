@@ -85,7 +85,9 @@ class EmbeddedServer:
             except httpx.TransportError:
                 pass
             if self.process.poll() is not None or time.monotonic() > deadline:
-                problem = f"exited ({self.process.returncode})" if self.process.returncode is not None else "did not answer"
+                problem = (
+                    f"exited ({self.process.returncode})" if self.process.returncode is not None else "did not answer"
+                )
                 tail = self.log_path.read_text(errors="replace")[-3000:]
                 self.stop()
                 raise RuntimeError(f"corral serve {problem} within {timeout_s:.0f} s; its log ends:\n{tail}")
@@ -134,10 +136,14 @@ class EmbeddedServer:
             if binary is None or not state_root.is_dir():
                 continue
             command = [binary, "--root", str(state_root)]
-            listing = subprocess.run([*command, "list", "-q"], capture_output=True, text=True, timeout=RUNTIME_TIMEOUT_S)
+            listing = subprocess.run(
+                [*command, "list", "-q"], capture_output=True, text=True, timeout=RUNTIME_TIMEOUT_S
+            )
             for container_id in listing.stdout.split():
                 print(f"deleting container {container_id}, which outlived its server", file=sys.stderr)
-                subprocess.run([*command, "delete", "--force", container_id], capture_output=True, timeout=RUNTIME_TIMEOUT_S)
+                subprocess.run(
+                    [*command, "delete", "--force", container_id], capture_output=True, timeout=RUNTIME_TIMEOUT_S
+                )
 
     def __enter__(self) -> EmbeddedServer:
         self.start()

@@ -20,7 +20,6 @@ REPO = Path(__file__).resolve().parent.parent
 _TEST_ENV = {"CORRAL_TTL_CHECK_INTERVAL_S": "0.2"}
 
 
-
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedServer]:
     with EmbeddedServer(tmp_path_factory.mktemp("corral-server"), env=_TEST_ENV) as proc:

@@ -14,7 +14,16 @@ from typing import Protocol
 
 from corral.backends.container.files import ConfinedTree
 
-__all__ = ["Backend", "LayerRef", "CommandExit", "CommandOutput", "CommandStarted", "CommandSpec", "RunningCommand", "SandboxSpec"]
+__all__ = [
+    "Backend",
+    "LayerRef",
+    "CommandExit",
+    "CommandOutput",
+    "CommandStarted",
+    "CommandSpec",
+    "RunningCommand",
+    "SandboxSpec",
+]
 
 
 @dataclass(frozen=True)

@@ -154,8 +154,12 @@ def _build_baseline_bundle(bundle: Path, layer_file: Path) -> None:
 
 def _write_bundle_config(bundle: Path, container_id: str) -> None:
     """A sandbox's config.json, running sleep instead of the agent."""
-    config = oci.build_config(hostname=container_id[-12:], limits=LIMITS,
-                              cgroup_path=f"/{BENCH_CGROUP}/{container_id}", agent_binary=Path("/nonexistent"))  # fmt: skip
+    config = oci.build_config(
+        hostname=container_id[-12:],
+        limits=LIMITS,
+        cgroup_path=f"/{BENCH_CGROUP}/{container_id}",
+        agent_binary=Path("/nonexistent"),
+    )
     config["process"]["args"] = ["/bin/sleep", "1000"]
     config["mounts"] = [m for m in config["mounts"] if m["destination"] != oci.AGENT_PATH]
     (bundle / "config.json").write_text(json.dumps(config))

@@ -11,7 +11,7 @@ import datetime
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -56,9 +56,9 @@ def _labels(items: list[str] | None) -> dict[str, str]:
 
 @app.command()
 def serve(
-    port: Annotated[Optional[int], typer.Option(help="HTTP port (default 7070 or CORRAL_PORT).")] = None,
-    host: Annotated[Optional[str], typer.Option(help="Listen address (default 127.0.0.1).")] = None,
-    data_dir: Annotated[Optional[Path], typer.Option(help="State directory (default /var/lib/corral/server).")] = None,
+    port: Annotated[int | None, typer.Option(help="HTTP port (default 7070 or CORRAL_PORT).")] = None,
+    host: Annotated[str | None, typer.Option(help="Listen address (default 127.0.0.1).")] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="State directory (default /var/lib/corral/server).")] = None,
 ) -> None:
     """Run the embedded server: API, scheduler and one edge in this process."""
     from corral.config import Settings
@@ -73,9 +73,9 @@ def create(
     image: Annotated[str, typer.Argument(help="Image name, see `corral images`.")] = "busybox",
     cpu: float = 1.0,
     memory_mb: int = 512,
-    ttl_s: Annotated[Optional[float], typer.Option(help="Seconds until it is destroyed.")] = 3600,
-    label: Annotated[Optional[list[str]], typer.Option("--label", "-l", help="key=value, repeatable.")] = None,
-    env: Annotated[Optional[list[str]], typer.Option("--env", "-e", help="NAME=value, repeatable.")] = None,
+    ttl_s: Annotated[float | None, typer.Option(help="Seconds until it is destroyed.")] = 3600,
+    label: Annotated[list[str] | None, typer.Option("--label", "-l", help="key=value, repeatable.")] = None,
+    env: Annotated[list[str] | None, typer.Option("--env", "-e", help="NAME=value, repeatable.")] = None,
     user: str = "root",
     cwd: str = "/",
 ) -> None:
@@ -90,8 +90,8 @@ def exec_command(
     sandbox_id: str,
     command: Annotated[list[str], typer.Argument(help="A shell command (one argument) or an argv.")],
     timeout_s: float = 300.0,
-    cwd: Optional[str] = None,
-    user: Optional[str] = None,
+    cwd: str | None = None,
+    user: str | None = None,
 ) -> None:
     """Run a command in a sandbox, streaming its output; exits with its exit code."""
     sandbox = _client().get(sandbox_id)
@@ -115,7 +115,7 @@ def exec_command(
 @app.command("ls")
 def list_sandboxes(
     all_states: Annotated[bool, typer.Option("--all", "-a", help="Include ended and lost sandboxes.")] = False,
-    label: Annotated[Optional[list[str]], typer.Option("--label", "-l", help="key=value filter, repeatable.")] = None,
+    label: Annotated[list[str] | None, typer.Option("--label", "-l", help="key=value filter, repeatable.")] = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """List sandboxes."""
@@ -141,7 +141,9 @@ def images() -> None:
     """List images on the server."""
     table = Table("IMAGE", "LAYERS", "SIZE MiB", "CREATED")
     for image in _client().images():
-        table.add_row(image.name, str(len(image.layers)), f"{image.size_bytes / (1 << 20):.1f}", _when(image.created_at))
+        table.add_row(
+            image.name, str(len(image.layers)), f"{image.size_bytes / (1 << 20):.1f}", _when(image.created_at)
+        )
     console.print(table)
 
 

@@ -170,14 +170,17 @@ class LocalEdge:
         if spec.cpu > self._capacity.cpu:
             raise InvalidRequest(f"cpu={spec.cpu} is more than this node has ({self._capacity.cpu:g} cores)")
         if spec.memory_mb > self._capacity.memory_mb:
-            raise InvalidRequest(f"memory_mb={spec.memory_mb} is more than this node has ({self._capacity.memory_mb} MiB)")
+            raise InvalidRequest(
+                f"memory_mb={spec.memory_mb} is more than this node has ({self._capacity.memory_mb} MiB)"
+            )
         load = await self.load()
         if load.cpu_committed + spec.cpu > load.cpu_capacity or (
             load.memory_committed_mb + spec.memory_mb > load.memory_capacity_mb
         ):
             raise CapacityExhausted(
-                f"node {self.edge_id} is full ({load.sandboxes} sandboxes, {load.cpu_committed:g}/{load.cpu_capacity:g} "
-                f"cpu, {load.memory_committed_mb}/{load.memory_capacity_mb} MiB committed): retry later or kill sandboxes"
+                f"node {self.edge_id} is full ({load.sandboxes} sandboxes, "
+                f"{load.cpu_committed:g}/{load.cpu_capacity:g} cpu, "
+                f"{load.memory_committed_mb}/{load.memory_capacity_mb} MiB committed): retry later or kill sandboxes"
             )
         self._committed.add(spec)
 

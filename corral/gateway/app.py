@@ -88,16 +88,16 @@ def create_app(service_factory, api_key: str, max_file_bytes: int) -> FastAPI:  
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors()
-        )
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in exc.errors())
         error = InvalidRequest(f"invalid request: {problems}")
         return JSONResponse(error.to_body(), status_code=error.status)
 
     async def body_within_limit(request: Request) -> bytes:
         declared = request.headers.get("content-length")
         if declared is not None and int(declared) > max_file_bytes:
-            raise PayloadTooLarge(f"upload of {declared} bytes is over the limit of {max_file_bytes} (CORRAL_MAX_FILE_BYTES)")
+            raise PayloadTooLarge(
+                f"upload of {declared} bytes is over the limit of {max_file_bytes} (CORRAL_MAX_FILE_BYTES)"
+            )
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
@@ -199,7 +199,11 @@ def create_app(service_factory, api_key: str, max_file_bytes: int) -> FastAPI:  
 
     @app.put("/v1/sandboxes/{sandbox_id}/files/content", dependencies=[Auth])
     async def write_file(
-        sandbox_id: str, path: PathQuery, request: Request, svc: Service, mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o644
+        sandbox_id: str,
+        path: PathQuery,
+        request: Request,
+        svc: Service,
+        mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o644,
     ) -> FileInfo:
         """The raw request body becomes the file's content (replaced atomically)."""
         data = await body_within_limit(request)

@@ -33,7 +33,13 @@ _ACTIVE = [SandboxState.CREATING.value, SandboxState.RUNNING.value]
 
 class SandboxService:
     def __init__(
-        self, *, store: StateStore, layers: LayerStore, edges: dict[str, Edge], default_runtime: str, ttl_check_interval_s: float
+        self,
+        *,
+        store: StateStore,
+        layers: LayerStore,
+        edges: dict[str, Edge],
+        default_runtime: str,
+        ttl_check_interval_s: float,
     ) -> None:
         self._store = store
         self._layers = layers
@@ -59,7 +65,9 @@ class SandboxService:
                 if ok:
                     self._store.update(sandbox_id, state=SandboxState.RUNNING.value)
                 else:
-                    self._store.end(sandbox_id, SandboxState.LOST, "lost", "the sandbox did not survive a server restart")
+                    self._store.end(
+                        sandbox_id, SandboxState.LOST, "lost", "the sandbox did not survive a server restart"
+                    )
             log.info("edge %s: re-adopted %d of %d sandboxes", edge_id, sum(alive.values()), len(alive))
         self._reaper = asyncio.get_running_loop().create_task(self._reap_expired())
 
@@ -201,7 +209,9 @@ class SandboxService:
     def edge(self, sandbox_id: str) -> Edge:
         edge = self._edges.get(edge_of(sandbox_id))
         if edge is None:
-            raise NotFound(f"sandbox {sandbox_id} belongs to edge {edge_of(sandbox_id)}, which this gateway does not know")
+            raise NotFound(
+                f"sandbox {sandbox_id} belongs to edge {edge_of(sandbox_id)}, which this gateway does not know"
+            )
         return edge
 
     async def call(self, sandbox_id: str, operation: Callable[[Edge], Awaitable[T]]) -> T:

@@ -6,7 +6,7 @@ them, so the wire format is defined once. Units are in the field names.
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -44,7 +44,7 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class SandboxState(str, Enum):
+class SandboxState(StrEnum):
     """Life of a sandbox: ``creating`` → ``running`` → ``ended``; ``lost`` when
     its edge can no longer account for it (e.g. it vanished during a restart)."""
 
@@ -68,7 +68,9 @@ class CreateSandboxRequest(_Model):
     cwd: str = "/"
     user: str = Field("root", description="User name or uid[:gid] that commands run as by default.")
     labels: dict[str, str] = Field(default_factory=dict)
-    ttl_s: float | None = Field(DEFAULT_TTL_S, gt=0, description="Destroyed this many seconds after creation; null = never.")
+    ttl_s: float | None = Field(
+        DEFAULT_TTL_S, gt=0, description="Destroyed this many seconds after creation; null = never."
+    )
 
 
 class SandboxInfo(_Model):
@@ -102,7 +104,9 @@ class ExecRequest(_Model):
     user: str | None = None
     timeout_s: float = Field(DEFAULT_EXEC_TIMEOUT_S, gt=0, le=86400)
     stdin: str | None = Field(None, description="Text written to the command's stdin, which is then closed.")
-    output_cap_bytes: int = Field(DEFAULT_OUTPUT_CAP_BYTES, ge=0, le=1 << 30, description="Per stream; the rest is dropped and flagged.")
+    output_cap_bytes: int = Field(
+        DEFAULT_OUTPUT_CAP_BYTES, ge=0, le=1 << 30, description="Per stream; the rest is dropped and flagged."
+    )
 
 
 class ExecResult(_Model):

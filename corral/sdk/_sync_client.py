@@ -73,7 +73,9 @@ class _SyncTransport:
 
     def stream_lines(self, method: str, path: str, *, timeout_s: float, **kwargs: Any) -> Iterator[str]:
         try:
-            with self._http.stream(method, path, timeout=httpx.Timeout(timeout_s + self.timeout_s), **kwargs) as response:
+            with self._http.stream(
+                method, path, timeout=httpx.Timeout(timeout_s + self.timeout_s), **kwargs
+            ) as response:
                 if response.status_code >= 400:
                     response.read()
                     self._raise_for(response)
@@ -250,7 +252,9 @@ class Sandbox:
     ) -> ExecResult:
         """Run a command and wait for it. A shell string runs under /bin/sh -c."""
         body = _exec_body(cmd, env, cwd, user, timeout_s, stdin, output_cap_bytes)
-        response = self._transport.request("POST", f"/v1/sandboxes/{self.id}/exec", json=body, timeout_s=timeout_s)
+        response = self._transport.request(
+            "POST", f"/v1/sandboxes/{self.id}/exec", json=body, timeout_s=timeout_s
+        )
         return ExecResult.model_validate(response.json())
 
     def exec_stream(
@@ -307,7 +311,9 @@ class Sandbox:
 class Client:
     """Entry point of the SDK. Settings: argument > CORRAL_URL/CORRAL_API_KEY > config file."""
 
-    def __init__(self, url: str | None = None, api_key: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self, url: str | None = None, api_key: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> None:
         self.url, self.api_key = resolve_connection(url, api_key)
         self.timeout_s = timeout_s
         self._transport = _SyncTransport(self.url, self.api_key, timeout_s)
@@ -341,14 +347,12 @@ class Client:
         layers: list[str] | None = None,
     ) -> Sandbox:
         """Create a sandbox from ``image``, or from explicit ``layers`` (digests, bottom first)."""
-        body = _validated(
-            CreateSandboxRequest,
-            {
-                "image": image, "backend": backend, "runtime": runtime, "cpu": cpu, "memory_mb": memory_mb,
-                "pids_max": pids_max, "env": env or {}, "cwd": cwd, "user": user, "labels": labels or {}, "ttl_s": ttl_s,
-                "layers": layers,
-            }
-        )  # fmt: skip
+        fields = {
+            "image": image, "layers": layers, "backend": backend, "runtime": runtime, "cpu": cpu,
+            "memory_mb": memory_mb, "pids_max": pids_max, "env": env or {}, "cwd": cwd, "user": user,
+            "labels": labels or {}, "ttl_s": ttl_s,
+        }  # fmt: skip
+        body = _validated(CreateSandboxRequest, fields)
         response = self._transport.request("POST", "/v1/sandboxes", json=body.model_dump(mode="json"))
         return self._handle(SandboxInfo.model_validate(response.json()))
 

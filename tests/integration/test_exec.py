@@ -29,7 +29,9 @@ def test_missing_binary_is_exit_127(sandbox: corral.Sandbox) -> None:
 
 def test_env_cwd_user_per_command(sandbox: corral.Sandbox) -> None:
     sandbox.exec("mkdir -p /work/sub")
-    result = sandbox.exec("echo $GREETING; pwd; id -u; echo $HOME", env={"GREETING": "hi"}, cwd="/work/sub", user="user")
+    result = sandbox.exec(
+        "echo $GREETING; pwd; id -u; echo $HOME", env={"GREETING": "hi"}, cwd="/work/sub", user="user"
+    )
     assert result.stdout.split() == ["hi", "/work/sub", "1000", "/home/user"]
     assert sandbox.exec("id -u", user="1234:1234").stdout.strip() == "1234"
 

@@ -45,7 +45,9 @@ def test_init_exit_marks_sandbox_ended(fresh_server: EmbeddedServer) -> None:
     with fresh_server.client() as client:
         sandbox = client.create("busybox")
         runtime_root = fresh_server.data_dir / "run" / "crun"
-        subprocess.run(["crun", "--root", str(runtime_root), "kill", sandbox.id, "KILL"], check=True, capture_output=True)
+        subprocess.run(
+            ["crun", "--root", str(runtime_root), "kill", sandbox.id, "KILL"], check=True, capture_output=True
+        )
         deadline = time.monotonic() + 10
         while client.get(sandbox.id).info.state == corral.SandboxState.RUNNING:
             assert time.monotonic() < deadline
@@ -98,7 +100,10 @@ def test_sandbox_gone_during_restart_is_reported_lost(fresh_server: EmbeddedServ
         except corral.SandboxGone as exc:
             assert "lost" in exc.message
         state = subprocess.run(
-            ["crun", "--root", str(runtime_root), "list", "--format", "json"], capture_output=True, text=True, check=True
+            ["crun", "--root", str(runtime_root), "list", "--format", "json"],
+            capture_output=True,
+            text=True,
+            check=True,
         )
         assert doomed.id not in [c["id"] for c in json.loads(state.stdout or "[]") or []]
 

@@ -139,7 +139,12 @@ def test_cli_against_running_server(server: EmbeddedServer) -> None:
 
     def corral_cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "corral.cli.main", *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=60
+            [sys.executable, "-m", "corral.cli.main", *args],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
 
     created = corral_cli("create", "busybox", "--label", "from=cli")
@@ -168,7 +173,9 @@ async def test_async_client_matches_sync(aclient: corral.AsyncClient) -> None:
 async def test_hundred_concurrent_creates(aclient: corral.AsyncClient) -> None:
     import asyncio
 
-    sandboxes = await asyncio.gather(*(aclient.create("busybox", memory_mb=64, labels={"burst": "1"}) for _ in range(100)))
+    sandboxes = await asyncio.gather(
+        *(aclient.create("busybox", memory_mb=64, labels={"burst": "1"}) for _ in range(100))
+    )
     try:
         results = await asyncio.gather(*(sb.exec("echo ok") for sb in sandboxes))
         assert all(r.stdout == "ok\n" for r in results)

@@ -75,5 +75,7 @@ async def test_timeout(agent: AgentConnection) -> None:
 
 
 async def test_parallel_jobs(agent: AgentConnection) -> None:
-    results = await asyncio.gather(*(collect(agent, order(["/bin/sh", "-c", f"sleep 0.2; echo {i}"])) for i in range(10)))
+    results = await asyncio.gather(
+        *(collect(agent, order(["/bin/sh", "-c", f"sleep 0.2; echo {i}"])) for i in range(10))
+    )
     assert [r[0] for r in results] == [f"{i}\n".encode() for i in range(10)]

@@ -98,7 +98,10 @@ def test_list_sorted_with_types(tree: ConfinedTree, root: Path) -> None:
     os.mkfifo(root / "d" / "pipe")
     infos = tree.list("/d")
     assert [(i.name, i.type) for i in infos] == [
-        ("alpha", "dir"), ("link", "symlink"), ("pipe", "other"), ("zeta", "file"),
+        ("alpha", "dir"),
+        ("link", "symlink"),
+        ("pipe", "other"),
+        ("zeta", "file"),
     ]
     assert infos[1].path == "/d/link" and infos[1].link_target == "/etc"
     with pytest.raises(InvalidRequest, match="not a directory"):
@@ -374,7 +377,11 @@ def test_extract_gzip_with_hardlink_and_skipped_fifo(tree: ConfinedTree, root: P
     ],
 )
 def test_extract_rejects_escaping_members(
-    tree: ConfinedTree, tmp_path: Path, name: str, kind: bytes, linkname: str,
+    tree: ConfinedTree,
+    tmp_path: Path,
+    name: str,
+    kind: bytes,
+    linkname: str,
 ) -> None:
     before = _outside_snapshot(tmp_path)
     with pytest.raises(InvalidRequest, match="outside"):

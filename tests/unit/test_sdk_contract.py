@@ -14,9 +14,17 @@ from corral.sdk._exceptions import error_from_response
 from tests.conftest import REPO
 
 ERRORS = [
-    corral.InvalidRequest, corral.AuthenticationError, corral.PermissionDenied, corral.NotFound, corral.Conflict,
-    corral.SandboxGone, corral.PayloadTooLarge, corral.CapacityExhausted, corral.ServerUnavailable, corral.InternalError,
-]  # fmt: skip
+    corral.InvalidRequest,
+    corral.AuthenticationError,
+    corral.PermissionDenied,
+    corral.NotFound,
+    corral.Conflict,
+    corral.SandboxGone,
+    corral.PayloadTooLarge,
+    corral.CapacityExhausted,
+    corral.ServerUnavailable,
+    corral.InternalError,
+]
 
 
 def test_every_error_has_its_own_status_and_code() -> None:

@@ -135,7 +135,9 @@ class ContainerBackend:
         try:
             async with self._create_slots:
                 try:
-                    init_pid = await runtime.run_detached(spec.sandbox_id, bundle, Overlay(lowers, upper, work), agent_end)
+                    init_pid = await runtime.run_detached(
+                        spec.sandbox_id, bundle, Overlay(lowers, upper, work), agent_end
+                    )
                 finally:
                     agent_end.close()
                 await agent.start(self._agent_start_timeout_s)
@@ -144,7 +146,9 @@ class ContainerBackend:
             await runtime.kill_and_delete(spec.sandbox_id)
             shutil.rmtree(root, ignore_errors=True)
             raise
-        self._containers[spec.sandbox_id] = _Container(spec, runtime, agent, init_pid, self._cgroup_path(spec.sandbox_id))
+        self._containers[spec.sandbox_id] = _Container(
+            spec, runtime, agent, init_pid, self._cgroup_path(spec.sandbox_id)
+        )
 
     async def adopt(self, spec: SandboxSpec) -> bool:
         runtime = self.runtime(spec.runtime)
@@ -155,7 +159,9 @@ class ContainerBackend:
         edge_end, agent_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         agent = AgentConnection(edge_end)
         try:
-            await runtime.exec_attached(spec.sandbox_id, agent_end, AGENT_PATH, self._dir / spec.sandbox_id / "runtime.log")
+            await runtime.exec_attached(
+                spec.sandbox_id, agent_end, AGENT_PATH, self._dir / spec.sandbox_id / "runtime.log"
+            )
             agent_end.close()
             await agent.start(self._agent_start_timeout_s)
         except Exception:

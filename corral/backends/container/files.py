@@ -32,7 +32,13 @@ from dataclasses import dataclass
 from typing import BinaryIO, Literal
 
 from corral.sdk._exceptions import (
-    Conflict, CorralError, InternalError, InvalidRequest, NotFound, PayloadTooLarge, PermissionDenied,
+    Conflict,
+    CorralError,
+    InternalError,
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+    PermissionDenied,
 )
 from corral.sdk._models import FileInfo
 
@@ -80,8 +86,11 @@ def _openat2(dir_fd: int, path: str, flags: int, resolve: int) -> int:
     err = errno.EAGAIN
     for _ in range(_OPENAT2_RETRIES):
         fd = _libc.syscall(
-            ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(dir_fd), ctypes.c_char_p(encoded),
-            ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)),
+            ctypes.c_long(_SYS_OPENAT2),
+            ctypes.c_int(dir_fd),
+            ctypes.c_char_p(encoded),
+            ctypes.byref(how),
+            ctypes.c_size_t(ctypes.sizeof(how)),
         )
         if fd >= 0:
             return int(fd)
@@ -100,8 +109,10 @@ def _is_pseudo_fs(fd: int) -> bool:
 
 
 def _pseudo_fs_refused(display: str) -> InvalidRequest:
-    return InvalidRequest(f"refusing to access {display}: it is on procfs or sysfs, which the file API "
-                          "does not expose; run a command inside the sandbox instead")
+    return InvalidRequest(
+        f"refusing to access {display}: it is on procfs or sysfs, which the file API "
+        "does not expose; run a command inside the sandbox instead"
+    )
 
 
 def _open_checked(dir_fd: int, path: str, flags: int, resolve: int, display: str) -> int:
@@ -158,15 +169,22 @@ def _normalise(path: str, *, final_component: bool = False) -> str:
 
 
 _KINDS: dict[int, Literal["file", "dir", "symlink"]] = {
-    stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "symlink",
+    stat.S_IFREG: "file",
+    stat.S_IFDIR: "dir",
+    stat.S_IFLNK: "symlink",
 }
 
 
 def _file_info(path: str, st: os.stat_result, link_target: str | None) -> FileInfo:
     return FileInfo(
-        path=path, name=posixpath.basename(path) or "/", type=_KINDS.get(stat.S_IFMT(st.st_mode), "other"),
+        path=path,
+        name=posixpath.basename(path) or "/",
+        type=_KINDS.get(stat.S_IFMT(st.st_mode), "other"),
         size=st.st_size,
-        mode=stat.S_IMODE(st.st_mode), mtime=st.st_mtime, uid=st.st_uid, gid=st.st_gid,
+        mode=stat.S_IMODE(st.st_mode),
+        mtime=st.st_mtime,
+        uid=st.st_uid,
+        gid=st.st_gid,
         link_target=link_target,
     )
 
@@ -182,12 +200,18 @@ def _mtime_ns(mtime: float) -> tuple[int, int] | None:
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def _fill_file(
-    parent_fd: int, name: str, *, chunks: Iterable[bytes], mode: int,
-    uid: int | None, gid: int | None, mtime: float | None,
+    parent_fd: int,
+    name: str,
+    *,
+    chunks: Iterable[bytes],
+    mode: int,
+    uid: int | None,
+    gid: int | None,
+    mtime: float | None,
 ) -> None:
     fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=parent_fd)
     try:
@@ -287,8 +311,14 @@ class ConfinedTree:
             return self._open_regular(normal)
 
     def write(
-        self, path: str, data: bytes, *, mode: int = 0o644, make_parents: bool = True,
-        uid: int | None = None, gid: int | None = None,
+        self,
+        path: str,
+        data: bytes,
+        *,
+        mode: int = 0o644,
+        make_parents: bool = True,
+        uid: int | None = None,
+        gid: int | None = None,
     ) -> FileInfo:
         """Atomic replace (temp file + rename); a symlink at ``path`` is replaced, not followed."""
         normal = _normalise(path, final_component=True)
@@ -369,8 +399,10 @@ class ConfinedTree:
         dest_normal = _normalise(dest)
         with _translated(dest_normal):
             os.close(self._ensure_dir(dest_normal, uid=None, gid=None))
-        budget = _Budget(max_bytes, f"tar archive unpacks to more than {max_bytes} bytes into {dest_normal}; "
-                                    "upload less or raise the limit")
+        budget = _Budget(
+            max_bytes,
+            f"tar archive unpacks to more than {max_bytes} bytes into {dest_normal}; upload less or raise the limit",
+        )
         created = 0
         dir_times: _DirTimes = []
         try:
@@ -414,7 +446,12 @@ class ConfinedTree:
 
     @contextlib.contextmanager
     def _parent(
-        self, normal: str, *, create: bool = False, uid: int | None = None, gid: int | None = None,
+        self,
+        normal: str,
+        *,
+        create: bool = False,
+        uid: int | None = None,
+        gid: int | None = None,
     ) -> Iterator[tuple[int, str]]:
         """The parent directory's fd and the final name (the root's are itself and
         "."), creating missing parents if asked."""
@@ -485,8 +522,13 @@ class ConfinedTree:
         return os.fdopen(fd, "rb")
 
     def _replace(
-        self, normal: str, build: Callable[[int, str], None], *, make_parents: bool,
-        uid: int | None = None, gid: int | None = None,
+        self,
+        normal: str,
+        build: Callable[[int, str], None],
+        *,
+        make_parents: bool,
+        uid: int | None = None,
+        gid: int | None = None,
     ) -> FileInfo:
         """Let ``build`` create a temporary entry beside ``normal``, then rename it
         over ``normal`` so readers see the old entry or the new one, never half.
@@ -503,7 +545,14 @@ class ConfinedTree:
             return self._info(parent_fd, name, normal)
 
     def _walk(
-        self, parent_fd: int, name: str, rel: str, display: str, *, skip_pseudo_fs: bool, depth: int = 0,
+        self,
+        parent_fd: int,
+        name: str,
+        rel: str,
+        display: str,
+        *,
+        skip_pseudo_fs: bool,
+        depth: int = 0,
     ) -> Iterator[_Entry]:
         """Depth-first walk from ``name`` in ``parent_fd`` that never follows a
         symlink; yields each entry before its children and each directory again
@@ -514,15 +563,23 @@ class ConfinedTree:
         if not stat.S_ISDIR(st.st_mode):
             return
         if depth >= MAX_TREE_DEPTH:
-            raise InvalidRequest(f"directory tree under {display} is deeper than {MAX_TREE_DEPTH} levels; "
-                                 "handle its deeper parts separately")
+            raise InvalidRequest(
+                f"directory tree under {display} is deeper than {MAX_TREE_DEPTH} levels; "
+                "handle its deeper parts separately"
+            )
         dir_fd = _openat2(parent_fd, name, _DIR_FLAGS | os.O_NOFOLLOW, _RESOLVE_ONE_NAME)
         try:
             if not _is_pseudo_fs(dir_fd):
                 for child in sorted(os.listdir(dir_fd)):
                     with contextlib.suppress(FileNotFoundError):
-                        yield from self._walk(dir_fd, child, posixpath.join(rel, child), display,
-                                              skip_pseudo_fs=skip_pseudo_fs, depth=depth + 1)
+                        yield from self._walk(
+                            dir_fd,
+                            child,
+                            posixpath.join(rel, child),
+                            display,
+                            skip_pseudo_fs=skip_pseudo_fs,
+                            depth=depth + 1,
+                        )
             elif not skip_pseudo_fs:
                 raise _pseudo_fs_refused(display)
         finally:
@@ -551,8 +608,12 @@ class ConfinedTree:
                 tar.addfile(info, reader)
 
     def _extract_member(
-        self, tar: tarfile.TarFile, member: tarfile.TarInfo, dest: str,
-        budget: _Budget, dir_times: _DirTimes,
+        self,
+        tar: tarfile.TarFile,
+        member: tarfile.TarInfo,
+        dest: str,
+        budget: _Budget,
+        dir_times: _DirTimes,
     ) -> bool:
         """Create one member under ``dest``; False if its type is skipped."""
         target = _member_path(dest, member.name)
@@ -569,8 +630,9 @@ class ConfinedTree:
                     raise PayloadTooLarge(budget.message)
                 reader = tar.extractfile(member)
                 chunks = _budgeted_chunks(reader, budget) if reader is not None else ()
-                build = functools.partial(_fill_file, chunks=chunks, mode=member.mode, uid=None, gid=None,
-                                          mtime=member.mtime)
+                build = functools.partial(
+                    _fill_file, chunks=chunks, mode=member.mode, uid=None, gid=None, mtime=member.mtime
+                )
                 self._replace(target, build, make_parents=True)
             elif member.issym():
                 build = functools.partial(_make_symlink, target=member.linkname, mtime=member.mtime)
@@ -591,4 +653,3 @@ def _member_path(dest: str, name: str) -> str:
     if relative == ".." or relative.startswith("../"):
         raise InvalidRequest(f"tar member {name!r} would land outside {dest}; remove '..' from its name")
     return _normalise(posixpath.join(dest, relative))
-

@@ -149,7 +149,9 @@ def build_native_helpers(out_root: Path) -> NativeHelpers:
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, source in sources.items():
         tmp = out_dir / f".corral-{name}.{os.getpid()}"
-        subprocess.run([compiler, "-O2", "-Wall", "-static", "-o", str(tmp), str(source)], check=True, capture_output=True)
+        subprocess.run(
+            [compiler, "-O2", "-Wall", "-static", "-o", str(tmp), str(source)], check=True, capture_output=True
+        )
         os.replace(tmp, binaries[name])
     return NativeHelpers(**binaries)
 

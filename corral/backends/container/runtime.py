@@ -86,7 +86,9 @@ class OciRuntime:
                     with contextlib.suppress(ProcessLookupError):
                         proc.kill()
                     await proc.wait()
-                    raise OciRuntimeFailed(f"{self.name} timed out after {_RUNTIME_TIMEOUT_S:.0f}s: {args[-3:]}") from None
+                    raise OciRuntimeFailed(
+                        f"{self.name} timed out after {_RUNTIME_TIMEOUT_S:.0f}s: {args[-3:]}"
+                    ) from None
             if log is not None:
                 log.seek(0)
                 stderr = log.read()[-4096:]
