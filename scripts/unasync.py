@@ -23,6 +23,7 @@ REPLACEMENTS = [
     (r"\bAsyncClient\b", "Client"),
     (r"\bAsyncSandbox\b", "Sandbox"),
     (r"\bAsyncFiles\b", "Files"),
+    (r"\bAsyncImages\b", "Images"),
     (r"\bAsyncIterator\b", "Iterator"),
     (r"\b__aenter__\b", "__enter__"),
     (r"\b__aexit__\b", "__exit__"),

@@ -113,6 +113,9 @@ class Backend(Protocol):
     async def wait_ended(self, sandbox_id: str) -> str:
         """Return (with a reason) when the sandbox stops by itself; cancel to stop waiting."""
 
+    async def pack_diff(self, sandbox_id: str, dest: Path) -> None:
+        """Write the sandbox's filesystem changes as a layer file at ``dest``."""
+
     def housekeeping(self) -> None:
         """Periodic upkeep the edge calls about once a second (e.g. reaping)."""
 

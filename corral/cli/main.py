@@ -136,15 +136,137 @@ def remove(sandbox_ids: list[str]) -> None:
         console.print(f"{info.id} {info.state.value} ({info.end_reason})")
 
 
-@app.command()
-def images() -> None:
-    """List images on the server."""
-    table = Table("IMAGE", "LAYERS", "SIZE MiB", "CREATED")
-    for image in _client().images():
-        table.add_row(
-            image.name, str(len(image.layers)), f"{image.size_bytes / (1 << 20):.1f}", _when(image.created_at)
-        )
+images_app = typer.Typer(help="Images (name:version tags over EROFS layers) and layers.")
+app.add_typer(images_app, name="images")
+
+
+def _size(size_bytes: int) -> str:
+    return f"{size_bytes / (1 << 20):.1f}"
+
+
+@images_app.callback(invoke_without_command=True)
+def images_default(ctx: typer.Context) -> None:
+    """`corral images` alone lists the images."""
+    if ctx.invoked_subcommand is None:
+        images_ls(layers=False)
+
+
+@images_app.command("ls")
+def images_ls(layers: Annotated[bool, typer.Option("--layers", help="List layers instead of tags.")] = False) -> None:
+    """List images (or layers) on the server."""
+    client = _client()
+    if layers:
+        table = Table("DIGEST", "KIND", "SIZE MiB", "BUILT BY", "CREATED")
+        for layer in client.images.layers():
+            table.add_row(layer.digest[:19], layer.kind, _size(layer.size_bytes), str(layer.source.get("builder")),
+                          _when(layer.created_at))  # fmt: skip
+    else:
+        table = Table("IMAGE", "LAYERS", "SIZE MiB", "CREATED")
+        for image in client.images.list():
+            table.add_row(image.name, str(len(image.layers)), _size(image.size_bytes), _when(image.created_at))
     console.print(table)
+
+
+@images_app.command("inspect")
+def images_inspect(ref: str) -> None:
+    """Show an image's layers, bottom first, with how each was built."""
+    detail = _client().images.inspect(ref)
+    console.print(f"{detail.name}: {len(detail.layers)} layers, {_size(detail.size_bytes)} MiB")
+    table = Table("#", "DIGEST", "KIND", "SIZE MiB", "SOURCE")
+    for index, layer in enumerate(detail.layers):
+        table.add_row(str(index), layer.digest, layer.kind, _size(layer.size_bytes), json.dumps(layer.source))
+    console.print(table)
+
+
+@images_app.command("tag")
+def images_tag(source: str, target: str) -> None:
+    """Point TARGET (name or name:version) at SOURCE's layers."""
+    image = _client().images.tag(target, source=source)
+    console.print(f"{image.name} -> {', '.join(d[:19] for d in image.layers)}")
+
+
+@images_app.command("rm")
+def images_rm(
+    refs: list[str],
+    prune: Annotated[bool, typer.Option(help="Also delete the image's layers that nothing else uses.")] = False,
+) -> None:
+    """Remove image tags (layers stay unless --prune)."""
+    client = _client()
+    for ref in refs:
+        image = client.images.untag(ref)
+        console.print(f"untagged {image.name}")
+        for digest in image.layers if prune else []:
+            try:
+                client.images.remove_layer(digest)
+                console.print(f"deleted layer {digest[:19]}")
+            except CorralError as exc:
+                console.print(f"kept layer {digest[:19]}: {exc.message}", style="dim")
+
+
+@images_app.command("build")
+def images_build(
+    name: Annotated[str, typer.Argument(help="Tag for the result: name or name:version.")],
+    from_dir: Annotated[str | None, typer.Option(help="A directory on the server's machine.")] = None,
+    from_tar: Annotated[str | None, typer.Option(help="A rootfs tarball on the server's machine.")] = None,
+    from_oci: Annotated[
+        str | None, typer.Option(help="An OCI or `docker save` archive on the server's machine.")
+    ] = None,
+    debootstrap: Annotated[str | None, typer.Option(help="A Debian suite, e.g. bookworm.")] = None,
+    package: Annotated[list[str] | None, typer.Option(help="debootstrap: extra package, repeatable.")] = None,
+    git: Annotated[str | None, typer.Option(help="A git repository on the server's machine.")] = None,
+    commit: Annotated[str | None, typer.Option(help="git: commit, branch or tag.")] = None,
+    workspace_path: Annotated[str, typer.Option(help="git: where the checkout goes.")] = "/work",
+    on: Annotated[list[str] | None, typer.Option(help="Image or layer to run commands on, repeatable.")] = None,
+    run: Annotated[list[str] | None, typer.Option(help="A command to run (commands build, git setup).")] = None,
+    kind: Annotated[str | None, typer.Option(help="Layer kind: base, workspace, tools or diff.")] = None,
+    no_cache: Annotated[bool, typer.Option(help="Build even if identical inputs were built before.")] = False,
+) -> None:
+    """Build a layer from exactly one source and tag it NAME."""
+    sources = {"dir": from_dir, "tar": from_tar, "oci": from_oci, "debootstrap": debootstrap, "git": git}
+    chosen = {k: v for k, v in sources.items() if v}
+    if len(chosen) > 1 or (not chosen and not run):
+        raise typer.BadParameter("give one of --from-dir/--from-tar/--from-oci/--debootstrap/--git, or --on with --run")
+    build_kind, source = next(iter(chosen.items())) if chosen else ("commands", None)
+    options: dict[str, object] = {"on": on or [], "commands": run or [], "layer_kind": kind, "no_cache": no_cache}
+    if build_kind == "debootstrap":
+        options.update(suite=source, packages=package or [])
+    elif build_kind == "git":
+        options.update(path=source, commit=commit, workspace_path=workspace_path)
+    elif source is not None:
+        options.update(path=source)
+    with console.status(f"building {name}") as status:
+
+        def show(line: str) -> None:
+            console.print(line, style="dim", markup=False, highlight=False)
+            status.update(f"building {name}: {line[:60]}")
+
+        image = _client().images.build(name, build_kind, on_progress=show, **options)
+    console.print(f"built {image.name}: {len(image.layers)} layers, {_size(image.size_bytes)} MiB")
+
+
+@images_app.command("import")
+def images_import(
+    archive: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="A local file, uploaded.")],
+    name: Annotated[str, typer.Argument(help="Tag for the result: name or name:version.")],
+    oci: Annotated[
+        bool, typer.Option("--oci", help="An OCI or `docker save` archive (default: a rootfs tar).")
+    ] = False,
+    kind: Annotated[str | None, typer.Option(help="Layer kind: base, workspace, tools or diff.")] = None,
+) -> None:
+    """Upload an archive as a new layer."""
+    image = _client().images.import_archive(name, archive, format="oci" if oci else "tar", layer_kind=kind)
+    console.print(f"imported {image.name}: {', '.join(d[:19] for d in image.layers)}")
+
+
+@app.command()
+def snapshot(
+    sandbox_id: str, name: Annotated[str | None, typer.Option(help="Tag the result as this image.")] = None
+) -> None:
+    """Save a sandbox's filesystem changes as a diff layer (and optionally an image)."""
+    info = _client().get(sandbox_id).snapshot(name)
+    console.print(f"diff {info.diff.digest} ({_size(info.diff.size_bytes)} MiB)")
+    if info.image:
+        console.print(f"tagged {info.image}")
 
 
 @app.command()

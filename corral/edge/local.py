@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from corral.backends.base import (
     Backend,
@@ -365,6 +366,10 @@ class LocalEdge:
 
     async def command_signal(self, sandbox_id: str, command_id: str, signo: int) -> None:
         self._command(sandbox_id, command_id).running.signal(signo)
+
+    async def pack_diff(self, sandbox_id: str, dest: Path) -> None:
+        self._get(sandbox_id)
+        await self._backend.pack_diff(sandbox_id, dest)
 
     # -- files --------------------------------------------------------------
 

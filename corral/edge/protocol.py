@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import secrets
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Protocol
 
 from corral.backends.base import SandboxSpec
@@ -78,5 +79,8 @@ class Edge(Protocol):
     async def upload_tar(self, sandbox_id: str, path: str, data: bytes) -> int: ...
 
     async def download_tar(self, sandbox_id: str, path: str) -> bytes: ...
+
+    async def pack_diff(self, sandbox_id: str, dest: Path) -> None:
+        """Write the sandbox's filesystem changes (whiteouts kept) as an EROFS layer file."""
 
     async def close(self) -> None: ...

@@ -9,9 +9,12 @@ OpenAPI document is served at /openapi.json.
 from __future__ import annotations
 
 import hmac
+import io
+import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated
+from pathlib import Path
+from typing import IO, Annotated, Literal
 
 from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -19,18 +22,25 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 
+from corral.gateway.images import ImageService
 from corral.gateway.service import SandboxService
 from corral.sdk._exceptions import AuthenticationError, CorralError, InvalidRequest, PayloadTooLarge
 from corral.sdk._models import (
+    BuildRequest,
     CommandInfo,
     CreateSandboxRequest,
     ExecRequest,
     ExecResult,
     FileInfo,
+    ImageDetail,
     ImageInfo,
+    LayerInfo,
     MkdirRequest,
     SandboxInfo,
     SetTtlRequest,
+    SnapshotInfo,
+    SnapshotRequest,
+    TagRequest,
 )
 
 __all__ = ["create_app"]
@@ -54,11 +64,16 @@ def _authenticate(
 
 
 def _service(request: Request) -> SandboxService:
-    return request.app.state.service  # type: ignore[no-any-return]
+    return request.app.state.service.sandboxes  # type: ignore[no-any-return]
+
+
+def _image_service(request: Request) -> ImageService:
+    return request.app.state.service.images  # type: ignore[no-any-return]
 
 
 Auth = Depends(_authenticate)
 Service = Annotated[SandboxService, Depends(_service)]
+Images = Annotated[ImageService, Depends(_image_service)]
 PathQuery = Annotated[str, Query(description="Absolute path inside the sandbox.")]
 
 
@@ -70,8 +85,8 @@ class UploadResult(BaseModel):
     members: int
 
 
-def create_app(service_factory, api_key: str, max_file_bytes: int) -> FastAPI:  # type: ignore[no-untyped-def]
-    """``service_factory`` is an async context manager yielding the SandboxService."""
+def create_app(service_factory, api_key: str, max_file_bytes: int, upload_dir: Path) -> FastAPI:  # type: ignore[no-untyped-def]
+    """``service_factory`` is an async context manager yielding the Services."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -92,27 +107,89 @@ def create_app(service_factory, api_key: str, max_file_bytes: int) -> FastAPI:  
         error = InvalidRequest(f"invalid request: {problems}")
         return JSONResponse(error.to_body(), status_code=error.status)
 
-    async def body_within_limit(request: Request) -> bytes:
+    async def save_body(request: Request, sink: IO[bytes]) -> None:
+        """Stream an upload to a file, within the size limit."""
         declared = request.headers.get("content-length")
         if declared is not None and int(declared) > max_file_bytes:
             raise PayloadTooLarge(
                 f"upload of {declared} bytes is over the limit of {max_file_bytes} (CORRAL_MAX_FILE_BYTES)"
             )
-        chunks, size = [], 0
+        size = 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > max_file_bytes:
                 raise PayloadTooLarge(f"upload is over the limit of {max_file_bytes} bytes (CORRAL_MAX_FILE_BYTES)")
-            chunks.append(chunk)
-        return b"".join(chunks)
+            sink.write(chunk)
+        sink.flush()
+
+    async def body_within_limit(request: Request) -> bytes:
+        buffer = io.BytesIO()
+        await save_body(request, buffer)
+        return buffer.getvalue()
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
     @app.get("/v1/images", dependencies=[Auth])
-    async def list_images(svc: Service) -> list[ImageInfo]:
-        return svc.images()
+    async def list_images(images: Images) -> list[ImageInfo]:
+        return images.images()
+
+    @app.get("/v1/images/{ref}", dependencies=[Auth])
+    async def inspect_image(ref: str, images: Images) -> ImageDetail:
+        return images.inspect(ref)
+
+    @app.put("/v1/images/{ref}", dependencies=[Auth])
+    async def tag_image(ref: str, body: TagRequest, images: Images) -> ImageInfo:
+        """Point ``ref`` at layers, or at another image's layers; a tag may move."""
+        return images.tag(ref, layers=body.layers, source=body.source)
+
+    @app.delete("/v1/images/{ref}", dependencies=[Auth])
+    async def untag_image(ref: str, images: Images) -> ImageInfo:
+        """Remove the tag; its layers stay until `DELETE /v1/layers/{digest}`."""
+        return images.untag(ref)
+
+    @app.get("/v1/layers", dependencies=[Auth])
+    async def list_layers(images: Images) -> list[LayerInfo]:
+        return images.layers()
+
+    @app.delete("/v1/layers/{digest}", status_code=204, dependencies=[Auth])
+    async def remove_layer(digest: str, images: Images) -> Response:
+        images.remove_layer(digest)
+        return Response(status_code=204)
+
+    @app.post(
+        "/v1/images/build",
+        dependencies=[Auth],
+        response_class=StreamingResponse,
+        responses={200: {"content": {"application/x-ndjson": {}}, "description": "One BuildEvent per line."}},
+    )
+    async def build_image(body: BuildRequest, images: Images) -> StreamingResponse:
+        async def lines() -> AsyncIterator[bytes]:
+            async for event in images.build(body):
+                yield event.model_dump_json(exclude_none=True).encode() + b"\n"
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    @app.put("/v1/images/import/{ref}", dependencies=[Auth])
+    async def import_image(
+        ref: str,
+        request: Request,
+        images: Images,
+        format: Annotated[
+            Literal["tar", "oci"], Query(description="A rootfs tar, or an OCI/docker-save archive.")
+        ] = "tar",
+        layer_kind: Annotated[Literal["base", "workspace", "tools", "diff"] | None, Query()] = None,
+    ) -> ImageInfo:
+        """The request body (an archive) becomes a layer tagged ``ref``."""
+        with tempfile.NamedTemporaryFile(dir=upload_dir, prefix="upload-") as upload:
+            await save_body(request, upload)
+            return await images.import_archive(ref, Path(upload.name), fmt=format, layer_kind=layer_kind)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/snapshot", dependencies=[Auth])
+    async def snapshot_sandbox(sandbox_id: str, body: SnapshotRequest, images: Images) -> SnapshotInfo:
+        """Its changes so far become a diff layer; create from ``layers`` to continue from here."""
+        return await images.snapshot(sandbox_id, body.name)
 
     @app.post("/v1/sandboxes", status_code=201, dependencies=[Auth])
     async def create_sandbox(body: CreateSandboxRequest, svc: Service) -> SandboxInfo:

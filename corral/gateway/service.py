@@ -18,10 +18,10 @@ from typing import TypeVar
 
 from corral.backends.base import LayerRef, SandboxSpec
 from corral.edge.protocol import Edge, edge_of, new_sandbox_id
-from corral.images.store import LayerStore
+from corral.images.catalogue import Catalogue
 from corral.scheduler.placement import place
 from corral.sdk._exceptions import CapacityExhausted, InvalidRequest, NotFound, SandboxGone
-from corral.sdk._models import CreateSandboxRequest, ImageInfo, SandboxInfo, SandboxState
+from corral.sdk._models import CreateSandboxRequest, SandboxInfo, SandboxState
 from corral.state.db import StateStore
 
 __all__ = ["SandboxService"]
@@ -36,13 +36,13 @@ class SandboxService:
         self,
         *,
         store: StateStore,
-        layers: LayerStore,
+        catalogue: Catalogue,
         edges: dict[str, Edge],
         default_runtime: str,
         ttl_check_interval_s: float,
     ) -> None:
         self._store = store
-        self._layers = layers
+        self._catalogue = catalogue
         self._edges = edges
         self._default_runtime = default_runtime
         self._ttl_interval_s = ttl_check_interval_s
@@ -95,14 +95,43 @@ class SandboxService:
 
     # -- sandboxes -----------------------------------------------------------
 
-    def images(self) -> list[ImageInfo]:
-        return [
-            ImageInfo(name=i.ref, layers=list(i.layers), size_bytes=i.size_bytes, created_at=i.created_at)
-            for i in self._layers.images()
-        ]
-
     def _layer_refs(self, digests: list[str]) -> tuple[LayerRef, ...]:
-        return tuple(LayerRef(digest=d, path=self._layers.layer_path(d)) for d in digests)
+        return tuple(LayerRef(digest=d, path=self._catalogue.store.layer_path(d)) for d in digests)
+
+    def stack(self, refs: list[str]) -> list[str]:
+        """Image refs and layer digests to one bottom-first stack of digests.
+
+        An image is a complete stack from whatever it was built on, so a layer
+        that is already lower in the stack is not repeated: {base, tools}
+        where tools was built on base stacks base once, then the tools diff.
+        """
+        stack: list[str] = []
+        for ref in refs:
+            digests = [ref] if ref.startswith("sha256:") else list(self._catalogue.resolve(ref).layers)
+            for digest in digests:
+                self._catalogue.layer(digest)
+                if digest not in stack:
+                    stack.append(digest)
+        return stack
+
+    def _resolve_root(self, request: CreateSandboxRequest) -> tuple[list[str], str]:
+        """The sandbox's layers (bottom first) and the name it is listed under."""
+        if request.layers:
+            return self.stack(request.layers), "+".join(d.split(":")[-1][:12] for d in request.layers)
+        if request.environment is not None:
+            env = request.environment
+            parts = [env.base, *(p for p in (env.workspace, env.tools) if p), *env.extra]
+            return self.stack(parts), "+".join(parts)
+        return self.stack([request.image]), self._catalogue.resolve(request.image).ref
+
+    def layers_of(self, sandbox_id: str) -> list[str]:
+        record = self._store.get(sandbox_id)
+        if record is None:
+            raise NotFound(f"no sandbox {sandbox_id}")
+        return list(record["layers"])
+
+    def layers_in_use(self) -> set[str]:
+        return {d for record in self._store.list(states=_ACTIVE) for d in record["layers"]}
 
     def _spec_from_record(self, record: dict) -> SandboxSpec:  # type: ignore[type-arg]
         return SandboxSpec(
@@ -124,12 +153,8 @@ class SandboxService:
         for key in request.env:
             if not key or "=" in key or "\0" in key:
                 raise InvalidRequest(f"invalid environment variable name {key!r}")
-        if request.layers:
-            layers = self._layer_refs(request.layers)
-            image_name = "+".join(digest.split(":")[-1][:12] for digest in request.layers)
-        else:
-            image = self._layers.resolve(request.image)
-            layers, image_name = self._layer_refs(list(image.layers)), image.ref
+        digests, image_name = self._resolve_root(request)
+        layers = self._layer_refs(digests)
         refused: set[str] = set()
         while True:
             loads = [await edge.load() for edge_id, edge in self._edges.items() if edge_id not in refused]

@@ -20,6 +20,7 @@ import shutil
 import stat
 import subprocess
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 from corral.sdk._exceptions import InternalError, InvalidRequest, NotFound
@@ -38,6 +39,7 @@ def build_erofs(
     compression: str | None = None,
     compression_level: int | None = None,
     all_root: bool = False,
+    exclude: Sequence[str] = (),
     timeout_s: float = MKFS_TIMEOUT_S,
 ) -> Path:
     """Build ``dest`` from ``source_dir`` atomically and return ``dest``.
@@ -46,6 +48,7 @@ def build_erofs(
     a second for a 200 MB tree; ``compression="lz4hc"`` trades ~10x build
     time for smaller files. ``all_root`` makes every file owned by root (for
     trees built by an unprivileged user); otherwise owners are kept.
+    ``exclude`` names paths relative to ``source_dir`` to leave out.
     """
     source_dir = Path(source_dir)
     dest = Path(dest)
@@ -60,6 +63,7 @@ def build_erofs(
     argv += _compression_args(compression, compression_level)
     if all_root:
         argv.append("--all-root")
+    argv += [f"--exclude-path={path}" for path in exclude]
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:12]}.tmp")

@@ -67,6 +67,17 @@ class ImageRecord:
         return f"{self.name}:{self.version}"
 
 
+def check_layer_file(digest: str, path: Path) -> None:
+    """Refuse a layer file whose bytes do not hash to its digest (it is never used then)."""
+    with open(path, "rb") as f:
+        hex_digest, _ = _hash_stream(f)
+    if f"sha256:{hex_digest}" != digest:
+        raise InternalError(
+            f"layer {digest} is corrupt: {path} hashes to sha256:{hex_digest[:12]}…; it will not be used. "
+            "Rebuild or re-import it (corral images rm, then build or import again)."
+        )
+
+
 class LayerStore:
     """Layers and tags in one directory; safe for many processes at once."""
 
@@ -147,6 +158,23 @@ class LayerStore:
             labels={str(k): str(v) for k, v in data.get("labels", {}).items()},
         )
 
+    def layers(self) -> list[LayerRecord]:
+        """Every layer in the store, oldest first."""
+        records = []
+        for sidecar in self._layers.glob("*.json"):
+            digest = f"sha256:{sidecar.stem}"
+            try:
+                records.append(self.layer(digest))
+            except (NotFound, InternalError, FileNotFoundError):
+                continue  # half-imported or removed meanwhile
+        return sorted(records, key=lambda record: record.created_at)
+
+    def remove(self, digest: str) -> None:
+        """Delete a layer's file and sidecar (the caller checks nothing uses it)."""
+        hex_digest = _hex_of(digest)
+        (self._layers / f"{hex_digest}.erofs").unlink(missing_ok=True)
+        (self._layers / f"{hex_digest}.json").unlink(missing_ok=True)
+
     def verify(self, digest: str) -> bool:
         """Re-hash a stored layer: False means its bytes no longer match the name."""
         with open(self.layer_path(digest), "rb") as f:
@@ -157,8 +185,8 @@ class LayerStore:
 
     def tag(self, name: str, layers: Sequence[str], *, version: str = DEFAULT_VERSION) -> ImageRecord:
         """Point ``name:version`` at ``layers`` (bottom first); moves an existing tag."""
-        _check_name(name, "image name")
-        _check_name(version, "image version")
+        check_name(name, "image name")
+        check_name(version, "image version")
         if isinstance(layers, str) or not layers:
             raise InvalidRequest("an image needs a non-empty sequence of layer digests, bottom first")
         size_bytes = sum(self.layer(digest).size_bytes for digest in layers)
@@ -185,7 +213,7 @@ class LayerStore:
 
     def resolve(self, ref: str) -> ImageRecord:
         """``"name"`` or ``"name:version"`` to its record; ``"name"`` means ``name:latest``."""
-        name, version = _parse_ref(ref)
+        name, version = parse_ref(ref)
         try:
             return _image_from_json(_read_json(self._images / name / f"{version}.json"))
         except FileNotFoundError:
@@ -262,22 +290,22 @@ def _hex_of(digest: str) -> str:
     return match.group(1)
 
 
-def _check_name(value: str, what: str) -> None:
+def check_name(value: str, what: str) -> None:
     if not isinstance(value, str) or not _NAME_RE.match(value):
         raise InvalidRequest(
             f"malformed {what} {value!r}: use 1-128 characters from [a-z0-9._-], not starting with '.'"
         )
 
 
-def _parse_ref(ref: str) -> tuple[str, str]:
+def parse_ref(ref: str) -> tuple[str, str]:
     if not isinstance(ref, str) or ref.count(":") > 1:
         raise InvalidRequest(f"malformed image reference {ref!r}; expected 'name' or 'name:version'")
     name, _, version = ref.partition(":")
     if not version and ":" in ref:
         raise InvalidRequest(f"malformed image reference {ref!r}: empty version after ':'")
     version = version or DEFAULT_VERSION
-    _check_name(name, "image name")
-    _check_name(version, "image version")
+    check_name(name, "image name")
+    check_name(version, "image version")
     return name, version
 
 

@@ -7,7 +7,7 @@ them, so the wire format is defined once. Units are in the field names.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,6 +29,14 @@ __all__ = [
     "FileInfo",
     "MkdirRequest",
     "ImageInfo",
+    "ImageDetail",
+    "LayerInfo",
+    "Environment",
+    "TagRequest",
+    "SnapshotRequest",
+    "SnapshotInfo",
+    "BuildRequest",
+    "BuildEvent",
     "EdgeLoad",
 ]
 
@@ -54,10 +62,20 @@ class SandboxState(StrEnum):
     LOST = "lost"
 
 
+class Environment(_Model):
+    """Independently versioned layers composed at create time: tools over workspace over base."""
+
+    base: str = Field(description="Image ref (name or name:version) of the OS and runtimes.")
+    workspace: str | None = Field(None, description="Image ref of the repository and its dependencies.")
+    tools: str | None = Field(None, description="Image ref of the agent harness and utilities.")
+    extra: list[str] = Field(default_factory=list, description="More image refs or layer digests, stacked on top.")
+
+
 class CreateSandboxRequest(_Model):
     image: str = Field("busybox", description="Image name (name or name:version) from `GET /v1/images`.")
+    environment: Environment | None = Field(None, description="Compose base/workspace/tools instead of `image`.")
     layers: list[str] | None = Field(
-        None, description="Layer digests, bottom first, to stack instead of the image's own layers."
+        None, description="Layer digests, bottom first, to stack instead of `image` or `environment`."
     )
     backend: Literal["container"] = "container"
     runtime: Literal["crun", "runc"] | None = Field(None, description="OCI runtime; the server's default when unset.")
@@ -156,10 +174,74 @@ class MkdirRequest(_Model):
 
 
 class ImageInfo(_Model):
-    name: str
+    name: str = Field(description="name:version")
     layers: list[str] = Field(description="Layer digests, bottom first.")
     size_bytes: int
     created_at: float
+
+
+class LayerInfo(_Model):
+    digest: str
+    size_bytes: int
+    kind: Literal["base", "workspace", "tools", "diff"]
+    parents: list[str] = Field(description="Layers it was built on, bottom first.")
+    source: dict[str, Any] = Field(description="The builder and its inputs.")
+    labels: dict[str, str]
+    created_at: float
+
+
+class ImageDetail(_Model):
+    name: str
+    layers: list[LayerInfo] = Field(description="Bottom first.")
+    size_bytes: int
+    created_at: float
+
+
+class TagRequest(_Model):
+    layers: list[str] | None = Field(None, description="Layer digests, bottom first.")
+    source: str | None = Field(None, description="An existing image ref whose layers the new tag gets.")
+
+
+class SnapshotRequest(_Model):
+    name: str | None = Field(None, description="Tag the result as this image (name or name:version).")
+
+
+class SnapshotInfo(_Model):
+    diff: LayerInfo = Field(description="The sandbox's changes as a layer.")
+    layers: list[str] = Field(description="The sandbox's layers plus the diff: create from these to continue.")
+    image: str | None = Field(None, description="The tag, when a name was given.")
+
+
+class BuildRequest(_Model):
+    """One layer built on the server. Paths are on the server's machine."""
+
+    name: str = Field(description="Tag the result as name or name:version.")
+    kind: Literal["dir", "tar", "oci", "debootstrap", "git", "commands"]
+    layer_kind: Literal["base", "workspace", "tools", "diff"] | None = Field(
+        None, description="Default: base for debootstrap and oci, workspace for git, tools otherwise."
+    )
+    path: str | None = Field(None, description="dir, tar, oci: the source; git: the repository.")
+    commit: str | None = Field(None, description="git: the commit, branch or tag (default HEAD).")
+    workspace_path: str = Field("/work", description="git: where the checkout goes in the image.")
+    suite: str = Field("bookworm", description="debootstrap: the Debian suite.")
+    packages: list[str] = Field(default_factory=list, description="debootstrap: extra packages.")
+    on: list[str] = Field(
+        default_factory=list, description="commands (and git setup): image refs or digests to run on."
+    )
+    commands: list[str] = Field(default_factory=list, description="commands, or git setup commands, run in order.")
+    env: dict[str, str] = Field(default_factory=dict)
+    timeout_s: float = Field(1800, gt=0, description="Per command.")
+    no_cache: bool = Field(False, description="Build even if identical inputs were built before.")
+
+
+class BuildEvent(_Model):
+    """One line of a streamed build: progress lines, then ``done`` or ``error``."""
+
+    type: Literal["progress", "done", "error"]
+    message: str | None = None
+    image: ImageInfo | None = None
+    cached: bool | None = None
+    error: dict[str, str] | None = None
 
 
 class EdgeLoad(_Model):

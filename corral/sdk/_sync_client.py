@@ -5,7 +5,8 @@ The synchronous SDK, with the same names and behaviour as the async one.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -20,18 +21,25 @@ from corral.sdk._models import (
     DEFAULT_OUTPUT_CAP_BYTES,
     DEFAULT_PIDS_MAX,
     DEFAULT_TTL_S,
+    BuildEvent,
+    BuildRequest,
     CommandInfo,
     CreateSandboxRequest,
+    Environment,
     ExecEvent,
     ExecRequest,
     ExecResult,
     FileInfo,
+    ImageDetail,
     ImageInfo,
+    LayerInfo,
     MkdirRequest,
     SandboxInfo,
+    SnapshotInfo,
+    TagRequest,
 )
 
-__all__ = ["Client", "Sandbox", "Files"]
+__all__ = ["Client", "Sandbox", "Files", "Images"]
 
 DEFAULT_TIMEOUT_S = 60.0
 M = TypeVar("M", bound=BaseModel)
@@ -174,6 +182,74 @@ class Files:
         return response.content
 
 
+class Images:
+    """``client.images``: images (``name:version`` tags over layers) and the layers themselves."""
+
+    def __init__(self, transport: _SyncTransport) -> None:
+        self._transport = transport
+
+    def list(self) -> list[ImageInfo]:
+        response = self._transport.request("GET", "/v1/images")
+        return [ImageInfo.model_validate(item) for item in response.json()]
+
+    def inspect(self, ref: str) -> ImageDetail:
+        response = self._transport.request("GET", f"/v1/images/{ref}")
+        return ImageDetail.model_validate(response.json())
+
+    def tag(self, ref: str, *, layers: list[str] | None = None, source: str | None = None) -> ImageInfo:
+        """Point ``ref`` at layer digests (bottom first) or at another image's layers."""
+        body = _validated(TagRequest, {"layers": layers, "source": source}).model_dump()
+        response = self._transport.request("PUT", f"/v1/images/{ref}", json=body)
+        return ImageInfo.model_validate(response.json())
+
+    def untag(self, ref: str) -> ImageInfo:
+        response = self._transport.request("DELETE", f"/v1/images/{ref}")
+        return ImageInfo.model_validate(response.json())
+
+    def layers(self) -> list[LayerInfo]:
+        response = self._transport.request("GET", "/v1/layers")
+        return [LayerInfo.model_validate(item) for item in response.json()]
+
+    def remove_layer(self, digest: str) -> None:
+        """Delete a layer no tag or sandbox uses (Conflict otherwise)."""
+        self._transport.request("DELETE", f"/v1/layers/{digest}")
+
+    def build(
+        self,
+        name: str,
+        kind: str,
+        *,
+        on_progress: Callable[[str], None] | None = None,
+        **options: Any,
+    ) -> ImageInfo:
+        """Build a layer on the server and tag it ``name``; see BuildRequest for ``kind`` and options.
+
+        Progress lines go to ``on_progress``; a failed build raises with the builder's output.
+        """
+        body = _validated(BuildRequest, {"name": name, "kind": kind, **options}).model_dump(mode="json")
+        timeout_s = body["timeout_s"] * max(1, len(body["commands"])) + 3600
+        for line in self._transport.stream_lines("POST", "/v1/images/build", json=body, timeout_s=timeout_s):
+            event = BuildEvent.model_validate_json(line)
+            if event.type == "progress" and on_progress is not None:
+                on_progress(event.message or "")
+            elif event.type == "error":
+                raise error_from_response(0, {"error": event.error})
+            elif event.type == "done" and event.image is not None:
+                return event.image
+        raise ServerUnavailable("the build stream ended without a result")
+
+    def import_archive(
+        self, ref: str, archive: str | Path | bytes, *, format: str = "tar", layer_kind: str | None = None
+    ) -> ImageInfo:
+        """Upload a rootfs tar or an OCI / `docker save` archive as a new layer tagged ``ref``."""
+        data = archive if isinstance(archive, bytes) else Path(archive).read_bytes()
+        params = {"format": format, **({"layer_kind": layer_kind} if layer_kind else {})}
+        response = self._transport.request(
+            "PUT", f"/v1/images/import/{ref}", params=params, content=data, timeout_s=3600
+        )
+        return ImageInfo.model_validate(response.json())
+
+
 class Sandbox:
     """A handle on one sandbox. Plain data: pickle it, send it to another process."""
 
@@ -302,6 +378,13 @@ class Sandbox:
         content = data.encode() if isinstance(data, str) else data
         self._transport.request("POST", f"/v1/sandboxes/{self.id}/commands/{command_id}/stdin", content=content)
 
+    def snapshot(self, name: str | None = None) -> SnapshotInfo:
+        """Its filesystem changes so far as a diff layer; ``client.create(layers=info.layers)`` continues from here."""
+        response = self._transport.request(
+            "POST", f"/v1/sandboxes/{self.id}/snapshot", json={"name": name}, timeout_s=600
+        )
+        return SnapshotInfo.model_validate(response.json())
+
     def signal(self, command_id: str, signo: int = 9) -> None:
         self._transport.request(
             "POST", f"/v1/sandboxes/{self.id}/commands/{command_id}/signal", json={"signal": signo}
@@ -317,6 +400,7 @@ class Client:
         self.url, self.api_key = resolve_connection(url, api_key)
         self.timeout_s = timeout_s
         self._transport = _SyncTransport(self.url, self.api_key, timeout_s)
+        self.images = Images(self._transport)
 
     def __enter__(self) -> Client:
         return self
@@ -344,12 +428,13 @@ class Client:
         ttl_s: float | None = DEFAULT_TTL_S,
         runtime: str | None = None,
         backend: str = "container",
+        environment: Environment | dict[str, Any] | None = None,
         layers: list[str] | None = None,
     ) -> Sandbox:
-        """Create a sandbox from ``image``, or from explicit ``layers`` (digests, bottom first)."""
+        """Create a sandbox from ``image``, an ``environment`` ({base, workspace, tools}), or ``layers``."""
         fields = {
-            "image": image, "layers": layers, "backend": backend, "runtime": runtime, "cpu": cpu,
-            "memory_mb": memory_mb, "pids_max": pids_max, "env": env or {}, "cwd": cwd, "user": user,
+            "image": image, "environment": environment, "layers": layers, "backend": backend, "runtime": runtime,
+            "cpu": cpu, "memory_mb": memory_mb, "pids_max": pids_max, "env": env or {}, "cwd": cwd, "user": user,
             "labels": labels or {}, "ttl_s": ttl_s,
         }  # fmt: skip
         body = _validated(CreateSandboxRequest, fields)
@@ -372,7 +457,3 @@ class Client:
     def kill(self, sandbox_id: str) -> SandboxInfo:
         response = self._transport.request("DELETE", f"/v1/sandboxes/{sandbox_id}")
         return SandboxInfo.model_validate(response.json())
-
-    def images(self) -> list[ImageInfo]:
-        response = self._transport.request("GET", "/v1/images")
-        return [ImageInfo.model_validate(item) for item in response.json()]

@@ -1,8 +1,10 @@
-"""Durable control-plane state: the sandbox records.
+"""Durable control-plane state: the schema, the engine, and the sandbox records.
 
 SQLAlchemy Core with one schema for SQLite (the embedded default, WAL mode)
 and PostgreSQL (shared by several gateways later). The edge keeps live state
-in memory; this table is what survives a restart and what `list` reads.
+in memory; the sandboxes table is what survives a restart and what `list`
+reads. The layer catalogue (layers, image tags, build cache) has its tables
+here too and its logic in corral/images/catalogue.py.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from sqlalchemy.engine import Engine
 
 from corral.sdk._models import SandboxInfo, SandboxState
 
-__all__ = ["SandboxRecord", "StateStore"]
+__all__ = ["SandboxRecord", "StateStore", "layers", "image_tags", "build_cache"]
 
 metadata = MetaData()
 
@@ -57,6 +59,36 @@ sandboxes = Table(
     Column("status_message", Text, nullable=True),
 )
 
+layers = Table(
+    "layers",
+    metadata,
+    Column("digest", String(80), primary_key=True),
+    Column("size_bytes", Integer, nullable=False),
+    Column("kind", String(16), nullable=False),
+    Column("parents", JSON, nullable=False),  # digests of the layers it was built on, bottom first
+    Column("source", JSON, nullable=False),  # how it was built: builder and inputs
+    Column("labels", JSON, nullable=False),
+    Column("created_at", Float, nullable=False),
+)
+
+image_tags = Table(
+    "image_tags",
+    metadata,
+    Column("name", String(128), primary_key=True),
+    Column("version", String(128), primary_key=True),
+    Column("layers", JSON, nullable=False),  # digests, bottom first
+    Column("created_at", Float, nullable=False),
+    Column("updated_at", Float, nullable=False),
+)
+
+build_cache = Table(
+    "build_cache",
+    metadata,
+    Column("input_key", String(80), primary_key=True),  # sha256 of the builder's canonical inputs
+    Column("layers", JSON, nullable=False),
+    Column("created_at", Float, nullable=False),
+)
+
 SandboxRecord = dict[str, Any]
 _ACTIVE = (SandboxState.CREATING.value, SandboxState.RUNNING.value)
 
@@ -77,6 +109,10 @@ class StateStore:
         if self._engine.dialect.name == "sqlite":
             event.listen(self._engine, "connect", _sqlite_pragmas)
         metadata.create_all(self._engine)
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
 
     def insert(self, record: SandboxRecord) -> None:
         with self._engine.begin() as conn:

@@ -171,10 +171,11 @@ async def test_kill_during_create_wins(fresh_server: EmbeddedServer) -> None:
     assert {c["id"] for c in json.loads(listing.stdout or "[]") or []} == survivors
 
 
-def test_admission_refuses_beyond_overcommit_and_frees_on_kill(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_admission_refuses_beyond_overcommit_and_frees_on_kill(tmp_path, test_env) -> None:  # type: ignore[no-untyped-def]
     """With CPU overcommit 1 on this node, sandboxes asking for all cores fit only while there is room."""
     cores = os.cpu_count() or 1
-    with EmbeddedServer(tmp_path / "server", env={"CORRAL_CPU_OVERCOMMIT": "1"}) as server, server.client() as client:
+    env = {**test_env, "CORRAL_CPU_OVERCOMMIT": "1"}
+    with EmbeddedServer(tmp_path / "server", env=env) as server, server.client() as client:
         first = client.create("busybox", cpu=cores)
         try:
             client.create("busybox", cpu=cores)

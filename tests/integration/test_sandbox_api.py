@@ -83,7 +83,7 @@ def test_set_ttl_extends_and_removes(client: corral.Client) -> None:
 
 
 def test_create_from_explicit_layers(client: corral.Client) -> None:
-    busybox = next(i for i in client.images() if i.name == "busybox:latest")
+    busybox = next(i for i in client.images.list() if i.name == "busybox:latest")
     with client.create(layers=busybox.layers) as sandbox:
         assert sandbox.info.image == busybox.layers[0].split(":")[1][:12]
         assert sandbox.exec("echo layered").stdout == "layered\n"
@@ -155,6 +155,8 @@ def test_cli_against_running_server(server: EmbeddedServer) -> None:
     listed = corral_cli("ls", "--label", "from=cli")
     assert sandbox_id in listed.stdout
     assert "busybox" in corral_cli("images").stdout
+    assert "base" in corral_cli("images", "ls", "--layers").stdout
+    assert "busybox:latest: 1 layers" in corral_cli("images", "inspect", "busybox").stdout
     assert corral_cli("rm", sandbox_id).returncode == 0
     missing = corral_cli("exec", sandbox_id, "true")
     assert missing.returncode == 1 and "sandbox_gone" in missing.stderr

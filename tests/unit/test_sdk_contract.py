@@ -52,7 +52,7 @@ def test_sync_client_is_generated_from_async() -> None:
 
 def test_sync_and_async_have_the_same_methods() -> None:
     for sync_cls, async_cls in [(corral.Client, corral.AsyncClient), (corral.Sandbox, corral.AsyncSandbox),
-                                (corral.Files, corral.AsyncFiles)]:  # fmt: skip
+                                (corral.Files, corral.AsyncFiles), (corral.Images, corral.AsyncImages)]:  # fmt: skip
         public = {n.replace("aclose", "close") for n in dir(async_cls) if not n.startswith("_")}
         assert public == {n for n in dir(sync_cls) if not n.startswith("_")}
 

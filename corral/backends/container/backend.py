@@ -24,9 +24,13 @@ from corral.backends.container.files import ConfinedTree
 from corral.backends.container.host import CgroupLayout, LayerMounts, NativeHelpers, oom_kill_count, orphans
 from corral.backends.container.oci import AGENT_PATH, ContainerLimits, build_config
 from corral.backends.container.runtime import OciRuntime, Overlay
+from corral.images.erofs import build_erofs
+from corral.images.store import check_layer_file
 from corral.sdk._exceptions import Conflict, NotFound, SandboxGone
 
-__all__ = ["ContainerBackend"]
+__all__ = ["ContainerBackend", "LAYER_IDLE_UNMOUNT_S"]
+
+LAYER_IDLE_UNMOUNT_S = 60.0
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +106,7 @@ class ContainerBackend:
         self._default_runtime = default_runtime
         self._runtimes: dict[str, OciRuntime] = {}
         self._state_root = data_dir / "run"
-        self._mounts = LayerMounts(data_dir / "mnt" / "layers")
+        self._mounts = LayerMounts(data_dir / "mnt" / "layers", verify=check_layer_file)
         self._containers: dict[str, _Container] = {}
         self._agent_start_timeout_s = agent_start_timeout_s
         self._create_slots = asyncio.Semaphore(create_concurrency)
@@ -122,7 +126,7 @@ class ContainerBackend:
         bundle, upper, work = root / "bundle", root / "upper", root / "work"
         for path in (bundle / "rootfs", upper, work):
             path.mkdir(parents=True, exist_ok=True)
-        lowers = [self._mounts.mount(layer.digest, layer.path) for layer in reversed(spec.layers)]
+        lowers = await self._acquire_layers(spec)
         config = build_config(
             hostname=spec.sandbox_id[-12:],
             limits=ContainerLimits(cpu=spec.cpu, memory_mb=spec.memory_mb, pids_max=spec.pids_max),
@@ -144,11 +148,28 @@ class ContainerBackend:
         except BaseException:
             agent.close()
             await runtime.kill_and_delete(spec.sandbox_id)
+            self._release_layers(spec)
             shutil.rmtree(root, ignore_errors=True)
             raise
         self._containers[spec.sandbox_id] = _Container(
             spec, runtime, agent, init_pid, self._cgroup_path(spec.sandbox_id)
         )
+
+    async def _acquire_layers(self, spec: SandboxSpec) -> list[Path]:
+        """Mountpoints of the sandbox's layers, top first (overlayfs lowerdir order)."""
+        acquired: list[Path] = []
+        try:
+            for layer in reversed(spec.layers):
+                acquired.append(await self._mounts.acquire(layer.digest, layer.path))
+        except BaseException:
+            for layer in list(reversed(spec.layers))[: len(acquired)]:
+                self._mounts.release(layer.digest)
+            raise
+        return acquired
+
+    def _release_layers(self, spec: SandboxSpec) -> None:
+        for layer in spec.layers:
+            self._mounts.release(layer.digest)
 
     async def adopt(self, spec: SandboxSpec) -> bool:
         runtime = self.runtime(spec.runtime)
@@ -156,6 +177,7 @@ class ContainerBackend:
         if state is None or state.status not in ("running", "paused"):
             await self.destroy(spec.sandbox_id)
             return False
+        await self._acquire_layers(spec)  # counted like a new sandbox; released on destroy
         edge_end, agent_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         agent = AgentConnection(edge_end)
         try:
@@ -211,14 +233,29 @@ class ContainerBackend:
         if container is not None:
             container.agent.close()
             await container.runtime.kill_and_delete(sandbox_id)
+            self._release_layers(container.spec)
         else:
             for name in ("crun", "runc"):
                 if shutil.which(name):
                     await self.runtime(name).kill_and_delete(sandbox_id)
         shutil.rmtree(self._dir / sandbox_id, ignore_errors=True)
 
+    async def pack_diff(self, sandbox_id: str, dest: Path) -> None:
+        """Pack the sandbox's writable layer (whiteouts and opaque dirs kept) into an EROFS file.
+
+        The sandbox is frozen meanwhile, so the layer is a consistent point in
+        time; the agent's mountpoint is left out."""
+        container = self._get(sandbox_id)
+        upper = self._dir / sandbox_id / "upper"
+        await container.runtime.pause(sandbox_id)
+        try:
+            await asyncio.to_thread(build_erofs, upper, dest, exclude=[AGENT_PATH.strip("/").split("/")[0]])
+        finally:
+            await container.runtime.resume(sandbox_id)
+
     def housekeeping(self) -> None:
         orphans.reap()
+        self._mounts.unmount_idle(LAYER_IDLE_UNMOUNT_S)
 
     async def close(self) -> None:
         for container in self._containers.values():

@@ -8,6 +8,7 @@ Request handlers never do any of this directly.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import ctypes.util
@@ -16,6 +17,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,28 +106,71 @@ def become_child_subreaper() -> None:
     _check(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
 
 
+@dataclass
+class _LayerMount:
+    target: Path
+    users: int = 0
+    idle_since: float | None = None
+
+
 class LayerMounts:
-    """Mounts each EROFS layer once per edge, read-only, shared by all sandboxes."""
+    """Mounts each EROFS layer once per edge, read-only, shared by every sandbox
+    that uses it (so its page cache is shared too), counted by users.
 
-    def __init__(self, mount_root: Path) -> None:
+    A layer file is checked against its digest before its first mount; a
+    corrupt file is refused and never mounted. Layers nobody has used for a
+    while are unmounted by ``unmount_idle`` (the edge's housekeeping).
+    """
+
+    def __init__(self, mount_root: Path, verify: Callable[[str, Path], None]) -> None:
         self._root = mount_root
-        self._mounted: dict[str, Path] = {}
+        self._verify = verify
+        self._mounts: dict[str, _LayerMount] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
 
-    def mount(self, digest: str, image_file: Path) -> Path:
-        target = self._mounted.get(digest)
-        if target is not None:
-            return target
-        target = self._root / digest.replace(":", "-")
-        target.mkdir(parents=True, exist_ok=True)
-        if not os.path.ismount(target):
-            _mount(str(image_file), str(target), "erofs", _MS_RDONLY, None)
-        self._mounted[digest] = target
-        return target
+    async def acquire(self, digest: str, image_file: Path) -> Path:
+        """The layer's mountpoint, mounting it on first use; pair with release()."""
+        lock = self._locks.setdefault(digest, asyncio.Lock())
+        async with lock:
+            mount = self._mounts.get(digest)
+            if mount is None:
+                await asyncio.to_thread(self._verify, digest, image_file)
+                target = self._root / digest.replace(":", "-")
+                target.mkdir(parents=True, exist_ok=True)
+                if not os.path.ismount(target):
+                    _mount(str(image_file), str(target), "erofs", _MS_RDONLY, None)
+                mount = self._mounts[digest] = _LayerMount(target)
+            mount.users += 1
+            mount.idle_since = None
+            return mount.target
+
+    def release(self, digest: str) -> None:
+        mount = self._mounts.get(digest)
+        if mount is not None and mount.users > 0:
+            mount.users -= 1
+            if mount.users == 0:
+                mount.idle_since = time.monotonic()
+
+    def users(self) -> dict[str, int]:
+        return {digest: mount.users for digest, mount in self._mounts.items()}
+
+    def unmount_idle(self, idle_s: float) -> list[str]:
+        """Unmount layers unused for ``idle_s``; the sandboxes that used them hold their own references."""
+        now, gone = time.monotonic(), []
+        for digest, mount in list(self._mounts.items()):
+            lock = self._locks.get(digest)
+            if mount.users == 0 and mount.idle_since is not None and now - mount.idle_since >= idle_s:
+                if lock is not None and lock.locked():
+                    continue
+                _libc.umount2(str(mount.target).encode(), _MNT_DETACH)
+                del self._mounts[digest]
+                gone.append(digest)
+        return gone
 
     def unmount_all(self) -> None:
-        for target in self._mounted.values():
-            _libc.umount2(str(target).encode(), _MNT_DETACH)
-        self._mounted.clear()
+        for mount in self._mounts.values():
+            _libc.umount2(str(mount.target).encode(), _MNT_DETACH)
+        self._mounts.clear()
 
 
 @dataclass(frozen=True)

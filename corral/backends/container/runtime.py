@@ -133,6 +133,13 @@ class OciRuntime:
         _, out, _ = await self._run([*self._base(), "list", "--format", "json"])
         return [entry["id"] for entry in json.loads(out or b"[]") or []]
 
+    async def pause(self, container_id: str) -> None:
+        """Freeze every process of the container (cgroup freezer)."""
+        await self._run([*self._base(), "pause", container_id])
+
+    async def resume(self, container_id: str) -> None:
+        await self._run([*self._base(), "resume", container_id])
+
     async def kill_and_delete(self, container_id: str) -> None:
         """SIGKILL everything in the container, then remove it (idempotent)."""
         await self._run([*self._base(), "kill", "--all", container_id, str(int(signal.SIGKILL))], check=False)

@@ -1,0 +1,250 @@
+"""Images and layers behind the HTTP API: list, inspect, tag, remove, build,
+import, and snapshot a sandbox as a layer.
+
+Builds that need no sandbox run in worker threads (corral/images/builders.py);
+`commands` builds and git setup steps run in a builder sandbox created
+through SandboxService, and keep only what the commands changed (the
+sandbox's upper directory, whiteouts included) as the new layer. Every build
+is cached by its inputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from corral.gateway.service import SandboxService
+from corral.images.builders import LayerBuilder, Progress
+from corral.images.catalogue import Catalogue, CatalogueLayer, input_key
+from corral.images.store import ImageRecord, parse_ref
+from corral.sdk._exceptions import CorralError, InternalError, InvalidRequest, error_from_response
+from corral.sdk._models import (
+    BuildEvent,
+    BuildRequest,
+    CreateSandboxRequest,
+    ExecRequest,
+    ImageDetail,
+    ImageInfo,
+    LayerInfo,
+    SnapshotInfo,
+)
+
+__all__ = ["ImageService"]
+
+log = logging.getLogger(__name__)
+_DEFAULT_LAYER_KIND = {"debootstrap": "base", "oci": "base", "git": "workspace"}
+_BUILDER_MEMORY_MB = 2048
+_FAILED_OUTPUT_LINES = 40
+
+
+def image_info(image: ImageRecord) -> ImageInfo:
+    return ImageInfo(
+        name=image.ref, layers=list(image.layers), size_bytes=image.size_bytes, created_at=image.created_at
+    )
+
+
+def layer_info(layer: CatalogueLayer) -> LayerInfo:
+    return LayerInfo(
+        digest=layer.digest,
+        size_bytes=layer.size_bytes,
+        kind=layer.kind,  # type: ignore[arg-type]
+        parents=list(layer.parents),
+        source=layer.source,
+        labels=layer.labels,
+        created_at=layer.created_at,
+    )
+
+
+class ImageService:
+    def __init__(self, catalogue: Catalogue, builder: LayerBuilder, sandboxes: SandboxService) -> None:
+        self._catalogue = catalogue
+        self._builder = builder
+        self._sandboxes = sandboxes
+
+    # -- catalogue --------------------------------------------------------
+
+    def images(self) -> list[ImageInfo]:
+        return [image_info(image) for image in self._catalogue.images()]
+
+    def inspect(self, ref: str) -> ImageDetail:
+        image = self._catalogue.resolve(ref)
+        return ImageDetail(
+            name=image.ref,
+            layers=[layer_info(self._catalogue.layer(d)) for d in image.layers],
+            size_bytes=image.size_bytes,
+            created_at=image.created_at,
+        )
+
+    def layers(self) -> list[LayerInfo]:
+        return [layer_info(layer) for layer in self._catalogue.layers()]
+
+    def tag(self, ref: str, *, layers: list[str] | None, source: str | None) -> ImageInfo:
+        if (layers is None) == (source is None):
+            raise InvalidRequest("give either `layers` (digests, bottom first) or `source` (an image ref) to tag")
+        digests = list(self._catalogue.resolve(source).layers) if source else list(layers or [])
+        name, version = parse_ref(ref)
+        return image_info(self._catalogue.tag(name, digests, version=version))
+
+    def untag(self, ref: str) -> ImageInfo:
+        return image_info(self._catalogue.untag(ref))
+
+    def remove_layer(self, digest: str) -> None:
+        self._catalogue.remove_layer(digest, in_use=digest in self._sandboxes.layers_in_use())
+
+    # -- builds -----------------------------------------------------------
+
+    async def build(self, request: BuildRequest) -> AsyncIterator[BuildEvent]:
+        """Run a build, yielding progress, then exactly one ``done`` or ``error`` event."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[BuildEvent] = asyncio.Queue()
+
+        loop_thread = threading.get_ident()
+
+        def progress(message: str) -> None:
+            event = BuildEvent(type="progress", message=message)
+            if threading.get_ident() == loop_thread:
+                events.put_nowait(event)  # in order with the final event put by run()
+            else:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+
+        async def run() -> None:
+            try:
+                image, cached = await self._build(request, progress)
+                events.put_nowait(BuildEvent(type="done", image=image_info(image), cached=cached))
+            except CorralError as exc:
+                events.put_nowait(BuildEvent(type="error", error={"code": exc.code, "message": exc.message}))
+            except Exception as exc:
+                log.exception("build of %s failed", request.name)
+                error = InternalError(f"build failed: {exc!r}")
+                events.put_nowait(BuildEvent(type="error", error={"code": error.code, "message": error.message}))
+
+        task = loop.create_task(run())
+        try:
+            while True:
+                event = await events.get()
+                yield event
+                if event.type != "progress":
+                    return
+        finally:
+            if not task.done():
+                task.cancel()
+
+    async def _build(self, request: BuildRequest, progress: Progress) -> tuple[ImageRecord, bool]:
+        name, version = parse_ref(request.name)
+        kind = request.layer_kind or _DEFAULT_LAYER_KIND.get(request.kind, "tools")
+        on = self._sandboxes.stack(request.on) if request.on else []
+        if request.kind == "commands":
+            if not request.commands or not on:
+                raise InvalidRequest("a commands build needs `on` (what to run on) and `commands`")
+            inputs: dict[str, Any] = {"builder": "commands", "on": on, "commands": request.commands, "env": request.env}
+        else:
+            inputs = await asyncio.to_thread(
+                self._builder.inputs, request.kind, path=request.path, commit=request.commit,
+                workspace_path=request.workspace_path, suite=request.suite, packages=request.packages,
+            )  # fmt: skip
+            if request.kind == "git" and request.commands:
+                if not on:
+                    raise InvalidRequest("git setup commands need `on`: the base image to run them on")
+                inputs["setup"] = {"on": on, "commands": request.commands, "env": request.env}
+        key = input_key({**inputs, "layer_kind": kind})
+        cached = None if request.no_cache else self._catalogue.cached_build(key)
+        if cached is not None:
+            progress(f"cached: identical inputs were built before ({key[:19]}…)")
+            return self._catalogue.tag(name, cached, version=version), True
+
+        if request.kind == "commands":
+            diff = await self._run_in_builder(on, request, kind=kind, source=inputs, progress=progress)
+            stack = [*on, diff.digest]
+        else:
+            tree_layer = await asyncio.to_thread(self._build_tree, inputs, request, kind, progress)
+            stack = [tree_layer.digest]
+            if "setup" in inputs:
+                base = [*on, tree_layer.digest]
+                diff = await self._run_in_builder(base, request, kind=kind, source=inputs["setup"], progress=progress)
+                stack = [*base, diff.digest]
+        self._catalogue.remember_build(key, stack)
+        return self._catalogue.tag(name, stack, version=version), False
+
+    def _build_tree(
+        self, inputs: dict[str, Any], request: BuildRequest, kind: str, progress: Progress
+    ) -> CatalogueLayer:
+        with self._builder.scratch("tree-") as scratch:
+            tree = self._builder.make_tree(inputs, scratch, packages=request.packages, progress=progress)
+            return self._builder.pack_tree(tree, kind=kind, parents=(), source=inputs, progress=progress)
+
+    async def _run_in_builder(
+        self, on: list[str], request: BuildRequest, *, kind: str, source: dict[str, Any], progress: Progress
+    ) -> CatalogueLayer:
+        """Run the commands in a sandbox on ``on``; its changes become the layer."""
+        ttl_s = request.timeout_s * len(request.commands) + 600
+        sandbox = await self._sandboxes.create(
+            CreateSandboxRequest(
+                layers=on,
+                env=request.env,
+                memory_mb=_BUILDER_MEMORY_MB,
+                labels={"corral.builder": request.name},
+                ttl_s=ttl_s,
+            )  # fmt: skip
+        )
+        try:
+            for command in request.commands:
+                progress(f"$ {command}")
+                await self._run_step(sandbox.id, command, request.timeout_s, progress)
+            with self._builder.scratch("diff-") as scratch:
+                image = scratch / "diff.erofs"
+                await self._sandboxes.call(sandbox.id, lambda edge: edge.pack_diff(sandbox.id, image))
+                return await asyncio.to_thread(
+                    self._builder.pack_file, image, kind=kind, parents=tuple(on), source=source, progress=progress
+                )
+        finally:
+            await self._sandboxes.kill(sandbox.id)
+
+    async def _run_step(self, sandbox_id: str, command: str, timeout_s: float, progress: Progress) -> None:
+        tail: list[str] = []
+        request = ExecRequest(cmd=command, timeout_s=timeout_s)
+        async for event in self._sandboxes.stream(sandbox_id, lambda edge: edge.exec_stream(sandbox_id, request)):
+            if event.type in ("stdout", "stderr") and event.data:
+                for line in event.data.splitlines():
+                    progress(f"  {line}")
+                    tail = [*tail[-_FAILED_OUTPUT_LINES + 1 :], line]
+            elif event.type == "exit" and event.result is not None:
+                result = event.result
+                if result.timed_out:
+                    raise InvalidRequest(f"build command timed out after {timeout_s:g}s: {command}\n" + "\n".join(tail))
+                if result.exit_code != 0:
+                    output = "\n".join(tail)
+                    raise InvalidRequest(f"build command failed (exit {result.exit_code}): {command}\n{output}")
+
+    async def import_archive(self, name: str, archive: Path, *, fmt: str, layer_kind: str | None) -> ImageInfo:
+        """An uploaded tar or OCI archive (saved at ``archive``) becomes a tagged layer."""
+        request = BuildRequest(name=name, kind=fmt, path=str(archive), layer_kind=layer_kind)  # type: ignore[arg-type]
+        async for event in self.build(request):
+            if event.type == "done" and event.image is not None:
+                return event.image
+            if event.type == "error" and event.error is not None:
+                raise error_from_response(0, {"error": event.error})
+        raise InternalError("the import ended without a result")
+
+    # -- snapshots --------------------------------------------------------
+
+    async def snapshot(self, sandbox_id: str, name: str | None) -> SnapshotInfo:
+        """The sandbox's changes so far as a diff layer on top of its own layers."""
+        info = self._sandboxes.get(sandbox_id)
+        parents = self._sandboxes.layers_of(sandbox_id)
+        with self._builder.scratch("snap-") as scratch:
+            image = scratch / "diff.erofs"
+            await self._sandboxes.call(sandbox_id, lambda edge: edge.pack_diff(sandbox_id, image))
+            diff = await asyncio.to_thread(
+                self._builder.pack_file, image, kind="diff", parents=tuple(parents),
+                source={"builder": "pack_diff", "sandbox": sandbox_id, "image": info.image}, progress=lambda _: None,
+            )  # fmt: skip
+        stack = [*parents, diff.digest]
+        tagged = None
+        if name:
+            image_name, version = parse_ref(name)
+            tagged = self._catalogue.tag(image_name, stack, version=version).ref
+        return SnapshotInfo(diff=layer_info(diff), layers=stack, image=tagged)
