@@ -51,6 +51,16 @@ class Settings(BaseSettings):
         10.0, gt=0, description="How long a new sandbox's agent may take to say hello."
     )
 
+    layer_idle_unmount_s: float = Field(
+        60.0, ge=0, description="A layer no sandbox has used for this long is unmounted (its sandboxes keep theirs)."
+    )
+    layer_disk_budget_mb: int | None = Field(
+        None,
+        ge=0,
+        description="Keep the layer store under this size: after a build, untagged layers no sandbox uses "
+        "are deleted, least recently used first. Unset: never delete.",
+    )
+
     @property
     def database(self) -> str:
         return self.database_url or f"sqlite:///{self.data_dir / 'corral.db'}"

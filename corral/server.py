@@ -92,6 +92,7 @@ def serve(settings: Settings) -> None:
             layout=layout,
             default_runtime=settings.runtime,
             agent_start_timeout_s=settings.agent_start_timeout_s,
+            layer_idle_unmount_s=settings.layer_idle_unmount_s,
             create_concurrency=settings.create_concurrency,
         )
         capacity = node_capacity(settings.cpu_overcommit, settings.memory_overcommit, settings.max_file_bytes)
@@ -108,7 +109,8 @@ def serve(settings: Settings) -> None:
         builder = LayerBuilder(catalogue, settings.data_dir / "build", settings.max_file_bytes)
         log.info("serving on %s (%d images)", url, len(catalogue.images()))
         try:
-            yield Services(sandboxes=service, images=ImageService(catalogue, builder, service))
+            images = ImageService(catalogue, builder, service, disk_budget_mb=settings.layer_disk_budget_mb)
+            yield Services(sandboxes=service, images=images)
         finally:
             await service.close()
             store.close()

@@ -60,10 +60,22 @@ def layer_info(layer: CatalogueLayer) -> LayerInfo:
 
 
 class ImageService:
-    def __init__(self, catalogue: Catalogue, builder: LayerBuilder, sandboxes: SandboxService) -> None:
+    def __init__(
+        self, catalogue: Catalogue, builder: LayerBuilder, sandboxes: SandboxService, *, disk_budget_mb: int | None
+    ) -> None:
         self._catalogue = catalogue
         self._builder = builder
         self._sandboxes = sandboxes
+        self._disk_budget_mb = disk_budget_mb
+
+    def _enforce_budget(self, progress: Progress, keep: frozenset[str] = frozenset()) -> None:
+        """After the store grew: drop untagged, unused layers, least recently used first, to fit the budget."""
+        if self._disk_budget_mb is None:
+            return
+        in_use = self._sandboxes.layers_in_use() | keep
+        for digest in self._catalogue.evict(self._disk_budget_mb << 20, in_use=in_use):
+            log.info("evicted layer %s (over CORRAL_LAYER_DISK_BUDGET_MB)", digest)
+            progress(f"evicted unused layer {digest[:19]}… to stay under {self._disk_budget_mb} MB")
 
     # -- catalogue --------------------------------------------------------
 
@@ -167,7 +179,9 @@ class ImageService:
                 diff = await self._run_in_builder(base, request, kind=kind, source=inputs["setup"], progress=progress)
                 stack = [*base, diff.digest]
         self._catalogue.remember_build(key, stack)
-        return self._catalogue.tag(name, stack, version=version), False
+        image = self._catalogue.tag(name, stack, version=version)
+        self._enforce_budget(progress)
+        return image, False
 
     def _build_tree(
         self, inputs: dict[str, Any], request: BuildRequest, kind: str, progress: Progress
@@ -247,4 +261,5 @@ class ImageService:
         if name:
             image_name, version = parse_ref(name)
             tagged = self._catalogue.tag(image_name, stack, version=version).ref
+        self._enforce_budget(lambda _: None, keep=frozenset(stack))  # an untagged snapshot is not garbage yet
         return SnapshotInfo(diff=layer_info(diff), layers=stack, image=tagged)

@@ -155,6 +155,7 @@ class SandboxService:
                 raise InvalidRequest(f"invalid environment variable name {key!r}")
         digests, image_name = self._resolve_root(request)
         layers = self._layer_refs(digests)
+        self._catalogue.touch(digests)
         refused: set[str] = set()
         while True:
             loads = [await edge.load() for edge_id, edge in self._edges.items() if edge_id not in refused]

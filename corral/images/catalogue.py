@@ -113,6 +113,29 @@ class Catalogue:
             conn.execute(delete(build_cache).where(build_cache.c.input_key.in_(stale_builds)))
         self.store.remove(digest)
 
+    def touch(self, digests: Sequence[str]) -> None:
+        """Record that a sandbox was just created on these layers."""
+        with self._engine.begin() as conn:
+            conn.execute(update(layers).where(layers.c.digest.in_(list(digests))).values(last_used_at=time.time()))
+
+    def evict(self, budget_bytes: int, *, in_use: set[str]) -> list[str]:
+        """Delete untagged layers nothing uses, least recently used first, until the total fits the budget."""
+        rows = self._rows(select(layers.c.digest, layers.c.size_bytes, layers.c.created_at, layers.c.last_used_at))
+        total = sum(row.size_bytes for row in rows)
+        tagged = {digest for image in self.images() for digest in image.layers}
+        candidates = sorted(
+            (row for row in rows if row.digest not in tagged and row.digest not in in_use),
+            key=lambda row: row.last_used_at or row.created_at,
+        )
+        evicted = []
+        for row in candidates:
+            if total <= budget_bytes:
+                break
+            self.remove_layer(row.digest, in_use=False)
+            total -= row.size_bytes
+            evicted.append(row.digest)
+        return evicted
+
     # -- tags -----------------------------------------------------------
 
     def tag(self, name: str, layer_digests: Sequence[str], *, version: str = DEFAULT_VERSION) -> ImageRecord:

@@ -69,6 +69,7 @@ layers = Table(
     Column("source", JSON, nullable=False),  # how it was built: builder and inputs
     Column("labels", JSON, nullable=False),
     Column("created_at", Float, nullable=False),
+    Column("last_used_at", Float, nullable=True),  # last sandbox create that stacked it (LRU eviction)
 )
 
 image_tags = Table(

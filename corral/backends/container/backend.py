@@ -28,9 +28,7 @@ from corral.images.erofs import build_erofs
 from corral.images.store import check_layer_file
 from corral.sdk._exceptions import Conflict, NotFound, SandboxGone
 
-__all__ = ["ContainerBackend", "LAYER_IDLE_UNMOUNT_S"]
-
-LAYER_IDLE_UNMOUNT_S = 60.0
+__all__ = ["ContainerBackend"]
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +95,7 @@ class ContainerBackend:
         layout: CgroupLayout,
         default_runtime: str,
         agent_start_timeout_s: float,
+        layer_idle_unmount_s: float,
         create_concurrency: int,
     ) -> None:
         self._dir = data_dir / "sandboxes"
@@ -109,6 +108,7 @@ class ContainerBackend:
         self._mounts = LayerMounts(data_dir / "mnt" / "layers", verify=check_layer_file)
         self._containers: dict[str, _Container] = {}
         self._agent_start_timeout_s = agent_start_timeout_s
+        self._layer_idle_unmount_s = layer_idle_unmount_s
         self._create_slots = asyncio.Semaphore(create_concurrency)
 
     def runtime(self, name: str | None) -> OciRuntime:
@@ -255,7 +255,7 @@ class ContainerBackend:
 
     def housekeeping(self) -> None:
         orphans.reap()
-        self._mounts.unmount_idle(LAYER_IDLE_UNMOUNT_S)
+        self._mounts.unmount_idle(self._layer_idle_unmount_s)
 
     async def close(self) -> None:
         for container in self._containers.values():
