@@ -78,10 +78,13 @@ def create(
     env: Annotated[list[str] | None, typer.Option("--env", "-e", help="NAME=value, repeatable.")] = None,
     user: str = "root",
     cwd: str = "/",
+    workspace: Annotated[str | None, typer.Option(help="Workspace image stacked over IMAGE.")] = None,
+    tools: Annotated[str | None, typer.Option(help="Tools image stacked on top.")] = None,
 ) -> None:
-    """Create a sandbox and print its id."""
+    """Create a sandbox and print its id (IMAGE is the base when --workspace/--tools compose an environment)."""
+    environment = {"base": image, "workspace": workspace, "tools": tools} if workspace or tools else None
     sandbox = _client().create(image, cpu=cpu, memory_mb=memory_mb, ttl_s=ttl_s, labels=_labels(label),
-                               env=_labels(env), user=user, cwd=cwd)  # fmt: skip
+                               env=_labels(env), user=user, cwd=cwd, environment=environment)  # fmt: skip
     console.print(sandbox.id)
 
 
@@ -279,6 +282,23 @@ def bench(
     from corral.bench.containers import run_benchmark
 
     run_benchmark(runs=runs, concurrency=concurrency, as_json=as_json, console=console)
+
+
+@app.command("bench-layers")
+def bench_layers(
+    runs: Annotated[int, typer.Option(help="Samples per timing.")] = 20,
+    sandboxes: Annotated[int, typer.Option(help="Sandboxes sharing one layer in the page-cache test.")] = 8,
+    with_debootstrap: Annotated[
+        bool, typer.Option("--with-debootstrap", help="Also time a debootstrap build of the default base (~40 s).")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Measure layer composition, cold vs warm creates and page-cache sharing against same-run baselines."""
+    from corral.bench.layers import run_layers_benchmark
+
+    run_layers_benchmark(
+        runs=runs, sandboxes=sandboxes, as_json=as_json, console=console, with_debootstrap=with_debootstrap
+    )
 
 
 def main() -> None:

@@ -255,6 +255,10 @@ def test_cli_build_import_tag_rm_snapshot(server: EmbeddedServer, tmp_path: Path
     imported = cli("images", "import", str(archive), "cli-import", "--kind", "tools")
     assert imported.returncode == 0 and "imported cli-import:latest" in imported.stdout, imported.stderr
     assert cli("images", "tag", "cli-tools:1", "cli-tools:stable").returncode == 0
+    composed = cli("create", "busybox", "--tools", "cli-tools:stable")
+    assert composed.returncode == 0, composed.stderr
+    assert cli("exec", composed.stdout.strip(), "cat /opt/x").stdout == "1"
+    assert cli("rm", composed.stdout.strip()).returncode == 0
     listed = cli("images", "ls").stdout
     assert "cli-tools:stable" in listed and "cli-cmd:latest" in listed
     failed = cli("images", "build", "cli-bad", "--on", "busybox", "--run", "echo nope >&2; false")
