@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import os
 import subprocess
 import tarfile
 import time
@@ -307,3 +308,22 @@ def test_disk_budget_evicts_unused_untagged_layers_first(tmp_path: Path, test_en
         assert old not in remaining and snap.diff.digest not in remaining
         assert new.layers[0] in remaining and client.images.inspect("busybox").layers[0].digest in remaining
         assert any(line.startswith("evicted unused layer") for line in lines)
+
+
+def test_full_disk_fails_the_build_cleanly(tmp_path: Path, test_env: dict[str, str]) -> None:
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(small)], check=True)
+    try:
+        with EmbeddedServer(small / "server", env=test_env) as server, server.client() as client:
+            source = tmp_path / "big"
+            source.mkdir()
+            (source / "blob").write_bytes(os.urandom(8 << 20))
+            layers_before = {layer.digest for layer in client.images.layers()}
+            with pytest.raises(corral.CorralError, match="(?i)no space"):
+                client.images.build("too-big", "dir", path=str(source))
+            assert "too-big:latest" not in {image.name for image in client.images.list()}
+            assert {layer.digest for layer in client.images.layers()} == layers_before
+            assert list((small / "server" / "build").iterdir()) == []  # no half-written scratch left
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
