@@ -51,6 +51,12 @@ class Settings(BaseSettings):
         10.0, gt=0, description="How long a new sandbox's agent may take to say hello."
     )
 
+    pause_swap_mb: int = Field(
+        4096,
+        ge=0,
+        description="Compressed swap (zram) the node sets up at start, if it has no swap, so paused sandboxes "
+        "can give back their anonymous memory; 0 = never touch the host's swap.",
+    )
     layer_idle_unmount_s: float = Field(
         60.0, ge=0, description="A layer no sandbox has used for this long is unmounted (its sandboxes keep theirs)."
     )

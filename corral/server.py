@@ -25,6 +25,7 @@ from corral.backends.container.host import (
     detect_cgroup_layout,
     enter_private_mount_namespace,
 )
+from corral.backends.container.memory import ensure_zram_swap
 from corral.config import Settings
 from corral.edge.local import LocalEdge, node_capacity
 from corral.gateway.app import create_app
@@ -76,6 +77,7 @@ def serve(settings: Settings) -> None:
     become_child_subreaper()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     helpers = build_native_helpers(settings.node_dir)
+    log.info(ensure_zram_swap(settings.pause_swap_mb))
     api_key = load_or_create_api_key(settings)
     url = f"http://{settings.host}:{settings.port}"
     _write_private(settings.config_file, json.dumps({"url": url, "api_key": api_key}, indent=2) + "\n")
@@ -104,7 +106,7 @@ def serve(settings: Settings) -> None:
             default_runtime=settings.runtime,
             ttl_check_interval_s=settings.ttl_check_interval_s,
         )
-        edges[settings.edge_id] = LocalEdge(settings.edge_id, backend, capacity, service.on_ended)
+        edges[settings.edge_id] = LocalEdge(settings.edge_id, backend, capacity, service)
         await service.start()
         builder = LayerBuilder(catalogue, settings.data_dir / "build", settings.max_file_bytes)
         log.info("serving on %s (%d images)", url, len(catalogue.images()))

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Protocol
 
 from corral.backends.container.files import ConfinedTree
+from corral.backends.container.memory import ReclaimResult
 
 __all__ = [
     "Backend",
@@ -44,6 +45,7 @@ class SandboxSpec:
     env: dict[str, str] = field(default_factory=dict)
     cwd: str = "/"
     user: str = "root"
+    idle_pause_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -104,8 +106,8 @@ class Backend(Protocol):
     def files(self, sandbox_id: str) -> ConfinedTree:
         """The sandbox's root for file operations; the caller closes it."""
 
-    async def adopt(self, spec: SandboxSpec) -> bool:
-        """Reconnect to a sandbox that outlived an edge restart; False if it is gone."""
+    async def adopt(self, spec: SandboxSpec) -> str | None:
+        """Reconnect to a sandbox that outlived an edge restart: "running" or "paused", None if it is gone."""
 
     async def orphans(self, known_ids: set[str]) -> list[str]:
         """Sandboxes this backend still runs that no record owns (found after a restart)."""
@@ -115,6 +117,11 @@ class Backend(Protocol):
 
     async def pack_diff(self, sandbox_id: str, dest: Path) -> None:
         """Write the sandbox's filesystem changes as a layer file at ``dest``."""
+
+    async def pause(self, sandbox_id: str) -> ReclaimResult:
+        """Stop every process with its state kept, then give back its memory."""
+
+    async def resume(self, sandbox_id: str) -> None: ...
 
     def housekeeping(self) -> None:
         """Periodic upkeep the edge calls about once a second (e.g. reaping)."""

@@ -29,7 +29,7 @@ from corral.backends.base import (
     SandboxSpec,
 )
 from corral.backends.container.files import ConfinedTree
-from corral.edge.protocol import EndedCallback
+from corral.edge.protocol import EdgeEvents
 from corral.sdk._exceptions import CapacityExhausted, InvalidRequest, NotFound, SandboxGone
 from corral.sdk._models import CommandInfo, EdgeLoad, ExecEvent, ExecRequest, ExecResult, FileInfo
 
@@ -110,6 +110,12 @@ class _Sandbox:
     next_command: int = 1
     watcher: asyncio.Task[None] | None = None
     owner: tuple[int, int] | None = None  # uid, gid of spec.user, looked up on first file write
+    paused: bool = False
+    last_active: float = field(default_factory=time.monotonic)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # pause and resume one at a time
+
+    def busy(self) -> bool:
+        return any(command.exit is None for command in self.commands.values())
 
 
 def _lookup_owner(tree: ConfinedTree, user: str) -> tuple[int, int]:
@@ -131,11 +137,11 @@ def _lookup_owner(tree: ConfinedTree, user: str) -> tuple[int, int]:
 class LocalEdge:
     """An edge living in the gateway's process (the embedded single-node default)."""
 
-    def __init__(self, edge_id: str, backend: Backend, capacity: NodeCapacity, on_ended: EndedCallback) -> None:
+    def __init__(self, edge_id: str, backend: Backend, capacity: NodeCapacity, events: EdgeEvents) -> None:
         self.edge_id = edge_id
         self._backend = backend
         self._capacity = capacity
-        self._on_ended = on_ended
+        self._events = events
         self._sandboxes: dict[str, _Sandbox] = {}
         self._starting: set[str] = set()
         self._committed = _Commitments()
@@ -150,6 +156,7 @@ class LocalEdge:
             await asyncio.sleep(_HOUSEKEEPING_INTERVAL_S)
             try:
                 self._backend.housekeeping()
+                await self._pause_idle()
             except Exception:
                 log.exception("edge %s: housekeeping failed; retrying", self.edge_id)
 
@@ -201,11 +208,12 @@ class LocalEdge:
             self._cancelled.discard(spec.sandbox_id)
         self._track(spec)
 
-    def _track(self, spec: SandboxSpec) -> None:
+    def _track(self, spec: SandboxSpec) -> _Sandbox:
         self._committed.add(spec)
         sandbox = _Sandbox(spec)
         sandbox.watcher = asyncio.get_running_loop().create_task(self._watch(spec.sandbox_id))
         self._sandboxes[spec.sandbox_id] = sandbox
+        return sandbox
 
     async def _watch(self, sandbox_id: str) -> None:
         reason = await self._backend.wait_ended(sandbox_id)
@@ -215,14 +223,14 @@ class LocalEdge:
         self._committed.remove(sandbox_id)
         log.warning("sandbox %s stopped by itself (%s)", sandbox_id, reason)
         await self._backend.destroy(sandbox_id)
-        self._on_ended(sandbox_id, reason, "the sandbox's init process exited")
+        self._events.ended(sandbox_id, reason, "the sandbox's init process exited")
 
-    async def adopt(self, specs: list[SandboxSpec]) -> dict[str, bool]:
-        alive: dict[str, bool] = {}
+    async def adopt(self, specs: list[SandboxSpec]) -> dict[str, str | None]:
+        alive: dict[str, str | None] = {}
         for spec in specs:
-            alive[spec.sandbox_id] = await self._backend.adopt(spec)
-            if alive[spec.sandbox_id]:
-                self._track(spec)
+            state = alive[spec.sandbox_id] = await self._backend.adopt(spec)
+            if state is not None:
+                self._track(spec).paused = state == "paused"
         for orphan in await self._backend.orphans(set(alive)):
             log.warning("removing container %s that no sandbox record owns", orphan)
             await self._backend.destroy(orphan)
@@ -259,6 +267,49 @@ class LocalEdge:
             raise NotFound(f"sandbox {sandbox_id} is not running on edge {self.edge_id}")
         return sandbox
 
+    async def _active(self, sandbox_id: str) -> _Sandbox:
+        """The sandbox a request is for: resumed first if it was paused (any request resumes it)."""
+        sandbox = self._get(sandbox_id)
+        sandbox.last_active = time.monotonic()
+        if sandbox.paused:
+            async with sandbox.lock:
+                if sandbox.paused:
+                    await self._backend.resume(sandbox_id)
+                    sandbox.paused = False
+                    self._events.resumed(sandbox_id, time.time())
+        return sandbox
+
+    # -- pause and resume ---------------------------------------------------
+
+    async def pause(self, sandbox_id: str) -> tuple[int, int]:
+        sandbox = self._get(sandbox_id)
+        async with sandbox.lock:
+            result = await self._backend.pause(sandbox_id)
+            sandbox.paused = True
+        return result.before_bytes, result.after_bytes
+
+    async def resume(self, sandbox_id: str) -> None:
+        sandbox = self._get(sandbox_id)
+        async with sandbox.lock:
+            if sandbox.paused:
+                await self._backend.resume(sandbox_id)
+                sandbox.paused = False
+        sandbox.last_active = time.monotonic()
+
+    async def _pause_idle(self) -> None:
+        now = time.monotonic()
+        for sandbox_id, sandbox in list(self._sandboxes.items()):
+            idle_after = sandbox.spec.idle_pause_s
+            if idle_after is None or sandbox.paused or sandbox.busy() or now - sandbox.last_active < idle_after:
+                continue
+            try:
+                await self.pause(sandbox_id)
+            except Exception:
+                log.exception("edge %s: could not pause idle sandbox %s", self.edge_id, sandbox_id)
+                continue
+            log.info("sandbox %s paused after %.0fs idle", sandbox_id, now - sandbox.last_active)
+            self._events.paused(sandbox_id, time.time())
+
     def _start(self, sandbox: _Sandbox, request: ExecRequest, keep_stdin_open: bool = False) -> _Command:
         spec = sandbox.spec
         argv = ["/bin/sh", "-c", request.cmd] if isinstance(request.cmd, str) else list(request.cmd)
@@ -292,7 +343,7 @@ class LocalEdge:
             command.exit = event
 
     async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
-        sandbox = self._get(sandbox_id)
+        sandbox = await self._active(sandbox_id)
         command = self._start(sandbox, request)
         try:
             async for event in command.running.events():
@@ -302,7 +353,7 @@ class LocalEdge:
         return command.result()
 
     async def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
-        sandbox = self._get(sandbox_id)
+        sandbox = await self._active(sandbox_id)
         command = self._start(sandbox, request)
         decoders = {name: codecs.getincrementaldecoder("utf-8")(errors="replace") for name in ("stdout", "stderr")}
         try:
@@ -326,7 +377,7 @@ class LocalEdge:
             sandbox.commands.pop(command.command_id, None)
 
     async def start_command(self, sandbox_id: str, request: ExecRequest) -> CommandInfo:
-        sandbox = self._get(sandbox_id)
+        sandbox = await self._active(sandbox_id)
         command = self._start(sandbox, request, keep_stdin_open=True)
         started = asyncio.get_running_loop().create_future()
 
@@ -349,23 +400,23 @@ class LocalEdge:
         await started
         return command.info()
 
-    def _command(self, sandbox_id: str, command_id: str) -> _Command:
-        command = self._get(sandbox_id).commands.get(command_id)
+    async def _command(self, sandbox_id: str, command_id: str) -> _Command:
+        command = (await self._active(sandbox_id)).commands.get(command_id)
         if command is None:
             raise NotFound(f"no command {command_id} in sandbox {sandbox_id} (only background commands are kept)")
         return command
 
     async def command(self, sandbox_id: str, command_id: str, wait_s: float) -> CommandInfo:
-        command = self._command(sandbox_id, command_id)
+        command = await self._command(sandbox_id, command_id)
         if command.task is not None and wait_s > 0:
             await asyncio.wait({command.task}, timeout=wait_s)
         return command.info()
 
     async def command_stdin(self, sandbox_id: str, command_id: str, data: bytes) -> None:
-        self._command(sandbox_id, command_id).running.write_stdin(data)
+        (await self._command(sandbox_id, command_id)).running.write_stdin(data)
 
     async def command_signal(self, sandbox_id: str, command_id: str, signo: int) -> None:
-        self._command(sandbox_id, command_id).running.signal(signo)
+        (await self._command(sandbox_id, command_id)).running.signal(signo)
 
     async def pack_diff(self, sandbox_id: str, dest: Path) -> None:
         self._get(sandbox_id)
@@ -374,7 +425,7 @@ class LocalEdge:
     # -- files --------------------------------------------------------------
 
     async def _in_tree(self, sandbox_id: str, operation, *args, **kwargs):  # type: ignore[no-untyped-def]
-        self._get(sandbox_id)
+        await self._active(sandbox_id)
         tree = self._backend.files(sandbox_id)
 
         def call():  # type: ignore[no-untyped-def]
@@ -388,7 +439,7 @@ class LocalEdge:
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int) -> FileInfo:
         """Files (and the directories made for them) belong to the sandbox's user, as if it wrote them."""
-        sandbox = self._get(sandbox_id)
+        sandbox = await self._active(sandbox_id)
 
         def write(tree: ConfinedTree) -> FileInfo:
             if sandbox.owner is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Protocol
 
@@ -17,12 +17,22 @@ from corral.backends.base import SandboxSpec
 from corral.sdk._exceptions import NotFound
 from corral.sdk._models import CommandInfo, EdgeLoad, ExecEvent, ExecRequest, ExecResult, FileInfo
 
-__all__ = ["Edge", "EndedCallback", "new_sandbox_id", "edge_of"]
+__all__ = ["Edge", "EdgeEvents", "new_sandbox_id", "edge_of"]
 
 _ID_PATTERN = re.compile(r"^sb-([a-z0-9]{1,16})-([0-9a-f]{16})$")
 
-EndedCallback = Callable[[str, str, str], None]
-"""Called as (sandbox_id, end_reason, message) when a sandbox stops by itself."""
+
+class EdgeEvents(Protocol):
+    """What an edge tells the control plane about changes it made on its own."""
+
+    def ended(self, sandbox_id: str, reason: str, message: str) -> None:
+        """The sandbox stopped by itself (its init exited)."""
+
+    def paused(self, sandbox_id: str, at: float) -> None:
+        """Paused for being idle."""
+
+    def resumed(self, sandbox_id: str, at: float) -> None:
+        """Resumed because a request arrived while it was paused."""
 
 
 def new_sandbox_id(edge_id: str) -> str:
@@ -47,10 +57,15 @@ class Edge(Protocol):
     async def create(self, spec: SandboxSpec) -> None:
         """Admit and start a sandbox; raises CapacityExhausted if this node refuses."""
 
-    async def adopt(self, specs: list[SandboxSpec]) -> dict[str, bool]:
-        """Take back sandboxes that outlived a restart; True for each still alive."""
+    async def adopt(self, specs: list[SandboxSpec]) -> dict[str, str | None]:
+        """Take back sandboxes that outlived a restart: "running", "paused", or None when gone."""
 
     async def destroy(self, sandbox_id: str) -> None: ...
+
+    async def pause(self, sandbox_id: str) -> tuple[int, int]:
+        """Freeze it and reclaim its memory; (bytes before, bytes after)."""
+
+    async def resume(self, sandbox_id: str) -> None: ...
 
     async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult: ...
 

@@ -27,15 +27,19 @@ from corral.gateway.service import SandboxService
 from corral.sdk._exceptions import AuthenticationError, CorralError, InvalidRequest, PayloadTooLarge
 from corral.sdk._models import (
     BuildRequest,
+    BulkRequest,
+    BulkResult,
     CommandInfo,
     CreateSandboxRequest,
     ExecRequest,
     ExecResult,
     FileInfo,
+    ForkRequest,
     ImageDetail,
     ImageInfo,
     LayerInfo,
     MkdirRequest,
+    PauseResult,
     SandboxInfo,
     SetTtlRequest,
     SnapshotInfo,
@@ -220,6 +224,25 @@ def create_app(service_factory, api_key: str, max_file_bytes: int, upload_dir: P
     @app.post("/v1/sandboxes/{sandbox_id}/ttl", dependencies=[Auth])
     async def set_ttl(sandbox_id: str, body: SetTtlRequest, svc: Service) -> SandboxInfo:
         return svc.set_ttl(sandbox_id, body.ttl_s)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/pause", dependencies=[Auth])
+    async def pause_sandbox(sandbox_id: str, svc: Service) -> PauseResult:
+        """Freeze it (processes and memory kept) and reclaim its memory; any request resumes it."""
+        return await svc.pause(sandbox_id)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/resume", dependencies=[Auth])
+    async def resume_sandbox(sandbox_id: str, svc: Service) -> SandboxInfo:
+        return await svc.resume(sandbox_id)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/fork", status_code=201, dependencies=[Auth])
+    async def fork_sandbox(sandbox_id: str, body: ForkRequest, images: Images) -> list[SandboxInfo]:
+        """``count`` new sandboxes starting from this one's filesystem as it is now."""
+        return await images.fork(sandbox_id, body)
+
+    @app.post("/v1/sandboxes/bulk", dependencies=[Auth])
+    async def bulk_action(body: BulkRequest, svc: Service) -> BulkResult:
+        """Pause, resume, kill or set the TTL of every live sandbox matching a label selector."""
+        return await svc.bulk(body)
 
     @app.post("/v1/sandboxes/{sandbox_id}/exec", dependencies=[Auth])
     async def exec_command(sandbox_id: str, body: ExecRequest, svc: Service) -> ExecResult:

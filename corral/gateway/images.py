@@ -27,9 +27,11 @@ from corral.sdk._models import (
     BuildRequest,
     CreateSandboxRequest,
     ExecRequest,
+    ForkRequest,
     ImageDetail,
     ImageInfo,
     LayerInfo,
+    SandboxInfo,
     SnapshotInfo,
 )
 
@@ -242,6 +244,21 @@ class ImageService:
             if event.type == "error" and event.error is not None:
                 raise error_from_response(0, {"error": event.error})
         raise InternalError("the import ended without a result")
+
+    # -- snapshots and forks ----------------------------------------------
+
+    async def fork(self, sandbox_id: str, request: ForkRequest) -> list[SandboxInfo]:
+        """New sandboxes from this one's filesystem now: same limits, env, user and TTL length."""
+        parent = self._sandboxes.record(sandbox_id)
+        snap = await self.snapshot(sandbox_id, None)
+        ttl_s = parent["expires_at"] - parent["created_at"] if parent["expires_at"] else None
+        child = CreateSandboxRequest(
+            layers=snap.layers, runtime=parent["runtime"], cpu=parent["cpu"], memory_mb=parent["memory_mb"],
+            pids_max=parent["pids_max"], env=parent["env"], cwd=parent["cwd"], user=parent["user"],
+            labels={**parent["labels"], **request.labels, "corral.forked_from": sandbox_id}, ttl_s=ttl_s,
+            ttl_counts_paused=parent["ttl_counts_paused"], idle_pause_s=parent["idle_pause_s"],
+        )  # fmt: skip
+        return list(await asyncio.gather(*(self._sandboxes.create(child) for _ in range(request.count))))
 
     # -- snapshots --------------------------------------------------------
 

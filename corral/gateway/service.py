@@ -14,21 +14,22 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from corral.backends.base import LayerRef, SandboxSpec
 from corral.edge.protocol import Edge, edge_of, new_sandbox_id
 from corral.images.catalogue import Catalogue
 from corral.scheduler.placement import place
 from corral.sdk._exceptions import CapacityExhausted, InvalidRequest, NotFound, SandboxGone
-from corral.sdk._models import CreateSandboxRequest, SandboxInfo, SandboxState
+from corral.sdk._models import BulkRequest, BulkResult, CreateSandboxRequest, PauseResult, SandboxInfo, SandboxState
 from corral.state.db import StateStore
 
 __all__ = ["SandboxService"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_ACTIVE = [SandboxState.CREATING.value, SandboxState.RUNNING.value]
+_ACTIVE = [SandboxState.CREATING.value, SandboxState.RUNNING.value, SandboxState.PAUSED.value]
+_LIVE = (SandboxState.CREATING, SandboxState.RUNNING, SandboxState.PAUSED)
 
 
 class SandboxService:
@@ -60,15 +61,18 @@ class SandboxService:
                     specs.append(self._spec_from_record(record))
                 except NotFound:
                     self._store.end(record["id"], SandboxState.LOST, "lost", "its image layers are gone from this node")
-            alive = await edge.adopt(specs)
-            for sandbox_id, ok in alive.items():
-                if ok:
+            states = await edge.adopt(specs)
+            for sandbox_id, state in states.items():
+                if state == SandboxState.PAUSED.value:
+                    self._store.update(sandbox_id, state=state)
+                elif state is not None:
                     self._store.update(sandbox_id, state=SandboxState.RUNNING.value)
                 else:
                     self._store.end(
                         sandbox_id, SandboxState.LOST, "lost", "the sandbox did not survive a server restart"
                     )
-            log.info("edge %s: re-adopted %d of %d sandboxes", edge_id, sum(alive.values()), len(alive))
+            adopted = sum(state is not None for state in states.values())
+            log.info("edge %s: re-adopted %d of %d sandboxes", edge_id, adopted, len(states))
         self._reaper = asyncio.get_running_loop().create_task(self._reap_expired())
 
     async def close(self) -> None:
@@ -79,9 +83,16 @@ class SandboxService:
         for edge in self._edges.values():
             await edge.close()
 
-    def on_ended(self, sandbox_id: str, reason: str, message: str) -> None:
-        """Edges call this when a sandbox stops by itself."""
+    # -- what edges report (EdgeEvents) -------------------------------------
+
+    def ended(self, sandbox_id: str, reason: str, message: str) -> None:
         self._store.end(sandbox_id, SandboxState.ENDED, reason, message)
+
+    def paused(self, sandbox_id: str, at: float) -> None:
+        self._store.mark_paused(sandbox_id, at)
+
+    def resumed(self, sandbox_id: str, at: float) -> None:
+        self._store.mark_resumed(sandbox_id, at)
 
     async def _reap_expired(self) -> None:
         while True:
@@ -124,11 +135,14 @@ class SandboxService:
             return self.stack(parts), "+".join(parts)
         return self.stack([request.image]), self._catalogue.resolve(request.image).ref
 
-    def layers_of(self, sandbox_id: str) -> list[str]:
+    def record(self, sandbox_id: str) -> dict[str, Any]:
         record = self._store.get(sandbox_id)
         if record is None:
             raise NotFound(f"no sandbox {sandbox_id}")
-        return list(record["layers"])
+        return record
+
+    def layers_of(self, sandbox_id: str) -> list[str]:
+        return list(self.record(sandbox_id)["layers"])
 
     def layers_in_use(self) -> set[str]:
         return {d for record in self._store.list(states=_ACTIVE) for d in record["layers"]}
@@ -145,6 +159,7 @@ class SandboxService:
             env=record["env"],
             cwd=record["cwd"],
             user=record["user"],
+            idle_pause_s=record["idle_pause_s"],
         )
 
     async def create(self, request: CreateSandboxRequest) -> SandboxInfo:
@@ -172,6 +187,7 @@ class SandboxService:
                 env=request.env,
                 cwd=request.cwd,
                 user=request.user,
+                idle_pause_s=request.idle_pause_s,
             )
             self._store.insert(
                 {
@@ -180,6 +196,7 @@ class SandboxService:
                     "memory_mb": spec.memory_mb, "pids_max": spec.pids_max, "user": spec.user, "cwd": spec.cwd,
                     "env": spec.env, "layers": [layer.digest for layer in layers], "labels": request.labels,
                     "created_at": now, "expires_at": now + request.ttl_s if request.ttl_s else None,
+                    "ttl_counts_paused": request.ttl_counts_paused, "idle_pause_s": request.idle_pause_s,
                 }
             )  # fmt: skip
             try:
@@ -208,9 +225,48 @@ class SandboxService:
 
     async def kill(self, sandbox_id: str) -> SandboxInfo:
         info = self.get(sandbox_id)
-        if info.state in (SandboxState.CREATING, SandboxState.RUNNING):
+        if info.state in _LIVE:
             await self._destroy(sandbox_id, "killed")
         return self.get(sandbox_id)
+
+    async def pause(self, sandbox_id: str) -> PauseResult:
+        """Freeze it with its state kept and give its memory back; any later request resumes it."""
+        info = self.get(sandbox_id)
+        self._raise_if_ended(info)
+        started = time.perf_counter()
+        before, after = await self.call(sandbox_id, lambda edge: edge.pause(sandbox_id))
+        duration_ms = (time.perf_counter() - started) * 1000
+        if info.state != SandboxState.PAUSED:
+            self._store.mark_paused(sandbox_id, time.time())
+        return PauseResult(
+            sandbox=self.get(sandbox_id), memory_before_bytes=before, memory_after_bytes=after, duration_ms=duration_ms
+        )
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo:
+        self._raise_if_ended(self.get(sandbox_id))
+        await self.call(sandbox_id, lambda edge: edge.resume(sandbox_id))
+        self._store.mark_resumed(sandbox_id, time.time())
+        return self.get(sandbox_id)
+
+    async def bulk(self, request: BulkRequest) -> BulkResult:
+        """One action on every live sandbox whose labels match; failures are reported per sandbox."""
+        if not request.labels:
+            raise InvalidRequest("a bulk action needs a label selector (e.g. {'job': 'j1'}): refusing to act on all")
+        if request.action == "set_ttl" and request.ttl_s is None and not request.clear_ttl:
+            raise InvalidRequest("set_ttl needs ttl_s (or clear_ttl=true)")
+        targets = [info.id for info in self.list(states=None, labels=request.labels)]
+        actions: dict[str, Callable[[str], Awaitable[object]]] = {
+            "pause": self.pause,
+            "resume": self.resume,
+            "kill": self.kill,
+            "set_ttl": lambda sandbox_id: self._set_ttl_async(sandbox_id, request.ttl_s),
+        }
+        results = await asyncio.gather(*(actions[request.action](t) for t in targets), return_exceptions=True)
+        failed = {t: str(r) for t, r in zip(targets, results, strict=True) if isinstance(r, BaseException)}
+        return BulkResult(matched=len(targets), done=[t for t in targets if t not in failed], failed=failed)
+
+    async def _set_ttl_async(self, sandbox_id: str, ttl_s: float | None) -> SandboxInfo:
+        return self.set_ttl(sandbox_id, ttl_s)
 
     async def _destroy(self, sandbox_id: str, reason: str) -> None:
         edge = self._edges.get(edge_of(sandbox_id))

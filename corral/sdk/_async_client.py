@@ -25,6 +25,8 @@ from corral.sdk._models import (
     DEFAULT_TTL_S,
     BuildEvent,
     BuildRequest,
+    BulkRequest,
+    BulkResult,
     CommandInfo,
     CreateSandboxRequest,
     Environment,
@@ -32,10 +34,12 @@ from corral.sdk._models import (
     ExecRequest,
     ExecResult,
     FileInfo,
+    ForkRequest,
     ImageDetail,
     ImageInfo,
     LayerInfo,
     MkdirRequest,
+    PauseResult,
     SandboxInfo,
     SnapshotInfo,
     TagRequest,
@@ -380,6 +384,33 @@ class AsyncSandbox:
         content = data.encode() if isinstance(data, str) else data
         await self._transport.request("POST", f"/v1/sandboxes/{self.id}/commands/{command_id}/stdin", content=content)
 
+    async def pause(self) -> PauseResult:
+        """Freeze it (processes and memory kept) and give its memory back; any request resumes it."""
+        response = await self._transport.request("POST", f"/v1/sandboxes/{self.id}/pause")
+        result = PauseResult.model_validate(response.json())
+        self.info = result.sandbox
+        return result
+
+    async def resume(self) -> SandboxInfo:
+        response = await self._transport.request("POST", f"/v1/sandboxes/{self.id}/resume")
+        self.info = SandboxInfo.model_validate(response.json())
+        return self.info
+
+    async def fork(self, count: int = 1, *, labels: dict[str, str] | None = None) -> list[AsyncSandbox]:
+        """``count`` new sandboxes from this one's filesystem as it is now (it keeps running)."""
+        body = _validated(ForkRequest, {"count": count, "labels": labels or {}}).model_dump()
+        response = await self._transport.request("POST", f"/v1/sandboxes/{self.id}/fork", json=body, timeout_s=600)
+        return [
+            AsyncSandbox(
+                SandboxInfo.model_validate(item),
+                self.url,
+                self.api_key,
+                self.timeout_s,
+                transport=self._shared_transport,
+            )  # fmt: skip
+            for item in response.json()
+        ]
+
     async def snapshot(self, name: str | None = None) -> SnapshotInfo:
         """Its filesystem changes so far as a diff layer; ``client.create(layers=info.layers)`` continues from here."""
         response = await self._transport.request(
@@ -432,12 +463,15 @@ class AsyncClient:
         backend: str = "container",
         environment: Environment | dict[str, Any] | None = None,
         layers: list[str] | None = None,
+        idle_pause_s: float | None = None,
+        ttl_counts_paused: bool = False,
     ) -> AsyncSandbox:
         """Create a sandbox from ``image``, an ``environment`` ({base, workspace, tools}), or ``layers``."""
         fields = {
             "image": image, "environment": environment, "layers": layers, "backend": backend, "runtime": runtime,
             "cpu": cpu, "memory_mb": memory_mb, "pids_max": pids_max, "env": env or {}, "cwd": cwd, "user": user,
-            "labels": labels or {}, "ttl_s": ttl_s,
+            "labels": labels or {}, "ttl_s": ttl_s, "idle_pause_s": idle_pause_s,
+            "ttl_counts_paused": ttl_counts_paused,
         }  # fmt: skip
         body = _validated(CreateSandboxRequest, fields)
         response = await self._transport.request("POST", "/v1/sandboxes", json=body.model_dump(mode="json"))
@@ -459,3 +493,11 @@ class AsyncClient:
     async def kill(self, sandbox_id: str) -> SandboxInfo:
         response = await self._transport.request("DELETE", f"/v1/sandboxes/{sandbox_id}")
         return SandboxInfo.model_validate(response.json())
+
+    async def bulk(
+        self, labels: dict[str, str], action: str, *, ttl_s: float | None = None, clear_ttl: bool = False
+    ) -> BulkResult:
+        """``action`` ("pause", "resume", "kill", "set_ttl") on every live sandbox whose labels match."""
+        body = _validated(BulkRequest, {"labels": labels, "action": action, "ttl_s": ttl_s, "clear_ttl": clear_ttl})
+        response = await self._transport.request("POST", "/v1/sandboxes/bulk", json=body.model_dump(), timeout_s=600)
+        return BulkResult.model_validate(response.json())

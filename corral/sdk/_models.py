@@ -22,6 +22,10 @@ __all__ = [
     "CreateSandboxRequest",
     "SandboxInfo",
     "SetTtlRequest",
+    "PauseResult",
+    "BulkRequest",
+    "BulkResult",
+    "ForkRequest",
     "ExecRequest",
     "ExecResult",
     "ExecEvent",
@@ -53,11 +57,12 @@ class _Model(BaseModel):
 
 
 class SandboxState(StrEnum):
-    """Life of a sandbox: ``creating`` → ``running`` → ``ended``; ``lost`` when
+    """Life of a sandbox: ``creating`` → ``running`` ⇄ ``paused`` → ``ended``; ``lost`` when
     its edge can no longer account for it (e.g. it vanished during a restart)."""
 
     CREATING = "creating"
     RUNNING = "running"
+    PAUSED = "paused"
     ENDED = "ended"
     LOST = "lost"
 
@@ -89,6 +94,10 @@ class CreateSandboxRequest(_Model):
     ttl_s: float | None = Field(
         DEFAULT_TTL_S, gt=0, description="Destroyed this many seconds after creation; null = never."
     )
+    ttl_counts_paused: bool = Field(False, description="Count paused time against the TTL (by default it does not).")
+    idle_pause_s: float | None = Field(
+        None, gt=0, description="Pause automatically after this many seconds without a request; null = never."
+    )
 
 
 class SandboxInfo(_Model):
@@ -105,10 +114,42 @@ class SandboxInfo(_Model):
     cwd: str
     labels: dict[str, str]
     created_at: float = Field(description="Unix time, seconds.")
-    expires_at: float | None = Field(None, description="Unix time when the TTL destroys it.")
+    expires_at: float | None = Field(None, description="Unix time when the TTL destroys it (moves on while paused).")
+    ttl_counts_paused: bool = False
+    idle_pause_s: float | None = None
+    paused_at: float | None = None
     ended_at: float | None = None
     end_reason: str | None = Field(None, description="Why it ended: killed, ttl_expired, oom, exited, lost, error.")
     status_message: str | None = None
+
+
+class PauseResult(_Model):
+    sandbox: SandboxInfo
+    memory_before_bytes: int = Field(description="The sandbox's memory when it was frozen.")
+    memory_after_bytes: int = Field(
+        description="What stays resident after reclaim (the rest went to swap or was dropped)."
+    )
+    duration_ms: float
+
+
+class BulkRequest(_Model):
+    """One action on every live sandbox whose labels all match (e.g. a whole job or rollout)."""
+
+    labels: dict[str, str] = Field(description="Selector: every key=value must match.")
+    action: Literal["pause", "resume", "kill", "set_ttl"]
+    ttl_s: float | None = Field(None, gt=0, description="set_ttl: seconds from now.")
+    clear_ttl: bool = Field(False, description="set_ttl: remove the TTL instead.")
+
+
+class BulkResult(_Model):
+    matched: int
+    done: list[str]
+    failed: dict[str, str] = Field(description="sandbox id → what went wrong")
+
+
+class ForkRequest(_Model):
+    count: int = Field(1, ge=1, le=256)
+    labels: dict[str, str] = Field(default_factory=dict, description="Added to the parent's labels.")
 
 
 class SetTtlRequest(_Model):

@@ -15,6 +15,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    Boolean,
     Column,
     Float,
     Integer,
@@ -22,8 +23,10 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    and_,
     create_engine,
     event,
+    or_,
     select,
     update,
 )
@@ -54,6 +57,9 @@ sandboxes = Table(
     Column("labels", JSON, nullable=False),
     Column("created_at", Float, nullable=False),
     Column("expires_at", Float, nullable=True, index=True),
+    Column("ttl_counts_paused", Boolean, nullable=False, default=False),
+    Column("idle_pause_s", Float, nullable=True),
+    Column("paused_at", Float, nullable=True),
     Column("ended_at", Float, nullable=True),
     Column("end_reason", String(32), nullable=True),
     Column("status_message", Text, nullable=True),
@@ -91,7 +97,7 @@ build_cache = Table(
 )
 
 SandboxRecord = dict[str, Any]
-_ACTIVE = (SandboxState.CREATING.value, SandboxState.RUNNING.value)
+_ACTIVE = (SandboxState.CREATING.value, SandboxState.RUNNING.value, SandboxState.PAUSED.value)
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
@@ -162,8 +168,36 @@ class StateStore:
             rows = [r for r in rows if all(r["labels"].get(k) == v for k, v in labels.items())]
         return rows
 
+    def mark_paused(self, sandbox_id: str, at: float) -> None:
+        with self._engine.begin() as conn:
+            conn.execute(
+                update(sandboxes)
+                .where(sandboxes.c.id == sandbox_id, sandboxes.c.state == SandboxState.RUNNING.value)
+                .values(state=SandboxState.PAUSED.value, paused_at=at)
+            )
+
+    def mark_resumed(self, sandbox_id: str, at: float) -> None:
+        """paused → running; unless paused time counts, the TTL moves on by the time spent paused."""
+        with self._engine.begin() as conn:
+            row = conn.execute(select(sandboxes).where(sandboxes.c.id == sandbox_id)).mappings().first()
+            if row is None or row["state"] != SandboxState.PAUSED.value:
+                return
+            expires_at = row["expires_at"]
+            if expires_at is not None and not row["ttl_counts_paused"] and row["paused_at"] is not None:
+                expires_at += max(0.0, at - row["paused_at"])
+            conn.execute(
+                update(sandboxes)
+                .where(sandboxes.c.id == sandbox_id)
+                .values(state=SandboxState.RUNNING.value, paused_at=None, expires_at=expires_at)
+            )
+
     def expired(self, now: float) -> list[str]:
-        query = select(sandboxes.c.id).where(sandboxes.c.state.in_(_ACTIVE), sandboxes.c.expires_at <= now)
+        """Sandboxes past their TTL; a paused one only if its paused time counts."""
+        counting = or_(
+            sandboxes.c.state.in_([SandboxState.CREATING.value, SandboxState.RUNNING.value]),
+            and_(sandboxes.c.state == SandboxState.PAUSED.value, sandboxes.c.ttl_counts_paused.is_(True)),
+        )
+        query = select(sandboxes.c.id).where(counting, sandboxes.c.expires_at <= now)
         with self._engine.connect() as conn:
             return [r[0] for r in conn.execute(query)]
 

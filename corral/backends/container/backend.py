@@ -21,7 +21,8 @@ from pathlib import Path
 from corral.backends.base import CommandEvent, CommandExit, CommandOutput, CommandSpec, CommandStarted, SandboxSpec
 from corral.backends.container.agent_protocol import AgentConnection, AgentExit, AgentOutput, AgentStarted, ExecOrder
 from corral.backends.container.files import ConfinedTree
-from corral.backends.container.host import CgroupLayout, LayerMounts, NativeHelpers, oom_kill_count, orphans
+from corral.backends.container.host import CgroupLayout, LayerMounts, NativeHelpers, orphans
+from corral.backends.container.memory import CgroupMemory, ReclaimResult
 from corral.backends.container.oci import AGENT_PATH, ContainerLimits, build_config
 from corral.backends.container.runtime import OciRuntime, Overlay
 from corral.images.erofs import build_erofs
@@ -39,15 +40,15 @@ class _Container:
     runtime: OciRuntime
     agent: AgentConnection
     init_pid: int
-    cgroup_path: str
+    memory: CgroupMemory
+    paused: bool = False
 
 
 class _AgentCommand:
     """A command running through the agent, as the backend-neutral RunningCommand."""
 
-    def __init__(self, container: _Container, layout: CgroupLayout, command: CommandSpec) -> None:
+    def __init__(self, container: _Container, command: CommandSpec) -> None:
         self._container = container
-        self._layout = layout
         self._command = command
         self._agent = container.agent
         self._job_id = self._agent.new_job_id()
@@ -63,7 +64,7 @@ class _AgentCommand:
             output_cap_bytes=cmd.output_cap_bytes,
             has_stdin=cmd.stdin is not None,
         )
-        ooms_before = oom_kill_count(self._layout, self._container.cgroup_path)
+        ooms_before = self._container.memory.oom_kills()
         stdin = cmd.stdin if cmd.stdin else None
         async for event in self._agent.run(self._job_id, order, stdin):
             if isinstance(event, AgentStarted):
@@ -72,7 +73,7 @@ class _AgentCommand:
                 yield CommandOutput(event.stream, event.data)
             elif isinstance(event, AgentExit):
                 killed = event.exit_code == -9 and not event.timed_out
-                oom = killed and oom_kill_count(self._layout, self._container.cgroup_path) > ooms_before
+                oom = killed and self._container.memory.oom_kills() > ooms_before
                 yield CommandExit(event.exit_code, event.timed_out, oom, event.stdout_truncated, event.stderr_truncated)
 
     def write_stdin(self, data: bytes) -> None:
@@ -117,6 +118,9 @@ class ContainerBackend:
             self._runtimes[name] = OciRuntime(name, self._state_root / name, self._helpers.launch)
         return self._runtimes[name]
 
+    def _memory(self, sandbox_id: str) -> CgroupMemory:
+        return CgroupMemory(self._layout, self._cgroup_path(sandbox_id))
+
     def _cgroup_path(self, sandbox_id: str) -> str:
         return f"/corral/{sandbox_id}"
 
@@ -151,9 +155,7 @@ class ContainerBackend:
             self._release_layers(spec)
             shutil.rmtree(root, ignore_errors=True)
             raise
-        self._containers[spec.sandbox_id] = _Container(
-            spec, runtime, agent, init_pid, self._cgroup_path(spec.sandbox_id)
-        )
+        self._containers[spec.sandbox_id] = _Container(spec, runtime, agent, init_pid, self._memory(spec.sandbox_id))
 
     async def _acquire_layers(self, spec: SandboxSpec) -> list[Path]:
         """Mountpoints of the sandbox's layers, top first (overlayfs lowerdir order)."""
@@ -171,31 +173,37 @@ class ContainerBackend:
         for layer in spec.layers:
             self._mounts.release(layer.digest)
 
-    async def adopt(self, spec: SandboxSpec) -> bool:
+    async def adopt(self, spec: SandboxSpec) -> str | None:
         runtime = self.runtime(spec.runtime)
         state = await runtime.state(spec.sandbox_id)
         if state is None or state.status not in ("running", "paused"):
             await self.destroy(spec.sandbox_id)
-            return False
+            return None
         await self._acquire_layers(spec)  # counted like a new sandbox; released on destroy
+        paused = state.status == "paused"
         edge_end, agent_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         agent = AgentConnection(edge_end)
         try:
+            if paused:  # a new agent in a frozen cgroup would freeze before its hello
+                await runtime.resume(spec.sandbox_id)
             await runtime.exec_attached(
                 spec.sandbox_id, agent_end, AGENT_PATH, self._dir / spec.sandbox_id / "runtime.log"
             )
             agent_end.close()
             await agent.start(self._agent_start_timeout_s)
+            if paused:
+                await runtime.pause(spec.sandbox_id)
         except Exception:
             agent_end.close()
             agent.close()
             log.exception("could not re-attach to sandbox %s", spec.sandbox_id)
+            self._release_layers(spec)
             await self.destroy(spec.sandbox_id)
-            return False
+            return None
         self._containers[spec.sandbox_id] = _Container(
-            spec, runtime, agent, state.pid, self._cgroup_path(spec.sandbox_id)
+            spec, runtime, agent, state.pid, self._memory(spec.sandbox_id), paused=paused
         )
-        return True
+        return "paused" if paused else "running"
 
     async def orphans(self, known_ids: set[str]) -> list[str]:
         """Containers in our runtime state that no sandbox record owns."""
@@ -214,7 +222,7 @@ class ContainerBackend:
         return container
 
     def run(self, sandbox_id: str, command: CommandSpec) -> _AgentCommand:
-        return _AgentCommand(self._get(sandbox_id), self._layout, command)
+        return _AgentCommand(self._get(sandbox_id), command)
 
     def files(self, sandbox_id: str) -> ConfinedTree:
         container = self._get(sandbox_id)
@@ -247,11 +255,29 @@ class ContainerBackend:
         time; the agent's mountpoint is left out."""
         container = self._get(sandbox_id)
         upper = self._dir / sandbox_id / "upper"
-        await container.runtime.pause(sandbox_id)
+        was_paused = container.paused
+        if not was_paused:
+            await container.runtime.pause(sandbox_id)
         try:
             await asyncio.to_thread(build_erofs, upper, dest, exclude=[AGENT_PATH.strip("/").split("/")[0]])
         finally:
+            if not was_paused:
+                await container.runtime.resume(sandbox_id)
+
+    async def pause(self, sandbox_id: str) -> ReclaimResult:
+        """Freeze every process (state and memory kept), then push the memory out."""
+        container = self._get(sandbox_id)
+        if not container.paused:
+            await container.runtime.pause(sandbox_id)
+            container.paused = True
+        return await asyncio.to_thread(container.memory.reclaim)
+
+    async def resume(self, sandbox_id: str) -> None:
+        container = self._get(sandbox_id)
+        if container.paused:
+            container.memory.stop_swapping()
             await container.runtime.resume(sandbox_id)
+            container.paused = False
 
     def housekeeping(self) -> None:
         orphans.reap()

@@ -1,0 +1,434 @@
+"""The trajectory log: every step sent to a sandbox under a client's ``step_id``,
+with its result, in one totally ordered, durable sequence per sandbox.
+
+It owns the ``trajectory_steps`` table (on its own ``trajectory_metadata``,
+created on whatever engine the state store uses, SQLite or PostgreSQL) and the
+rules that let a preempted trainer fast-forward: a step sent again with the
+same request is answered from the log (``Replay``) instead of running twice; a
+different request under a logged step id is refused as a divergence. The gateway
+calls ``begin`` before an operation and ``finish`` or ``fail`` after it, before
+the answer leaves the server, so whatever a client saw is in the log.
+
+A step's identity is its ``kind`` plus the whole ``request`` dict exactly as the
+caller passes it (canonical JSON, see ``request_digest``): nothing is dropped or
+normalised here. Callers should pass a normalised form (e.g.
+``ExecRequest.model_dump(mode="json")``, which fills defaults and fixes types),
+so that ``{"timeout_s": 60}`` and ``{"timeout_s": 60.0}`` are not two requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import posixpath
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    Column,
+    Float,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    UniqueConstraint,
+    delete,
+    func,
+    insert,
+    select,
+    update,
+)
+from sqlalchemy.engine import Connection, Engine, RowMapping
+from sqlalchemy.exc import IntegrityError
+
+from corral.sdk._exceptions import Conflict, InvalidRequest, NotFound
+
+__all__ = [
+    "DEFAULT_LOG_OUTPUT_CAP_BYTES",
+    "LOG_CAP_KEY",
+    "Replay",
+    "Step",
+    "StepState",
+    "TrajectoryLog",
+    "request_digest",
+    "trajectory_metadata",
+    "trajectory_steps",
+]
+
+DEFAULT_LOG_OUTPUT_CAP_BYTES = 1 << 20
+LOG_CAP_KEY = "log_cap"  # added to a result whose stdout/stderr the log cut; not an ExecResult field
+_CAPPED_STREAMS = ("stdout", "stderr")
+_MAX_SANDBOX_ID = 64
+_MAX_STEP_ID = 256
+_MAX_KIND = 32
+# Seq collisions only happen where BEGIN IMMEDIATE does not serialise writers (PostgreSQL): each
+# retry loses only to a begin() that committed, so this bounds waiting, not correctness.
+_SEQ_RETRIES = 50
+_EXPORT_BATCH = 500
+
+
+class StepState:
+    STARTED = "started"  # begun, no result yet: running now, or its server died
+    DONE = "done"  # result (or error) recorded
+    LOST = "lost"  # was still started when the server restarted: outcome unknown
+
+
+trajectory_metadata = MetaData()
+
+trajectory_steps = Table(
+    "trajectory_steps",
+    trajectory_metadata,
+    Column("sandbox_id", String(_MAX_SANDBOX_ID), primary_key=True),  # the primary key's index serves per-sandbox reads
+    Column("seq", Integer, primary_key=True, autoincrement=False),  # 1, 2, 3... per sandbox, no gaps
+    Column("step_id", String(_MAX_STEP_ID), nullable=False),
+    Column("kind", String(_MAX_KIND), nullable=False),
+    Column("request", JSON, nullable=False),
+    Column("request_digest", String(64), nullable=False),
+    Column("state", String(16), nullable=False, index=True),
+    Column("result", JSON(none_as_null=True), nullable=True),
+    Column("result_truncated", Boolean, nullable=False, default=False),
+    Column("output_cap_bytes", Integer, nullable=False),
+    Column("started_at", Float, nullable=False),
+    Column("finished_at", Float, nullable=True),
+    Column("files", JSON(none_as_null=True), nullable=True),  # paths the step changed: provenance
+    UniqueConstraint("sandbox_id", "step_id", name="uq_trajectory_steps_sandbox_step"),
+)
+
+
+@dataclass(frozen=True)
+class Step:
+    sandbox_id: str
+    seq: int
+    step_id: str
+    kind: str
+    request: dict[str, Any]
+    request_digest: str
+    state: str
+    result: dict[str, Any] | None
+    result_truncated: bool
+    started_at: float
+    finished_at: float | None
+    files: list[str] | None
+
+
+@dataclass(frozen=True)
+class Replay:
+    """``begin`` found the step already done: answer with ``step.result``, do not run it.
+
+    A result of the form ``{"error": {"code", "message"}}`` was recorded by ``fail``:
+    re-raise it (``error_from_response(0, step.result)`` rebuilds the exception).
+    """
+
+    step: Step
+
+
+def request_digest(request: dict[str, Any]) -> str:
+    """The sha256 (hex) of ``request`` as canonical JSON: sorted keys, no spaces, UTF-8."""
+    try:
+        canonical = json.dumps(request, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(f"the step's request is not plain JSON: {exc}") from exc
+    # surrogatepass: JSON bodies may carry lone surrogates ("\udc80"); they must digest, not crash.
+    return hashlib.sha256(canonical.encode("utf-8", errors="surrogatepass")).hexdigest()
+
+
+class TrajectoryLog:
+    """The per-sandbox step log over a SQLAlchemy engine; safe to share between threads."""
+
+    def __init__(self, engine: Engine, *, output_cap_bytes: int = DEFAULT_LOG_OUTPUT_CAP_BYTES) -> None:
+        if output_cap_bytes < 0:
+            raise ValueError(f"output_cap_bytes must be >= 0, got {output_cap_bytes}")
+        self._engine = engine
+        self._output_cap_bytes = output_cap_bytes
+        trajectory_metadata.create_all(engine)
+
+    # -- recording ------------------------------------------------------
+
+    def begin(self, sandbox_id: str, step_id: str, kind: str, request: dict[str, Any]) -> Step | Replay:
+        """Append a ``started`` step with the sandbox's next seq, or resolve a step id already logged.
+
+        Already logged: the same kind and request, done -> ``Replay`` (do not run it);
+        started or lost -> ``Conflict`` (its outcome is unknown); any other request ->
+        ``Conflict`` saying it diverges. Of several concurrent begin() calls with one new
+        step id exactly one gets the ``Step``.
+        """
+        _check_id("sandbox id", sandbox_id, _MAX_SANDBOX_ID)
+        _check_id("step id", step_id, _MAX_STEP_ID)
+        _check_id("step kind", kind, _MAX_KIND)
+        digest = request_digest(request)
+        for _ in range(_SEQ_RETRIES):
+            try:
+                with self._write_transaction() as conn:
+                    logged = _logged_step(conn, sandbox_id, step_id)
+                    if logged is not None:
+                        return _resolve(logged, kind, request, digest)
+                    last_seq = conn.execute(
+                        select(func.max(trajectory_steps.c.seq)).where(trajectory_steps.c.sandbox_id == sandbox_id)
+                    ).scalar()
+                    step = Step(
+                        sandbox_id=sandbox_id,
+                        seq=(last_seq or 0) + 1,
+                        step_id=step_id,
+                        kind=kind,
+                        request=request,
+                        request_digest=digest,
+                        state=StepState.STARTED,
+                        result=None,
+                        result_truncated=False,
+                        started_at=time.time(),
+                        finished_at=None,
+                        files=None,
+                    )
+                    conn.execute(
+                        insert(trajectory_steps).values(
+                            **dataclasses.asdict(step), output_cap_bytes=self._output_cap_bytes
+                        )
+                    )
+                    return step
+            except IntegrityError:
+                continue  # another begin() took this seq or this step id: look again
+        raise Conflict(
+            f"too many concurrent steps for sandbox {sandbox_id}: step {step_id!r} could not be appended; retry it"
+        )
+
+    def finish(self, step: Step, result: dict[str, Any], *, files: list[str] | None = None) -> Step:
+        """Record the result of a started step; ``files`` are the sandbox paths it changed.
+
+        String ``stdout``/``stderr`` longer than the log's cap are cut (on a UTF-8 character
+        boundary) to ``output_cap_bytes`` bytes each; the logged result then has
+        ``<stream>_truncated: True`` and ``result[LOG_CAP_KEY] = {"cap_bytes": N,
+        "<stream>_bytes": <original length in bytes>, ...}``, and the step has
+        ``result_truncated``, so a replay shows the cut. Strip ``LOG_CAP_KEY`` before
+        validating the result as an ``ExecResult``. The caller's dict is not changed.
+        """
+        logged, truncated = _cap_output(result, self._output_cap_bytes)
+        return self._record(step, logged, truncated=truncated, files=_normalise_paths(files))
+
+    def fail(self, step: Step, error: dict[str, str]) -> Step:
+        """The operation raised: record ``{"error": {"code", "message"}}`` so a replay re-raises it."""
+        logged = {"error": {"code": error["code"], "message": error["message"]}}
+        return self._record(step, logged, truncated=False, files=None)
+
+    def mark_lost(self, sandbox_id: str | None = None) -> int:
+        """Mark every ``started`` step (of one sandbox, or all) ``lost``; returns how many.
+
+        Call it when the process that began them is gone (at server or edge start), never
+        while another process may still be running steps of those sandboxes.
+        """
+        query = update(trajectory_steps).where(trajectory_steps.c.state == StepState.STARTED)
+        if sandbox_id is not None:
+            query = query.where(trajectory_steps.c.sandbox_id == sandbox_id)
+        with self._engine.begin() as conn:
+            return conn.execute(query.values(state=StepState.LOST)).rowcount
+
+    def delete(self, sandbox_id: str) -> int:
+        """Forget a sandbox's log; returns how many steps were deleted."""
+        with self._engine.begin() as conn:
+            return conn.execute(delete(trajectory_steps).where(trajectory_steps.c.sandbox_id == sandbox_id)).rowcount
+
+    # -- reading --------------------------------------------------------
+
+    def steps(self, sandbox_id: str, *, after_seq: int = 0, limit: int | None = None) -> list[Step]:
+        """The sandbox's steps with seq > ``after_seq``, in seq order, at most ``limit``."""
+        return [_to_step(row) for row in self._rows(sandbox_id, after_seq=after_seq, limit=limit)]
+
+    def export_jsonl(self, sandbox_id: str) -> Iterator[str]:
+        """Every column of every step, one JSON object per line (ending in newline), in seq order.
+
+        Read in batches, with no connection held between them, so a slow consumer blocks no writer.
+        """
+        after_seq = 0
+        while rows := self._rows(sandbox_id, after_seq=after_seq, limit=_EXPORT_BATCH):
+            for row in rows:
+                yield json.dumps(dict(row), sort_keys=True) + "\n"
+            after_seq = rows[-1]["seq"]
+
+    def provenance(self, sandbox_id: str, path: str) -> list[Step]:
+        """The steps that recorded changing ``path`` (compared normalised), in seq order."""
+        wanted = _normalise_path(path)
+        query = (
+            select(trajectory_steps)
+            .where(trajectory_steps.c.sandbox_id == sandbox_id, trajectory_steps.c.files.is_not(None))
+            .order_by(trajectory_steps.c.seq)
+        )
+        with self._engine.connect() as conn:
+            rows = conn.execute(query).mappings().all()
+        return [_to_step(row) for row in rows if wanted in row["files"]]
+
+    # -- internals ------------------------------------------------------
+
+    @contextmanager
+    def _write_transaction(self) -> Iterator[Connection]:
+        """A transaction that takes SQLite's write lock at its start (pysqlite emits no BEGIN of its
+        own), so concurrent begin() calls read max(seq) one after another; on other databases the
+        (sandbox_id, seq) primary key turns a race into an IntegrityError that begin() retries."""
+        with self._engine.begin() as conn:
+            if self._engine.dialect.name == "sqlite":
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
+            yield conn
+
+    def _rows(self, sandbox_id: str, *, after_seq: int, limit: int | None) -> list[RowMapping]:
+        query = (
+            select(trajectory_steps)
+            .where(trajectory_steps.c.sandbox_id == sandbox_id, trajectory_steps.c.seq > after_seq)
+            .order_by(trajectory_steps.c.seq)
+        )
+        if limit is not None:
+            query = query.limit(limit)
+        with self._engine.connect() as conn:
+            return list(conn.execute(query).mappings().all())
+
+    def _record(self, step: Step, result: dict[str, Any], *, truncated: bool, files: list[str] | None) -> Step:
+        finished_at = time.time()
+        query = (
+            update(trajectory_steps)
+            .where(
+                trajectory_steps.c.sandbox_id == step.sandbox_id,
+                trajectory_steps.c.seq == step.seq,
+                trajectory_steps.c.step_id == step.step_id,
+                trajectory_steps.c.state == StepState.STARTED,
+            )
+            .values(
+                state=StepState.DONE,
+                result=result,
+                result_truncated=truncated,
+                output_cap_bytes=self._output_cap_bytes,
+                finished_at=finished_at,
+                files=files,
+            )
+        )
+        with self._engine.begin() as conn:
+            if conn.execute(query).rowcount == 1:
+                return dataclasses.replace(
+                    step,
+                    state=StepState.DONE,
+                    result=result,
+                    result_truncated=truncated,
+                    finished_at=finished_at,
+                    files=files,
+                )
+            state = conn.execute(
+                select(trajectory_steps.c.state).where(
+                    trajectory_steps.c.sandbox_id == step.sandbox_id,
+                    trajectory_steps.c.seq == step.seq,
+                    trajectory_steps.c.step_id == step.step_id,
+                )
+            ).scalar()
+        if state is None:
+            raise NotFound(
+                f"step {step.step_id!r} (seq {step.seq}) of sandbox {step.sandbox_id} is no longer in the "
+                "trajectory log (the log was deleted); its result was not recorded"
+            )
+        raise Conflict(
+            f"step {step.step_id!r} (seq {step.seq}) of sandbox {step.sandbox_id} is already {state}; "
+            "a step's result is recorded once"
+        )
+
+
+def _logged_step(conn: Connection, sandbox_id: str, step_id: str) -> Step | None:
+    query = select(trajectory_steps).where(
+        trajectory_steps.c.sandbox_id == sandbox_id, trajectory_steps.c.step_id == step_id
+    )
+    row = conn.execute(query).mappings().first()
+    return _to_step(row) if row is not None else None
+
+
+def _check_id(what: str, value: str, max_chars: int) -> None:
+    if not isinstance(value, str) or not value or len(value) > max_chars:
+        raise InvalidRequest(f"{what} must be a non-empty string of at most {max_chars} characters, got {value!r}")
+
+
+def _resolve(logged: Step, kind: str, request: dict[str, Any], digest: str) -> Replay:
+    """What a step id already in the log means for a new begin(): replay it, or refuse."""
+    if logged.kind != kind or logged.request_digest != digest:
+        raise Conflict(
+            f"step {logged.step_id!r} diverges from the logged one at seq {logged.seq}: "
+            f"logged {_describe_difference(logged.kind, logged.request, kind, request)}; "
+            "resend the logged request to replay it, or use a new step id for a new step"
+        )
+    if logged.state == StepState.DONE:
+        return Replay(logged)
+    if logged.state == StepState.LOST:
+        raise Conflict(
+            f"step {logged.step_id!r} (seq {logged.seq}) was lost in a crash and did not record a result, "
+            "so its effect on the sandbox is unknown; send it under a new step id to run it again"
+        )
+    raise Conflict(
+        f"step {logged.step_id!r} (seq {logged.seq}) is still running or its outcome is unknown (no result "
+        "recorded yet); retry later to get its result, or use a new step id to run it again"
+    )
+
+
+def _describe_difference(logged_kind: str, logged: dict[str, Any], kind: str, new: dict[str, Any]) -> str:
+    """'exec cmd="ls", got exec cmd="ls -l"': the kinds and the request fields that differ."""
+    keys = sorted(k for k in logged.keys() | new.keys() if k not in logged or k not in new or logged[k] != new[k])
+    shown, hidden = keys[:3], len(keys) - 3
+
+    def side(kind_: str, request: dict[str, Any]) -> str:
+        fields = [f"{k}={_short(request[k]) if k in request else '<absent>'}" for k in shown]
+        if hidden > 0:
+            fields.append(f"(+{hidden} more)")
+        return " ".join([kind_, *fields])
+
+    return f"{side(logged_kind, logged)}, got {side(kind, new)}"
+
+
+def _short(value: Any, max_chars: int = 60) -> str:
+    text = json.dumps(value, sort_keys=True, ensure_ascii=False)
+    return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
+
+
+def _cap_output(result: dict[str, Any], cap_bytes: int) -> tuple[dict[str, Any], bool]:
+    logged = dict(result)
+    original_bytes: dict[str, int] = {}
+    for stream in _CAPPED_STREAMS:
+        text = logged.get(stream)
+        if not isinstance(text, str):
+            continue
+        encoded = text.encode("utf-8", errors="surrogatepass")
+        if len(encoded) <= cap_bytes:
+            continue
+        cut = cap_bytes
+        while cut > 0 and encoded[cut] & 0xC0 == 0x80:  # a continuation byte: step back to the char's start
+            cut -= 1
+        logged[stream] = encoded[:cut].decode("utf-8", errors="surrogatepass")
+        logged[f"{stream}_truncated"] = True
+        original_bytes[f"{stream}_bytes"] = len(encoded)
+    if not original_bytes:
+        return logged, False
+    logged[LOG_CAP_KEY] = {"cap_bytes": cap_bytes, **original_bytes}
+    return logged, True
+
+
+def _normalise_path(path: str) -> str:
+    """Collapse '.', '..' and repeated slashes (posixpath keeps a leading '//': fold it too)."""
+    normalised = posixpath.normpath(path)
+    return "/" + normalised.lstrip("/") if normalised.startswith("/") else normalised
+
+
+def _normalise_paths(paths: list[str] | None) -> list[str] | None:
+    """Each path normalised, duplicates dropped, first occurrence kept in order."""
+    return None if paths is None else list(dict.fromkeys(_normalise_path(p) for p in paths))
+
+
+def _to_step(row: RowMapping) -> Step:
+    return Step(
+        sandbox_id=row["sandbox_id"],
+        seq=row["seq"],
+        step_id=row["step_id"],
+        kind=row["kind"],
+        request=row["request"],
+        request_digest=row["request_digest"],
+        state=row["state"],
+        result=row["result"],
+        result_truncated=bool(row["result_truncated"]),
+        started_at=row["started_at"],
+        finished_at=row["finished_at"],
+        files=row["files"],
+    )

@@ -1,0 +1,136 @@
+"""RL lifecycle: pause with memory reclaimed, transparent resume, idle pause, fork, job-wide actions."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import corral
+from corral.embedded import EmbeddedServer
+
+# 100 MB of anonymous memory (touched, not zero pages) plus 50 MB of page cache.
+HOLD_MEMORY = (
+    "head -c 50000000 /dev/urandom > /tmp/x; "
+    "python3 -c 'import os, time; b=bytearray(os.urandom(100<<20)); time.sleep(3600)' &"
+)
+
+
+def _counter_value(sandbox: corral.Sandbox) -> int:
+    return int(sandbox.files.read_text("/tmp/count").split()[-1])
+
+
+def test_pause_freezes_keeps_state_and_any_request_resumes(client: corral.Client) -> None:
+    with client.create("busybox", ttl_s=600) as sandbox:
+        sandbox.exec("echo kept > /tmp/state")
+        sandbox.start("i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done")
+        time.sleep(0.3)
+        result = sandbox.pause()
+        assert result.sandbox.state == corral.SandboxState.PAUSED and result.sandbox.paused_at is not None
+        time.sleep(0.5)
+        info = client.get(sandbox.id).info
+        assert info.state == corral.SandboxState.PAUSED
+        before = info.expires_at
+        assert sandbox.exec("cat /tmp/state").stdout == "kept\n"  # a request resumes it transparently
+        after = client.get(sandbox.id).info
+        assert after.state == corral.SandboxState.RUNNING and after.paused_at is None
+        assert before is not None and after.expires_at is not None and after.expires_at >= before + 0.4
+        count = _counter_value(sandbox)
+        time.sleep(0.3)
+        assert _counter_value(sandbox) > count  # the background loop runs again
+
+
+def test_paused_processes_do_not_run(client: corral.Client) -> None:
+    with client.create("busybox") as sandbox:
+        sandbox.start("i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done")
+        time.sleep(0.3)
+        sandbox.pause()
+        time.sleep(0.1)
+        sandbox.resume()
+        first = _counter_value(sandbox)
+        sandbox.pause()
+        time.sleep(0.6)
+        sandbox.resume()
+        assert _counter_value(sandbox) - first <= 2  # no progress during the 0.6 s pause
+
+
+def test_pause_gives_memory_back(client: corral.Client) -> None:
+    with client.create("debian-12", memory_mb=512) as sandbox:
+        sandbox.exec(HOLD_MEMORY, timeout_s=60)
+        time.sleep(1.0)
+        result = sandbox.pause()
+        assert result.memory_before_bytes > 150 << 20
+        reclaimed = 1 - result.memory_after_bytes / result.memory_before_bytes
+        assert reclaimed >= 0.8, result
+        assert sandbox.exec("wc -c < /tmp/x").stdout.strip() == "50000000"  # resumed, data intact
+        assert "python3" in sandbox.exec("cat /proc/[0-9]*/comm").stdout  # the memory holder survived
+
+
+def test_idle_sandboxes_pause_themselves(client: corral.Client) -> None:
+    with client.create("busybox", idle_pause_s=0.5) as sandbox:
+        deadline = time.monotonic() + 10
+        while client.get(sandbox.id).info.state != corral.SandboxState.PAUSED:
+            assert time.monotonic() < deadline, "the idle sandbox was not paused"
+            time.sleep(0.1)
+        assert sandbox.exec("echo awake").stdout == "awake\n"
+        assert client.get(sandbox.id).info.state == corral.SandboxState.RUNNING
+
+
+def test_busy_sandbox_is_not_paused_for_idleness(client: corral.Client) -> None:
+    with client.create("busybox", idle_pause_s=0.3) as sandbox:
+        command = sandbox.start("sleep 2; echo done")
+        time.sleep(1.5)
+        assert client.get(sandbox.id).info.state == corral.SandboxState.RUNNING
+        assert sandbox.command(command.command_id, wait_s=5).result.stdout == "done\n"
+
+
+def test_fork_branches_the_filesystem(client: corral.Client) -> None:
+    with client.create("busybox", labels={"job": "fork-test"}, env={"STEP": "k"}) as parent:
+        parent.exec("echo step-k > /state")
+        children = parent.fork(3, labels={"branch": "yes"})
+        try:
+            assert len({child.id for child in children}) == 3
+            for index, child in enumerate(children):
+                assert child.exec("cat /state; echo $STEP").stdout == "step-k\nk\n"
+                child.exec(f"echo child-{index} > /state")
+                assert child.info.labels == {"job": "fork-test", "branch": "yes", "corral.forked_from": parent.id}
+            assert parent.exec("cat /state").stdout == "step-k\n"  # branches do not touch the parent
+        finally:
+            for child in children:
+                child.kill()
+
+
+def test_job_wide_actions_by_label(client: corral.Client) -> None:
+    job = {"job": "bulk-test"}
+    sandboxes = [client.create("busybox", labels={**job, "rollout": str(i)}) for i in range(3)]
+    other = client.create("busybox", labels={"job": "someone-else"})
+    try:
+        paused = client.bulk(job, "pause")
+        assert paused.matched == 3 and sorted(paused.done) == sorted(s.id for s in sandboxes) and not paused.failed
+        assert {s.state for s in client.list(labels=job)} == {corral.SandboxState.PAUSED}
+        assert client.get(other.id).info.state == corral.SandboxState.RUNNING
+        assert client.bulk(job, "resume").matched == 3
+        assert {s.state for s in client.list(labels=job)} == {corral.SandboxState.RUNNING}
+        client.bulk(job, "set_ttl", ttl_s=5000)
+        assert all(s.expires_at and s.expires_at > time.time() + 4000 for s in client.list(labels=job))
+        assert client.bulk({**job, "rollout": "1"}, "kill").done == [sandboxes[1].id]
+        assert client.bulk(job, "kill").matched == 2
+        assert client.list(labels=job) == []
+        with pytest.raises(corral.InvalidRequest):
+            client.bulk({}, "kill")
+    finally:
+        other.kill()
+
+
+def test_paused_sandbox_survives_a_restart(fresh_server: EmbeddedServer) -> None:
+    with fresh_server.client() as client:
+        sandbox = client.create("busybox")
+        sandbox.exec("echo before > /state")
+        sandbox.pause()
+    fresh_server.stop()
+    fresh_server.start()
+    with fresh_server.client() as client:
+        assert client.get(sandbox.id).info.state == corral.SandboxState.PAUSED
+        handle = client.connect(sandbox)
+        assert handle.exec("cat /state").stdout == "before\n"
+        assert client.get(sandbox.id).info.state == corral.SandboxState.RUNNING
