@@ -46,6 +46,9 @@ class Settings(BaseSettings):
         8, ge=1, description="Container creations the edge runs at once; more wait in line."
     )
     max_file_bytes: int = Field(256 << 20, description="Largest file or tar upload/download through the API.")
+    max_logged_file_bytes: int = Field(
+        1 << 20, ge=0, description="File writes up to this size are kept whole in the trajectory log (for replay)."
+    )
     ttl_check_interval_s: float = Field(1.0, gt=0, description="How often expired sandboxes are looked for.")
     agent_start_timeout_s: float = Field(
         10.0, gt=0, description="How long a new sandbox's agent may take to say hello."

@@ -31,10 +31,12 @@ from corral.edge.local import LocalEdge, node_capacity
 from corral.gateway.app import create_app
 from corral.gateway.images import ImageService
 from corral.gateway.service import SandboxService
+from corral.gateway.trajectory import Trajectories
 from corral.images.builders import LayerBuilder
 from corral.images.catalogue import Catalogue
 from corral.images.store import LayerStore
 from corral.state.db import StateStore
+from corral.trajectory import TrajectoryLog
 
 __all__ = ["serve", "load_or_create_api_key"]
 
@@ -47,6 +49,7 @@ class Services:
 
     sandboxes: SandboxService
     images: ImageService
+    trajectories: Trajectories
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -112,7 +115,13 @@ def serve(settings: Settings) -> None:
         log.info("serving on %s (%d images)", url, len(catalogue.images()))
         try:
             images = ImageService(catalogue, builder, service, disk_budget_mb=settings.layer_disk_budget_mb)
-            yield Services(sandboxes=service, images=images)
+            trajectories = Trajectories(
+                TrajectoryLog(store.engine), service, max_logged_file_bytes=settings.max_logged_file_bytes
+            )
+            lost = trajectories.mark_lost()
+            if lost:
+                log.warning("%d trajectory steps were running when the server stopped: marked lost", lost)
+            yield Services(sandboxes=service, images=images, trajectories=trajectories)
         finally:
             await service.close()
             store.close()

@@ -118,6 +118,12 @@ class Backend(Protocol):
     async def pack_diff(self, sandbox_id: str, dest: Path) -> None:
         """Write the sandbox's filesystem changes as a layer file at ``dest``."""
 
+    async def fs_clock(self, sandbox_id: str) -> float:
+        """A timestamp on the clock the sandbox's filesystem stamps changes with."""
+
+    async def changed_paths(self, sandbox_id: str, since: float) -> list[str]:
+        """Files changed at or after ``since`` (from fs_clock): where the sandbox's state came from."""
+
     async def pause(self, sandbox_id: str) -> ReclaimResult:
         """Stop every process with its state kept, then give back its memory."""
 

@@ -418,6 +418,14 @@ class LocalEdge:
     async def command_signal(self, sandbox_id: str, command_id: str, signo: int) -> None:
         (await self._command(sandbox_id, command_id)).running.signal(signo)
 
+    async def fs_clock(self, sandbox_id: str) -> float:
+        self._get(sandbox_id)
+        return await self._backend.fs_clock(sandbox_id)
+
+    async def changed_paths(self, sandbox_id: str, since: float) -> list[str]:
+        self._get(sandbox_id)
+        return await self._backend.changed_paths(sandbox_id, since)
+
     async def pack_diff(self, sandbox_id: str, dest: Path) -> None:
         self._get(sandbox_id)
         await self._backend.pack_diff(sandbox_id, dest)

@@ -95,6 +95,12 @@ class Edge(Protocol):
 
     async def download_tar(self, sandbox_id: str, path: str) -> bytes: ...
 
+    async def fs_clock(self, sandbox_id: str) -> float:
+        """'Now' on the clock that stamps the sandbox's file changes."""
+
+    async def changed_paths(self, sandbox_id: str, since: float) -> list[str]:
+        """Paths changed at or after ``since`` (from fs_clock), for the trajectory log's provenance."""
+
     async def pack_diff(self, sandbox_id: str, dest: Path) -> None:
         """Write the sandbox's filesystem changes (whiteouts kept) as an EROFS layer file."""
 

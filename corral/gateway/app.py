@@ -24,6 +24,7 @@ from pydantic import BaseModel
 
 from corral.gateway.images import ImageService
 from corral.gateway.service import SandboxService
+from corral.gateway.trajectory import Trajectories
 from corral.sdk._exceptions import AuthenticationError, CorralError, InvalidRequest, PayloadTooLarge
 from corral.sdk._models import (
     BuildRequest,
@@ -40,11 +41,14 @@ from corral.sdk._models import (
     LayerInfo,
     MkdirRequest,
     PauseResult,
+    ReplayRequest,
+    ReplayResult,
     SandboxInfo,
     SetTtlRequest,
     SnapshotInfo,
     SnapshotRequest,
     TagRequest,
+    TrajectoryStep,
 )
 
 __all__ = ["create_app"]
@@ -75,9 +79,14 @@ def _image_service(request: Request) -> ImageService:
     return request.app.state.service.images  # type: ignore[no-any-return]
 
 
+def _trajectories(request: Request) -> Trajectories:
+    return request.app.state.service.trajectories  # type: ignore[no-any-return]
+
+
 Auth = Depends(_authenticate)
 Service = Annotated[SandboxService, Depends(_service)]
 Images = Annotated[ImageService, Depends(_image_service)]
+Logged = Annotated[Trajectories, Depends(_trajectories)]
 PathQuery = Annotated[str, Query(description="Absolute path inside the sandbox.")]
 
 
@@ -245,8 +254,9 @@ def create_app(service_factory, api_key: str, max_file_bytes: int, upload_dir: P
         return await svc.bulk(body)
 
     @app.post("/v1/sandboxes/{sandbox_id}/exec", dependencies=[Auth])
-    async def exec_command(sandbox_id: str, body: ExecRequest, svc: Service) -> ExecResult:
-        return await svc.call(sandbox_id, lambda edge: edge.exec(sandbox_id, body))
+    async def exec_command(sandbox_id: str, body: ExecRequest, logged: Logged) -> ExecResult:
+        """Run a command and wait; with ``step_id``, a step sent again is answered from the trajectory log."""
+        return await logged.exec(sandbox_id, body)
 
     @app.post(
         "/v1/sandboxes/{sandbox_id}/exec/stream",
@@ -254,8 +264,8 @@ def create_app(service_factory, api_key: str, max_file_bytes: int, upload_dir: P
         response_class=StreamingResponse,
         responses={200: {"content": {"application/x-ndjson": {}}, "description": "One ExecEvent per line."}},
     )
-    async def exec_stream(sandbox_id: str, body: ExecRequest, svc: Service) -> StreamingResponse:
-        events = svc.stream(sandbox_id, lambda edge: edge.exec_stream(sandbox_id, body))
+    async def exec_stream(sandbox_id: str, body: ExecRequest, logged: Logged) -> StreamingResponse:
+        events = logged.exec_stream(sandbox_id, body)
         first = await anext(events)  # errors before the first event still get a proper status
 
         async def lines() -> AsyncIterator[bytes]:
@@ -266,8 +276,8 @@ def create_app(service_factory, api_key: str, max_file_bytes: int, upload_dir: P
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     @app.post("/v1/sandboxes/{sandbox_id}/commands", status_code=201, dependencies=[Auth])
-    async def start_command(sandbox_id: str, body: ExecRequest, svc: Service) -> CommandInfo:
-        return await svc.call(sandbox_id, lambda edge: edge.start_command(sandbox_id, body))
+    async def start_command(sandbox_id: str, body: ExecRequest, logged: Logged) -> CommandInfo:
+        return await logged.start(sandbox_id, body)
 
     @app.get("/v1/sandboxes/{sandbox_id}/commands/{command_id}", dependencies=[Auth])
     async def get_command(
@@ -302,12 +312,43 @@ def create_app(service_factory, api_key: str, max_file_bytes: int, upload_dir: P
         sandbox_id: str,
         path: PathQuery,
         request: Request,
-        svc: Service,
+        logged: Logged,
         mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o644,
+        step_id: Annotated[str | None, Query(min_length=1, max_length=256)] = None,
     ) -> FileInfo:
-        """The raw request body becomes the file's content (replaced atomically)."""
+        """The raw request body becomes the file's content (replaced atomically); logged like a command."""
         data = await body_within_limit(request)
-        return await svc.call(sandbox_id, lambda edge: edge.write_file(sandbox_id, path, data, mode))
+        return await logged.write_file(sandbox_id, path, data, mode, step_id)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/trajectory", dependencies=[Auth])
+    async def trajectory(
+        sandbox_id: str,
+        logged: Logged,
+        after_seq: Annotated[int, Query(ge=0)] = 0,
+        limit: Annotated[int | None, Query(ge=1, le=10000)] = None,
+    ) -> list[TrajectoryStep]:
+        """The sandbox's log of commands and file writes, in order."""
+        return logged.steps(sandbox_id, after_seq=after_seq, limit=limit)
+
+    @app.get(
+        "/v1/sandboxes/{sandbox_id}/trajectory.jsonl",
+        dependencies=[Auth],
+        response_class=StreamingResponse,
+        responses={200: {"content": {"application/x-ndjson": {}}, "description": "One step per line."}},
+    )
+    async def export_trajectory(sandbox_id: str, logged: Logged) -> StreamingResponse:
+        lines = logged.export_jsonl(sandbox_id)
+        return StreamingResponse((line.encode() for line in lines), media_type="application/x-ndjson")
+
+    @app.get("/v1/sandboxes/{sandbox_id}/trajectory/provenance", dependencies=[Auth])
+    async def provenance(sandbox_id: str, path: PathQuery, logged: Logged) -> list[TrajectoryStep]:
+        """The steps that changed ``path``, oldest first."""
+        return logged.provenance(sandbox_id, path)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/trajectory/replay", status_code=201, dependencies=[Auth])
+    async def replay_trajectory(sandbox_id: str, body: ReplayRequest, logged: Logged) -> ReplayResult:
+        """Re-run the logged steps in a fresh sandbox from the same layers; report where results differ."""
+        return await logged.replay(sandbox_id, body)
 
     @app.get("/v1/sandboxes/{sandbox_id}/files/stat", dependencies=[Auth])
     async def stat_file(sandbox_id: str, path: PathQuery, svc: Service) -> FileInfo:

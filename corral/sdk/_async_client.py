@@ -40,9 +40,12 @@ from corral.sdk._models import (
     LayerInfo,
     MkdirRequest,
     PauseResult,
+    ReplayRequest,
+    ReplayResult,
     SandboxInfo,
     SnapshotInfo,
     TagRequest,
+    TrajectoryStep,
 )
 
 __all__ = ["AsyncClient", "AsyncSandbox", "AsyncFiles", "AsyncImages"]
@@ -120,9 +123,10 @@ def _exec_body(
     timeout_s: float,
     stdin: str | None,
     output_cap_bytes: int,
+    step_id: str | None,
 ) -> dict[str, Any]:
     fields = {"cmd": cmd, "env": env or {}, "cwd": cwd, "user": user, "timeout_s": timeout_s, "stdin": stdin,
-              "output_cap_bytes": output_cap_bytes}  # fmt: skip
+              "output_cap_bytes": output_cap_bytes, "step_id": step_id}  # fmt: skip
     return _validated(ExecRequest, fields).model_dump(mode="json")
 
 
@@ -142,11 +146,11 @@ class AsyncFiles:
     async def read_text(self, path: str) -> str:
         return (await self.read(path)).decode()
 
-    async def write(self, path: str, data: bytes | str, *, mode: int = 0o644) -> FileInfo:
+    async def write(self, path: str, data: bytes | str, *, mode: int = 0o644, step_id: str | None = None) -> FileInfo:
+        """Write a file (replaced atomically); ``step_id`` makes a resend answer from the trajectory log."""
         content = data.encode() if isinstance(data, str) else data
-        response = await self._sandbox._transport.request(
-            "PUT", self._path("/content"), params={"path": path, "mode": mode}, content=content
-        )
+        params: dict[str, Any] = {"path": path, "mode": mode, **({"step_id": step_id} if step_id else {})}
+        response = await self._sandbox._transport.request("PUT", self._path("/content"), params=params, content=content)
         return FileInfo.model_validate(response.json())
 
     async def stat(self, path: str) -> FileInfo:
@@ -331,9 +335,14 @@ class AsyncSandbox:
         timeout_s: float = DEFAULT_EXEC_TIMEOUT_S,
         stdin: str | None = None,
         output_cap_bytes: int = DEFAULT_OUTPUT_CAP_BYTES,
+        step_id: str | None = None,
     ) -> ExecResult:
-        """Run a command and wait for it. A shell string runs under /bin/sh -c."""
-        body = _exec_body(cmd, env, cwd, user, timeout_s, stdin, output_cap_bytes)
+        """Run a command and wait for it. A shell string runs under /bin/sh -c.
+
+        With ``step_id``, a step sent again (after a trainer restart) is answered from the
+        trajectory log instead of running twice (``result.replayed``).
+        """
+        body = _exec_body(cmd, env, cwd, user, timeout_s, stdin, output_cap_bytes, step_id)
         response = await self._transport.request(
             "POST", f"/v1/sandboxes/{self.id}/exec", json=body, timeout_s=timeout_s
         )
@@ -349,9 +358,10 @@ class AsyncSandbox:
         timeout_s: float = DEFAULT_EXEC_TIMEOUT_S,
         stdin: str | None = None,
         output_cap_bytes: int = DEFAULT_OUTPUT_CAP_BYTES,
+        step_id: str | None = None,
     ) -> AsyncIterator[ExecEvent]:
         """Run a command, yielding output as it comes; the last event is ``exit`` with the result."""
-        body = _exec_body(cmd, env, cwd, user, timeout_s, stdin, output_cap_bytes)
+        body = _exec_body(cmd, env, cwd, user, timeout_s, stdin, output_cap_bytes, step_id)
         async for line in self._transport.stream_lines(
             "POST", f"/v1/sandboxes/{self.id}/exec/stream", json=body, timeout_s=timeout_s
         ):
@@ -366,9 +376,10 @@ class AsyncSandbox:
         user: str | None = None,
         timeout_s: float = DEFAULT_EXEC_TIMEOUT_S,
         output_cap_bytes: int = DEFAULT_OUTPUT_CAP_BYTES,
+        step_id: str | None = None,
     ) -> CommandInfo:
         """Start a background command; its stdin stays open (see send_stdin)."""
-        body = _exec_body(cmd, env, cwd, user, timeout_s, None, output_cap_bytes)
+        body = _exec_body(cmd, env, cwd, user, timeout_s, None, output_cap_bytes, step_id)
         response = await self._transport.request("POST", f"/v1/sandboxes/{self.id}/commands", json=body)
         return CommandInfo.model_validate(response.json())
 
@@ -383,6 +394,34 @@ class AsyncSandbox:
         """Write to a background command's stdin; empty data closes it."""
         content = data.encode() if isinstance(data, str) else data
         await self._transport.request("POST", f"/v1/sandboxes/{self.id}/commands/{command_id}/stdin", content=content)
+
+    async def trajectory(self, *, after_seq: int = 0, limit: int | None = None) -> list[TrajectoryStep]:
+        """The sandbox's logged commands and file writes, in order."""
+        params: dict[str, Any] = {"after_seq": after_seq, **({"limit": limit} if limit else {})}
+        response = await self._transport.request("GET", f"/v1/sandboxes/{self.id}/trajectory", params=params)
+        return [TrajectoryStep.model_validate(item) for item in response.json()]
+
+    async def export_trajectory(self) -> str:
+        """The whole log as JSON lines."""
+        response = await self._transport.request("GET", f"/v1/sandboxes/{self.id}/trajectory.jsonl", timeout_s=600)
+        return response.text
+
+    async def provenance(self, path: str) -> list[TrajectoryStep]:
+        """The steps (with client step ids) that changed ``path``, oldest first."""
+        response = await self._transport.request(
+            "GET", f"/v1/sandboxes/{self.id}/trajectory/provenance", params={"path": path}
+        )
+        return [TrajectoryStep.model_validate(item) for item in response.json()]
+
+    async def replay(
+        self, *, labels: dict[str, str] | None = None, ttl_s: float | None = DEFAULT_TTL_S
+    ) -> ReplayResult:
+        """Re-run this sandbox's log in a fresh sandbox (returned in the result, still running)."""
+        body = _validated(ReplayRequest, {"labels": labels or {}, "ttl_s": ttl_s}).model_dump()
+        response = await self._transport.request(
+            "POST", f"/v1/sandboxes/{self.id}/trajectory/replay", json=body, timeout_s=3600
+        )
+        return ReplayResult.model_validate(response.json())
 
     async def pause(self) -> PauseResult:
         """Freeze it (processes and memory kept) and give its memory back; any request resumes it."""

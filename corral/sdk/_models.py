@@ -23,6 +23,10 @@ __all__ = [
     "SandboxInfo",
     "SetTtlRequest",
     "PauseResult",
+    "TrajectoryStep",
+    "ReplayRequest",
+    "ReplayMismatch",
+    "ReplayResult",
     "BulkRequest",
     "BulkResult",
     "ForkRequest",
@@ -166,6 +170,49 @@ class ExecRequest(_Model):
     output_cap_bytes: int = Field(
         DEFAULT_OUTPUT_CAP_BYTES, ge=0, le=1 << 30, description="Per stream; the rest is dropped and flagged."
     )
+    step_id: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="The client's step id: a step sent again is answered from the trajectory log, not re-run.",
+    )
+
+
+class TrajectoryStep(_Model):
+    """One entry of a sandbox's trajectory log."""
+
+    seq: int = Field(description="Position in the sandbox's log, from 1, gap-free.")
+    step_id: str
+    kind: str = Field(description="exec, exec_stream, start or write_file")
+    request: dict[str, Any]
+    state: Literal["started", "done", "lost"] = Field(description="lost: the server died while it ran")
+    result: dict[str, Any] | None
+    result_truncated: bool
+    started_at: float
+    finished_at: float | None
+    files: list[str] | None = Field(None, description="Paths the step changed (steps with a client step id).")
+
+
+class ReplayRequest(_Model):
+    labels: dict[str, str] = Field(default_factory=dict, description="Labels of the new sandbox.")
+    ttl_s: float | None = Field(DEFAULT_TTL_S, gt=0)
+
+
+class ReplayMismatch(_Model):
+    seq: int
+    step_id: str
+    field: str
+    logged: Any
+    replayed: Any
+
+
+class ReplayResult(_Model):
+    sandbox: SandboxInfo = Field(description="The fresh sandbox the log was replayed into (it keeps running).")
+    steps: int = Field(description="Steps re-executed.")
+    skipped: list[str] = Field(
+        description="Step ids that could not be replayed (e.g. lost, or a file too large to log)."
+    )
+    mismatches: list[ReplayMismatch] = Field(description="Where the re-run differed from the log (exit code, output).")
 
 
 class ExecResult(_Model):
@@ -178,6 +225,7 @@ class ExecResult(_Model):
     stderr_truncated: bool = False
     duration_ms: float = 0.0
     command_id: str | None = None
+    replayed: bool = Field(False, description="Answered from the trajectory log: the step had run before.")
 
 
 class ExecEvent(_Model):

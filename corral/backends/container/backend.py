@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import shutil
 import socket
 from collections.abc import AsyncIterator
@@ -81,6 +82,32 @@ class _AgentCommand:
 
     def signal(self, signo: int) -> None:
         self._agent.signal(self._job_id, signo)
+
+
+_CHANGED_PATHS_MAX = 10_000
+
+
+def _changed_since(upper: Path, since: float) -> list[str]:
+    """Walk the upper dir (bounded) for entries whose inode changed at or after ``since``; whiteouts are deletions."""
+    changed: list[str] = []
+    stack = [upper]
+    while stack and len(changed) < _CHANGED_PATHS_MAX:
+        directory = stack.pop()
+        try:
+            entries = list(os.scandir(directory))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            relative = "/" + os.path.relpath(entry.path, upper)
+            if entry.is_dir(follow_symlinks=False):
+                stack.append(Path(entry.path))
+            elif st.st_ctime >= since and relative != AGENT_PATH:
+                changed.append(relative)
+    return sorted(changed)
 
 
 class ContainerBackend:
@@ -263,6 +290,18 @@ class ContainerBackend:
         finally:
             if not was_paused:
                 await container.runtime.resume(sandbox_id)
+
+    async def fs_clock(self, sandbox_id: str) -> float:
+        """The filesystem's own 'now' (the kernel stamps files with a coarse clock, not time.time())."""
+        marker = self._dir / sandbox_id / "clock"
+        marker.write_bytes(b"")
+        return marker.stat().st_ctime
+
+    async def changed_paths(self, sandbox_id: str, since: float) -> list[str]:
+        """Paths in the sandbox's writable layer changed (written, created or deleted) at or after ``since``."""
+        self._get(sandbox_id)
+        upper = self._dir / sandbox_id / "upper"
+        return await asyncio.to_thread(_changed_since, upper, since)
 
     async def pause(self, sandbox_id: str) -> ReclaimResult:
         """Freeze every process (state and memory kept), then push the memory out."""

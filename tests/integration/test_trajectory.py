@@ -1,0 +1,131 @@
+"""The trajectory log through the real server: replay on resend, divergence, export, provenance, replay, restarts."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+import corral
+from corral.embedded import EmbeddedServer
+
+
+def test_resent_step_is_answered_from_the_log(client: corral.Client) -> None:
+    with client.create("busybox") as sandbox:
+        first = sandbox.exec("echo ran >> /runs; wc -l < /runs", step_id="s1")
+        again = sandbox.exec("echo ran >> /runs; wc -l < /runs", step_id="s1")
+        assert (first.stdout, first.replayed) == ("1\n", False)
+        assert (again.stdout, again.replayed) == ("1\n", True)
+        assert sandbox.exec("wc -l < /runs").stdout == "1\n"  # the non-idempotent command did not run twice
+
+
+def test_divergent_step_is_refused(client: corral.Client) -> None:
+    with client.create("busybox") as sandbox:
+        sandbox.exec("echo a", step_id="s1")
+        with pytest.raises(corral.Conflict, match="diverge"):
+            sandbox.exec("echo b", step_id="s1")
+
+
+def test_every_command_and_write_is_logged_in_order(client: corral.Client) -> None:
+    with client.create("busybox") as sandbox:
+        sandbox.exec("true")
+        sandbox.files.write("/a.txt", "A", step_id="w1")
+        list(sandbox.exec_stream("echo streamed", step_id="s2"))
+        sandbox.exec("exit 3", step_id="s3")
+        steps = sandbox.trajectory()
+        assert [s.seq for s in steps] == [1, 2, 3, 4]
+        assert [s.kind for s in steps] == ["exec", "write_file", "exec_stream", "exec"]
+        assert steps[0].step_id.startswith("auto-") and steps[1].step_id == "w1"
+        assert steps[2].result is not None and steps[2].result["stdout"] == "streamed\n"
+        assert steps[3].result is not None and steps[3].result["exit_code"] == 3
+        lines = [json.loads(line) for line in sandbox.export_trajectory().splitlines()]
+        assert [line["step_id"] for line in lines] == [s.step_id for s in steps]
+
+
+def test_replayed_write_and_stream(client: corral.Client) -> None:
+    with client.create("busybox") as sandbox:
+        sandbox.files.write("/w", "one", step_id="w")
+        sandbox.exec("echo changed > /w")
+        assert sandbox.files.write("/w", "one", step_id="w").size == 3  # answered from the log
+        assert sandbox.files.read_text("/w") == "changed\n"  # and not written again
+        first = list(sandbox.exec_stream("echo x >> /n; cat /n", step_id="st"))
+        again = list(sandbox.exec_stream("echo x >> /n; cat /n", step_id="st"))
+        assert first[-1].result is not None and again[-1].result is not None and again[-1].result.replayed
+        assert "".join(e.data or "" for e in again if e.type == "stdout") == "x\n"
+
+
+def test_provenance(client: corral.Client) -> None:
+    with client.create("busybox") as sandbox:
+        sandbox.exec("mkdir -p /work && echo 1 > /work/a && echo 1 > /work/b", step_id="make")
+        sandbox.exec("echo 2 > /work/b && rm /bin/vi", step_id="edit")
+        sandbox.files.write("/work/c", "3", step_id="upload")
+        assert [s.step_id for s in sandbox.provenance("/work/a")] == ["make"]
+        assert [s.step_id for s in sandbox.provenance("/work/b")] == ["make", "edit"]
+        assert [s.step_id for s in sandbox.provenance("/bin/vi")] == ["edit"]  # deletions count
+        assert [s.step_id for s in sandbox.provenance("/work/c")] == ["upload"]
+
+
+def test_failed_step_replays_its_error(client: corral.Client) -> None:
+    with client.create("busybox") as sandbox:
+        with pytest.raises(corral.InvalidRequest):
+            sandbox.files.write("/", "x", step_id="bad")
+        with pytest.raises(corral.InvalidRequest):
+            sandbox.files.write("/", "x", step_id="bad")
+        assert [s.state for s in sandbox.trajectory()] == ["done"]
+
+
+def test_replay_reproduces_the_state(client: corral.Client) -> None:
+    with client.create("busybox", env={"GREETING": "hi"}) as sandbox:
+        sandbox.files.write("/work/input.txt", "3\n1\n2\n", step_id="upload")
+        sandbox.exec("sort /work/input.txt > /work/sorted.txt && echo $GREETING", step_id="sort")
+        sandbox.exec("date +%N > /work/nondeterministic", step_id="clock")
+        result = sandbox.replay(labels={"why": "repro"})
+        copy = client.connect(corral.Sandbox(result.sandbox, sandbox.url, sandbox.api_key))
+        try:
+            assert result.steps == 3 and result.skipped == []
+            assert copy.files.read_text("/work/sorted.txt") == "1\n2\n3\n"
+            assert result.sandbox.labels["corral.replay_of"] == sandbox.id
+            assert [m.step_id for m in result.mismatches] == []  # date +%N goes to a file: stdout matches
+        finally:
+            copy.kill()
+
+
+def test_output_cap_in_the_log_is_recorded(client: corral.Client) -> None:
+    with client.create("busybox") as sandbox:
+        sandbox.exec("head -c 3000000 /dev/zero | tr '\\0' a", step_id="big", output_cap_bytes=3_000_000)
+        step = sandbox.trajectory()[-1]
+        assert step.result_truncated and step.result is not None
+        assert step.result["log_cap"]["stdout_bytes"] == 3_000_000
+        assert len(step.result["stdout"]) == 1 << 20
+
+
+def test_log_survives_a_crash_and_marks_inflight_steps_lost(fresh_server: EmbeddedServer) -> None:
+    import threading
+    import time
+
+    with fresh_server.client() as client:
+        sandbox = client.create("busybox")
+        sandbox.exec("echo 1 >> /runs", step_id="done-before-crash")
+        errors: list[BaseException] = []
+
+        def run_long() -> None:
+            try:
+                client.connect(sandbox).exec("sleep 30", step_id="inflight")
+            except corral.CorralError as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=run_long)
+        thread.start()
+        time.sleep(0.5)
+        fresh_server.stop(signal.SIGKILL)  # a crash in the middle of the step
+        thread.join(timeout=30)
+        assert errors and isinstance(errors[0], corral.ServerUnavailable)
+    fresh_server.start()
+    with fresh_server.client() as client:
+        handle = client.connect(sandbox)
+        assert handle.exec("echo 1 >> /runs", step_id="done-before-crash").replayed
+        assert handle.exec("wc -l < /runs").stdout == "1\n"
+        with pytest.raises(corral.Conflict, match="lost"):
+            handle.exec("sleep 30", step_id="inflight")  # its outcome is unknown: not silently re-run
+        assert [s.state for s in handle.trajectory()][:2] == ["done", "lost"]
