@@ -29,6 +29,7 @@ from corral.backends.container.memory import ensure_zram_swap
 from corral.config import Settings
 from corral.edge.local import LocalEdge, node_capacity
 from corral.gateway.app import create_app
+from corral.gateway.auth import JobTokens
 from corral.gateway.images import ImageService
 from corral.gateway.service import SandboxService
 from corral.gateway.trajectory import Trajectories
@@ -50,6 +51,7 @@ class Services:
     sandboxes: SandboxService
     images: ImageService
     trajectories: Trajectories
+    tokens: JobTokens
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -121,14 +123,15 @@ def serve(settings: Settings) -> None:
             lost = trajectories.mark_lost()
             if lost:
                 log.warning("%d trajectory steps were running when the server stopped: marked lost", lost)
-            yield Services(sandboxes=service, images=images, trajectories=trajectories)
+            tokens = JobTokens(store.engine, api_key)
+            yield Services(sandboxes=service, images=images, trajectories=trajectories, tokens=tokens)
         finally:
             await service.close()
             store.close()
 
     upload_dir = settings.data_dir / "uploads"
     upload_dir.mkdir(parents=True, exist_ok=True)
-    app = create_app(service_factory, api_key, settings.max_file_bytes, upload_dir)
+    app = create_app(service_factory, settings.max_file_bytes, upload_dir)
     # The stock asyncio loop, not uvloop: uvloop spawned the runtime processes
     # more slowly here (container create 16.9 ms vs 9.4 ms, median of 20).
     uvicorn.run(app, host=settings.host, port=settings.port, loop="asyncio", http="httptools", log_level="warning")

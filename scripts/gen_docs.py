@@ -51,7 +51,7 @@ def openapi() -> str:
     async def no_service() -> AsyncIterator[None]:
         yield None
 
-    app = create_app(no_service, api_key="unused", max_file_bytes=0, upload_dir=Path("/nonexistent"))
+    app = create_app(no_service, max_file_bytes=0, upload_dir=Path("/nonexistent"))
     return json.dumps(app.openapi(), indent=2, sort_keys=True) + "\n"
 
 

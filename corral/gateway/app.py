@@ -8,7 +8,6 @@ OpenAPI document is served at /openapi.json.
 
 from __future__ import annotations
 
-import hmac
 import io
 import tempfile
 from collections.abc import AsyncIterator
@@ -20,12 +19,13 @@ from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
+from corral.gateway.auth import Caller
 from corral.gateway.images import ImageService
 from corral.gateway.service import SandboxService
 from corral.gateway.trajectory import Trajectories
-from corral.sdk._exceptions import AuthenticationError, CorralError, InvalidRequest, PayloadTooLarge
+from corral.sdk._exceptions import CorralError, InvalidRequest, PayloadTooLarge
 from corral.sdk._models import (
     BuildRequest,
     BulkRequest,
@@ -65,10 +65,14 @@ _ERROR_RESPONSES = {
 
 def _authenticate(
     request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
-) -> None:
-    expected: bytes = request.app.state.api_key.encode()
-    if credentials is None or not hmac.compare_digest(credentials.credentials.encode(), expected):
-        raise AuthenticationError("missing or wrong API key: send 'Authorization: Bearer <key>' (see CORRAL_API_KEY)")
+) -> Caller:
+    """The caller, checked against the sandbox in the path (a job token reaches only its job's sandboxes)."""
+    services = request.app.state.service
+    caller: Caller = services.tokens.caller(credentials.credentials if credentials else None)
+    sandbox_id = request.path_params.get("sandbox_id")
+    if caller.job is not None and sandbox_id is not None:
+        caller.check_owner(sandbox_id, services.sandboxes.record(sandbox_id)["labels"])
+    return caller
 
 
 def _service(request: Request) -> SandboxService:
@@ -84,6 +88,7 @@ def _trajectories(request: Request) -> Trajectories:
 
 
 Auth = Depends(_authenticate)
+CallerDep = Annotated[Caller, Depends(_authenticate)]
 Service = Annotated[SandboxService, Depends(_service)]
 Images = Annotated[ImageService, Depends(_image_service)]
 Logged = Annotated[Trajectories, Depends(_trajectories)]
@@ -94,11 +99,16 @@ class SignalRequest(BaseModel):
     signal: int = 9
 
 
+class JobToken(BaseModel):
+    job: str
+    token: str = Field(description="Shown once; use it as the bearer key.")
+
+
 class UploadResult(BaseModel):
     members: int
 
 
-def create_app(service_factory, api_key: str, max_file_bytes: int, upload_dir: Path) -> FastAPI:  # type: ignore[no-untyped-def]
+def create_app(service_factory, max_file_bytes: int, upload_dir: Path) -> FastAPI:  # type: ignore[no-untyped-def]
     """``service_factory`` is an async context manager yielding the Services."""
 
     @asynccontextmanager
@@ -108,7 +118,6 @@ def create_app(service_factory, api_key: str, max_file_bytes: int, upload_dir: P
             yield
 
     app = FastAPI(title="Corral", version="0.1.0", lifespan=lifespan, responses=_ERROR_RESPONSES)  # type: ignore[arg-type]
-    app.state.api_key = api_key
 
     @app.exception_handler(CorralError)
     async def corral_error(_request: Request, exc: CorralError) -> JSONResponse:
@@ -152,65 +161,76 @@ def create_app(service_factory, api_key: str, max_file_bytes: int, upload_dir: P
     async def inspect_image(ref: str, images: Images) -> ImageDetail:
         return images.inspect(ref)
 
-    @app.put("/v1/images/{ref}", dependencies=[Auth])
-    async def tag_image(ref: str, body: TagRequest, images: Images) -> ImageInfo:
+    @app.put("/v1/images/{ref}")
+    async def tag_image(ref: str, body: TagRequest, images: Images, caller: CallerDep) -> ImageInfo:
         """Point ``ref`` at layers, or at another image's layers; a tag may move."""
+        caller.require_admin("tag images")
         return images.tag(ref, layers=body.layers, source=body.source)
 
-    @app.delete("/v1/images/{ref}", dependencies=[Auth])
-    async def untag_image(ref: str, images: Images) -> ImageInfo:
+    @app.delete("/v1/images/{ref}")
+    async def untag_image(ref: str, images: Images, caller: CallerDep) -> ImageInfo:
         """Remove the tag; its layers stay until `DELETE /v1/layers/{digest}`."""
+        caller.require_admin("remove images")
         return images.untag(ref)
 
     @app.get("/v1/layers", dependencies=[Auth])
     async def list_layers(images: Images) -> list[LayerInfo]:
         return images.layers()
 
-    @app.delete("/v1/layers/{digest}", status_code=204, dependencies=[Auth])
-    async def remove_layer(digest: str, images: Images) -> Response:
+    @app.delete("/v1/layers/{digest}", status_code=204)
+    async def remove_layer(digest: str, images: Images, caller: CallerDep) -> Response:
+        caller.require_admin("delete layers")
         images.remove_layer(digest)
         return Response(status_code=204)
 
     @app.post(
         "/v1/images/build",
-        dependencies=[Auth],
         response_class=StreamingResponse,
         responses={200: {"content": {"application/x-ndjson": {}}, "description": "One BuildEvent per line."}},
     )
-    async def build_image(body: BuildRequest, images: Images) -> StreamingResponse:
+    async def build_image(body: BuildRequest, images: Images, caller: CallerDep) -> StreamingResponse:
+        caller.require_admin("build images")
+
         async def lines() -> AsyncIterator[bytes]:
             async for event in images.build(body):
                 yield event.model_dump_json(exclude_none=True).encode() + b"\n"
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
-    @app.put("/v1/images/import/{ref}", dependencies=[Auth])
+    @app.put("/v1/images/import/{ref}")
     async def import_image(
         ref: str,
         request: Request,
         images: Images,
+        caller: CallerDep,
         format: Annotated[
             Literal["tar", "oci"], Query(description="A rootfs tar, or an OCI/docker-save archive.")
         ] = "tar",
         layer_kind: Annotated[Literal["base", "workspace", "tools", "diff"] | None, Query()] = None,
     ) -> ImageInfo:
         """The request body (an archive) becomes a layer tagged ``ref``."""
+        caller.require_admin("import images")
         with tempfile.NamedTemporaryFile(dir=upload_dir, prefix="upload-") as upload:
             await save_body(request, upload)
             return await images.import_archive(ref, Path(upload.name), fmt=format, layer_kind=layer_kind)
 
-    @app.post("/v1/sandboxes/{sandbox_id}/snapshot", dependencies=[Auth])
-    async def snapshot_sandbox(sandbox_id: str, body: SnapshotRequest, images: Images) -> SnapshotInfo:
+    @app.post("/v1/sandboxes/{sandbox_id}/snapshot")
+    async def snapshot_sandbox(
+        sandbox_id: str, body: SnapshotRequest, images: Images, caller: CallerDep
+    ) -> SnapshotInfo:
         """Its changes so far become a diff layer; create from ``layers`` to continue from here."""
+        if body.name:
+            caller.require_admin("tag a snapshot as an image")
         return await images.snapshot(sandbox_id, body.name)
 
-    @app.post("/v1/sandboxes", status_code=201, dependencies=[Auth])
-    async def create_sandbox(body: CreateSandboxRequest, svc: Service) -> SandboxInfo:
-        return await svc.create(body)
+    @app.post("/v1/sandboxes", status_code=201)
+    async def create_sandbox(body: CreateSandboxRequest, svc: Service, caller: CallerDep) -> SandboxInfo:
+        return await svc.create(body.model_copy(update={"labels": caller.check_labels(body.labels)}))
 
-    @app.get("/v1/sandboxes", dependencies=[Auth])
+    @app.get("/v1/sandboxes")
     async def list_sandboxes(
         svc: Service,
+        caller: CallerDep,
         state: Annotated[list[str] | None, Query(description="Filter by state; default creating and running.")] = None,
         label: Annotated[list[str] | None, Query(description="key=value; all must match.")] = None,
     ) -> list[SandboxInfo]:
@@ -220,7 +240,7 @@ def create_app(service_factory, api_key: str, max_file_bytes: int, upload_dir: P
             if not sep:
                 raise InvalidRequest(f"label filter {item!r} must look like key=value")
             labels[key] = value
-        return svc.list(states=state, labels=labels)
+        return svc.list(states=state, labels=caller.check_labels(labels))
 
     @app.get("/v1/sandboxes/{sandbox_id}", dependencies=[Auth])
     async def get_sandbox(sandbox_id: str, svc: Service) -> SandboxInfo:
@@ -248,10 +268,21 @@ def create_app(service_factory, api_key: str, max_file_bytes: int, upload_dir: P
         """``count`` new sandboxes starting from this one's filesystem as it is now."""
         return await images.fork(sandbox_id, body)
 
-    @app.post("/v1/sandboxes/bulk", dependencies=[Auth])
-    async def bulk_action(body: BulkRequest, svc: Service) -> BulkResult:
+    @app.post("/v1/sandboxes/bulk")
+    async def bulk_action(body: BulkRequest, svc: Service, caller: CallerDep) -> BulkResult:
         """Pause, resume, kill or set the TTL of every live sandbox matching a label selector."""
-        return await svc.bulk(body)
+        return await svc.bulk(body.model_copy(update={"labels": caller.check_labels(body.labels)}))
+
+    @app.post("/v1/jobs/{job}/token", status_code=201)
+    async def issue_job_token(job: str, caller: CallerDep, request: Request) -> JobToken:
+        """A token that reaches only sandboxes labelled job=<job> (a restarted trainer reconnects with it)."""
+        caller.require_admin("issue job tokens")
+        return JobToken(job=job, token=request.app.state.service.tokens.issue(job))
+
+    @app.delete("/v1/jobs/{job}/token")
+    async def revoke_job_tokens(job: str, caller: CallerDep, request: Request) -> dict[str, int]:
+        caller.require_admin("revoke job tokens")
+        return {"revoked": request.app.state.service.tokens.revoke(job)}
 
     @app.post("/v1/sandboxes/{sandbox_id}/exec", dependencies=[Auth])
     async def exec_command(sandbox_id: str, body: ExecRequest, logged: Logged) -> ExecResult:

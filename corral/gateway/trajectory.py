@@ -198,7 +198,7 @@ class Trajectories:
                 cwd=original["cwd"],
                 user=original["user"],
                 ttl_s=request.ttl_s,
-                labels={**request.labels, "corral.replay_of": sandbox_id},
+                labels={**original["labels"], **request.labels, "corral.replay_of": sandbox_id},
             )  # fmt: skip
         )
         skipped: list[str] = []

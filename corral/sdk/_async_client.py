@@ -533,6 +533,16 @@ class AsyncClient:
         response = await self._transport.request("DELETE", f"/v1/sandboxes/{sandbox_id}")
         return SandboxInfo.model_validate(response.json())
 
+    async def issue_job_token(self, job: str) -> str:
+        """A bearer token that reaches only sandboxes labelled job=<job>: hand it to a trainer so that,
+        restarted after preemption, it reconnects to its own sandboxes (``Client(url, token)``) and no others."""
+        response = await self._transport.request("POST", f"/v1/jobs/{job}/token")
+        return str(response.json()["token"])
+
+    async def revoke_job_tokens(self, job: str) -> int:
+        response = await self._transport.request("DELETE", f"/v1/jobs/{job}/token")
+        return int(response.json()["revoked"])
+
     async def bulk(
         self, labels: dict[str, str], action: str, *, ttl_s: float | None = None, clear_ttl: bool = False
     ) -> BulkResult:

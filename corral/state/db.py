@@ -34,7 +34,7 @@ from sqlalchemy.engine import Engine
 
 from corral.sdk._models import SandboxInfo, SandboxState
 
-__all__ = ["SandboxRecord", "StateStore", "layers", "image_tags", "build_cache"]
+__all__ = ["SandboxRecord", "StateStore", "layers", "image_tags", "build_cache", "job_tokens"]
 
 metadata = MetaData()
 
@@ -93,6 +93,14 @@ build_cache = Table(
     metadata,
     Column("input_key", String(80), primary_key=True),  # sha256 of the builder's canonical inputs
     Column("layers", JSON, nullable=False),
+    Column("created_at", Float, nullable=False),
+)
+
+job_tokens = Table(
+    "job_tokens",
+    metadata,
+    Column("token_sha256", String(64), primary_key=True),  # the token itself is never stored
+    Column("job", String(128), nullable=False, index=True),
     Column("created_at", Float, nullable=False),
 )
 

@@ -134,3 +134,32 @@ def test_paused_sandbox_survives_a_restart(fresh_server: EmbeddedServer) -> None
         handle = client.connect(sandbox)
         assert handle.exec("cat /state").stdout == "before\n"
         assert client.get(sandbox.id).info.state == corral.SandboxState.RUNNING
+
+
+def test_job_token_reaches_only_its_job(client: corral.Client, server: EmbeddedServer) -> None:
+    token = client.issue_job_token("trainer-7")
+    outsider = client.create("busybox", labels={"job": "other"})
+    try:
+        with corral.Client(server.url, token) as trainer:
+            mine = trainer.create("busybox", labels={"rollout": "0"})
+            assert mine.info.labels == {"rollout": "0", "job": "trainer-7"}
+            assert [s.id for s in trainer.list()] == [mine.id]  # only its job's sandboxes
+            assert mine.exec("echo mine").stdout == "mine\n"
+            with pytest.raises(corral.PermissionDenied):
+                trainer.get(outsider.id)
+            with pytest.raises(corral.PermissionDenied):
+                trainer.connect(outsider).exec("true")
+            with pytest.raises(corral.PermissionDenied):
+                trainer.create("busybox", labels={"job": "other"})
+            with pytest.raises(corral.PermissionDenied):
+                trainer.images.tag("mine", source="busybox")
+            assert "busybox:latest" in {image.name for image in trainer.images.list()}  # reading images is fine
+            assert trainer.bulk({}, "pause").matched == 1  # the selector is narrowed to its own job
+            children = mine.fork(1)
+            assert children[0].info.labels["job"] == "trainer-7"
+            trainer.bulk({}, "kill")
+        assert client.revoke_job_tokens("trainer-7") == 1
+        with pytest.raises(corral.AuthenticationError):
+            corral.Client(server.url, token).list()
+    finally:
+        outsider.kill()
