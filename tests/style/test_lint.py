@@ -7,7 +7,7 @@ import sys
 
 from tests.conftest import REPO
 
-TREES = ["corral", "tests", "scripts"]
+TREES = ["corral", "tests", "scripts", "examples"]
 
 
 def test_ruff_check() -> None:
