@@ -301,6 +301,17 @@ def bench_layers(
     )
 
 
+@app.command("bench-lifecycle")
+def bench_lifecycle(
+    runs: Annotated[int, typer.Option(help="Samples per timing.")] = 10,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Measure pause/resume, fork and step replay against same-run baselines."""
+    from corral.bench.lifecycle import run_lifecycle_benchmark
+
+    run_lifecycle_benchmark(runs=runs, as_json=as_json, console=console)
+
+
 def main() -> None:
     try:
         app()

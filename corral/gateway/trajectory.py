@@ -12,13 +12,16 @@ exported, replayable, but never matched against a resend.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
 
 from corral.gateway.service import SandboxService
-from corral.sdk._exceptions import CorralError, InvalidRequest, error_from_response
+from corral.sdk._exceptions import CorralError, InvalidRequest, NotFound, SandboxGone, error_from_response
 from corral.sdk._models import (
     CommandInfo,
     CreateSandboxRequest,
@@ -36,7 +39,16 @@ from corral.trajectory import LOG_CAP_KEY, Replay, Step, TrajectoryLog
 __all__ = ["Trajectories"]
 
 _AUTO_PREFIX = "auto-"
+M = TypeVar("M", bound=BaseModel)
 _REPLAY_COMPARED = ("exit_code", "stdout", "stderr")
+
+
+def _auto_id() -> str:
+    return f"{_AUTO_PREFIX}{uuid.uuid4().hex[:16]}"
+
+
+def _error(exc: CorralError) -> dict[str, Any]:
+    return {"error": {"code": exc.code, "message": exc.message}}
 
 
 def _to_model(step: Step) -> TrajectoryStep:
@@ -64,21 +76,11 @@ class Trajectories:
         """At start: steps that were running when the server died have no known outcome."""
         return self._log.mark_lost()
 
-    def _begin(self, sandbox_id: str, step_id: str | None, kind: str, request: dict[str, Any]) -> Step | Replay:
-        if step_id is not None and step_id.startswith(_AUTO_PREFIX):
+    def _begin(self, sandbox_id: str, step_id: str, kind: str, request: dict[str, Any]) -> Step | Replay:
+        if step_id.startswith(_AUTO_PREFIX):
             raise InvalidRequest(f"step ids starting with {_AUTO_PREFIX!r} are Corral's own: choose another")
         self._sandboxes.get(sandbox_id)  # unknown sandboxes get no log entries
-        return self._log.begin(sandbox_id, step_id or f"{_AUTO_PREFIX}{uuid.uuid4().hex[:16]}", kind, request)
-
-    async def _since(self, sandbox_id: str, step_id: str | None) -> float | None:
-        if step_id is None:
-            return None  # provenance is recorded for the client's own steps
-        return await self._sandboxes.call(sandbox_id, lambda edge: edge.fs_clock(sandbox_id))
-
-    async def _changed(self, sandbox_id: str, since: float | None) -> list[str] | None:
-        if since is None:
-            return None
-        return await self._sandboxes.call(sandbox_id, lambda edge: edge.changed_paths(sandbox_id, since))
+        return self._log.begin(sandbox_id, step_id, kind, request)
 
     @staticmethod
     def _replayed(step: Step) -> dict[str, Any]:
@@ -88,25 +90,70 @@ class Trajectories:
         result.pop(LOG_CAP_KEY, None)
         return result
 
-    # -- the logged operations ------------------------------------------
-
-    async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
-        step = self._begin(sandbox_id, request.step_id, "exec", request.model_dump(mode="json", exclude={"step_id"}))
+    async def _logged(
+        self,
+        sandbox_id: str,
+        step_id: str | None,
+        kind: str,
+        request: dict[str, Any],
+        operation: Callable[[], Awaitable[M]],
+        model: type[M],
+    ) -> M:
+        """Run an operation with its log entry: replayed, refused or recorded per the step id rules."""
+        if step_id is None:  # logged after it ran, in one write: nothing to match a resend against
+            try:
+                result = await operation()
+            except (NotFound, SandboxGone):
+                raise  # no such sandbox (any more): nothing to log against
+            except CorralError as exc:
+                self._log.append(sandbox_id, _auto_id(), kind, request, _error(exc))
+                raise
+            self._log.append(sandbox_id, _auto_id(), kind, request, result.model_dump(mode="json"))
+            return result
+        step = self._begin(sandbox_id, step_id, kind, request)
         if isinstance(step, Replay):
-            return ExecResult.model_validate({**self._replayed(step.step), "replayed": True})
+            replayed = self._replayed(step.step)
+            return model.model_validate(
+                {**replayed, "replayed": True} if "replayed" in model.model_fields else replayed
+            )
         try:
-            since = await self._since(sandbox_id, request.step_id)
-            result = await self._sandboxes.call(sandbox_id, lambda edge: edge.exec(sandbox_id, request))
-            files = await self._changed(sandbox_id, since)
+            since = await self._sandboxes.call(sandbox_id, lambda edge: edge.fs_clock(sandbox_id))
+            result = await operation()
+            files = await self._sandboxes.call(sandbox_id, lambda edge: edge.changed_paths(sandbox_id, since))
         except CorralError as exc:
-            self._log.fail(step, {"code": exc.code, "message": exc.message})
+            self._log.fail(step, _error(exc)["error"])
             raise
         self._log.finish(step, result.model_dump(mode="json"), files=files)
         return result
 
-    async def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+    # -- the logged operations ------------------------------------------
+
+    async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
         body = request.model_dump(mode="json", exclude={"step_id"})
-        step = self._begin(sandbox_id, request.step_id, "exec_stream", body)
+        run = functools.partial(self._sandboxes.call, sandbox_id, lambda edge: edge.exec(sandbox_id, request))
+        return await self._logged(sandbox_id, request.step_id, "exec", body, run, ExecResult)
+
+    async def start(self, sandbox_id: str, request: ExecRequest) -> CommandInfo:
+        """A background command: logged when it starts (its output is read through /commands)."""
+        body = request.model_dump(mode="json", exclude={"step_id"})
+        run = functools.partial(self._sandboxes.call, sandbox_id, lambda edge: edge.start_command(sandbox_id, request))
+        return await self._logged(sandbox_id, request.step_id, "start", body, run, CommandInfo)
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int, step_id: str | None) -> FileInfo:
+        request: dict[str, Any] = {"path": path, "mode": mode, "size": len(data)}
+        if len(data) <= self._max_logged_file_bytes:
+            request["data_b64"] = base64.b64encode(data).decode()  # so a replay can write it again
+        else:
+            request["sha256"] = hashlib.sha256(data).hexdigest()
+        run = functools.partial(
+            self._sandboxes.call, sandbox_id, lambda edge: edge.write_file(sandbox_id, path, data, mode)
+        )
+        return await self._logged(sandbox_id, step_id, "write_file", request, run, FileInfo)
+
+    async def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+        """Streamed output, logged like exec once the command ends (the whole output, capped)."""
+        body = request.model_dump(mode="json", exclude={"step_id"})
+        step = self._begin(sandbox_id, request.step_id, "exec_stream", body) if request.step_id else None
         if isinstance(step, Replay):
             result = ExecResult.model_validate({**self._replayed(step.step), "replayed": True})
             for stream in ("stdout", "stderr"):
@@ -115,57 +162,51 @@ class Trajectories:
                     yield ExecEvent(type=stream, data=text)  # type: ignore[arg-type]
             yield ExecEvent(type="exit", command_id=result.command_id, result=result)
             return
-        stdout: list[str] = []
-        stderr: list[str] = []
-        recorded = False
+        output: dict[str, list[str]] = {"stdout": [], "stderr": []}
+        outcome: dict[str, Any] | None = None
         try:
-            since = await self._since(sandbox_id, request.step_id)
+            since = await self._sandboxes.call(sandbox_id, lambda edge: edge.fs_clock(sandbox_id)) if step else None
             async for event in self._sandboxes.stream(sandbox_id, lambda edge: edge.exec_stream(sandbox_id, request)):
                 if event.type == "exit" and event.result is not None:
-                    full = event.result.model_copy(update={"stdout": "".join(stdout), "stderr": "".join(stderr)})
-                    self._log.finish(step, full.model_dump(mode="json"), files=await self._changed(sandbox_id, since))
-                    recorded = True
-                elif event.type in ("stdout", "stderr"):
-                    (stdout if event.type == "stdout" else stderr).append(event.data or "")
+                    joined = {name: "".join(parts) for name, parts in output.items()}
+                    outcome = event.result.model_copy(update=joined).model_dump(mode="json")
+                    files = None
+                    if step is not None and since is not None:
+                        files = await self._sandboxes.call(sandbox_id, lambda e: e.changed_paths(sandbox_id, since))
+                    self._record(sandbox_id, step, "exec_stream", body, outcome, files)
+                elif event.type in output:
+                    output[event.type].append(event.data or "")
                 yield event
+        except (NotFound, SandboxGone):
+            if step is not None and outcome is None:
+                self._log.fail(step, {"code": "sandbox_gone", "message": "the sandbox ended during the command"})
+                outcome = {}
+            raise
         except CorralError as exc:
-            if not recorded:
-                self._log.fail(step, {"code": exc.code, "message": exc.message})
-                recorded = True
+            if outcome is None:
+                self._record(sandbox_id, step, "exec_stream", body, _error(exc), None)
+                outcome = {}
             raise
         finally:
-            if not recorded:  # the client went away mid-stream; the edge killed the command
-                self._log.fail(step, {"code": "conflict", "message": "the client went away; the command was killed"})
+            if outcome is None:  # the client went away mid-stream; the edge killed the command
+                error = {"error": {"code": "conflict", "message": "the client went away; the command was killed"}}
+                self._record(sandbox_id, step, "exec_stream", body, error, None)
 
-    async def start(self, sandbox_id: str, request: ExecRequest) -> CommandInfo:
-        """A background command: logged when it starts (its output is read through /commands)."""
-        step = self._begin(sandbox_id, request.step_id, "start", request.model_dump(mode="json", exclude={"step_id"}))
-        if isinstance(step, Replay):
-            return CommandInfo.model_validate(self._replayed(step.step))
-        try:
-            info = await self._sandboxes.call(sandbox_id, lambda edge: edge.start_command(sandbox_id, request))
-        except CorralError as exc:
-            self._log.fail(step, {"code": exc.code, "message": exc.message})
-            raise
-        self._log.finish(step, info.model_dump(mode="json"))
-        return info
-
-    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int, step_id: str | None) -> FileInfo:
-        request: dict[str, Any] = {"path": path, "mode": mode, "size": len(data)}
-        if len(data) <= self._max_logged_file_bytes:
-            request["data_b64"] = base64.b64encode(data).decode()  # so a replay can write it again
+    def _record(
+        self,
+        sandbox_id: str,
+        step: Step | None,
+        kind: str,
+        request: dict[str, Any],
+        result: dict[str, Any],
+        files: list[str] | None,
+    ) -> None:
+        if step is None:
+            self._log.append(sandbox_id, _auto_id(), kind, request, result)
+        elif "error" in result:
+            self._log.fail(step, result["error"])
         else:
-            request["sha256"] = hashlib.sha256(data).hexdigest()
-        step = self._begin(sandbox_id, step_id, "write_file", request)
-        if isinstance(step, Replay):
-            return FileInfo.model_validate(self._replayed(step.step))
-        try:
-            info = await self._sandboxes.call(sandbox_id, lambda edge: edge.write_file(sandbox_id, path, data, mode))
-        except CorralError as exc:
-            self._log.fail(step, {"code": exc.code, "message": exc.message})
-            raise
-        self._log.finish(step, info.model_dump(mode="json"), files=[info.path] if step_id else None)
-        return info
+            self._log.finish(step, result, files=files)
 
     # -- reading the log ------------------------------------------------
 

@@ -197,6 +197,42 @@ class TrajectoryLog:
             f"too many concurrent steps for sandbox {sandbox_id}: step {step_id!r} could not be appended; retry it"
         )
 
+    def append(self, sandbox_id: str, step_id: str, kind: str, request: dict[str, Any], result: dict[str, Any]) -> Step:
+        """Log a finished step in one transaction (steps without a client id: nothing to match a resend against,
+        so nothing to record before running). Its seq orders it by completion."""
+        _check_id("sandbox id", sandbox_id, _MAX_SANDBOX_ID)
+        logged, truncated = _cap_output(result, self._output_cap_bytes)
+        now = time.time()
+        for _ in range(_SEQ_RETRIES):
+            try:
+                with self._write_transaction() as conn:
+                    last_seq = conn.execute(
+                        select(func.max(trajectory_steps.c.seq)).where(trajectory_steps.c.sandbox_id == sandbox_id)
+                    ).scalar()
+                    step = Step(
+                        sandbox_id=sandbox_id,
+                        seq=(last_seq or 0) + 1,
+                        step_id=step_id,
+                        kind=kind,
+                        request=request,
+                        request_digest=request_digest(request),
+                        state=StepState.DONE,
+                        result=logged,
+                        result_truncated=truncated,
+                        started_at=now,
+                        finished_at=now,
+                        files=None,
+                    )
+                    conn.execute(
+                        insert(trajectory_steps).values(
+                            **dataclasses.asdict(step), output_cap_bytes=self._output_cap_bytes
+                        )
+                    )
+                    return step
+            except IntegrityError:
+                continue
+        raise Conflict(f"too many concurrent steps for sandbox {sandbox_id}: step {step_id!r} could not be appended")
+
     def finish(self, step: Step, result: dict[str, Any], *, files: list[str] | None = None) -> Step:
         """Record the result of a started step; ``files`` are the sandbox paths it changed.
 

@@ -90,6 +90,7 @@ _CHANGED_PATHS_MAX = 10_000
 def _changed_since(upper: Path, since: float) -> list[str]:
     """Walk the upper dir (bounded) for entries whose inode changed at or after ``since``; whiteouts are deletions."""
     changed: list[str] = []
+    since_ns = round(since * 1e9) - 1_000  # float seconds lose ~100 ns; clock ticks are ms apart
     stack = [upper]
     while stack and len(changed) < _CHANGED_PATHS_MAX:
         directory = stack.pop()
@@ -105,7 +106,7 @@ def _changed_since(upper: Path, since: float) -> list[str]:
             relative = "/" + os.path.relpath(entry.path, upper)
             if entry.is_dir(follow_symlinks=False):
                 stack.append(Path(entry.path))
-            elif st.st_ctime >= since and relative != AGENT_PATH:
+            elif st.st_ctime_ns >= since_ns and relative != AGENT_PATH:
                 changed.append(relative)
     return sorted(changed)
 
@@ -292,10 +293,19 @@ class ContainerBackend:
                 await container.runtime.resume(sandbox_id)
 
     async def fs_clock(self, sandbox_id: str) -> float:
-        """The filesystem's own 'now' (the kernel stamps files with a coarse clock, not time.time())."""
+        """The filesystem's own 'now', on the coarse clock the kernel stamps files with.
+
+        It waits for that clock to tick once, so everything changed before the call is
+        strictly older than the returned time (at most one tick, a few ms)."""
         marker = self._dir / sandbox_id / "clock"
         marker.write_bytes(b"")
-        return marker.stat().st_ctime
+        before = marker.stat().st_ctime_ns
+        while True:
+            marker.write_bytes(b"")
+            now = marker.stat().st_ctime_ns
+            if now > before:
+                return now / 1e9
+            await asyncio.sleep(0.0005)
 
     async def changed_paths(self, sandbox_id: str, since: float) -> list[str]:
         """Paths in the sandbox's writable layer changed (written, created or deleted) at or after ``since``."""
