@@ -23,7 +23,7 @@ def _counter_value(sandbox: corral.Sandbox) -> int:
 def test_pause_freezes_keeps_state_and_any_request_resumes(client: corral.Client) -> None:
     with client.create("busybox", ttl_s=600) as sandbox:
         sandbox.exec("echo kept > /tmp/state")
-        sandbox.start("i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done")
+        sandbox.start("i=0; while true; do i=$((i+1)); echo $i > /tmp/c.tmp; mv /tmp/c.tmp /tmp/count; sleep 0.05; done")
         time.sleep(0.3)
         result = sandbox.pause()
         assert result.sandbox.state == corral.SandboxState.PAUSED and result.sandbox.paused_at is not None
@@ -42,7 +42,7 @@ def test_pause_freezes_keeps_state_and_any_request_resumes(client: corral.Client
 
 def test_paused_processes_do_not_run(client: corral.Client) -> None:
     with client.create("busybox") as sandbox:
-        sandbox.start("i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done")
+        sandbox.start("i=0; while true; do i=$((i+1)); echo $i > /tmp/c.tmp; mv /tmp/c.tmp /tmp/count; sleep 0.05; done")
         time.sleep(0.3)
         sandbox.pause()
         time.sleep(0.1)
