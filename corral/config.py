@@ -54,6 +54,11 @@ class Settings(BaseSettings):
         10.0, gt=0, description="How long a new sandbox's agent may take to say hello."
     )
 
+    idle_pause_s: float | None = Field(
+        None,
+        gt=0,
+        description="Pause sandboxes idle this long (no request, no command running) unless they say otherwise.",
+    )
     pause_swap_mb: int = Field(
         4096,
         ge=0,

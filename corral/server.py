@@ -110,6 +110,7 @@ def serve(settings: Settings) -> None:
             edges=edges,
             default_runtime=settings.runtime,
             ttl_check_interval_s=settings.ttl_check_interval_s,
+            default_idle_pause_s=settings.idle_pause_s,
         )
         edges[settings.edge_id] = LocalEdge(settings.edge_id, backend, capacity, service)
         await service.start()

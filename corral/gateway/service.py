@@ -41,8 +41,10 @@ class SandboxService:
         edges: dict[str, Edge],
         default_runtime: str,
         ttl_check_interval_s: float,
+        default_idle_pause_s: float | None = None,
     ) -> None:
         self._store = store
+        self._default_idle_pause_s = default_idle_pause_s
         self._catalogue = catalogue
         self._edges = edges
         self._default_runtime = default_runtime
@@ -168,6 +170,8 @@ class SandboxService:
         for key in request.env:
             if not key or "=" in key or "\0" in key:
                 raise InvalidRequest(f"invalid environment variable name {key!r}")
+        if request.idle_pause_s is None and self._default_idle_pause_s is not None:
+            request = request.model_copy(update={"idle_pause_s": self._default_idle_pause_s})
         digests, image_name = self._resolve_root(request)
         layers = self._layer_refs(digests)
         self._catalogue.touch(digests)
