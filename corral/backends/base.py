@@ -124,8 +124,9 @@ class Backend(Protocol):
     async def changed_paths(self, sandbox_id: str, since: float) -> list[str]:
         """Files changed at or after ``since`` (from fs_clock): where the sandbox's state came from."""
 
-    async def pause(self, sandbox_id: str) -> ReclaimResult:
-        """Stop every process with its state kept, then give back its memory."""
+    async def pause(self, sandbox_id: str, *, wait_reclaim: bool = False) -> ReclaimResult:
+        """Stop every process with its state kept, then give back its memory (in the background
+        unless ``wait_reclaim``); a resume stops the reclaim early."""
 
     async def resume(self, sandbox_id: str) -> None: ...
 

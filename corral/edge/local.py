@@ -281,10 +281,10 @@ class LocalEdge:
 
     # -- pause and resume ---------------------------------------------------
 
-    async def pause(self, sandbox_id: str) -> tuple[int, int]:
+    async def pause(self, sandbox_id: str, wait_reclaim: bool = False) -> tuple[int, int]:
         sandbox = self._get(sandbox_id)
         async with sandbox.lock:
-            result = await self._backend.pause(sandbox_id)
+            result = await self._backend.pause(sandbox_id, wait_reclaim=wait_reclaim)
             sandbox.paused = True
         return result.before_bytes, result.after_bytes
 

@@ -62,8 +62,8 @@ class Edge(Protocol):
 
     async def destroy(self, sandbox_id: str) -> None: ...
 
-    async def pause(self, sandbox_id: str) -> tuple[int, int]:
-        """Freeze it and reclaim its memory; (bytes before, bytes after)."""
+    async def pause(self, sandbox_id: str, wait_reclaim: bool) -> tuple[int, int]:
+        """Freeze it and reclaim its memory; (bytes before, bytes resident when this returns)."""
 
     async def resume(self, sandbox_id: str) -> None: ...
 

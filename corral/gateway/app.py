@@ -255,9 +255,11 @@ def create_app(service_factory, max_file_bytes: int, upload_dir: Path) -> FastAP
         return svc.set_ttl(sandbox_id, body.ttl_s)
 
     @app.post("/v1/sandboxes/{sandbox_id}/pause", dependencies=[Auth])
-    async def pause_sandbox(sandbox_id: str, svc: Service) -> PauseResult:
-        """Freeze it (processes and memory kept) and reclaim its memory; any request resumes it."""
-        return await svc.pause(sandbox_id)
+    async def pause_sandbox(sandbox_id: str, svc: Service, wait_reclaim: bool = False) -> PauseResult:
+        """Freeze it (processes and memory kept) and reclaim its memory; any request resumes it.
+
+        Returns once frozen; the memory goes out in the background unless ``wait_reclaim``."""
+        return await svc.pause(sandbox_id, wait_reclaim)
 
     @app.post("/v1/sandboxes/{sandbox_id}/resume", dependencies=[Auth])
     async def resume_sandbox(sandbox_id: str, svc: Service) -> SandboxInfo:

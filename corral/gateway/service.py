@@ -233,17 +233,21 @@ class SandboxService:
             await self._destroy(sandbox_id, "killed")
         return self.get(sandbox_id)
 
-    async def pause(self, sandbox_id: str) -> PauseResult:
+    async def pause(self, sandbox_id: str, wait_reclaim: bool = False) -> PauseResult:
         """Freeze it with its state kept and give its memory back; any later request resumes it."""
         info = self.get(sandbox_id)
         self._raise_if_ended(info)
         started = time.perf_counter()
-        before, after = await self.call(sandbox_id, lambda edge: edge.pause(sandbox_id))
+        before, after = await self.call(sandbox_id, lambda edge: edge.pause(sandbox_id, wait_reclaim))
         duration_ms = (time.perf_counter() - started) * 1000
         if info.state != SandboxState.PAUSED:
             self._store.mark_paused(sandbox_id, time.time())
         return PauseResult(
-            sandbox=self.get(sandbox_id), memory_before_bytes=before, memory_after_bytes=after, duration_ms=duration_ms
+            sandbox=self.get(sandbox_id),
+            memory_before_bytes=before,
+            memory_after_bytes=after,
+            reclaim_pending=not wait_reclaim,
+            duration_ms=duration_ms,
         )
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:

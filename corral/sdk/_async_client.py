@@ -423,9 +423,13 @@ class AsyncSandbox:
         )
         return ReplayResult.model_validate(response.json())
 
-    async def pause(self) -> PauseResult:
-        """Freeze it (processes and memory kept) and give its memory back; any request resumes it."""
-        response = await self._transport.request("POST", f"/v1/sandboxes/{self.id}/pause")
+    async def pause(self, *, wait_reclaim: bool = False) -> PauseResult:
+        """Freeze it (processes and memory kept) and give its memory back; any request resumes it.
+
+        Returns once frozen; ``wait_reclaim=True`` also waits until the memory is out."""
+        response = await self._transport.request(
+            "POST", f"/v1/sandboxes/{self.id}/pause", params={"wait_reclaim": str(wait_reclaim).lower()}, timeout_s=60
+        )
         result = PauseResult.model_validate(response.json())
         self.info = result.sandbox
         return result

@@ -131,8 +131,10 @@ class PauseResult(_Model):
     sandbox: SandboxInfo
     memory_before_bytes: int = Field(description="The sandbox's memory when it was frozen.")
     memory_after_bytes: int = Field(
-        description="What stays resident after reclaim (the rest went to swap or was dropped)."
+        description="Resident when the call returned: after the reclaim with wait_reclaim, else it goes on in the "
+        "background."
     )
+    reclaim_pending: bool = Field(description="The memory is still being pushed out (to swap, or dropped).")
     duration_ms: float
 
 

@@ -421,9 +421,13 @@ class Sandbox:
         )
         return ReplayResult.model_validate(response.json())
 
-    def pause(self) -> PauseResult:
-        """Freeze it (processes and memory kept) and give its memory back; any request resumes it."""
-        response = self._transport.request("POST", f"/v1/sandboxes/{self.id}/pause")
+    def pause(self, *, wait_reclaim: bool = False) -> PauseResult:
+        """Freeze it (processes and memory kept) and give its memory back; any request resumes it.
+
+        Returns once frozen; ``wait_reclaim=True`` also waits until the memory is out."""
+        response = self._transport.request(
+            "POST", f"/v1/sandboxes/{self.id}/pause", params={"wait_reclaim": str(wait_reclaim).lower()}, timeout_s=60
+        )
         result = PauseResult.model_validate(response.json())
         self.info = result.sandbox
         return result

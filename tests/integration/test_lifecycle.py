@@ -23,7 +23,9 @@ def _counter_value(sandbox: corral.Sandbox) -> int:
 def test_pause_freezes_keeps_state_and_any_request_resumes(client: corral.Client) -> None:
     with client.create("busybox", ttl_s=600) as sandbox:
         sandbox.exec("echo kept > /tmp/state")
-        sandbox.start("i=0; while true; do i=$((i+1)); echo $i > /tmp/c.tmp; mv /tmp/c.tmp /tmp/count; sleep 0.05; done")
+        sandbox.start(
+            "i=0; while true; do i=$((i+1)); echo $i > /tmp/c.tmp; mv /tmp/c.tmp /tmp/count; sleep 0.05; done"
+        )
         time.sleep(0.3)
         result = sandbox.pause()
         assert result.sandbox.state == corral.SandboxState.PAUSED and result.sandbox.paused_at is not None
@@ -42,7 +44,9 @@ def test_pause_freezes_keeps_state_and_any_request_resumes(client: corral.Client
 
 def test_paused_processes_do_not_run(client: corral.Client) -> None:
     with client.create("busybox") as sandbox:
-        sandbox.start("i=0; while true; do i=$((i+1)); echo $i > /tmp/c.tmp; mv /tmp/c.tmp /tmp/count; sleep 0.05; done")
+        sandbox.start(
+            "i=0; while true; do i=$((i+1)); echo $i > /tmp/c.tmp; mv /tmp/c.tmp /tmp/count; sleep 0.05; done"
+        )
         time.sleep(0.3)
         sandbox.pause()
         time.sleep(0.1)
@@ -58,12 +62,24 @@ def test_pause_gives_memory_back(client: corral.Client) -> None:
     with client.create("debian-12", memory_mb=512) as sandbox:
         sandbox.exec(HOLD_MEMORY, timeout_s=60)
         time.sleep(1.0)
-        result = sandbox.pause()
-        assert result.memory_before_bytes > 150 << 20
+        result = sandbox.pause(wait_reclaim=True)
+        assert result.memory_before_bytes > 150 << 20 and not result.reclaim_pending
         reclaimed = 1 - result.memory_after_bytes / result.memory_before_bytes
         assert reclaimed >= 0.8, result
         assert sandbox.exec("wc -c < /tmp/x").stdout.strip() == "50000000"  # resumed, data intact
         assert "python3" in sandbox.exec("cat /proc/[0-9]*/comm").stdout  # the memory holder survived
+
+
+def test_pause_returns_once_frozen_and_resume_stops_the_reclaim(client: corral.Client) -> None:
+    with client.create("debian-12", memory_mb=512) as sandbox:
+        sandbox.exec(HOLD_MEMORY, timeout_s=60)
+        time.sleep(1.0)
+        result = sandbox.pause()
+        assert result.reclaim_pending and result.duration_ms < 1000
+        started = time.monotonic()
+        sandbox.resume()  # while the reclaim may still run: it stops after its current chunk
+        assert time.monotonic() - started < 2
+        assert sandbox.exec("wc -c < /tmp/x").stdout.strip() == "50000000"
 
 
 def test_idle_sandboxes_pause_themselves(client: corral.Client) -> None:

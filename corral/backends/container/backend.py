@@ -15,8 +15,9 @@ import logging
 import os
 import shutil
 import socket
+import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from corral.backends.base import CommandEvent, CommandExit, CommandOutput, CommandSpec, CommandStarted, SandboxSpec
@@ -43,6 +44,8 @@ class _Container:
     init_pid: int
     memory: CgroupMemory
     paused: bool = False
+    reclaim: asyncio.Future[ReclaimResult] | None = None  # pushing memory out while paused
+    stop_reclaim: threading.Event = field(default_factory=threading.Event)
 
 
 class _AgentCommand:
@@ -313,16 +316,29 @@ class ContainerBackend:
         upper = self._dir / sandbox_id / "upper"
         return await asyncio.to_thread(_changed_since, upper, since)
 
-    async def pause(self, sandbox_id: str) -> ReclaimResult:
-        """Freeze every process (state and memory kept), then push the memory out."""
+    async def pause(self, sandbox_id: str, *, wait_reclaim: bool = False) -> ReclaimResult:
+        """Freeze every process (state and memory kept), then push the memory out in the background.
+
+        Returns once frozen (a few ms) unless ``wait_reclaim``; ``after_bytes`` is what is resident then."""
         container = self._get(sandbox_id)
         if not container.paused:
             await container.runtime.pause(sandbox_id)
             container.paused = True
-        return await asyncio.to_thread(container.memory.reclaim)
+        before = container.memory.usage_bytes()
+        if container.reclaim is None or container.reclaim.done():
+            container.stop_reclaim = threading.Event()
+            container.reclaim = asyncio.ensure_future(
+                asyncio.to_thread(container.memory.reclaim, container.stop_reclaim)
+            )
+        if wait_reclaim:
+            return ReclaimResult(before, (await container.reclaim).after_bytes)
+        return ReclaimResult(before, container.memory.usage_bytes())
 
     async def resume(self, sandbox_id: str) -> None:
         container = self._get(sandbox_id)
+        if container.reclaim is not None and not container.reclaim.done():
+            container.stop_reclaim.set()  # the reclaim stops after its current chunk
+            await container.reclaim
         if container.paused:
             container.memory.stop_swapping()
             await container.runtime.resume(sandbox_id)

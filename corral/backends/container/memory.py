@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,8 @@ __all__ = ["CgroupMemory", "ensure_zram_swap", "swap_total_bytes"]
 
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 _UNLIMITED_V1 = "-1"
+RECLAIM_CHUNK_BYTES = 16 << 20
+_RECLAIM_FLOOR_BYTES = 1 << 20
 
 
 def swap_total_bytes() -> int:
@@ -104,24 +107,38 @@ class CgroupMemory:
             pass
         return 0
 
-    def reclaim(self) -> ReclaimResult:
-        """Push out what can go (the cgroup must be frozen): page cache, and anonymous pages to swap."""
+    def reclaim(self, stop: threading.Event, chunk_bytes: int = RECLAIM_CHUNK_BYTES) -> ReclaimResult:
+        """Push out what can go (the cgroup must be frozen): page cache, and anonymous pages to swap.
+
+        Works in chunks so that a resume (``stop``) waits for one chunk at most, not the whole reclaim.
+        """
         before = self.usage_bytes()
         if self._layout is CgroupLayout.UNIFIED:
             self._write("memory.swap.max", "max")
-            try:
-                self._write("memory.reclaim", str(before))
-            except OSError as exc:
-                if exc.errno not in (errno.EAGAIN, errno.EBUSY, errno.ENOENT):
+            while not stop.is_set() and self.usage_bytes() > _RECLAIM_FLOOR_BYTES:
+                try:
+                    self._write("memory.reclaim", str(chunk_bytes))
+                except OSError as exc:
+                    if exc.errno in (errno.EAGAIN, errno.EBUSY):
+                        break  # nothing more the kernel can take
                     raise
-        else:
-            self._write("memory.memsw.limit_in_bytes", _UNLIMITED_V1)
-            self._write("memory.swappiness", "100")
-            try:
-                self._write("memory.force_empty", "0")
-            except OSError as exc:
-                if exc.errno not in (errno.EBUSY, errno.EINTR):
+            return ReclaimResult(before, self.usage_bytes())
+        self._write("memory.memsw.limit_in_bytes", _UNLIMITED_V1)
+        self._write("memory.swappiness", "100")
+        limit = self._read("memory.limit_in_bytes").strip()
+        try:
+            while not stop.is_set():
+                usage = self.usage_bytes()
+                if usage <= _RECLAIM_FLOOR_BYTES:
+                    break
+                try:  # a limit below the usage makes the kernel reclaim down to it, or give up (EBUSY)
+                    self._write("memory.limit_in_bytes", str(max(_RECLAIM_FLOOR_BYTES, usage - chunk_bytes)))
+                except OSError as exc:
+                    if exc.errno in (errno.EBUSY, errno.EINTR):
+                        break
                     raise
+        finally:
+            self._write("memory.limit_in_bytes", limit)
         return ReclaimResult(before, self.usage_bytes())
 
     def stop_swapping(self) -> None:
