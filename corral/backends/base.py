@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Protocol
 
 from corral.backends.container.files import ConfinedTree
-from corral.backends.container.memory import ReclaimResult
 
 __all__ = [
     "Backend",
@@ -80,6 +79,14 @@ class CommandExit:
 
 
 CommandEvent = CommandStarted | CommandOutput | CommandExit
+
+
+@dataclass(frozen=True)
+class ReclaimResult:
+    """A sandbox's resident memory before and after a pause pushed it out."""
+
+    before_bytes: int
+    after_bytes: int
 
 
 class RunningCommand(Protocol):

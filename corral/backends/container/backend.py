@@ -20,11 +20,19 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from corral.backends.base import CommandEvent, CommandExit, CommandOutput, CommandSpec, CommandStarted, SandboxSpec
+from corral.backends.base import (
+    CommandEvent,
+    CommandExit,
+    CommandOutput,
+    CommandSpec,
+    CommandStarted,
+    ReclaimResult,
+    SandboxSpec,
+)
 from corral.backends.container.agent_protocol import AgentConnection, AgentExit, AgentOutput, AgentStarted, ExecOrder
 from corral.backends.container.files import ConfinedTree
 from corral.backends.container.host import CgroupLayout, LayerMounts, NativeHelpers, orphans
-from corral.backends.container.memory import CgroupMemory, ReclaimResult
+from corral.backends.container.memory import CgroupMemory
 from corral.backends.container.oci import AGENT_PATH, ContainerLimits, build_config
 from corral.backends.container.runtime import OciRuntime, Overlay
 from corral.images.erofs import build_erofs

@@ -29,7 +29,6 @@ __all__ = [
     "LayerMounts",
     "NativeHelpers",
     "build_native_helpers",
-    "oom_kill_count",
     "become_child_subreaper",
     "OrphanReaper",
     "orphans",
@@ -199,22 +198,6 @@ def build_native_helpers(out_root: Path) -> NativeHelpers:
         )
         os.replace(tmp, binaries[name])
     return NativeHelpers(**binaries)
-
-
-def oom_kill_count(layout: CgroupLayout, cgroup_path: str) -> int:
-    """How many processes the kernel OOM-killed in this cgroup so far."""
-    if layout is CgroupLayout.UNIFIED:
-        path, key = _CGROUP_ROOT / cgroup_path.lstrip("/") / "memory.events", "oom_kill"
-    else:
-        path, key = _CGROUP_ROOT / "memory" / cgroup_path.lstrip("/") / "memory.oom_control", "oom_kill"
-    try:
-        for line in path.read_text().splitlines():
-            name, _, value = line.partition(" ")
-            if name == key:
-                return int(value)
-    except OSError:
-        pass
-    return 0
 
 
 class OrphanReaper:

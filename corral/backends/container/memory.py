@@ -13,9 +13,9 @@ from __future__ import annotations
 import errno
 import subprocess
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
+from corral.backends.base import ReclaimResult
 from corral.backends.container.host import CgroupLayout
 
 __all__ = ["CgroupMemory", "ensure_zram_swap", "swap_total_bytes"]
@@ -58,16 +58,6 @@ def ensure_zram_swap(size_mb: int, device: str = "zram0") -> str:
         if run.returncode != 0:
             return f"swap for paused sandboxes: none ({' '.join(command)} failed: {run.stderr.strip()})"
     return f"swap for paused sandboxes: {size_mb} MiB of zram on /dev/{device}"
-
-
-@dataclass(frozen=True)
-class ReclaimResult:
-    before_bytes: int
-    after_bytes: int
-
-    @property
-    def reclaimed_bytes(self) -> int:
-        return max(0, self.before_bytes - self.after_bytes)
 
 
 class CgroupMemory:
