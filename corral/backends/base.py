@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Protocol
 
 from corral.backends.container.files import ConfinedTree
+from corral.backends.container.network import AllowRule, DeniedCounts
 
 __all__ = [
     "Backend",
@@ -45,6 +46,7 @@ class SandboxSpec:
     cwd: str = "/"
     user: str = "root"
     idle_pause_s: float | None = None
+    network: tuple[AllowRule, ...] | None = None  # None: loopback only; else plugged in with this egress allowlist
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,15 @@ class Backend(Protocol):
         unless ``wait_reclaim``); a resume stops the reclaim early."""
 
     async def resume(self, sandbox_id: str) -> None: ...
+
+    async def set_network(self, sandbox_id: str, rules: tuple[AllowRule, ...]) -> str:
+        """Replace the egress allowlist (plugging the sandbox in if it had no network); returns its address."""
+
+    async def attach_network_peer(self, name: str, netns_path: str, address: str) -> None:
+        """Plug another network namespace (a package mirror, an uplink) into the sandbox network."""
+
+    async def network_status(self, sandbox_id: str) -> tuple[str | None, DeniedCounts | None]:
+        """Its address (None without network) and the packets its policy dropped."""
 
     def housekeeping(self) -> None:
         """Periodic upkeep the edge calls about once a second (e.g. reaping)."""

@@ -29,9 +29,10 @@ from corral.backends.base import (
     SandboxSpec,
 )
 from corral.backends.container.files import ConfinedTree
+from corral.backends.container.network import AllowRule
 from corral.edge.protocol import EdgeEvents
 from corral.sdk._exceptions import CapacityExhausted, InvalidRequest, NotFound, SandboxGone
-from corral.sdk._models import CommandInfo, EdgeLoad, ExecEvent, ExecRequest, ExecResult, FileInfo
+from corral.sdk._models import CommandInfo, EdgeLoad, ExecEvent, ExecRequest, ExecResult, FileInfo, NetworkRule
 
 __all__ = ["LocalEdge", "NodeCapacity"]
 
@@ -116,6 +117,11 @@ class _Sandbox:
 
     def busy(self) -> bool:
         return any(command.exit is None for command in self.commands.values())
+
+
+def to_allow_rules(allow: list[NetworkRule]) -> tuple[AllowRule, ...]:
+    """API rules to the fabric's (validated there: InvalidRequest on a bad one)."""
+    return tuple(AllowRule(cidr=r.cidr, ports=tuple(r.ports), protocol=r.protocol) for r in allow)
 
 
 def _lookup_owner(tree: ConfinedTree, user: str) -> tuple[int, int]:
@@ -417,6 +423,20 @@ class LocalEdge:
 
     async def command_signal(self, sandbox_id: str, command_id: str, signo: int) -> None:
         (await self._command(sandbox_id, command_id)).running.signal(signo)
+
+    async def set_network(self, sandbox_id: str, allow: list[NetworkRule]) -> tuple[str, int, int]:
+        await self._active(sandbox_id)
+        address = await self._backend.set_network(sandbox_id, to_allow_rules(allow))
+        _, egress, ingress = await self.network_status(sandbox_id)
+        return address, egress, ingress
+
+    async def attach_network_peer(self, name: str, netns_path: str, address: str) -> None:
+        await self._backend.attach_network_peer(name, netns_path, address)
+
+    async def network_status(self, sandbox_id: str) -> tuple[str | None, int, int]:
+        self._get(sandbox_id)
+        address, denied = await self._backend.network_status(sandbox_id)
+        return address, denied.egress_packets if denied else 0, denied.ingress_packets if denied else 0
 
     async def fs_clock(self, sandbox_id: str) -> float:
         self._get(sandbox_id)

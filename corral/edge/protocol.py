@@ -15,7 +15,7 @@ from typing import Protocol
 
 from corral.backends.base import SandboxSpec
 from corral.sdk._exceptions import NotFound
-from corral.sdk._models import CommandInfo, EdgeLoad, ExecEvent, ExecRequest, ExecResult, FileInfo
+from corral.sdk._models import CommandInfo, EdgeLoad, ExecEvent, ExecRequest, ExecResult, FileInfo, NetworkRule
 
 __all__ = ["Edge", "EdgeEvents", "new_sandbox_id", "edge_of"]
 
@@ -103,5 +103,13 @@ class Edge(Protocol):
 
     async def pack_diff(self, sandbox_id: str, dest: Path) -> None:
         """Write the sandbox's filesystem changes (whiteouts kept) as an EROFS layer file."""
+
+    async def set_network(self, sandbox_id: str, allow: list[NetworkRule]) -> tuple[str, int, int]:
+        """Replace its egress allowlist (plugging it in if needed): (address, denied egress, denied ingress)."""
+
+    async def network_status(self, sandbox_id: str) -> tuple[str | None, int, int]: ...
+
+    async def attach_network_peer(self, name: str, netns_path: str, address: str) -> None:
+        """Plug a service namespace (e.g. a package mirror) into this node's sandbox network."""
 
     async def close(self) -> None: ...

@@ -40,6 +40,8 @@ from corral.sdk._models import (
     ImageInfo,
     LayerInfo,
     MkdirRequest,
+    NetworkPolicy,
+    NetworkStatus,
     PauseResult,
     ReplayRequest,
     ReplayResult,
@@ -97,6 +99,12 @@ PathQuery = Annotated[str, Query(description="Absolute path inside the sandbox."
 
 class SignalRequest(BaseModel):
     signal: int = 9
+
+
+class NetworkPeer(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,40}$")
+    netns_path: str = Field(description="e.g. /proc/<pid>/ns/net of a process in that namespace")
+    address: str = Field(description="Its address on the sandbox network, e.g. 10.88.200.2")
 
 
 class JobToken(BaseModel):
@@ -285,6 +293,24 @@ def create_app(service_factory, max_file_bytes: int, upload_dir: Path) -> FastAP
     async def revoke_job_tokens(job: str, caller: CallerDep, request: Request) -> dict[str, int]:
         caller.require_admin("revoke job tokens")
         return {"revoked": request.app.state.service.tokens.revoke(job)}
+
+    @app.put("/v1/sandboxes/{sandbox_id}/network", dependencies=[Auth])
+    async def set_network(sandbox_id: str, body: NetworkPolicy, svc: Service) -> NetworkStatus:
+        """Replace the egress allowlist while it runs (a sandbox without network is plugged in)."""
+        return await svc.set_network(sandbox_id, body)
+
+    @app.post("/v1/network/peers", status_code=204)
+    async def attach_network_peer(body: NetworkPeer, svc: Service, caller: CallerDep) -> Response:
+        """Plug a network namespace of this machine (a package mirror, an uplink) into every edge's sandbox
+        network at ``address`` (10.88.0.0/16); sandboxes reach it only where their allowlist says so."""
+        caller.require_admin("change the sandbox network")
+        await svc.attach_network_peer(body.name, body.netns_path, body.address)
+        return Response(status_code=204)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/network", dependencies=[Auth])
+    async def network_status(sandbox_id: str, svc: Service) -> NetworkStatus:
+        """Its address, allowlist, and how many packets the policy dropped."""
+        return await svc.network_status(sandbox_id)
 
     @app.post("/v1/sandboxes/{sandbox_id}/exec", dependencies=[Auth])
     async def exec_command(sandbox_id: str, body: ExecRequest, logged: Logged) -> ExecResult:

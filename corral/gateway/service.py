@@ -17,11 +17,22 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from corral.backends.base import LayerRef, SandboxSpec
+from corral.backends.container.network import AllowRule
+from corral.edge.local import to_allow_rules
 from corral.edge.protocol import Edge, edge_of, new_sandbox_id
 from corral.images.catalogue import Catalogue
 from corral.scheduler.placement import place
 from corral.sdk._exceptions import CapacityExhausted, InvalidRequest, NotFound, SandboxGone
-from corral.sdk._models import BulkRequest, BulkResult, CreateSandboxRequest, PauseResult, SandboxInfo, SandboxState
+from corral.sdk._models import (
+    BulkRequest,
+    BulkResult,
+    CreateSandboxRequest,
+    NetworkPolicy,
+    NetworkStatus,
+    PauseResult,
+    SandboxInfo,
+    SandboxState,
+)
 from corral.state.db import StateStore
 
 __all__ = ["SandboxService"]
@@ -30,6 +41,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 _ACTIVE = [SandboxState.CREATING.value, SandboxState.RUNNING.value, SandboxState.PAUSED.value]
 _LIVE = (SandboxState.CREATING, SandboxState.RUNNING, SandboxState.PAUSED)
+
+
+def _rules(network: dict[str, Any] | None) -> tuple[AllowRule, ...] | None:
+    return None if network is None else to_allow_rules(NetworkPolicy.model_validate(network).allow)
 
 
 class SandboxService:
@@ -143,6 +158,30 @@ class SandboxService:
             raise NotFound(f"no sandbox {sandbox_id}")
         return record
 
+    async def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> NetworkStatus:
+        """Replace a running sandbox's egress allowlist (e.g. open the mirror for setup, close it for the task)."""
+        self._raise_if_ended(self.get(sandbox_id))
+        address, egress, ingress = await self.call(sandbox_id, lambda edge: edge.set_network(sandbox_id, policy.allow))
+        self._store.update(sandbox_id, network=policy.model_dump())
+        return NetworkStatus(
+            address=address, allow=policy.allow, denied_egress_packets=egress, denied_ingress_packets=ingress
+        )
+
+    async def attach_network_peer(self, name: str, netns_path: str, address: str) -> None:
+        for edge in self._edges.values():
+            await edge.attach_network_peer(name, netns_path, address)
+
+    async def network_status(self, sandbox_id: str) -> NetworkStatus:
+        record = self.record(sandbox_id)
+        address, egress, ingress = await self.call(sandbox_id, lambda edge: edge.network_status(sandbox_id))
+        policy = NetworkPolicy.model_validate(record["network"]) if record["network"] is not None else None
+        return NetworkStatus(
+            address=address,
+            allow=policy.allow if policy else None,
+            denied_egress_packets=egress,
+            denied_ingress_packets=ingress,
+        )
+
     def layers_of(self, sandbox_id: str) -> list[str]:
         return list(self.record(sandbox_id)["layers"])
 
@@ -162,6 +201,7 @@ class SandboxService:
             cwd=record["cwd"],
             user=record["user"],
             idle_pause_s=record["idle_pause_s"],
+            network=_rules(record["network"]),
         )
 
     async def create(self, request: CreateSandboxRequest) -> SandboxInfo:
@@ -192,6 +232,7 @@ class SandboxService:
                 cwd=request.cwd,
                 user=request.user,
                 idle_pause_s=request.idle_pause_s,
+                network=to_allow_rules(request.network.allow) if request.network is not None else None,
             )
             self._store.insert(
                 {
@@ -201,6 +242,7 @@ class SandboxService:
                     "env": spec.env, "layers": [layer.digest for layer in layers], "labels": request.labels,
                     "created_at": now, "expires_at": now + request.ttl_s if request.ttl_s else None,
                     "ttl_counts_paused": request.ttl_counts_paused, "idle_pause_s": request.idle_pause_s,
+                    "network": request.network.model_dump() if request.network is not None else None,
                 }
             )  # fmt: skip
             try:

@@ -39,6 +39,9 @@ from corral.sdk._models import (
     ImageInfo,
     LayerInfo,
     MkdirRequest,
+    NetworkPolicy,
+    NetworkRule,
+    NetworkStatus,
     PauseResult,
     ReplayRequest,
     ReplayResult,
@@ -395,6 +398,17 @@ class AsyncSandbox:
         content = data.encode() if isinstance(data, str) else data
         await self._transport.request("POST", f"/v1/sandboxes/{self.id}/commands/{command_id}/stdin", content=content)
 
+    async def set_network(self, allow: list[NetworkRule] | list[dict[str, Any]]) -> NetworkStatus:
+        """Replace the egress allowlist while it runs, e.g. open the package mirror for setup, close it after."""
+        body = _validated(NetworkPolicy, {"allow": allow}).model_dump()
+        response = await self._transport.request("PUT", f"/v1/sandboxes/{self.id}/network", json=body)
+        return NetworkStatus.model_validate(response.json())
+
+    async def network(self) -> NetworkStatus:
+        """Its address, allowlist, and the packets its policy dropped."""
+        response = await self._transport.request("GET", f"/v1/sandboxes/{self.id}/network")
+        return NetworkStatus.model_validate(response.json())
+
     async def trajectory(self, *, after_seq: int = 0, limit: int | None = None) -> list[TrajectoryStep]:
         """The sandbox's logged commands and file writes, in order."""
         params: dict[str, Any] = {"after_seq": after_seq, **({"limit": limit} if limit else {})}
@@ -508,13 +522,14 @@ class AsyncClient:
         layers: list[str] | None = None,
         idle_pause_s: float | None = None,
         ttl_counts_paused: bool = False,
+        network: NetworkPolicy | dict[str, Any] | None = None,
     ) -> AsyncSandbox:
         """Create a sandbox from ``image``, an ``environment`` ({base, workspace, tools}), or ``layers``."""
         fields = {
             "image": image, "environment": environment, "layers": layers, "backend": backend, "runtime": runtime,
             "cpu": cpu, "memory_mb": memory_mb, "pids_max": pids_max, "env": env or {}, "cwd": cwd, "user": user,
             "labels": labels or {}, "ttl_s": ttl_s, "idle_pause_s": idle_pause_s,
-            "ttl_counts_paused": ttl_counts_paused,
+            "ttl_counts_paused": ttl_counts_paused, "network": network,
         }  # fmt: skip
         body = _validated(CreateSandboxRequest, fields)
         response = await self._transport.request("POST", "/v1/sandboxes", json=body.model_dump(mode="json"))
@@ -536,6 +551,11 @@ class AsyncClient:
     async def kill(self, sandbox_id: str) -> SandboxInfo:
         response = await self._transport.request("DELETE", f"/v1/sandboxes/{sandbox_id}")
         return SandboxInfo.model_validate(response.json())
+
+    async def attach_network_peer(self, name: str, netns_path: str, address: str) -> None:
+        """Plug a namespace of the server's machine (a package mirror, an uplink) into the sandbox network."""
+        body = {"name": name, "netns_path": netns_path, "address": address}
+        await self._transport.request("POST", "/v1/network/peers", json=body)
 
     async def issue_job_token(self, job: str) -> str:
         """A bearer token that reaches only sandboxes labelled job=<job>: hand it to a trainer so that,

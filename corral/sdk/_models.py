@@ -40,6 +40,9 @@ __all__ = [
     "ImageDetail",
     "LayerInfo",
     "Environment",
+    "NetworkRule",
+    "NetworkPolicy",
+    "NetworkStatus",
     "TagRequest",
     "SnapshotRequest",
     "SnapshotInfo",
@@ -69,6 +72,27 @@ class SandboxState(StrEnum):
     PAUSED = "paused"
     ENDED = "ended"
     LOST = "lost"
+
+
+class NetworkRule(_Model):
+    """Egress allowed to ``cidr`` (and these ports, or all ports when empty) over ``protocol``."""
+
+    cidr: str = Field(description="An address or network, e.g. 10.88.200.2 or 10.88.200.0/24.")
+    ports: list[int] = Field(default_factory=list, description="Destination ports; empty = all (tcp/udp).")
+    protocol: Literal["tcp", "udp", "icmp", "any"] = "tcp"
+
+
+class NetworkPolicy(_Model):
+    """A sandbox's network: plugged into the node's sandbox network with only this egress allowed."""
+
+    allow: list[NetworkRule] = Field(default_factory=list, description="Empty: plugged in, but nothing allowed out.")
+
+
+class NetworkStatus(_Model):
+    address: str | None = Field(description="The sandbox's IPv4 address; None when it has loopback only.")
+    allow: list[NetworkRule] | None
+    denied_egress_packets: int = 0
+    denied_ingress_packets: int = 0
 
 
 class Environment(_Model):
@@ -102,6 +126,9 @@ class CreateSandboxRequest(_Model):
     idle_pause_s: float | None = Field(
         None, gt=0, description="Pause automatically after this many seconds without a request; null = never."
     )
+    network: NetworkPolicy | None = Field(
+        None, description="Null (the default): loopback only. Else plugged in with this egress allowlist."
+    )
 
 
 class SandboxInfo(_Model):
@@ -122,6 +149,7 @@ class SandboxInfo(_Model):
     ttl_counts_paused: bool = False
     idle_pause_s: float | None = None
     paused_at: float | None = None
+    network: NetworkPolicy | None = None
     ended_at: float | None = None
     end_reason: str | None = Field(None, description="Why it ended: killed, ttl_expired, oom, exited, lost, error.")
     status_message: str | None = None

@@ -60,6 +60,7 @@ sandboxes = Table(
     Column("ttl_counts_paused", Boolean, nullable=False, default=False),
     Column("idle_pause_s", Float, nullable=True),
     Column("paused_at", Float, nullable=True),
+    Column("network", JSON, nullable=True),  # NetworkPolicy as JSON; null = loopback only
     Column("ended_at", Float, nullable=True),
     Column("end_reason", String(32), nullable=True),
     Column("status_message", Text, nullable=True),

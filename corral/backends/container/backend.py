@@ -10,6 +10,7 @@ namespace (see native/launch.c). Commands run through corral-agent.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ from corral.backends.container.agent_protocol import AgentConnection, AgentExit,
 from corral.backends.container.files import ConfinedTree
 from corral.backends.container.host import CgroupLayout, LayerMounts, NativeHelpers, orphans
 from corral.backends.container.memory import CgroupMemory
+from corral.backends.container.network import AllowRule, DeniedCounts, NetworkFabric
 from corral.backends.container.oci import AGENT_PATH, ContainerLimits, build_config
 from corral.backends.container.runtime import OciRuntime, Overlay
 from corral.images.erofs import build_erofs
@@ -150,6 +152,9 @@ class ContainerBackend:
         self._agent_start_timeout_s = agent_start_timeout_s
         self._layer_idle_unmount_s = layer_idle_unmount_s
         self._create_slots = asyncio.Semaphore(create_concurrency)
+        # One router namespace per server (its data dir), created when the first sandbox needs a network.
+        self._fabric = NetworkFabric("n" + hashlib.sha256(str(data_dir).encode()).hexdigest()[:10])
+        self._fabric_started = False
 
     def runtime(self, name: str | None) -> OciRuntime:
         name = name or self._default_runtime
@@ -194,7 +199,14 @@ class ContainerBackend:
             self._release_layers(spec)
             shutil.rmtree(root, ignore_errors=True)
             raise
-        self._containers[spec.sandbox_id] = _Container(spec, runtime, agent, init_pid, self._memory(spec.sandbox_id))
+        container = _Container(spec, runtime, agent, init_pid, self._memory(spec.sandbox_id))
+        self._containers[spec.sandbox_id] = container
+        if spec.network is not None:
+            try:
+                await self._plug(container, spec.network)
+            except BaseException:
+                await self.destroy(spec.sandbox_id)
+                raise
 
     async def _acquire_layers(self, spec: SandboxSpec) -> list[Path]:
         """Mountpoints of the sandbox's layers, top first (overlayfs lowerdir order)."""
@@ -239,9 +251,10 @@ class ContainerBackend:
             self._release_layers(spec)
             await self.destroy(spec.sandbox_id)
             return None
-        self._containers[spec.sandbox_id] = _Container(
-            spec, runtime, agent, state.pid, self._memory(spec.sandbox_id), paused=paused
-        )
+        container = _Container(spec, runtime, agent, state.pid, self._memory(spec.sandbox_id), paused=paused)
+        self._containers[spec.sandbox_id] = container
+        if spec.network is not None:  # the router namespace died with the old server: plug in again
+            await self._plug(container, spec.network)
         return "paused" if paused else "running"
 
     async def orphans(self, known_ids: set[str]) -> list[str]:
@@ -277,6 +290,8 @@ class ContainerBackend:
 
     async def destroy(self, sandbox_id: str) -> None:
         container = self._containers.pop(sandbox_id, None)
+        if self._fabric.address_of(sandbox_id) is not None:
+            await asyncio.to_thread(self._fabric.detach, sandbox_id)
         if container is not None:
             container.agent.close()
             await container.runtime.kill_and_delete(sandbox_id)
@@ -317,6 +332,38 @@ class ContainerBackend:
             if now > before:
                 return now / 1e9
             await asyncio.sleep(0.0005)
+
+    def _netns(self, container: _Container) -> str:
+        return f"/proc/{container.init_pid}/ns/net"
+
+    async def _plug(self, container: _Container, rules: tuple[AllowRule, ...]) -> str:
+        fabric = await self._started_fabric()
+        return await asyncio.to_thread(fabric.attach, container.spec.sandbox_id, self._netns(container), rules)
+
+    async def _started_fabric(self) -> NetworkFabric:
+        if not self._fabric_started:
+            await asyncio.to_thread(self._fabric.start)
+            self._fabric_started = True
+        return self._fabric
+
+    async def attach_network_peer(self, name: str, netns_path: str, address: str) -> None:
+        fabric = await self._started_fabric()
+        await asyncio.to_thread(fabric.attach_peer, name, netns_path, address)
+
+    async def set_network(self, sandbox_id: str, rules: tuple[AllowRule, ...]) -> str:
+        container = self._get(sandbox_id)
+        address = self._fabric.address_of(sandbox_id)
+        if address is None:
+            return await self._plug(container, rules)
+        await asyncio.to_thread(self._fabric.set_policy, self._netns(container), rules)
+        return address
+
+    async def network_status(self, sandbox_id: str) -> tuple[str | None, DeniedCounts | None]:
+        container = self._get(sandbox_id)
+        address = self._fabric.address_of(sandbox_id)
+        if address is None:
+            return None, None
+        return address, await asyncio.to_thread(self._fabric.denied, self._netns(container))
 
     async def changed_paths(self, sandbox_id: str, since: float) -> list[str]:
         """Paths in the sandbox's writable layer changed (written, created or deleted) at or after ``since``."""
@@ -361,3 +408,5 @@ class ContainerBackend:
             container.agent.close()
         self._containers.clear()
         self._mounts.unmount_all()
+        if self._fabric_started:
+            await asyncio.to_thread(self._fabric.close)

@@ -1,0 +1,382 @@
+"""Sandbox networking: the per-edge fabric and each sandbox's egress policy.
+
+Owns one router network namespace per fabric (``corral-<fabric_id>``, under
+/run/netns) holding bridge ``br0`` at 10.88.0.1/16, the veth pairs that plug
+sandbox (and peer) namespaces into it, the address allocation, and the
+nftables table ``inet corral`` inside every sandbox namespace it is handed.
+
+Safety rules this module keeps:
+
+- It changes only the router namespace it created and the namespaces it is
+  handed by path; a path naming the host's own namespace is refused, so the
+  host's interfaces, routes, sysctls and nftables are never touched.
+  ``ip_forward`` is set inside the router namespace only.
+- A sandbox's policy is loaded before its interface exists, and every change
+  is one ``nft -f`` transaction, so there is never a moment without rules.
+- Policy lives in the sandbox's own namespace, so the sandbox must run without
+  CAP_NET_ADMIN (it could rewrite the rules) and without CAP_NET_RAW (packet
+  sockets bypass netfilter).
+- Egress is checked per packet, not only per connection: a revoked destination
+  stops working at once, even for connections already open.
+
+Allocation is kept in memory. After an edge restart, ``start()`` reuses the
+router namespace and its veths, and the caller re-registers each sandbox it
+still runs with ``adopt(sandbox_id, address)`` from its own records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import heapq
+import ipaddress
+import json
+import os
+import re
+import shlex
+import subprocess
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+from corral.sdk._exceptions import CapacityExhausted, Conflict, InternalError, InvalidRequest, NotFound
+
+__all__ = ["AllowRule", "DeniedCounts", "NetworkFabric", "SUBNET", "GATEWAY", "MAX_ALLOW_RULES"]
+
+IpProtocol = Literal["tcp", "udp", "icmp", "any"]
+SUBNET = ipaddress.IPv4Network("10.88.0.0/16")
+GATEWAY = ipaddress.IPv4Address("10.88.0.1")
+MAX_ALLOW_RULES = 256
+_BRIDGE = "br0"
+_SANDBOX_IFNAME = "eth0"
+_COMMAND_TIMEOUT_S = 10
+_FIRST_HOST, _LAST_HOST = 2, SUBNET.num_addresses - 2  # .0.0 is the network, .0.1 the gateway, the last broadcast
+_SAFE_PATH = re.compile(r"/[A-Za-z0-9_./-]+")
+_SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,39}")
+
+
+@dataclass(frozen=True)
+class AllowRule:
+    """Let a sandbox send to ``cidr``: TCP or UDP (to ``ports``, or to any port when
+    empty), ICMP, or ``any`` protocol. Validated on construction; ``cidr`` and
+    ``ports`` are stored in canonical form."""
+
+    cidr: str
+    ports: tuple[int, ...] = ()
+    protocol: IpProtocol = "tcp"
+
+    def __post_init__(self) -> None:
+        if self.protocol not in get_args(IpProtocol):
+            raise InvalidRequest(f"protocol {self.protocol!r} is not one of {', '.join(get_args(IpProtocol))}")
+        if not isinstance(self.cidr, str):
+            raise InvalidRequest(f"cidr must be a string like '10.0.0.0/8', not {self.cidr!r}")
+        try:
+            network = ipaddress.ip_network(self.cidr, strict=True)
+        except ValueError as exc:
+            raise InvalidRequest(f"cidr {self.cidr!r} is not a valid network: {exc}") from None
+        if not isinstance(self.ports, list | tuple):
+            raise InvalidRequest(f"ports must be a list of integers, not {self.ports!r}")
+        for port in self.ports:
+            if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+                raise InvalidRequest(f"port {port!r} is not an integer from 1 to 65535")
+        if self.ports and self.protocol in ("icmp", "any"):
+            raise InvalidRequest(f"protocol {self.protocol!r} takes no ports; use tcp or udp to allow ports")
+        object.__setattr__(self, "cidr", str(network))
+        object.__setattr__(self, "ports", tuple(sorted(set(self.ports))))
+
+    @staticmethod
+    def parse(spec: Mapping[str, Any]) -> AllowRule:
+        """Build a rule from ``{"cidr": "10.0.0.0/8", "ports": [443], "protocol": "tcp"}``."""
+        if not isinstance(spec, Mapping):
+            raise InvalidRequest(f"an allow rule must be an object with cidr, ports and protocol, not {spec!r}")
+        unknown = set(spec) - {"cidr", "ports", "protocol"}
+        if unknown:
+            raise InvalidRequest(f"unknown allow rule field(s) {sorted(unknown)}; expected cidr, ports, protocol")
+        if "cidr" not in spec:
+            raise InvalidRequest("an allow rule needs a cidr, e.g. {'cidr': '10.0.0.0/8'}")
+        return AllowRule(cidr=spec["cidr"], ports=spec.get("ports", ()), protocol=spec.get("protocol", "tcp"))
+
+    def nft_match(self) -> str:
+        """This rule as an nftables match expression (built only from validated values)."""
+        network = ipaddress.ip_network(self.cidr)
+        family, icmp = ("ip", "icmp") if network.version == 4 else ("ip6", "ipv6-icmp")
+        match = f"{family} daddr {network}"
+        if self.protocol == "any":
+            return match
+        if self.protocol == "icmp":
+            return f"{match} meta l4proto {icmp}"
+        if not self.ports:
+            return f"{match} meta l4proto {self.protocol}"
+        return f"{match} {self.protocol} dport {{ {', '.join(map(str, self.ports))} }}"
+
+
+@dataclass(frozen=True)
+class DeniedCounts:
+    """Packets and bytes the sandbox's policy dropped since its table was created."""
+
+    egress_packets: int
+    egress_bytes: int
+    ingress_packets: int
+    ingress_bytes: int
+
+
+def _run(argv: list[str], stdin: str | None = None, ok_if: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run a command; a failure raises InternalError unless its stderr contains ``ok_if``."""
+    try:
+        proc = subprocess.run(
+            argv, input=stdin, check=False, capture_output=True, text=True, timeout=_COMMAND_TIMEOUT_S
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise InternalError(f"`{shlex.join(argv)}` failed: {exc}") from exc
+    if proc.returncode != 0 and (ok_if is None or ok_if not in proc.stderr):
+        raise InternalError(f"`{shlex.join(argv)}` exited with {proc.returncode}: {proc.stderr.strip()}")
+    return proc
+
+
+def _existing_netns(path: str) -> str:
+    """``path`` if it names a network namespace other than the host's, else raise."""
+    if not isinstance(path, str) or not _SAFE_PATH.fullmatch(path):
+        raise InvalidRequest(f"network namespace path {path!r} must be absolute, e.g. /proc/<pid>/ns/net")
+    try:
+        target = os.stat(path)
+    except OSError as exc:
+        raise NotFound(f"network namespace {path} does not exist: {exc.strerror}") from None
+    for host in ("/proc/self/ns/net", "/proc/1/ns/net"):  # pid 1's may be unreadable inside a container
+        with contextlib.suppress(OSError):
+            if (target.st_dev, target.st_ino) == (os.stat(host).st_dev, os.stat(host).st_ino):
+                raise InvalidRequest(f"refusing to change the host's network namespace ({path} is {host})")
+    return path
+
+
+def _render_policy(rules: Sequence[AllowRule]) -> str:
+    """The whole ``inet corral`` table as one transaction: declaring the table,
+    counters and chains is a no-op when they exist (counters keep counting), and
+    flushing the chains then re-adding rules replaces the old policy atomically."""
+    if len(rules) > MAX_ALLOW_RULES:
+        raise InvalidRequest(f"{len(rules)} allow rules is more than the limit of {MAX_ALLOW_RULES}; merge CIDRs")
+    for rule in rules:
+        if not isinstance(rule, AllowRule):
+            raise InvalidRequest(f"allow rules must be AllowRule instances, not {rule!r}")
+    lines = [
+        "table inet corral {",
+        "  counter egress_denied { }",
+        "  counter ingress_denied { }",
+        "  chain output {\n    type filter hook output priority 0; policy drop;\n  }",
+        "  chain input {\n    type filter hook input priority 0; policy drop;\n  }",
+        "}",
+        "flush chain inet corral output",
+        "flush chain inet corral input",
+        "add rule inet corral output oif lo accept",
+        *(f"add rule inet corral output {rule.nft_match()} accept" for rule in rules),
+        'add rule inet corral output counter name "egress_denied" drop',
+        "add rule inet corral input iif lo accept",
+        "add rule inet corral input ct state established,related accept",
+        'add rule inet corral input counter name "ingress_denied" drop',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _load_policy(netns_path: str, rules: Sequence[AllowRule]) -> None:
+    _run(["nsenter", f"--net={netns_path}", "nft", "-f", "-"], _render_policy(rules))
+
+
+def _veth_name(prefix: str, key: str) -> str:
+    """A stable interface name within IFNAMSIZ (15 chars): prefix + 10 hex digits."""
+    return prefix + hashlib.sha256(key.encode()).hexdigest()[:10]
+
+
+def _host_index(address: str) -> int:
+    try:
+        ip = ipaddress.IPv4Address(address)
+    except ValueError as exc:
+        raise InvalidRequest(f"address {address!r} is not an IPv4 address: {exc}") from None
+    index = int(ip) - int(SUBNET.network_address)
+    if not _FIRST_HOST <= index <= _LAST_HOST:
+        raise InvalidRequest(f"address {address} must be a host address in {SUBNET} other than the gateway {GATEWAY}")
+    return index
+
+
+class NetworkFabric:
+    """One edge's router namespace and the sandboxes and peers plugged into it.
+
+    Thread-safe: allocation is under a lock, the commands run outside it.
+    """
+
+    def __init__(self, fabric_id: str) -> None:
+        if not isinstance(fabric_id, str) or not _SAFE_ID.fullmatch(fabric_id):
+            raise InvalidRequest(f"fabric id {fabric_id!r} must be 1-40 letters, digits, '_', '.' or '-'")
+        self.fabric_id = fabric_id
+        self.namespace = f"corral-{fabric_id}"
+        self.namespace_path = f"/run/netns/{self.namespace}"
+        self._lock = threading.Lock()
+        self._reset()
+
+    def _reset(self) -> None:
+        self._started = False
+        self._sandboxes: dict[str, int] = {}
+        self._peers: dict[str, int] = {}
+        self._used: set[int] = set()
+        self._freed: list[int] = []  # a heap, so freed addresses are reused lowest first
+        self._next = _FIRST_HOST
+
+    def start(self) -> None:
+        """Create the router namespace and bridge, or reuse them if they exist."""
+        if not os.path.exists(self.namespace_path):
+            _run(["ip", "netns", "add", self.namespace])
+        if _run(["ip", "-n", self.namespace, "link", "show", _BRIDGE], ok_if="does not exist").returncode != 0:
+            # A fixed MAC: otherwise the bridge takes its lowest port's, and sandboxes' ARP entries go stale.
+            mac = "02:" + ":".join(f"{b:02x}" for b in hashlib.sha256(self.fabric_id.encode()).digest()[:5])
+            _run(
+                ["ip", "-n", self.namespace, "-batch", "-"],
+                f"link set lo up\nlink add {_BRIDGE} address {mac} type bridge\nlink set {_BRIDGE} addrgenmode none\n"
+                f"addr add {GATEWAY}/{SUBNET.prefixlen} dev {_BRIDGE}\nlink set {_BRIDGE} up\n",
+            )
+        _run(["nsenter", f"--net={self.namespace_path}", "sysctl", "-qw", "net.ipv4.ip_forward=1"])
+        self._started = True
+
+    def attach(self, sandbox_id: str, netns_path: str, rules: Sequence[AllowRule]) -> str:
+        """Apply the policy, then plug the sandbox in as ``eth0``; returns its address."""
+        netns = _existing_netns(netns_path)
+        _render_policy(rules)  # validate before allocating anything
+        with self._lock:
+            self._require_started()
+            if sandbox_id in self._sandboxes:
+                raise Conflict(f"sandbox {sandbox_id} is already attached to fabric {self.fabric_id}")
+            index = self._sandboxes[sandbox_id] = self._allocate()
+        try:
+            _load_policy(netns, rules)
+            self._plug(_veth_name("cv", sandbox_id), netns, _SANDBOX_IFNAME, index, as_sandbox=True)
+        except BaseException:
+            with self._lock:
+                self._release(self._sandboxes.pop(sandbox_id))
+            raise
+        return str(SUBNET.network_address + index)
+
+    def set_policy(self, netns_path: str, rules: Sequence[AllowRule]) -> None:
+        """Replace the sandbox's allow list in one transaction; denied counters keep counting."""
+        _load_policy(_existing_netns(netns_path), rules)
+
+    def denied(self, netns_path: str) -> DeniedCounts:
+        argv = ["nsenter", f"--net={_existing_netns(netns_path)}", "nft", "-j", "list", "table", "inet", "corral"]
+        proc = _run(argv, ok_if="No such file or directory")
+        if proc.returncode != 0:
+            raise NotFound(f"no Corral network policy in {netns_path}: attach or apply_isolation first")
+        listing = json.loads(proc.stdout).get("nftables", [])
+        counters = {item["counter"]["name"]: item["counter"] for item in listing if "counter" in item}
+        try:
+            egress, ingress = counters["egress_denied"], counters["ingress_denied"]
+        except KeyError as exc:
+            raise InternalError(f"table inet corral in {netns_path} has no counter {exc}") from None
+        return DeniedCounts(egress["packets"], egress["bytes"], ingress["packets"], ingress["bytes"])
+
+    def detach(self, sandbox_id: str) -> None:
+        """Unplug the sandbox and free its address; a no-op if it is not attached."""
+        with self._lock:
+            if sandbox_id not in self._sandboxes:
+                return
+        if os.path.exists(self.namespace_path):
+            # On failure this raises and keeps the record, so a retry can finish the job.
+            _run(["ip", "-n", self.namespace, "link", "del", _veth_name("cv", sandbox_id)], ok_if="Cannot find device")
+        with self._lock:
+            if sandbox_id in self._sandboxes:
+                self._release(self._sandboxes.pop(sandbox_id))
+
+    def attach_peer(self, name: str, netns_path: str, address: str) -> None:
+        """Plug another namespace (a test server, an uplink) into the bridge at ``address``.
+
+        Its interface is named ``cp`` + a hash of fabric and peer name, so one
+        namespace can join several fabrics; no route or policy is added there.
+        """
+        netns = _existing_netns(netns_path)
+        index = _host_index(address)
+        with self._lock:
+            self._require_started()
+            if name in self._peers:
+                raise Conflict(f"peer {name} is already attached to fabric {self.fabric_id}")
+            self._claim(index, f"peer {name}")
+            self._peers[name] = index
+        try:
+            inner = _veth_name("cp", f"{self.fabric_id}/{name}")
+            self._plug(_veth_name("cx", name), netns, inner, index, as_sandbox=False)
+        except BaseException:
+            with self._lock:
+                self._release(self._peers.pop(name))
+            raise
+
+    def adopt(self, sandbox_id: str, address: str) -> None:
+        """Re-register a sandbox still plugged in from before an edge restart (no interface changes)."""
+        index = _host_index(address)
+        with self._lock:
+            if self._sandboxes.get(sandbox_id) == index:
+                return
+            if sandbox_id in self._sandboxes:
+                raise Conflict(f"sandbox {sandbox_id} is attached with another address")
+            self._claim(index, f"sandbox {sandbox_id}")
+            self._sandboxes[sandbox_id] = index
+
+    def address_of(self, sandbox_id: str) -> str | None:
+        with self._lock:
+            index = self._sandboxes.get(sandbox_id)
+        return None if index is None else str(SUBNET.network_address + index)
+
+    def close(self) -> None:
+        """Delete the router namespace; every veth goes with it, which unplugs every sandbox."""
+        if os.path.exists(self.namespace_path):
+            _run(["ip", "netns", "del", self.namespace], ok_if="No such file or directory")
+        with self._lock:
+            self._reset()
+
+    @staticmethod
+    def apply_isolation(netns_path: str) -> None:
+        """For sandboxes without network: only loopback; anything else is dropped and counted."""
+        _load_policy(_existing_netns(netns_path), ())
+
+    def _plug(self, veth: str, netns: str, inner: str, index: int, *, as_sandbox: bool) -> None:
+        """Create a veth pair in the router namespace with its far end already inside ``netns``."""
+        proc = _run(
+            ["ip", "-n", self.namespace, "-batch", "-"],
+            f"link add {veth} master {_BRIDGE} type veth peer name {inner} netns {netns}\n"
+            f"link set {veth} addrgenmode none\nlink set {veth} up\n",
+            ok_if="File exists",
+        )
+        if proc.returncode != 0:
+            raise Conflict(f"interface {veth} exists in {self.namespace}, or {inner} exists in {netns}: detach first")
+        inner_batch = (
+            f"link set {inner} addrgenmode none\n"
+            f"addr add {SUBNET.network_address + index}/{SUBNET.prefixlen} dev {inner}\nlink set {inner} up\n"
+        )
+        if as_sandbox:
+            inner_batch = f"link set lo up\n{inner_batch}route add default via {GATEWAY}\n"
+        try:
+            _run(["nsenter", f"--net={netns}", "ip", "-batch", "-"], inner_batch)
+        except BaseException:
+            with contextlib.suppress(InternalError):
+                _run(["ip", "-n", self.namespace, "link", "del", veth])  # takes the far end with it
+            raise
+
+    def _require_started(self) -> None:
+        if not self._started:
+            raise Conflict(f"fabric {self.fabric_id} is not started: call start() first")
+
+    def _allocate(self) -> int:
+        while self._freed:
+            index = heapq.heappop(self._freed)
+            if index not in self._used:
+                self._used.add(index)
+                return index
+        while self._next <= _LAST_HOST:
+            index, self._next = self._next, self._next + 1
+            if index not in self._used:
+                self._used.add(index)
+                return index
+        raise CapacityExhausted(f"fabric {self.fabric_id} has no free address in {SUBNET}")
+
+    def _claim(self, index: int, owner: str) -> None:
+        if index in self._used:
+            raise Conflict(f"address {SUBNET.network_address + index} for {owner} is already in use")
+        self._used.add(index)
+
+    def _release(self, index: int) -> None:
+        self._used.discard(index)
+        heapq.heappush(self._freed, index)

@@ -1,0 +1,88 @@
+"""Per-sandbox network policy on real namespaces: loopback only by default, allowlists changeable while running.
+
+Only namespaces this test makes are used: a "package mirror" in a new network
+namespace, plugged into the server's own sandbox network (10.88.0.0/16).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import corral
+
+MIRROR = "10.88.200.2"
+MIRROR_SERVER = """
+import socket
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", 8080))
+s.listen()
+while True:
+    conn, _ = s.accept()
+    conn.sendall(b"ok from mirror\\n")
+    conn.close()
+"""
+FETCH = f"echo hi | nc -w 2 {MIRROR} 8080"
+
+
+@pytest.fixture(scope="module")
+def mirror(server) -> Iterator[str]:  # type: ignore[no-untyped-def]
+    """A TCP service in a network namespace of its own, plugged into the sandbox network."""
+    process = subprocess.Popen(["unshare", "--net", sys.executable, "-c", MIRROR_SERVER])
+    try:
+        time.sleep(0.3)
+        with server.client() as client:
+            client.attach_network_peer("mirror", f"/proc/{process.pid}/ns/net", MIRROR)
+        yield MIRROR
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_no_network_by_default(client: corral.Client) -> None:
+    with client.create("busybox") as sandbox:
+        assert [line.split(":")[1].strip() for line in sandbox.exec("ip -o link").stdout.splitlines()] == ["lo"]
+        assert sandbox.network().address is None
+
+
+def test_allowlist_lets_through_only_what_it_names(client: corral.Client, mirror: str) -> None:
+    allowed = {"allow": [{"cidr": mirror, "ports": [8080], "protocol": "tcp"}]}
+    with client.create("busybox", network=allowed) as open_box, client.create("busybox", network={"allow": []}) as shut:
+        assert open_box.exec(FETCH).stdout == "ok from mirror\n"
+        assert open_box.network().address is not None and open_box.network().address.startswith("10.88.")
+        assert shut.exec(FETCH, timeout_s=10).stdout == ""
+        assert shut.network().denied_egress_packets > 0  # denied attempts are counted
+        wrong_port = {"allow": [{"cidr": mirror, "ports": [9999]}]}
+        shut.set_network(wrong_port["allow"])
+        assert shut.exec(FETCH, timeout_s=10).stdout == ""
+
+
+def test_policy_changes_while_running(client: corral.Client, mirror: str) -> None:
+    with client.create("busybox", network={"allow": []}) as sandbox:
+        assert sandbox.exec(FETCH, timeout_s=10).stdout == ""
+        status = sandbox.set_network([{"cidr": f"{mirror}/32", "ports": [8080]}])  # setup phase: mirror open
+        assert status.allow is not None and status.allow[0].ports == [8080]
+        assert sandbox.exec(FETCH).stdout == "ok from mirror\n"
+        sandbox.set_network([])  # task phase: closed again
+        before = sandbox.network().denied_egress_packets
+        assert sandbox.exec(FETCH, timeout_s=10).stdout == ""
+        assert sandbox.network().denied_egress_packets > before
+        assert client.get(sandbox.id).info.network == corral.NetworkPolicy(allow=[])
+
+
+def test_a_sandbox_without_network_can_be_plugged_in(client: corral.Client, mirror: str) -> None:
+    with client.create("busybox") as sandbox:
+        sandbox.set_network([{"cidr": mirror, "ports": [8080]}])
+        assert sandbox.exec(FETCH).stdout == "ok from mirror\n"
+
+
+def test_bad_rules_are_refused(client: corral.Client) -> None:
+    for rule in [{"cidr": "not-an-address"}, {"cidr": "10.0.0.1", "ports": [0]}, {"cidr": "10.0.0.1", "ports": [70000]},
+                 {"cidr": "10.0.0.1", "protocol": "icmp", "ports": [1]}]:  # fmt: skip
+        with pytest.raises(corral.InvalidRequest):
+            client.create("busybox", network={"allow": [rule]})
