@@ -54,6 +54,11 @@ class Settings(BaseSettings):
         10.0, gt=0, description="How long a new sandbox's agent may take to say hello."
     )
 
+    fncall_min_warm: int = Field(2, ge=0, description="fncall: sandboxes each pool keeps warm when idle.")
+    fncall_max_per_pool: int = Field(8, ge=1, description="fncall: the most one pool keeps warm under load.")
+    fncall_warm_budget: int = Field(
+        16, ge=0, description="fncall: warm sandboxes across all pools on this node (they count against admission)."
+    )
     idle_pause_s: float | None = Field(
         None,
         gt=0,

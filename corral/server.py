@@ -30,6 +30,7 @@ from corral.config import Settings
 from corral.edge.local import LocalEdge, node_capacity
 from corral.gateway.app import create_app
 from corral.gateway.auth import JobTokens
+from corral.gateway.fncall import FnCallService
 from corral.gateway.images import ImageService
 from corral.gateway.service import SandboxService
 from corral.gateway.trajectory import Trajectories
@@ -52,6 +53,7 @@ class Services:
     images: ImageService
     trajectories: Trajectories
     tokens: JobTokens
+    fncall: FnCallService
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -125,7 +127,19 @@ def serve(settings: Settings) -> None:
             if lost:
                 log.warning("%d trajectory steps were running when the server stopped: marked lost", lost)
             tokens = JobTokens(store.engine, api_key)
-            yield Services(sandboxes=service, images=images, trajectories=trajectories, tokens=tokens)
+            fncall = FnCallService(
+                service,
+                warm_budget=settings.fncall_warm_budget,
+                min_warm=settings.fncall_min_warm,
+                max_per_pool=settings.fncall_max_per_pool,
+            )
+            await fncall.start()
+            try:
+                yield Services(
+                    sandboxes=service, images=images, trajectories=trajectories, tokens=tokens, fncall=fncall
+                )
+            finally:
+                await fncall.close()
         finally:
             await service.close()
             store.close()

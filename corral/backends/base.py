@@ -127,6 +127,9 @@ class Backend(Protocol):
     async def pack_diff(self, sandbox_id: str, dest: Path) -> None:
         """Write the sandbox's filesystem changes as a layer file at ``dest``."""
 
+    async def recycle(self, sandbox_id: str) -> bool:
+        """End every process of the last use; True if nothing of it is left, so it can be used as new."""
+
     async def fs_clock(self, sandbox_id: str) -> float:
         """A timestamp on the clock the sandbox's filesystem stamps changes with."""
 

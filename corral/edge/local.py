@@ -438,6 +438,12 @@ class LocalEdge:
         address, denied = await self._backend.network_status(sandbox_id)
         return address, denied.egress_packets if denied else 0, denied.ingress_packets if denied else 0
 
+    async def recycle(self, sandbox_id: str) -> bool:
+        sandbox = self._get(sandbox_id)
+        if sandbox.paused or sandbox.busy():
+            return False
+        return await self._backend.recycle(sandbox_id)
+
     async def fs_clock(self, sandbox_id: str) -> float:
         self._get(sandbox_id)
         return await self._backend.fs_clock(sandbox_id)

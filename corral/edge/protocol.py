@@ -95,6 +95,9 @@ class Edge(Protocol):
 
     async def download_tar(self, sandbox_id: str, path: str) -> bytes: ...
 
+    async def recycle(self, sandbox_id: str) -> bool:
+        """End every process of its last use; True if nothing of that use is left (it can serve as new)."""
+
     async def fs_clock(self, sandbox_id: str) -> float:
         """'Now' on the clock that stamps the sandbox's file changes."""
 

@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import IO, Annotated, Literal
+from typing import IO, Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -22,6 +22,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 
 from corral.gateway.auth import Caller
+from corral.gateway.fncall import FnCallService
 from corral.gateway.images import ImageService
 from corral.gateway.service import SandboxService
 from corral.gateway.trajectory import Trajectories
@@ -35,6 +36,9 @@ from corral.sdk._models import (
     ExecRequest,
     ExecResult,
     FileInfo,
+    FnCallBatch,
+    FnCallRequest,
+    FnCallResult,
     ForkRequest,
     ImageDetail,
     ImageInfo,
@@ -43,8 +47,11 @@ from corral.sdk._models import (
     NetworkPolicy,
     NetworkStatus,
     PauseResult,
+    PoolStats,
     ReplayRequest,
     ReplayResult,
+    RunCodeRequest,
+    RunCodeResult,
     SandboxInfo,
     SetTtlRequest,
     SnapshotInfo,
@@ -85,6 +92,10 @@ def _image_service(request: Request) -> ImageService:
     return request.app.state.service.images  # type: ignore[no-any-return]
 
 
+def _fncall(request: Request) -> FnCallService:
+    return request.app.state.service.fncall  # type: ignore[no-any-return]
+
+
 def _trajectories(request: Request) -> Trajectories:
     return request.app.state.service.trajectories  # type: ignore[no-any-return]
 
@@ -94,6 +105,7 @@ CallerDep = Annotated[Caller, Depends(_authenticate)]
 Service = Annotated[SandboxService, Depends(_service)]
 Images = Annotated[ImageService, Depends(_image_service)]
 Logged = Annotated[Trajectories, Depends(_trajectories)]
+FnCalls = Annotated[FnCallService, Depends(_fncall)]
 PathQuery = Annotated[str, Query(description="Absolute path inside the sandbox.")]
 
 
@@ -160,6 +172,26 @@ def create_app(service_factory, max_file_bytes: int, upload_dir: Path) -> FastAP
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.post("/v1/fncall", dependencies=[Auth])
+    async def fncall(body: FnCallRequest, fncalls: FnCalls) -> FnCallResult:
+        """One short call in a pre-warmed, isolated sandbox: a command, or Python whose main() returns JSON."""
+        return await fncalls.call(body)
+
+    @app.post("/v1/fncall/batch", dependencies=[Auth])
+    async def fncall_batch(body: FnCallBatch, fncalls: FnCalls) -> list[FnCallResult | dict[str, Any]]:
+        """Many calls at once; each result is a FnCallResult or an error body, in order."""
+        return await fncalls.batch(body.calls)
+
+    @app.get("/v1/fncall/pools", dependencies=[Auth])
+    async def fncall_pools(fncalls: FnCalls) -> list[PoolStats]:
+        """Each pool's warm size, target and hit rate."""
+        return fncalls.stats()
+
+    @app.post("/v1/run_code", dependencies=[Auth])
+    async def run_code(body: RunCodeRequest, fncalls: FnCalls) -> RunCodeResult:
+        """Run a python or bash program against tests (stdin, expected stdout), one isolated call per test."""
+        return await fncalls.run_code(body)
 
     @app.get("/v1/images", dependencies=[Auth])
     async def list_images(images: Images) -> list[ImageInfo]:

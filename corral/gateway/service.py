@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 _ACTIVE = [SandboxState.CREATING.value, SandboxState.RUNNING.value, SandboxState.PAUSED.value]
 _LIVE = (SandboxState.CREATING, SandboxState.RUNNING, SandboxState.PAUSED)
+_POOL_LABEL = "corral.fncall"  # the fncall pools' own sandboxes (corral/gateway/fncall.py)
 
 
 def _rules(network: dict[str, Any] | None) -> tuple[AllowRule, ...] | None:
@@ -267,7 +268,11 @@ class SandboxService:
         return StateStore.to_info(record)
 
     def list(self, *, states: list[str] | None, labels: dict[str, str]) -> list[SandboxInfo]:
-        return [StateStore.to_info(r) for r in self._store.list(states=states or _ACTIVE, labels=labels)]
+        """Sandboxes by state and labels; fncall pool sandboxes only when asked for by their label."""
+        records = self._store.list(states=states or _ACTIVE, labels=labels)
+        if _POOL_LABEL not in labels:
+            records = [r for r in records if _POOL_LABEL not in r["labels"]]
+        return [StateStore.to_info(r) for r in records]
 
     async def kill(self, sandbox_id: str) -> SandboxInfo:
         info = self.get(sandbox_id)

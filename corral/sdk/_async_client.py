@@ -34,6 +34,9 @@ from corral.sdk._models import (
     ExecRequest,
     ExecResult,
     FileInfo,
+    FnCallBatch,
+    FnCallRequest,
+    FnCallResult,
     ForkRequest,
     ImageDetail,
     ImageInfo,
@@ -43,8 +46,11 @@ from corral.sdk._models import (
     NetworkRule,
     NetworkStatus,
     PauseResult,
+    PoolStats,
     ReplayRequest,
     ReplayResult,
+    RunCodeRequest,
+    RunCodeResult,
     SandboxInfo,
     SnapshotInfo,
     TagRequest,
@@ -551,6 +557,64 @@ class AsyncClient:
     async def kill(self, sandbox_id: str) -> SandboxInfo:
         response = await self._transport.request("DELETE", f"/v1/sandboxes/{sandbox_id}")
         return SandboxInfo.model_validate(response.json())
+
+    async def fncall(
+        self,
+        cmd: str | list[str] | None = None,
+        *,
+        code: str | None = None,
+        args: list[Any] | None = None,
+        image: str | None = None,
+        files: dict[str, str] | None = None,
+        stdin: str | None = None,
+        timeout_s: float = 30.0,
+        memory_mb: int = 256,
+        cpu: float = 1.0,
+        network: NetworkPolicy | dict[str, Any] | None = None,
+    ) -> FnCallResult:
+        """One short isolated call from a pool of pre-warmed sandboxes (the ``fncall`` backend).
+
+        Give ``cmd`` (a shell command) or ``code`` (Python defining ``main(*args)``, whose return
+        value comes back as ``result``). Nothing a call writes or starts is seen by the next one.
+        """
+        fields = {"cmd": cmd, "code": code, "args": args or [], "image": image, "files": files or {}, "stdin": stdin,
+                  "timeout_s": timeout_s, "memory_mb": memory_mb, "cpu": cpu, "network": network}  # fmt: skip
+        body = _validated(FnCallRequest, fields).model_dump(mode="json")
+        response = await self._transport.request("POST", "/v1/fncall", json=body, timeout_s=timeout_s)
+        return FnCallResult.model_validate(response.json())
+
+    async def fncall_batch(self, calls: list[FnCallRequest | dict[str, Any]]) -> list[FnCallResult | CorralError]:
+        """Many calls in one request, run concurrently; a failed call comes back as its error, in place."""
+        body = _validated(FnCallBatch, {"calls": calls}).model_dump(mode="json")
+        timeout_s = sum(call["timeout_s"] for call in body["calls"])
+        response = await self._transport.request("POST", "/v1/fncall/batch", json=body, timeout_s=timeout_s)
+        return [
+            error_from_response(0, item)
+            if "error" in item and "exit_code" not in item
+            else FnCallResult.model_validate(item)
+            for item in response.json()
+        ]
+
+    async def run_code(
+        self,
+        code: str,
+        *,
+        language: str = "python",
+        tests: list[dict[str, Any]] | None = None,
+        timeout_s: float = 10.0,
+        memory_mb: int = 256,
+        image: str | None = None,
+    ) -> RunCodeResult:
+        """Run a program against tests ({"stdin", "expected_stdout"}), each in its own isolated call."""
+        fields: dict[str, Any] = {"language": language, "code": code, "timeout_s": timeout_s, "memory_mb": memory_mb,
+                                  "image": image, **({"tests": tests} if tests is not None else {})}  # fmt: skip
+        body = _validated(RunCodeRequest, fields).model_dump(mode="json")
+        response = await self._transport.request("POST", "/v1/run_code", json=body, timeout_s=timeout_s * 100)
+        return RunCodeResult.model_validate(response.json())
+
+    async def fncall_pools(self) -> list[PoolStats]:
+        response = await self._transport.request("GET", "/v1/fncall/pools")
+        return [PoolStats.model_validate(item) for item in response.json()]
 
     async def attach_network_peer(self, name: str, netns_path: str, address: str) -> None:
         """Plug a namespace of the server's machine (a package mirror, an uplink) into the sandbox network."""

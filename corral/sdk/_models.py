@@ -23,6 +23,14 @@ __all__ = [
     "SandboxInfo",
     "SetTtlRequest",
     "PauseResult",
+    "FnCallRequest",
+    "FnCallResult",
+    "FnCallBatch",
+    "RunCodeTest",
+    "RunCodeRequest",
+    "RunCodeTestResult",
+    "RunCodeResult",
+    "PoolStats",
     "TrajectoryStep",
     "ReplayRequest",
     "ReplayMismatch",
@@ -243,6 +251,86 @@ class ReplayResult(_Model):
         description="Step ids that could not be replayed (e.g. lost, or a file too large to log)."
     )
     mismatches: list[ReplayMismatch] = Field(description="Where the re-run differed from the log (exit code, output).")
+
+
+class FnCallRequest(_Model):
+    """One short isolated call: a command, or Python source whose ``main(*args)`` returns a JSON value."""
+
+    cmd: str | list[str] | None = Field(None, description="A shell command or argv (give this or `code`).")
+    code: str | None = Field(None, description="Python source defining main(*args); its return value is the result.")
+    args: list[Any] = Field(default_factory=list, description="code: the arguments of main().")
+    image: str | None = Field(None, description="Default: busybox for cmd, debian-12 for code.")
+    environment: Environment | None = None
+    files: dict[str, str] = Field(default_factory=dict, description="path → text, placed before the call.")
+    stdin: str | None = Field(None, description="cmd: text on stdin.")
+    timeout_s: float = Field(30.0, gt=0, le=3600)
+    memory_mb: int = Field(256, gt=0)
+    cpu: float = Field(1.0, gt=0)
+    output_cap_bytes: int = Field(DEFAULT_OUTPUT_CAP_BYTES, ge=0, le=1 << 30)
+    network: NetworkPolicy | None = Field(None, description="Null: no network (loopback only).")
+
+
+class FnCallResult(_Model):
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+    oom_killed: bool = False
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    result: Any = Field(None, description="code: what main() returned.")
+    error: str | None = Field(None, description="code: the exception main() raised, if any.")
+    pool_hit: bool = Field(description="Served by a pre-warmed sandbox (else one was started for it).")
+    duration_ms: float
+
+
+class FnCallBatch(_Model):
+    calls: list[FnCallRequest] = Field(max_length=1000)
+
+
+class RunCodeTest(_Model):
+    stdin: str = ""
+    expected_stdout: str | None = Field(None, description="Compared after stripping trailing whitespace.")
+
+
+class RunCodeRequest(_Model):
+    """Run a program against tests, as reward checkers do: one isolated call per test."""
+
+    language: Literal["python", "bash"]
+    code: str
+    tests: list[RunCodeTest] = Field(default_factory=lambda: [RunCodeTest()], max_length=1000)
+    timeout_s: float = Field(10.0, gt=0, le=3600)
+    memory_mb: int = Field(256, gt=0)
+    image: str | None = Field(None, description="Default debian-12.")
+
+
+class RunCodeTestResult(_Model):
+    passed: bool
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    timed_out: bool
+    duration_ms: float
+
+
+class RunCodeResult(_Model):
+    passed: int
+    total: int
+    tests: list[RunCodeTestResult]
+
+
+class PoolStats(_Model):
+    image: str
+    memory_mb: int
+    cpu: float
+    network: bool
+    warm: int = Field(description="Idle sandboxes ready for a call.")
+    target: int = Field(description="How many it keeps warm now (grows and shrinks with load).")
+    in_use: int
+    hits: int
+    misses: int
+    recycled: int = Field(description="Sandboxes reused after a call that left nothing behind.")
+    replaced: int = Field(description="Sandboxes thrown away after a call that changed something.")
 
 
 class ExecResult(_Model):

@@ -19,7 +19,7 @@ from corral.sdk._exceptions import Conflict, ServerUnavailable
 
 __all__ = ["AgentConnection", "AgentExit", "AgentOutput", "AgentStarted", "ExecOrder"]
 
-T_EXEC, T_STDIN, T_SIGNAL, T_PING = 1, 2, 3, 4
+T_EXEC, T_STDIN, T_SIGNAL, T_PING, T_KILL_ALL = 1, 2, 3, 4, 5
 T_STARTED, T_STDOUT, T_STDERR, T_EXIT, T_ERROR, T_PONG, T_HELLO = 10, 11, 12, 13, 14, 15, 20
 F_TIMED_OUT, F_OUT_TRUNC, F_ERR_TRUNC = 1, 2, 4
 AGENT_VERSION = 1
@@ -126,7 +126,7 @@ class AgentConnection:
                 if job is None:
                     continue
                 job.queue.put_nowait(self._decode(kind, payload))
-                if kind in (T_EXIT, T_ERROR):
+                if kind in (T_EXIT, T_ERROR, T_PONG):
                     self._jobs.pop(job_id, None)
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             pass
@@ -146,6 +146,8 @@ class AgentConnection:
             return AgentExit(code, bool(flags & F_TIMED_OUT), bool(flags & F_OUT_TRUNC), bool(flags & F_ERR_TRUNC))
         if kind == T_ERROR:
             return Conflict(payload.decode(errors="replace"))
+        if kind == T_PONG:
+            return AgentExit(0, False, False, False)
         return ServerUnavailable(f"unexpected frame type {kind} from the sandbox agent")
 
     def _fail_all(self, error: Exception) -> None:
@@ -191,6 +193,19 @@ class AgentConnection:
 
     def signal(self, job_id: int, signo: int) -> None:
         self._send(T_SIGNAL, job_id, struct.pack("<I", signo))
+
+    async def kill_all(self) -> None:
+        """SIGKILL every process in the sandbox except the agent; returns once the agent has sent the signal."""
+        job_id = self.new_job_id()
+        job = _Job()
+        self._jobs[job_id] = job
+        try:
+            self._send(T_KILL_ALL, job_id)
+            event = await job.queue.get()
+            if isinstance(event, Exception):
+                raise event
+        finally:
+            self._jobs.pop(job_id, None)
 
     def close(self) -> None:
         if self._read_task is not None:

@@ -54,6 +54,7 @@ class _Container:
     init_pid: int
     memory: CgroupMemory
     paused: bool = False
+    baseline: frozenset[str] = frozenset()  # its writable layer right after start (for recycle)
     reclaim: asyncio.Future[ReclaimResult] | None = None  # pushing memory out while paused
     stop_reclaim: threading.Event = field(default_factory=threading.Event)
 
@@ -122,6 +123,33 @@ def _changed_since(upper: Path, since: float) -> list[str]:
             elif st.st_ctime_ns >= since_ns and relative != AGENT_PATH:
                 changed.append(relative)
     return sorted(changed)
+
+
+_RECYCLE_POLLS = 50
+_VOLATILE_DIRS = ("dev", "dev/shm", "dev/mqueue")  # tmpfs mounts: writes there are not in the upper dir
+_SYSV_IPC = ("shm", "msg", "sem")
+
+
+def _pristine_state(upper: Path, init_pid: int) -> frozenset[str]:
+    """What a call could leave behind outside its processes: every entry of the writable layer (with its
+    metadata), the tmpfs mounts' listings and the SysV IPC objects."""
+    state: set[str] = set()
+    for entry in upper.rglob("*"):
+        st = entry.lstat()
+        state.add(f"upper:{entry.relative_to(upper)}:{st.st_mode}:{st.st_size}:{st.st_mtime_ns}")
+    root = Path(f"/proc/{init_pid}/root")
+    for directory in _VOLATILE_DIRS:
+        try:
+            state.update(f"{directory}:{name}" for name in os.listdir(root / directory))
+        except OSError:
+            continue
+    for kind in _SYSV_IPC:
+        try:
+            lines = (root / "proc" / "sysvipc" / kind).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        state.update(f"ipc:{kind}:{line}" for line in lines)
+    return frozenset(state)
 
 
 class ContainerBackend:
@@ -200,6 +228,7 @@ class ContainerBackend:
             shutil.rmtree(root, ignore_errors=True)
             raise
         container = _Container(spec, runtime, agent, init_pid, self._memory(spec.sandbox_id))
+        container.baseline = await asyncio.to_thread(_pristine_state, upper, init_pid)
         self._containers[spec.sandbox_id] = container
         if spec.network is not None:
             try:
@@ -364,6 +393,28 @@ class ContainerBackend:
         if address is None:
             return None, None
         return address, await asyncio.to_thread(self._fabric.denied, self._netns(container))
+
+    async def recycle(self, sandbox_id: str) -> bool:
+        """Kill every process but the agent; True if nothing of the last use is left (no process, no file,
+        no IPC object differs from right after start), so the sandbox can serve another caller as new."""
+        container = self._get(sandbox_id)
+        pids = self._cgroup_file(sandbox_id, "pids", "pids.current")
+        if int(pids.read_text()) > 1:  # something outlived the call
+            await container.agent.kill_all()
+        for _ in range(_RECYCLE_POLLS):
+            if int(pids.read_text()) <= 1:
+                break
+            await asyncio.sleep(0.002)
+        else:
+            return False
+        state = await asyncio.to_thread(_pristine_state, self._dir / sandbox_id / "upper", container.init_pid)
+        return state == container.baseline
+
+    def _cgroup_file(self, sandbox_id: str, controller: str, name: str) -> Path:
+        relative = self._cgroup_path(sandbox_id).lstrip("/")
+        if self._layout is CgroupLayout.UNIFIED:
+            return Path("/sys/fs/cgroup") / relative / name
+        return Path("/sys/fs/cgroup") / controller / relative / name
 
     async def changed_paths(self, sandbox_id: str, since: float) -> list[str]:
         """Paths in the sandbox's writable layer changed (written, created or deleted) at or after ``since``."""

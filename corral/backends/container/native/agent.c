@@ -9,7 +9,8 @@
  *
  * Wire format (little endian), both directions:
  *   u32 length (of what follows) | u8 type | u32 job id | payload
- * Edge -> agent: EXEC, STDIN (empty payload closes stdin), SIGNAL, PING.
+ * Edge -> agent: EXEC, STDIN (empty payload closes stdin), SIGNAL, PING,
+ *   KILL_ALL (SIGKILL every other process in the sandbox; answered with PONG).
  * Agent -> edge: HELLO, STARTED, STDOUT, STDERR, EXIT, ERROR, PONG.
  * Keep in sync with corral/backends/container/agent_protocol.py.
  */
@@ -31,7 +32,7 @@
 #include <unistd.h>
 
 enum {
-    T_EXEC = 1, T_STDIN = 2, T_SIGNAL = 3, T_PING = 4,
+    T_EXEC = 1, T_STDIN = 2, T_SIGNAL = 3, T_PING = 4, T_KILL_ALL = 5,
     T_STARTED = 10, T_STDOUT = 11, T_STDERR = 12, T_EXIT = 13, T_ERROR = 14,
     T_PONG = 15, T_HELLO = 20,
 };
@@ -400,6 +401,11 @@ static void handle_frame(uint8_t type, uint32_t id, const char *p, size_t len) {
         break;
     case T_PING:
         send_frame(T_PONG, id, p, len);
+        break;
+    case T_KILL_ALL:
+        /* In its own PID namespace, kill(-1) reaches every process but the caller and init. */
+        kill(-1, SIGKILL);
+        send_frame(T_PONG, id, NULL, 0);
         break;
     default:
         break;

@@ -1,0 +1,299 @@
+"""The fncall backend: short isolated calls served from pools of pre-warmed sandboxes.
+
+A pool per (layers, memory, cpu, network) keeps sandboxes started ahead of
+demand. A call takes one (a pool hit) or starts one (a miss), runs, and
+gives it back: the edge kills every process the call left and checks that
+nothing else of it is left either (no file in the writable layer, tmpfs or
+IPC object differs from right after start). Only then does the sandbox serve
+the next call; otherwise it is destroyed and replaced. So every call gets the
+isolation of a fresh sandbox, and calls that only compute reuse warm ones.
+
+Pools grow with the calls in flight and shrink when idle, within a node-wide
+budget of warm sandboxes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from corral.gateway.service import SandboxService
+from corral.sdk._exceptions import CorralError, InvalidRequest, NotFound, SandboxGone
+from corral.sdk._models import (
+    CreateSandboxRequest,
+    ExecRequest,
+    ExecResult,
+    FnCallRequest,
+    FnCallResult,
+    PoolStats,
+    RunCodeRequest,
+    RunCodeResult,
+    RunCodeTestResult,
+)
+
+__all__ = ["FnCallService"]
+
+log = logging.getLogger(__name__)
+POOL_LABEL = "corral.fncall"  # SandboxService.list hides these unless asked
+_RESULT_MARKER = "\x1ecorral-result:"
+# Runs the caller's Python in-process: source and args arrive on stdin, so the call writes no file.
+_PYTHON_HARNESS = (
+    "import json,sys\n"
+    "req=json.load(sys.stdin)\n"
+    "ns={'__name__':'__fncall__'}\n"
+    "try:\n"
+    " exec(compile(req['code'],'<fncall>','exec'),ns)\n"
+    " out={'result':ns['main'](*req['args']) if 'main' in ns else ns.get('result')}\n"
+    "except BaseException as e:\n"
+    " out={'error':type(e).__name__+': '+str(e)}\n"
+    f"sys.stdout.write({_RESULT_MARKER!r}+json.dumps(out,default=repr))\n"
+)
+_IDLE_SHRINK_S = 30.0
+_HOUSEKEEPING_INTERVAL_S = 5.0
+_BATCH_CONCURRENCY = 16
+
+
+@dataclass
+class _Pool:
+    template: CreateSandboxRequest
+    idle: collections.deque[str] = field(default_factory=collections.deque)
+    target: int = 1
+    in_use: int = 0
+    starting: int = 0
+    hits: int = 0
+    misses: int = 0
+    recycled: int = 0
+    replaced: int = 0
+    last_call: float = field(default_factory=time.monotonic)
+
+
+class FnCallService:
+    def __init__(self, sandboxes: SandboxService, *, warm_budget: int, min_warm: int, max_per_pool: int) -> None:
+        self._sandboxes = sandboxes
+        self._warm_budget = warm_budget
+        self._min_warm = min_warm
+        self._max_per_pool = max_per_pool
+        self._pools: dict[tuple[Any, ...], _Pool] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        """Sandboxes of an earlier run's pools are not ours any more: remove them; then keep house."""
+        stale = [info.id for info in self._sandboxes.list(states=None, labels={POOL_LABEL: "1"})]
+        await asyncio.gather(*(self._sandboxes.kill(sandbox_id) for sandbox_id in stale), return_exceptions=True)
+        self._spawn(self._keep_house())
+
+    async def _keep_house(self) -> None:
+        while True:
+            await asyncio.sleep(_HOUSEKEEPING_INTERVAL_S)
+            self.housekeeping()
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for pool in self._pools.values():
+            while pool.idle:
+                with contextlib.suppress(CorralError):
+                    await self._sandboxes.kill(pool.idle.popleft())
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- pools ----------------------------------------------------------
+
+    def _pool_for(self, call: FnCallRequest) -> _Pool:
+        """Calls with the same image or environment, limits and network share a pool."""
+        image = call.image or ("debian-12" if call.code is not None else "busybox")
+        key = (image, call.environment.model_dump_json() if call.environment else None, call.memory_mb, call.cpu,
+               call.network.model_dump_json() if call.network else None)  # fmt: skip
+        pool = self._pools.get(key)
+        if pool is None:
+            self._sandboxes.stack([image] if call.environment is None else [call.environment.base])  # fail early
+            template = CreateSandboxRequest(
+                image=image, environment=call.environment, memory_mb=call.memory_mb, cpu=call.cpu,
+                network=call.network, labels={POOL_LABEL: "1"}, ttl_s=None,
+            )  # fmt: skip
+            pool = self._pools[key] = _Pool(template=template, target=self._min_warm)
+        return pool
+
+    def _warm_total(self) -> int:
+        return sum(len(pool.idle) + pool.starting for pool in self._pools.values())
+
+    def _refill(self, pool: _Pool) -> None:
+        """Start sandboxes until the pool has its target warm, within the node budget."""
+        while len(pool.idle) + pool.starting < pool.target and self._warm_total() < self._warm_budget:
+            pool.starting += 1
+            self._spawn(self._start_one(pool))
+
+    async def _start_one(self, pool: _Pool) -> None:
+        try:
+            pool.idle.append((await self._sandboxes.create(pool.template)).id)
+        except CorralError as exc:
+            log.warning("fncall pool could not start a sandbox: %s", exc.message)
+        finally:
+            pool.starting -= 1
+
+    async def _take(self, pool: _Pool) -> tuple[str, bool]:
+        pool.in_use += 1
+        pool.last_call = time.monotonic()
+        pool.target = min(self._max_per_pool, max(pool.target, pool.in_use + self._min_warm))
+        if pool.idle:
+            pool.hits += 1
+            sandbox_id = pool.idle.popleft()
+            self._refill(pool)
+            return sandbox_id, True
+        pool.misses += 1
+        self._refill(pool)
+        return (await self._sandboxes.create(pool.template)).id, False
+
+    async def _give_back(self, pool: _Pool, sandbox_id: str) -> None:
+        """Reuse the sandbox only if the call left nothing behind; else replace it."""
+        pool.in_use -= 1
+        reusable = False
+        with contextlib.suppress(CorralError):
+            reusable = await self._sandboxes.call(sandbox_id, lambda edge: edge.recycle(sandbox_id))
+        if reusable and len(pool.idle) < pool.target:
+            pool.recycled += 1
+            pool.idle.append(sandbox_id)
+            return
+        pool.replaced += int(not reusable)
+        with contextlib.suppress(CorralError):
+            await self._sandboxes.kill(sandbox_id)
+        self._refill(pool)
+
+    def housekeeping(self) -> None:
+        """Shrink pools nobody called for a while back to their minimum."""
+        now = time.monotonic()
+        for pool in self._pools.values():
+            if now - pool.last_call > _IDLE_SHRINK_S and pool.target > self._min_warm:
+                pool.target = self._min_warm
+                while len(pool.idle) > pool.target:
+                    self._spawn(self._sandboxes.kill(pool.idle.pop()))  # type: ignore[arg-type]
+
+    def stats(self) -> list[PoolStats]:
+        return [
+            PoolStats(
+                image=pool.template.image,
+                memory_mb=pool.template.memory_mb,
+                cpu=pool.template.cpu,
+                network=pool.template.network is not None,
+                warm=len(pool.idle),
+                target=pool.target,
+                in_use=pool.in_use,
+                hits=pool.hits,
+                misses=pool.misses,
+                recycled=pool.recycled,
+                replaced=pool.replaced,
+            )  # fmt: skip
+            for pool in self._pools.values()
+        ]
+
+    # -- calls ----------------------------------------------------------
+
+    async def call(self, call: FnCallRequest) -> FnCallResult:
+        if (call.cmd is None) == (call.code is None):
+            raise InvalidRequest("a call needs exactly one of `cmd` (a command) or `code` (Python source)")
+        if call.code is not None and call.stdin is not None:
+            raise InvalidRequest("a code call takes `args`, not `stdin`")
+        started = time.perf_counter()
+        pool = self._pool_for(call)
+        for attempt in range(2):
+            sandbox_id, hit = await self._take(pool)
+            try:
+                result = await self._run(sandbox_id, call)
+                break
+            except (SandboxGone, NotFound):
+                if not hit or attempt:
+                    raise  # a warm sandbox may have been killed meanwhile: take another once
+            finally:
+                self._spawn(self._give_back(pool, sandbox_id))
+        value, error, stdout = None, None, result.stdout
+        if call.code is not None:
+            stdout, _, tail = result.stdout.rpartition(_RESULT_MARKER)
+            if tail:
+                outcome = json.loads(tail)
+                value, error = outcome.get("result"), outcome.get("error")
+            else:
+                stdout, error = result.stdout, error or "the call ended before main() returned"
+        return FnCallResult(
+            exit_code=result.exit_code, stdout=stdout, stderr=result.stderr, timed_out=result.timed_out,
+            oom_killed=result.oom_killed, stdout_truncated=result.stdout_truncated,
+            stderr_truncated=result.stderr_truncated, result=value, error=error, pool_hit=hit,
+            duration_ms=(time.perf_counter() - started) * 1000,
+        )  # fmt: skip
+
+    async def _run(self, sandbox_id: str, call: FnCallRequest) -> ExecResult:
+        for path, text in call.files.items():
+            data = text.encode()
+            await self._sandboxes.call(
+                sandbox_id, lambda edge, p=path, d=data: edge.write_file(sandbox_id, p, d, 0o644)
+            )
+        request = self._exec_request(call)
+        return await self._sandboxes.call(sandbox_id, lambda edge: edge.exec(sandbox_id, request))
+
+    @staticmethod
+    def _exec_request(call: FnCallRequest) -> ExecRequest:
+        if call.code is not None:
+            stdin = json.dumps({"code": call.code, "args": call.args})
+            cmd: str | list[str] = ["python3", "-I", "-B", "-c", _PYTHON_HARNESS]
+        else:
+            stdin, cmd = call.stdin, call.cmd  # type: ignore[assignment]
+        return ExecRequest(
+            cmd=cmd, stdin=stdin, timeout_s=call.timeout_s, output_cap_bytes=call.output_cap_bytes, cwd="/tmp"
+        )
+
+    async def batch(self, calls: list[FnCallRequest]) -> list[FnCallResult | dict[str, Any]]:
+        """Many calls in one request; a failed call gives its error in place of a result."""
+        slots = asyncio.Semaphore(_BATCH_CONCURRENCY)
+
+        async def one(call: FnCallRequest) -> FnCallResult | dict[str, Any]:
+            async with slots:
+                try:
+                    return await self.call(call)
+                except CorralError as exc:
+                    return exc.to_body()
+
+        return list(await asyncio.gather(*(one(call) for call in calls)))
+
+    async def run_code(self, request: RunCodeRequest) -> RunCodeResult:
+        """Each test is its own isolated call; passed = exit 0 and, if given, the expected stdout."""
+        argv = (
+            ["python3", "-I", "-B", "-c", request.code]
+            if request.language == "python"
+            else ["bash", "-c", request.code]
+        )
+        calls = [
+            FnCallRequest(
+                cmd=argv,
+                stdin=test.stdin,
+                image=request.image or "debian-12",
+                timeout_s=request.timeout_s,
+                memory_mb=request.memory_mb,
+            )  # fmt: skip
+            for test in request.tests
+        ]
+        outcomes = await self.batch(calls)
+        results = []
+        for test, outcome in zip(request.tests, outcomes, strict=True):
+            if not isinstance(outcome, FnCallResult):
+                raise CorralError(outcome["error"]["message"])
+            expected_ok = test.expected_stdout is None or outcome.stdout.rstrip() == test.expected_stdout.rstrip()
+            results.append(
+                RunCodeTestResult(
+                    passed=outcome.exit_code == 0 and not outcome.timed_out and expected_ok,
+                    exit_code=outcome.exit_code,
+                    stdout=outcome.stdout,
+                    stderr=outcome.stderr,
+                    timed_out=outcome.timed_out,
+                    duration_ms=outcome.duration_ms,
+                )  # fmt: skip
+            )
+        return RunCodeResult(passed=sum(r.passed for r in results), total=len(results), tests=results)
