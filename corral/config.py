@@ -55,9 +55,9 @@ class Settings(BaseSettings):
     )
 
     fncall_min_warm: int = Field(2, ge=0, description="fncall: sandboxes each pool keeps warm when idle.")
-    fncall_max_per_pool: int = Field(8, ge=1, description="fncall: the most one pool keeps warm under load.")
+    fncall_max_per_pool: int = Field(32, ge=1, description="fncall: the largest a pool grows under load.")
     fncall_warm_budget: int = Field(
-        16, ge=0, description="fncall: warm sandboxes across all pools on this node (they count against admission)."
+        32, ge=0, description="fncall: warm sandboxes across all pools on this node (they count against admission)."
     )
     idle_pause_s: float | None = Field(
         None,

@@ -63,7 +63,7 @@ _BATCH_CONCURRENCY = 16
 class _Pool:
     template: CreateSandboxRequest
     idle: collections.deque[str] = field(default_factory=collections.deque)
-    target: int = 1
+    target: int = 1  # the pool's size: warm + starting + in use
     in_use: int = 0
     starting: int = 0
     hits: int = 0
@@ -128,8 +128,8 @@ class FnCallService:
         return sum(len(pool.idle) + pool.starting for pool in self._pools.values())
 
     def _refill(self, pool: _Pool) -> None:
-        """Start sandboxes until the pool has its target warm, within the node budget."""
-        while len(pool.idle) + pool.starting < pool.target and self._warm_total() < self._warm_budget:
+        """Start sandboxes until the pool (warm, starting and in use) has its target size, within the node budget."""
+        while len(pool.idle) + pool.starting + pool.in_use < pool.target and self._warm_total() < self._warm_budget:
             pool.starting += 1
             self._spawn(self._start_one(pool))
 
@@ -160,7 +160,7 @@ class FnCallService:
         reusable = False
         with contextlib.suppress(CorralError):
             reusable = await self._sandboxes.call(sandbox_id, lambda edge: edge.recycle(sandbox_id))
-        if reusable and len(pool.idle) < pool.target:
+        if reusable and len(pool.idle) + pool.in_use < pool.target:
             pool.recycled += 1
             pool.idle.append(sandbox_id)
             return
