@@ -21,13 +21,36 @@ from types import TracebackType
 
 import httpx
 
+from corral.config import Settings
 from corral.sdk import Client, CorralError
 
-__all__ = ["EmbeddedServer", "free_port"]
+__all__ = ["EmbeddedServer", "free_port", "linked_node_dir"]
 
 START_TIMEOUT_S = 60.0
 STOP_GRACE_S = 15.0
 RUNTIME_TIMEOUT_S = 30.0
+
+
+def linked_node_dir(node_dir: Path) -> Path:
+    """A node dir of its own whose layer store and compiled helpers hard-link the real node dir's files.
+
+    They are read-only and named by their digest, so sharing them is safe, and whatever a throwaway
+    server builds lands here and goes away with it.
+    """
+    real = Settings().node_dir
+    for sub in ("layers", "bin"):
+        source = real / sub
+        for path in source.rglob("*") if source.is_dir() else []:
+            target = node_dir / sub / path.relative_to(source)
+            if path.is_dir():
+                target.mkdir(parents=True, exist_ok=True)
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(path, target)
+            except OSError:
+                shutil.copy2(path, target)
+    return node_dir
 
 
 def free_port() -> int:

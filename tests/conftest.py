@@ -7,46 +7,21 @@ sandbox the tests left and stops the server by PID, even when a test failed.
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
 import corral
-from corral.config import Settings
-from corral.embedded import EmbeddedServer
+from corral.embedded import EmbeddedServer, linked_node_dir
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _node_dir_for_tests(root: Path) -> Path:
-    """A node dir of the tests' own that shares the base layers setup built.
-
-    Layers the tests build land here and go away with it; the base layers are
-    hard-linked (store files are read-only and named by their digest).
-    """
-    real = Settings().layer_dir
-    for sub in ("layers", "images"):
-        source = real / sub
-        for path in source.rglob("*") if source.exists() else []:
-            target = root / "layers" / sub / path.relative_to(source)
-            if path.is_dir():
-                target.mkdir(parents=True, exist_ok=True)
-                continue
-            target.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(path, target)
-            except OSError:
-                shutil.copy2(path, target)
-    return root
 
 
 @pytest.fixture(scope="session")
 def test_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Server settings for tests: their own node dir, and frequent TTL checks (tests wait for TTLs)."""
-    node_dir = _node_dir_for_tests(tmp_path_factory.mktemp("corral-node"))
+    node_dir = linked_node_dir(tmp_path_factory.mktemp("corral-node"))
     return {"CORRAL_TTL_CHECK_INTERVAL_S": "0.2", "CORRAL_NODE_DIR": str(node_dir)}
 
 

@@ -39,7 +39,7 @@ from corral.backends.container import host
 from corral.backends.container.host import _mount
 from corral.bench.containers import summarize
 from corral.config import Settings
-from corral.embedded import EmbeddedServer
+from corral.embedded import EmbeddedServer, linked_node_dir
 from corral.images.erofs import build_erofs
 from corral.images.store import LayerStore, check_layer_file
 from corral.sdk import Client, ExecResult, InvalidRequest, Sandbox
@@ -82,23 +82,6 @@ def _random_tree(root: Path, subdir: str, total_mib: int, files: int) -> Path:
     for n in range(files):
         (data / f"blob-{n}").write_bytes(os.urandom(total_mib * _MIB // files))
     return root
-
-
-def _link_node_dir(node_dir: Path) -> None:
-    """A node dir whose store (and compiled helpers) hard-link the real one's read-only, digest-named files."""
-    real = Settings().node_dir
-    for sub in ("layers", "bin"):
-        source = real / sub
-        for path in source.rglob("*") if source.is_dir() else []:
-            target = node_dir / sub / path.relative_to(source)
-            if path.is_dir():
-                target.mkdir(parents=True, exist_ok=True)
-                continue
-            target.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(path, target)
-            except OSError:
-                shutil.copy2(path, target)
 
 
 def _compose_samples(work: Path, layer_files: list[Path], runs: int, progress: Progress) -> dict[str, list[float]]:
@@ -235,7 +218,7 @@ def _measure(work: Path, runs: int, sandboxes: int, with_debootstrap: bool, prog
     compose = {key: summarize(values) for key, values in _compose_samples(work, layer_files, runs, progress).items()}
 
     node_dir = work / "node"
-    _link_node_dir(node_dir)
+    linked_node_dir(node_dir)
     task = progress.add_task("starting corral serve (temporary node dir)", total=1)
     server = EmbeddedServer(work / "server", env={"CORRAL_NODE_DIR": str(node_dir)})
     try:

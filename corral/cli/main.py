@@ -312,6 +312,18 @@ def bench_lifecycle(
     run_lifecycle_benchmark(runs=runs, as_json=as_json, console=console)
 
 
+@app.command("bench-fncall")
+def bench_fncall(
+    runs: Annotated[int, typer.Option(help="Sequential calls timed; throughput passes make 5× as many.")] = 200,
+    clients: Annotated[int, typer.Option(help="Concurrent callers in the throughput test.")] = 16,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Measure fncall round trip, throughput and cold-pool start against same-run baselines."""
+    from corral.bench.fncall import run_fncall_benchmark
+
+    run_fncall_benchmark(runs=runs, clients=clients, as_json=as_json, console=console)
+
+
 def main() -> None:
     try:
         app()

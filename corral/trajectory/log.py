@@ -23,7 +23,7 @@ import hashlib
 import json
 import posixpath
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -158,71 +158,60 @@ class TrajectoryLog:
         ``Conflict`` saying it diverges. Of several concurrent begin() calls with one new
         step id exactly one gets the ``Step``.
         """
-        _check_id("sandbox id", sandbox_id, _MAX_SANDBOX_ID)
-        _check_id("step id", step_id, _MAX_STEP_ID)
         _check_id("step kind", kind, _MAX_KIND)
         digest = request_digest(request)
-        for _ in range(_SEQ_RETRIES):
-            try:
-                with self._write_transaction() as conn:
-                    logged = _logged_step(conn, sandbox_id, step_id)
-                    if logged is not None:
-                        return _resolve(logged, kind, request, digest)
-                    last_seq = conn.execute(
-                        select(func.max(trajectory_steps.c.seq)).where(trajectory_steps.c.sandbox_id == sandbox_id)
-                    ).scalar()
-                    step = Step(
-                        sandbox_id=sandbox_id,
-                        seq=(last_seq or 0) + 1,
-                        step_id=step_id,
-                        kind=kind,
-                        request=request,
-                        request_digest=digest,
-                        state=StepState.STARTED,
-                        result=None,
-                        result_truncated=False,
-                        started_at=time.time(),
-                        finished_at=None,
-                        files=None,
-                    )
-                    conn.execute(
-                        insert(trajectory_steps).values(
-                            **dataclasses.asdict(step), output_cap_bytes=self._output_cap_bytes
-                        )
-                    )
-                    return step
-            except IntegrityError:
-                continue  # another begin() took this seq or this step id: look again
-        raise Conflict(
-            f"too many concurrent steps for sandbox {sandbox_id}: step {step_id!r} could not be appended; retry it"
-        )
+
+        def started(seq: int) -> Step:
+            return Step(
+                sandbox_id=sandbox_id, seq=seq, step_id=step_id, kind=kind, request=request, request_digest=digest,
+                state=StepState.STARTED, result=None, result_truncated=False, started_at=time.time(),
+                finished_at=None, files=None,
+            )  # fmt: skip
+
+        def already_logged(logged: Step) -> Replay:
+            return _resolve(logged, kind, request, digest)
+
+        return self._append(sandbox_id, step_id, started, already_logged)
 
     def append(self, sandbox_id: str, step_id: str, kind: str, request: dict[str, Any], result: dict[str, Any]) -> Step:
         """Log a finished step in one transaction (steps without a client id: nothing to match a resend against,
         so nothing to record before running). Its seq orders it by completion."""
-        _check_id("sandbox id", sandbox_id, _MAX_SANDBOX_ID)
+        _check_id("step kind", kind, _MAX_KIND)
         logged, truncated = _cap_output(result, self._output_cap_bytes)
         now = time.time()
+
+        def done(seq: int) -> Step:
+            return Step(
+                sandbox_id=sandbox_id, seq=seq, step_id=step_id, kind=kind, request=request,
+                request_digest=request_digest(request), state=StepState.DONE, result=logged,
+                result_truncated=truncated, started_at=now, finished_at=now, files=None,
+            )  # fmt: skip
+
+        step = self._append(sandbox_id, step_id, done, None)
+        assert isinstance(step, Step)
+        return step
+
+    def _append(
+        self,
+        sandbox_id: str,
+        step_id: str,
+        make: Callable[[int], Step],
+        already_logged: Callable[[Step], Replay] | None,
+    ) -> Step | Replay:
+        """Insert ``make(next seq)`` for the sandbox, or hand a step id already logged to ``already_logged``."""
+        _check_id("sandbox id", sandbox_id, _MAX_SANDBOX_ID)
+        _check_id("step id", step_id, _MAX_STEP_ID)
         for _ in range(_SEQ_RETRIES):
             try:
                 with self._write_transaction() as conn:
+                    if already_logged is not None:
+                        logged = _logged_step(conn, sandbox_id, step_id)
+                        if logged is not None:
+                            return already_logged(logged)
                     last_seq = conn.execute(
                         select(func.max(trajectory_steps.c.seq)).where(trajectory_steps.c.sandbox_id == sandbox_id)
                     ).scalar()
-                    step = Step(
-                        sandbox_id=sandbox_id,
-                        seq=(last_seq or 0) + 1,
-                        step_id=step_id,
-                        kind=kind,
-                        request=request,
-                        request_digest=request_digest(request),
-                        state=StepState.DONE,
-                        result=logged,
-                        result_truncated=truncated,
-                        started_at=now,
-                        finished_at=now,
-                        files=None,
-                    )
+                    step = make((last_seq or 0) + 1)
                     conn.execute(
                         insert(trajectory_steps).values(
                             **dataclasses.asdict(step), output_cap_bytes=self._output_cap_bytes
@@ -230,8 +219,10 @@ class TrajectoryLog:
                     )
                     return step
             except IntegrityError:
-                continue
-        raise Conflict(f"too many concurrent steps for sandbox {sandbox_id}: step {step_id!r} could not be appended")
+                continue  # another writer took this seq or this step id: look again
+        raise Conflict(
+            f"too many concurrent steps for sandbox {sandbox_id}: step {step_id!r} could not be appended; retry it"
+        )
 
     def finish(self, step: Step, result: dict[str, Any], *, files: list[str] | None = None) -> Step:
         """Record the result of a started step; ``files`` are the sandbox paths it changed.

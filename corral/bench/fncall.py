@@ -1,0 +1,295 @@
+"""`corral bench-fncall`: the fncall backend's pooled calls, each figure beside a baseline from the same run.
+
+1. Round trip of a trivial call (`client.fncall("true")`, sync client, one at a
+   time, after warm-up calls). Baselines, interleaved sample by sample: a fresh
+   `sh -c true` from this process (what running it here would cost), and a
+   fresh container through the API (`create` + `exec("true")`, what a caller
+   without pools pays).
+2. Throughput: `--clients` concurrent AsyncClient callers, then one caller;
+   calls/s, latency and pool hit rate. Baseline: `sh -c true` from a thread pool
+   of as many workers, same number of calls. The client, the server and the
+   sandboxes share this machine's cores, so the rate is a floor, not a ceiling.
+3. Cold pool: a call whose limits match no pool yet (a new `memory_mb` per
+   sample), which starts its sandbox on demand; baseline: the warm call of (1).
+4. Isolation while measuring: every 10th call of (1) appends to /tmp/leak and
+   counts its lines; anything but 1 means a call saw an earlier call's file,
+   and the benchmark fails.
+
+This machine is noisy and shared, so absolute numbers drift from run to run;
+each figure sits next to its baseline from the same run and is read as a ratio
+or against the target the spec promises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import functools
+import json
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from corral.backends.container import host
+from corral.bench.containers import summarize
+from corral.embedded import EmbeddedServer
+from corral.sdk import AsyncClient, Client, FnCallResult, InvalidRequest
+
+__all__ = ["run_fncall_benchmark"]
+
+IMAGE = "busybox"  # the pool fncall("true") lands in (the default for a cmd call)
+WARMUP_CALLS = 20
+PROBE_EVERY = 10
+LEAK_PROBE = "echo x >> /tmp/leak; cat /tmp/leak | wc -l"
+SHELL_TRUE = ["/bin/sh", "-c", "true"]
+CONTAINER_EVERY = 10  # one fresh-container sample per this many calls: each costs ~50 fncalls
+THROUGHPUT_CALLS_PER_RUN = 5
+COLD_EVERY = 5  # one cold-pool sample per this many runs: each leaves a pool of warm sandboxes behind
+COLD_MEMORY_MB_BASE = 200
+SANDBOX_TTL_S = 600.0  # a sandbox leaked by a crashed bench still goes away
+ROUNDTRIP_TARGET_MS = 3.0
+THROUGHPUT_TARGET_PER_S = 500.0
+SETTLE_POLL_S, SETTLE_QUIET_POLLS, SETTLE_TIMEOUT_S = 0.025, 3, 5.0
+
+
+def _ms_since(started: float) -> float:
+    return (time.perf_counter() - started) * 1000
+
+
+def _require_success(result: FnCallResult, what: str) -> FnCallResult:
+    if result.exit_code != 0:
+        raise RuntimeError(f"`{what}` through fncall exited {result.exit_code}: {result.stderr[-300:]}")
+    return result
+
+
+def _shell_true_ms() -> float:
+    started = time.perf_counter()
+    subprocess.run(SHELL_TRUE, stdin=subprocess.DEVNULL, check=True)
+    return _ms_since(started)
+
+
+def _settle(client: Client) -> None:
+    """Wait until no call is in flight and the pools' warm counts stop moving (refills done), so
+    a sample does not share the cores with the previous sample's background work."""
+    deadline, quiet, last = time.monotonic() + SETTLE_TIMEOUT_S, 0, None
+    while quiet < SETTLE_QUIET_POLLS and time.monotonic() < deadline:
+        pools = client.fncall_pools()
+        state = [(pool.memory_mb, pool.warm, pool.in_use) for pool in pools]
+        quiet = quiet + 1 if state == last and not any(pool.in_use for pool in pools) else 0
+        last = state
+        time.sleep(SETTLE_POLL_S)
+
+
+def _roundtrip(client: Client, runs: int, progress: Progress) -> dict[str, Any]:
+    """Sequential fncall("true"), with sh -c true beside every call and a fresh container every 10th."""
+    samples: dict[str, list[float]] = {"fncall": [], "shell": [], "container": [], "probe": []}
+    task = progress.add_task("trivial call, sync (fncall, sh -c true, container)", total=WARMUP_CALLS + runs)
+    for _ in range(WARMUP_CALLS):
+        _require_success(client.fncall("true"), "true")
+        progress.advance(task)
+    for i in range(runs):
+        if i % PROBE_EVERY == PROBE_EVERY - 1:
+            started = time.perf_counter()
+            probe = _require_success(client.fncall(LEAK_PROBE), LEAK_PROBE)
+            samples["probe"].append(_ms_since(started))
+            if probe.stdout.strip() != "1":
+                raise RuntimeError(f"ISOLATION FAILURE: call {i} found {probe.stdout.strip()!r} lines in /tmp/leak, "
+                                   "not 1: a file written by an earlier call was still there")  # fmt: skip
+        else:
+            started = time.perf_counter()
+            _require_success(client.fncall("true"), "true")
+            samples["fncall"].append(_ms_since(started))
+        samples["shell"].append(_shell_true_ms())
+        if i % CONTAINER_EVERY == CONTAINER_EVERY // 2:
+            started = time.perf_counter()
+            with client.create(IMAGE, ttl_s=SANDBOX_TTL_S) as sandbox:
+                if sandbox.exec("true").exit_code != 0:
+                    raise RuntimeError("`true` in a fresh container failed")
+                samples["container"].append(_ms_since(started))
+        progress.advance(task)
+    return {key: summarize(values) for key, values in samples.items() if values}
+
+
+async def _fncall_rate(url: str, api_key: str, calls: int, clients: int, advance: Callable[[], None]) -> dict[str, Any]:
+    """`calls` fncall("true") through one AsyncClient, at most `clients` in flight."""
+    latencies: list[float] = []
+    hits = 0
+    async with AsyncClient(url, api_key) as client:
+        gate = asyncio.Semaphore(clients)
+
+        async def one() -> None:
+            nonlocal hits
+            async with gate:
+                started = time.perf_counter()
+                result = _require_success(await client.fncall("true"), "true")
+                latencies.append(_ms_since(started))
+            hits += result.pool_hit
+            advance()
+
+        started = time.perf_counter()
+        async with asyncio.TaskGroup() as group:
+            for _ in range(calls):
+                group.create_task(one())
+        wall_s = time.perf_counter() - started
+    return {**summarize(latencies), "calls": calls, "wall_s": wall_s, "calls_per_s": calls / wall_s,
+            "hit_rate": hits / calls}  # fmt: skip
+
+
+def _shell_rate(calls: int, workers: int, advance: Callable[[], None]) -> dict[str, Any]:
+    """`calls` fresh sh -c true from a pool of `workers` threads."""
+
+    def one(_: int) -> float:
+        elapsed_ms = _shell_true_ms()
+        advance()
+        return elapsed_ms
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        latencies = list(pool.map(one, range(calls)))
+    wall_s = time.perf_counter() - started
+    return {**summarize(latencies), "calls": calls, "wall_s": wall_s, "calls_per_s": calls / wall_s}
+
+
+def _throughput(server: EmbeddedServer, runs: int, clients: int, progress: Progress) -> dict[str, Any]:
+    calls, out = runs * THROUGHPUT_CALLS_PER_RUN, {}
+    for level in sorted({clients, 1}, reverse=True):
+        task = progress.add_task(f"throughput ×{level} (fncall, sh -c true threads)", total=2 * calls)
+        advance = functools.partial(progress.advance, task)
+        fncall = asyncio.run(_fncall_rate(server.url, server.api_key, calls, level, advance))
+        shell = _shell_rate(calls, level, advance)
+        out[str(level)] = {"fncall": fncall, "shell": shell}
+    return out
+
+
+def _cold(client: Client, samples: int, progress: Progress) -> dict[str, Any]:
+    """A call into a pool that does not exist yet: a new memory_mb per sample."""
+    latencies, hits = [], 0
+    task = progress.add_task("cold pool (a new pool per call)", total=samples)
+    for i in range(samples):
+        _settle(client)
+        started = time.perf_counter()
+        result = _require_success(client.fncall("true", memory_mb=COLD_MEMORY_MB_BASE + i), "true")
+        latencies.append(_ms_since(started))
+        hits += result.pool_hit
+        progress.advance(task)
+    return {**summarize(latencies), "pool_hits": hits}
+
+
+def _measure(data_dir: Path, runs: int, clients: int, progress: Progress) -> dict[str, Any]:
+    task = progress.add_task("starting corral serve", total=1)
+    server = EmbeddedServer(data_dir)
+    try:
+        server.start()
+        progress.update(task, completed=1)
+        with server.client() as client:
+            roundtrip = _roundtrip(client, runs, progress)
+            throughput = _throughput(server, runs, clients, progress)
+            cold = _cold(client, max(3, runs // COLD_EVERY), progress)
+            _settle(client)  # calls hand their sandbox back in the background: let that finish before stopping
+            pools = [pool.model_dump() for pool in client.fncall_pools()]
+        task = progress.add_task("cleaning up (pools, sandboxes, server)", total=1)
+    finally:
+        server.shutdown()  # the server kills its pools' warm sandboxes as it stops
+        host.orphans.reap()
+    progress.update(task, completed=1)
+    return {"roundtrip": roundtrip, "throughput": throughput, "cold": cold, "pools": pools}
+
+
+def _checks(report: dict[str, Any]) -> list[dict[str, Any]]:
+    p50, probes = report["roundtrip"]["fncall"]["p50"], report["roundtrip"].get("probe", {}).get("n", 0)
+    rate = report["throughput"][str(report["params"]["clients"])]["fncall"]["calls_per_s"]
+    return [
+        {"metric": "roundtrip", "target": f"p50 ≤ {ROUNDTRIP_TARGET_MS:g} ms", "value": p50,
+         "ok": p50 <= ROUNDTRIP_TARGET_MS},
+        {"metric": "throughput", "target": f"≥ {THROUGHPUT_TARGET_PER_S:g} calls/s", "value": rate,
+         "ok": rate >= THROUGHPUT_TARGET_PER_S},
+        {"metric": "isolation", "target": "every probe prints 1", "value": probes, "ok": True},
+    ]  # fmt: skip
+
+
+def _table(report: dict[str, Any]) -> Table:
+    roundtrip, throughput, cold, params, info = (report[key] for key in ("roundtrip", "throughput", "cold", "params",
+                                                                         "host"))  # fmt: skip
+    checks = {check["metric"]: check for check in report["checks"]}
+    caption = (f"{params['runs']} sequential calls (every {PROBE_EVERY}th a leak probe), each beside sh -c true; "
+               f"{len(throughput)} throughput passes of {params['throughput_calls']} calls; client, server and "
+               f"sandboxes share {info['cpu_count']} cpus. Kernel {info['kernel']}.")  # fmt: skip
+    table = Table("metric", "p50", "p95", "baseline (same run)", "ratio", "target", "verdict",
+                  title="corral bench-fncall", caption=caption)  # fmt: skip
+
+    def verdict(metric: str) -> str:
+        return "[green]ok[/green]" if checks[metric]["ok"] else "[red]missed[/red]"
+
+    def timing(label: str, ours: dict[str, float], base_label: str, base: dict[str, float] | None,
+               metric: str | None = None) -> None:  # fmt: skip
+        ratio = f"{ours['p50'] / base['p50']:.2f}×" if base else "-"
+        table.add_row(label, f"{ours['p50']:.2f} ms", f"{ours['p95']:.2f} ms",
+                      f"{base_label} {base['p50']:.2f} ms" if base else base_label, ratio,
+                      checks[metric]["target"] if metric else "-", verdict(metric) if metric else "-")  # fmt: skip
+
+    timing("trivial call, sync", roundtrip["fncall"], "sh -c true", roundtrip["shell"], "roundtrip")
+    if "container" in roundtrip:
+        timing("  vs a fresh container", roundtrip["fncall"], "create + exec", roundtrip["container"])
+    if "probe" in roundtrip:
+        probes = roundtrip["probe"]["n"]
+        timing(f"leak probe ×{probes} (all printed 1)", roundtrip["probe"], "trivial call", roundtrip["fncall"],
+               "isolation")  # fmt: skip
+    for level, side in throughput.items():
+        ours, base = side["fncall"], side["shell"]
+        gated = level == str(params["clients"])
+        target, outcome = (checks["throughput"]["target"], verdict("throughput")) if gated else ("-", "-")
+        table.add_row(f"throughput ×{level} client{'s' * (level != '1')}, hits {ours['hit_rate']:.1%}",
+                      f"{ours['p50']:.2f} ms ({ours['calls_per_s']:.0f}/s)", f"{ours['p95']:.2f} ms",
+                      f"sh -c true ×{level} threads: {base['calls_per_s']:.0f}/s",
+                      f"{ours['calls_per_s'] / base['calls_per_s']:.2f}× rate",
+                      target, outcome)  # fmt: skip
+    timing(f"cold pool ×{cold['n']} (new pool per call)", cold, "warm call", roundtrip["fncall"])
+    return table
+
+
+def _pool_line(pools: list[dict[str, Any]]) -> str:
+    totals = {key: sum(pool[key] for pool in pools) for key in ("hits", "misses", "recycled", "replaced")}
+    return (f"fncall pools ({len(pools)}): hits {totals['hits']}, misses {totals['misses']}, "
+            f"recycled {totals['recycled']}, replaced {totals['replaced']}")  # fmt: skip
+
+
+def run_fncall_benchmark(*, runs: int, clients: int, as_json: bool, console: Console) -> None:
+    """Measure fncall round trip, throughput and cold start against same-run baselines, then print a table (or JSON)."""
+    if runs < 1 or clients < 1:
+        raise InvalidRequest("--runs and --clients must be at least 1")
+    if os.geteuid() != 0:
+        raise SystemExit("corral bench-fncall needs root: the server it starts runs containers")
+    host.become_child_subreaper()  # what the server's sandboxes leave behind comes to us; host.orphans reaps it
+    data_dir = Path(tempfile.mkdtemp(prefix="corral-bench-fncall."))
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())  # fmt: skip
+    try:
+        with Progress(*columns, console=Console(stderr=True) if as_json else console) as progress:
+            results = _measure(data_dir / "server", runs, clients, progress)
+    finally:
+        shutil.rmtree(data_dir, ignore_errors=True)
+    report: dict[str, Any] = {
+        "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "unit": "ms",
+        "params": {"runs": runs, "clients": clients, "image": IMAGE, "warmup_calls": WARMUP_CALLS,
+                   "probe_every": PROBE_EVERY, "throughput_calls": runs * THROUGHPUT_CALLS_PER_RUN},
+        "host": {"kernel": platform.release(), "cpu_count": os.cpu_count()},
+        **results,
+    }  # fmt: skip
+    report["checks"] = _checks(report)
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        console.print(_table(report))
+        console.print(_pool_line(report["pools"]))
