@@ -31,6 +31,7 @@ from corral.edge.local import LocalEdge, node_capacity
 from corral.gateway.app import create_app
 from corral.gateway.auth import JobTokens
 from corral.gateway.fncall import FnCallService
+from corral.gateway.grading import Grader
 from corral.gateway.images import ImageService
 from corral.gateway.service import SandboxService
 from corral.gateway.trajectory import Trajectories
@@ -54,6 +55,7 @@ class Services:
     trajectories: Trajectories
     tokens: JobTokens
     fncall: FnCallService
+    grader: Grader
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -136,8 +138,9 @@ def serve(settings: Settings) -> None:
             await fncall.start()
             try:
                 yield Services(
-                    sandboxes=service, images=images, trajectories=trajectories, tokens=tokens, fncall=fncall
-                )
+                    sandboxes=service, images=images, trajectories=trajectories, tokens=tokens, fncall=fncall,
+                    grader=Grader(images, service),
+                )  # fmt: skip
             finally:
                 await fncall.close()
         finally:

@@ -31,6 +31,11 @@ __all__ = [
 class LayerRef:
     digest: str
     path: Path  # the EROFS file on this node
+    alias: str = ""  # a second mount of a layer already lower in the stack (overlayfs refuses one dir twice)
+
+    @property
+    def mount_key(self) -> str:
+        return f"{self.digest}#{self.alias}" if self.alias else self.digest
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,8 @@ from corral.sdk._models import (
     FnCallRequest,
     FnCallResult,
     ForkRequest,
+    GradeRequest,
+    GradeResult,
     ImageDetail,
     ImageInfo,
     LayerInfo,
@@ -304,6 +306,11 @@ def create_app(service_factory, max_file_bytes: int, upload_dir: Path) -> FastAP
     @app.post("/v1/sandboxes/{sandbox_id}/resume", dependencies=[Auth])
     async def resume_sandbox(sandbox_id: str, svc: Service) -> SandboxInfo:
         return await svc.resume(sandbox_id)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/grade", dependencies=[Auth])
+    async def grade_sandbox(sandbox_id: str, body: GradeRequest, request: Request) -> GradeResult:
+        """Grade its final state in a separate sandbox: hidden layers added, trusted tools on top."""
+        return await request.app.state.service.grader.grade(sandbox_id, body)
 
     @app.post("/v1/sandboxes/{sandbox_id}/fork", status_code=201, dependencies=[Auth])
     async def fork_sandbox(sandbox_id: str, body: ForkRequest, images: Images) -> list[SandboxInfo]:

@@ -124,8 +124,13 @@ class SandboxService:
 
     # -- sandboxes -----------------------------------------------------------
 
-    def _layer_refs(self, digests: list[str]) -> tuple[LayerRef, ...]:
-        return tuple(LayerRef(digest=d, path=self._catalogue.store.layer_path(d)) for d in digests)
+    def _layer_refs(self, entries: list[str]) -> tuple[LayerRef, ...]:
+        """Stack entries (``digest`` or ``digest#alias``) to the layer files on this node."""
+        refs = []
+        for entry in entries:
+            digest, _, alias = entry.partition("#")
+            refs.append(LayerRef(digest=digest, path=self._catalogue.store.layer_path(digest), alias=alias))
+        return tuple(refs)
 
     def stack(self, refs: list[str]) -> list[str]:
         """Image refs and layer digests to one bottom-first stack of digests.
@@ -138,7 +143,7 @@ class SandboxService:
         for ref in refs:
             digests = [ref] if ref.startswith("sha256:") else list(self._catalogue.resolve(ref).layers)
             for digest in digests:
-                self._catalogue.layer(digest)
+                self._catalogue.layer(digest.partition("#")[0])
                 if digest not in stack:
                     stack.append(digest)
         return stack
@@ -187,7 +192,7 @@ class SandboxService:
         return list(self.record(sandbox_id)["layers"])
 
     def layers_in_use(self) -> set[str]:
-        return {d for record in self._store.list(states=_ACTIVE) for d in record["layers"]}
+        return {d.partition("#")[0] for record in self._store.list(states=_ACTIVE) for d in record["layers"]}
 
     def _spec_from_record(self, record: dict) -> SandboxSpec:  # type: ignore[type-arg]
         return SandboxSpec(
@@ -215,7 +220,7 @@ class SandboxService:
             request = request.model_copy(update={"idle_pause_s": self._default_idle_pause_s})
         digests, image_name = self._resolve_root(request)
         layers = self._layer_refs(digests)
-        self._catalogue.touch(digests)
+        self._catalogue.touch([d.partition("#")[0] for d in digests])
         refused: set[str] = set()
         while True:
             loads = [await edge.load() for edge_id, edge in self._edges.items() if edge_id not in refused]

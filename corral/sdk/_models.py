@@ -23,6 +23,8 @@ __all__ = [
     "SandboxInfo",
     "SetTtlRequest",
     "PauseResult",
+    "GradeRequest",
+    "GradeResult",
     "FnCallRequest",
     "FnCallResult",
     "FnCallBatch",
@@ -331,6 +333,35 @@ class PoolStats(_Model):
     misses: int
     recycled: int = Field(description="Sandboxes reused after a call that left nothing behind.")
     replaced: int = Field(description="Sandboxes thrown away after a call that changed something.")
+
+
+class GradeRequest(_Model):
+    """Grade a sandbox's final state in a separate sandbox the agent never touched."""
+
+    cmd: str | list[str] = Field(description="The grader command (a shell string runs under the trusted /bin/sh).")
+    hidden: list[str] = Field(
+        default_factory=list, description="Images or layers with tests and answers: added only for grading."
+    )
+    trusted: list[str] = Field(
+        default_factory=list,
+        description="Images or layers stacked on top (the shell, test runner, interpreter the grader relies on), "
+        "so nothing the agent replaced is used.",
+    )
+    reward_path: str | None = Field(None, description="The file the grader writes its reward to (read back).")
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    timeout_s: float = Field(600.0, gt=0, le=86400)
+
+
+class GradeResult(_Model):
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    timed_out: bool
+    reward: str | None = Field(
+        description="What the grader wrote to reward_path (what the agent wrote there is ignored)."
+    )
+    grader_layers: list[str] = Field(description="The grader sandbox's layers, bottom first.")
 
 
 class ExecResult(_Model):

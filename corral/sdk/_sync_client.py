@@ -33,6 +33,8 @@ from corral.sdk._models import (
     ExecResult,
     FileInfo,
     FnCallBatch,
+    GradeRequest,
+    GradeResult,
     FnCallRequest,
     FnCallResult,
     ForkRequest,
@@ -440,6 +442,27 @@ class Sandbox:
             "POST", f"/v1/sandboxes/{self.id}/trajectory/replay", json=body, timeout_s=3600
         )
         return ReplayResult.model_validate(response.json())
+
+    def grade(
+        self,
+        cmd: str | list[str],
+        *,
+        hidden: list[str] | None = None,
+        trusted: list[str] | None = None,
+        reward_path: str | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout_s: float = 600.0,
+    ) -> GradeResult:
+        """Grade this sandbox's final state in a separate sandbox with the ``hidden`` layers (tests, answers)
+        and ``trusted`` tools on top; only what the grader writes to ``reward_path`` counts."""
+        fields = {"cmd": cmd, "hidden": hidden or [], "trusted": trusted or [], "reward_path": reward_path,
+                  "env": env or {}, "cwd": cwd, "timeout_s": timeout_s}  # fmt: skip
+        body = _validated(GradeRequest, fields).model_dump(mode="json")
+        response = self._transport.request(
+            "POST", f"/v1/sandboxes/{self.id}/grade", json=body, timeout_s=timeout_s + 600
+        )
+        return GradeResult.model_validate(response.json())
 
     def pause(self, *, wait_reclaim: bool = False) -> PauseResult:
         """Freeze it (processes and memory kept) and give its memory back; any request resumes it.

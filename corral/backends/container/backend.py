@@ -242,16 +242,16 @@ class ContainerBackend:
         acquired: list[Path] = []
         try:
             for layer in reversed(spec.layers):
-                acquired.append(await self._mounts.acquire(layer.digest, layer.path))
+                acquired.append(await self._mounts.acquire(layer.mount_key, layer.path))
         except BaseException:
             for layer in list(reversed(spec.layers))[: len(acquired)]:
-                self._mounts.release(layer.digest)
+                self._mounts.release(layer.mount_key)
             raise
         return acquired
 
     def _release_layers(self, spec: SandboxSpec) -> None:
         for layer in spec.layers:
-            self._mounts.release(layer.digest)
+            self._mounts.release(layer.mount_key)
 
     async def adopt(self, spec: SandboxSpec) -> str | None:
         runtime = self.runtime(spec.runtime)

@@ -127,18 +127,20 @@ class LayerMounts:
         self._mounts: dict[str, _LayerMount] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
-    async def acquire(self, digest: str, image_file: Path) -> Path:
-        """The layer's mountpoint, mounting it on first use; pair with release()."""
-        lock = self._locks.setdefault(digest, asyncio.Lock())
+    async def acquire(self, key: str, image_file: Path) -> Path:
+        """The layer's mountpoint, mounting it on first use; pair with release().
+
+        ``key`` is the digest, or ``digest#alias`` for a second mount of the same layer."""
+        lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
-            mount = self._mounts.get(digest)
+            mount = self._mounts.get(key)
             if mount is None:
-                await asyncio.to_thread(self._verify, digest, image_file)
-                target = self._root / digest.replace(":", "-")
+                await asyncio.to_thread(self._verify, key.partition("#")[0], image_file)
+                target = self._root / key.replace(":", "-").replace("#", "-")
                 target.mkdir(parents=True, exist_ok=True)
                 if not os.path.ismount(target):
                     _mount(str(image_file), str(target), "erofs", _MS_RDONLY, None)
-                mount = self._mounts[digest] = _LayerMount(target)
+                mount = self._mounts[key] = _LayerMount(target)
             mount.users += 1
             mount.idle_since = None
             return mount.target

@@ -1,0 +1,75 @@
+"""Adversarial cases: an agent that cheats, inside real sandboxes; the cheat must fail or be contained."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+import corral
+
+GRADER = (
+    'if [ "$(cat /work/answer)" = "$(cat /hidden/expected)" ]; then echo 1 > /reward; else echo 0 > /reward; fi; '
+    "echo graded-by-$(readlink /bin/sh)"
+)
+
+
+@pytest.fixture(scope="module")
+def grading_layers(tmp_path_factory: pytest.TempPathFactory, server) -> tuple[str, str]:  # type: ignore[no-untyped-def]
+    """A hidden layer with the answer, and a trusted-tools layer with a known-good shell."""
+    root = tmp_path_factory.mktemp("grading")
+    hidden = root / "hidden"
+    (hidden / "hidden").mkdir(parents=True)
+    (hidden / "hidden" / "expected").write_text("42\n")
+    trusted = root / "trusted"
+    (trusted / "bin").mkdir(parents=True)
+    shutil.copy2("/bin/busybox", trusted / "bin" / "busybox")
+    for applet in ("sh", "cat", "echo", "readlink"):
+        (trusted / "bin" / applet).symlink_to("busybox")
+    with server.client() as client:
+        client.images.build("answers", "dir", path=str(hidden), layer_kind="tools")
+        client.images.build("trusted-sh", "dir", path=str(trusted), layer_kind="tools")
+    return "answers", "trusted-sh"
+
+
+def test_hidden_answers_are_never_in_the_agents_sandbox(client: corral.Client, grading_layers) -> None:  # type: ignore[no-untyped-def]
+    answers, _ = grading_layers
+    with client.create("busybox") as agent:
+        assert agent.exec("find / -path /proc -prune -o -name expected -print").stdout == ""
+        agent.exec("mkdir -p /work && echo 42 > /work/answer")
+        graded = agent.grade(GRADER, hidden=[answers], reward_path="/reward")
+        assert graded.reward == "1\n"
+        assert not agent.files.exists("/hidden/expected")  # grading did not expose them afterwards either
+
+
+def test_reward_written_by_the_agent_is_ignored(client: corral.Client, grading_layers) -> None:  # type: ignore[no-untyped-def]
+    answers, trusted = grading_layers
+    with client.create("busybox") as agent:
+        agent.exec("mkdir -p /work && echo 41 > /work/answer && echo 1 > /reward")  # wrong answer, forged reward
+        graded = agent.grade(GRADER, hidden=[answers], trusted=[trusted], reward_path="/reward")
+        assert graded.reward == "0\n"
+
+
+def test_a_replaced_shell_is_shadowed_by_the_trusted_one(client: corral.Client, grading_layers) -> None:  # type: ignore[no-untyped-def]
+    answers, trusted = grading_layers
+    with client.create("busybox") as agent:
+        agent.exec("mkdir -p /work && echo 41 > /work/answer")
+        # Overwrite the shell the grader would use with one that always reports success.
+        agent.exec("rm /bin/sh && printf '#!/bin/busybox ash\\necho 1 > /reward\\n' > /bin/sh && chmod +x /bin/sh")
+        graded = agent.grade(GRADER, hidden=[answers], trusted=[trusted], reward_path="/reward")
+        assert graded.reward == "0\n" and "graded-by-busybox" in graded.stdout
+        assert graded.grader_layers[-1] == client.images.inspect(trusted).layers[0].digest
+
+
+def test_trusted_base_is_mounted_again_on_top(client: corral.Client) -> None:
+    with client.create("busybox") as agent:
+        agent.exec("rm /bin/cat && printf '#!/bin/sh\\necho fake\\n' > /bin/cat && chmod +x /bin/cat")
+        graded = agent.grade("cat /etc/hostname >/dev/null && echo real-cat", trusted=["busybox"])
+        assert graded.stdout == "real-cat\n"
+        assert graded.grader_layers[-1].endswith("#trusted")
+
+
+def test_grader_needs_existing_layers(client: corral.Client) -> None:
+    with client.create("busybox") as agent:
+        with pytest.raises(corral.NotFound):
+            agent.grade("true", hidden=["no-such-answers"])
