@@ -35,6 +35,7 @@ from corral.gateway.grading import Grader
 from corral.gateway.images import ImageService
 from corral.gateway.service import SandboxService
 from corral.gateway.trajectory import Trajectories
+from corral.guard.audit import AuditLog
 from corral.images.builders import LayerBuilder
 from corral.images.catalogue import Catalogue
 from corral.images.store import LayerStore
@@ -115,6 +116,7 @@ def serve(settings: Settings) -> None:
             default_runtime=settings.runtime,
             ttl_check_interval_s=settings.ttl_check_interval_s,
             default_idle_pause_s=settings.idle_pause_s,
+            audit_log=AuditLog(store.engine),
         )
         edges[settings.edge_id] = LocalEdge(settings.edge_id, backend, capacity, service)
         await service.start()

@@ -52,6 +52,7 @@ class SandboxSpec:
     user: str = "root"
     idle_pause_s: float | None = None
     network: tuple[AllowRule, ...] | None = None  # None: loopback only; else plugged in with this egress allowlist
+    protected_paths: tuple[str, ...] = ()  # besides system binaries: changes raise audit events
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,10 @@ class Backend(Protocol):
 
     async def pack_diff(self, sandbox_id: str, dest: Path) -> None:
         """Write the sandbox's filesystem changes as a layer file at ``dest``."""
+
+    async def findings(self, sandbox_id: str) -> tuple[list[str], int]:
+        """What a command may have done that the audit log wants: changed paths in the writable layer under
+        the protected prefixes (system binaries, the spec's protected_paths), and PID-limit hits so far."""
 
     async def recycle(self, sandbox_id: str) -> bool:
         """End every process of the last use; True if nothing of it is left, so it can be used as new."""

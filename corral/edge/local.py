@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from corral.backends.base import (
     Backend,
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _FINISHED_COMMANDS_KEPT = 256
 _HOUSEKEEPING_INTERVAL_S = 1.0
+_NETWORK_AUDIT_EVERY = 5
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,9 @@ class _Sandbox:
     watcher: asyncio.Task[None] | None = None
     owner: tuple[int, int] | None = None  # uid, gid of spec.user, looked up on first file write
     paused: bool = False
+    reported_paths: set[str] = field(default_factory=set)  # protected paths already in the audit log
+    pid_limit_hits: int = 0
+    denied_packets: int = 0
     last_active: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # pause and resume one at a time
 
@@ -158,11 +163,15 @@ class LocalEdge:
         self._housekeeping = asyncio.get_running_loop().create_task(self._keep_house())
 
     async def _keep_house(self) -> None:
+        rounds = 0
         while True:
             await asyncio.sleep(_HOUSEKEEPING_INTERVAL_S)
             try:
                 self._backend.housekeeping()
                 await self._pause_idle()
+                rounds += 1
+                if rounds % _NETWORK_AUDIT_EVERY == 0:  # an nft listing per networked sandbox: not every second
+                    await self._audit_network()
             except Exception:
                 log.exception("edge %s: housekeeping failed; retrying", self.edge_id)
 
@@ -437,6 +446,31 @@ class LocalEdge:
         self._get(sandbox_id)
         address, denied = await self._backend.network_status(sandbox_id)
         return address, denied.egress_packets if denied else 0, denied.ingress_packets if denied else 0
+
+    async def audit_after_command(self, sandbox_id: str) -> list[tuple[str, str, dict[str, Any]]]:
+        sandbox = self._get(sandbox_id)
+        changed, pid_limit_hits = await self._backend.findings(sandbox_id)
+        found: list[tuple[str, str, dict[str, Any]]] = []
+        new_paths = [path for path in changed if path not in sandbox.reported_paths]
+        if new_paths:
+            sandbox.reported_paths.update(new_paths)
+            found.append(("protected_path_modified", "critical", {"paths": new_paths[:100]}))
+        if pid_limit_hits > sandbox.pid_limit_hits:
+            found.append(("pids_limit", "warning", {"hits": pid_limit_hits - sandbox.pid_limit_hits,
+                                                    "pids_max": sandbox.spec.pids_max}))  # fmt: skip
+            sandbox.pid_limit_hits = pid_limit_hits
+        return found
+
+    async def _audit_network(self) -> None:
+        """Denied packets of networked sandboxes since the last look become audit events."""
+        for sandbox_id, sandbox in list(self._sandboxes.items()):
+            if sandbox.paused:
+                continue
+            _, egress, ingress = await self.network_status(sandbox_id)
+            if egress + ingress > sandbox.denied_packets:
+                detail = {"packets": egress + ingress - sandbox.denied_packets, "egress_total": egress}
+                self._events.audit(sandbox_id, "network_denied", "warning", detail)
+                sandbox.denied_packets = egress + ingress
 
     async def recycle(self, sandbox_id: str) -> bool:
         sandbox = self._get(sandbox_id)

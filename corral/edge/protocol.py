@@ -11,7 +11,7 @@ import re
 import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from corral.backends.base import SandboxSpec
 from corral.sdk._exceptions import NotFound
@@ -33,6 +33,9 @@ class EdgeEvents(Protocol):
 
     def resumed(self, sandbox_id: str, at: float) -> None:
         """Resumed because a request arrived while it was paused."""
+
+    def audit(self, sandbox_id: str, kind: str, severity: str, detail: dict[str, Any]) -> None:
+        """Something the audit log should record (e.g. denied network packets found by housekeeping)."""
 
 
 def new_sandbox_id(edge_id: str) -> str:
@@ -94,6 +97,9 @@ class Edge(Protocol):
     async def upload_tar(self, sandbox_id: str, path: str, data: bytes) -> int: ...
 
     async def download_tar(self, sandbox_id: str, path: str) -> bytes: ...
+
+    async def audit_after_command(self, sandbox_id: str) -> list[tuple[str, str, dict[str, Any]]]:
+        """New findings since the last call: protected paths changed, PID-limit hits; (kind, severity, detail)."""
 
     async def recycle(self, sandbox_id: str) -> bool:
         """End every process of its last use; True if nothing of that use is left (it can serve as new)."""

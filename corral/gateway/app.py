@@ -28,6 +28,7 @@ from corral.gateway.service import SandboxService
 from corral.gateway.trajectory import Trajectories
 from corral.sdk._exceptions import CorralError, InvalidRequest, PayloadTooLarge
 from corral.sdk._models import (
+    AuditEvent,
     BuildRequest,
     BulkRequest,
     BulkResult,
@@ -345,6 +346,30 @@ def create_app(service_factory, max_file_bytes: int, upload_dir: Path) -> FastAP
         caller.require_admin("change the sandbox network")
         await svc.attach_network_peer(body.name, body.netns_path, body.address)
         return Response(status_code=204)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/audit", dependencies=[Auth])
+    async def sandbox_audit(
+        sandbox_id: str, svc: Service, after_id: Annotated[int, Query(ge=0)] = 0
+    ) -> list[AuditEvent]:
+        """Its audit events (each exec and file write is in its trajectory log)."""
+        svc.get(sandbox_id)
+        return [AuditEvent.model_validate(e) for e in svc.audit_log.events(sandbox_id=sandbox_id, after_id=after_id)]
+
+    @app.get("/v1/audit")
+    async def audit_stream(
+        svc: Service,
+        caller: CallerDep,
+        after_id: Annotated[int, Query(ge=0)] = 0,
+        severity: Annotated[Literal["info", "warning", "critical"] | None, Query()] = None,
+        wait_s: Annotated[float, Query(ge=0, le=300, description="Wait this long for new events if none.")] = 0,
+    ) -> list[AuditEvent]:
+        """Events of every sandbox after ``after_id``, oldest first: poll with the last id to follow the stream."""
+        caller.require_admin("read every sandbox's audit events")
+        events = svc.audit_log.events(after_id=after_id, severity=severity)
+        if not events and wait_s > 0:
+            await svc.audit_log.wait(wait_s)
+            events = svc.audit_log.events(after_id=after_id, severity=severity)
+        return [AuditEvent.model_validate(e) for e in events]
 
     @app.get("/v1/sandboxes/{sandbox_id}/network", dependencies=[Auth])
     async def network_status(sandbox_id: str, svc: Service) -> NetworkStatus:

@@ -20,6 +20,7 @@ from corral.backends.base import LayerRef, SandboxSpec
 from corral.backends.container.network import AllowRule
 from corral.edge.local import to_allow_rules
 from corral.edge.protocol import Edge, edge_of, new_sandbox_id
+from corral.guard.audit import AuditLog
 from corral.images.catalogue import Catalogue
 from corral.scheduler.placement import place
 from corral.sdk._exceptions import CapacityExhausted, InvalidRequest, NotFound, SandboxGone
@@ -58,8 +59,10 @@ class SandboxService:
         default_runtime: str,
         ttl_check_interval_s: float,
         default_idle_pause_s: float | None = None,
+        audit_log: AuditLog | None = None,
     ) -> None:
         self._store = store
+        self.audit_log = audit_log
         self._default_idle_pause_s = default_idle_pause_s
         self._catalogue = catalogue
         self._edges = edges
@@ -111,6 +114,10 @@ class SandboxService:
 
     def resumed(self, sandbox_id: str, at: float) -> None:
         self._store.mark_resumed(sandbox_id, at)
+
+    def audit(self, sandbox_id: str, kind: str, severity: str, detail: dict[str, Any]) -> None:
+        if self.audit_log is not None:
+            self.audit_log.record(sandbox_id, kind, severity, detail)
 
     async def _reap_expired(self) -> None:
         while True:
@@ -208,6 +215,7 @@ class SandboxService:
             user=record["user"],
             idle_pause_s=record["idle_pause_s"],
             network=_rules(record["network"]),
+            protected_paths=tuple(record["protected_paths"] or ()),
         )
 
     async def create(self, request: CreateSandboxRequest) -> SandboxInfo:
@@ -239,6 +247,7 @@ class SandboxService:
                 user=request.user,
                 idle_pause_s=request.idle_pause_s,
                 network=to_allow_rules(request.network.allow) if request.network is not None else None,
+                protected_paths=tuple(request.protected_paths),
             )
             self._store.insert(
                 {
@@ -249,6 +258,7 @@ class SandboxService:
                     "created_at": now, "expires_at": now + request.ttl_s if request.ttl_s else None,
                     "ttl_counts_paused": request.ttl_counts_paused, "idle_pause_s": request.idle_pause_s,
                     "network": request.network.model_dump() if request.network is not None else None,
+                    "protected_paths": request.protected_paths,
                 }
             )  # fmt: skip
             try:

@@ -12,6 +12,7 @@ exported, replayable, but never matched against a resend.
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import hashlib
 import uuid
@@ -21,6 +22,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from corral.gateway.service import SandboxService
+from corral.guard.audit import detect_in_command
 from corral.sdk._exceptions import CorralError, InvalidRequest, NotFound, SandboxGone, error_from_response
 from corral.sdk._models import (
     CommandInfo,
@@ -41,6 +43,13 @@ __all__ = ["Trajectories"]
 _AUTO_PREFIX = "auto-"
 M = TypeVar("M", bound=BaseModel)
 _REPLAY_COMPARED = ("exit_code", "stdout", "stderr")
+
+
+def _command_text(request: dict[str, Any]) -> str | None:
+    cmd = request.get("cmd")
+    if cmd is None:
+        return None
+    return cmd if isinstance(cmd, str) else " ".join(cmd)
 
 
 def _auto_id() -> str:
@@ -90,6 +99,28 @@ class Trajectories:
         result.pop(LOG_CAP_KEY, None)
         return result
 
+    async def _audit(self, sandbox_id: str, command: str | None, result: ExecResult | None) -> None:
+        """Audit events for one step: detector hits on the command, quota hits in the result, protected
+        paths it changed (the edge remembers what it reported already)."""
+        audit = self._sandboxes.audit_log
+        if audit is None:
+            return
+        found: list[tuple[str, str, dict[str, Any]]] = []
+        if command:
+            found += [(kind, severity, {"cmd": command[:500]}) for kind, severity in detect_in_command(command)]
+        if result is not None:
+            if result.oom_killed:
+                found.append(("oom_kill", "warning", {"command_id": result.command_id}))
+            if result.timed_out:
+                found.append(("timeout", "info", {"command_id": result.command_id}))
+            if result.stdout_truncated or result.stderr_truncated:
+                found.append(("output_capped", "info", {"stdout": result.stdout_truncated,
+                                                        "stderr": result.stderr_truncated}))  # fmt: skip
+        with contextlib.suppress(NotFound, SandboxGone):
+            found += await self._sandboxes.call(sandbox_id, lambda edge: edge.audit_after_command(sandbox_id))
+        for kind, severity, detail in found:
+            audit.record(sandbox_id, kind, severity, detail)
+
     async def _logged(
         self,
         sandbox_id: str,
@@ -109,6 +140,7 @@ class Trajectories:
                 self._log.append(sandbox_id, _auto_id(), kind, request, _error(exc))
                 raise
             self._log.append(sandbox_id, _auto_id(), kind, request, result.model_dump(mode="json"))
+            await self._audit(sandbox_id, _command_text(request), result if isinstance(result, ExecResult) else None)
             return result
         step = self._begin(sandbox_id, step_id, kind, request)
         if isinstance(step, Replay):
@@ -124,6 +156,7 @@ class Trajectories:
             self._log.fail(step, _error(exc)["error"])
             raise
         self._log.finish(step, result.model_dump(mode="json"), files=files)
+        await self._audit(sandbox_id, _command_text(request), result if isinstance(result, ExecResult) else None)
         return result
 
     # -- the logged operations ------------------------------------------
@@ -174,6 +207,7 @@ class Trajectories:
                     if step is not None and since is not None:
                         files = await self._sandboxes.call(sandbox_id, lambda e: e.changed_paths(sandbox_id, since))
                     self._record(sandbox_id, step, "exec_stream", body, outcome, files)
+                    await self._audit(sandbox_id, _command_text(body), event.result)
                 elif event.type in output:
                     output[event.type].append(event.data or "")
                 yield event

@@ -23,6 +23,7 @@ __all__ = [
     "SandboxInfo",
     "SetTtlRequest",
     "PauseResult",
+    "AuditEvent",
     "GradeRequest",
     "GradeResult",
     "FnCallRequest",
@@ -138,6 +139,11 @@ class CreateSandboxRequest(_Model):
     )
     network: NetworkPolicy | None = Field(
         None, description="Null (the default): loopback only. Else plugged in with this egress allowlist."
+    )
+    protected_paths: list[str] = Field(
+        default_factory=list,
+        description="Paths (prefixes) whose modification raises a critical audit event, e.g. the task's tests; "
+        "system binaries and libraries are always protected.",
     )
 
 
@@ -333,6 +339,18 @@ class PoolStats(_Model):
     misses: int
     recycled: int = Field(description="Sandboxes reused after a call that left nothing behind.")
     replaced: int = Field(description="Sandboxes thrown away after a call that changed something.")
+
+
+class AuditEvent(_Model):
+    id: int = Field(description="Increasing; pass the last one seen as after_id to follow the stream.")
+    sandbox_id: str
+    at: float
+    kind: str = Field(
+        description="e.g. oom_kill, pids_limit, timeout, output_capped, protected_path_modified, "
+        "network_denied, and detector findings such as probe_kernel_memory or modifies_tests"
+    )
+    severity: Literal["info", "warning", "critical"]
+    detail: dict[str, Any]
 
 
 class GradeRequest(_Model):

@@ -21,6 +21,7 @@ from corral.sdk._models import (
     DEFAULT_OUTPUT_CAP_BYTES,
     DEFAULT_PIDS_MAX,
     DEFAULT_TTL_S,
+    AuditEvent,
     BuildEvent,
     BuildRequest,
     BulkRequest,
@@ -404,6 +405,11 @@ class Sandbox:
         content = data.encode() if isinstance(data, str) else data
         self._transport.request("POST", f"/v1/sandboxes/{self.id}/commands/{command_id}/stdin", content=content)
 
+    def audit_events(self, *, after_id: int = 0) -> list[AuditEvent]:
+        """What it did that a trainer should know about (quota hits, protected writes, detector findings)."""
+        response = self._transport.request("GET", f"/v1/sandboxes/{self.id}/audit", params={"after_id": after_id})
+        return [AuditEvent.model_validate(item) for item in response.json()]
+
     def set_network(self, allow: list[NetworkRule] | list[dict[str, Any]]) -> NetworkStatus:
         """Replace the egress allowlist while it runs, e.g. open the package mirror for setup, close it after."""
         body = _validated(NetworkPolicy, {"allow": allow}).model_dump()
@@ -550,13 +556,14 @@ class Client:
         idle_pause_s: float | None = None,
         ttl_counts_paused: bool = False,
         network: NetworkPolicy | dict[str, Any] | None = None,
+        protected_paths: list[str] | None = None,
     ) -> Sandbox:
         """Create a sandbox from ``image``, an ``environment`` ({base, workspace, tools}), or ``layers``."""
         fields = {
             "image": image, "environment": environment, "layers": layers, "backend": backend, "runtime": runtime,
             "cpu": cpu, "memory_mb": memory_mb, "pids_max": pids_max, "env": env or {}, "cwd": cwd, "user": user,
             "labels": labels or {}, "ttl_s": ttl_s, "idle_pause_s": idle_pause_s,
-            "ttl_counts_paused": ttl_counts_paused, "network": network,
+            "ttl_counts_paused": ttl_counts_paused, "network": network, "protected_paths": protected_paths or [],
         }  # fmt: skip
         body = _validated(CreateSandboxRequest, fields)
         response = self._transport.request("POST", "/v1/sandboxes", json=body.model_dump(mode="json"))
@@ -641,6 +648,18 @@ class Client:
         """Plug a namespace of the server's machine (a package mirror, an uplink) into the sandbox network."""
         body = {"name": name, "netns_path": netns_path, "address": address}
         self._transport.request("POST", "/v1/network/peers", json=body)
+
+    def audit_events(
+        self, *, after_id: int = 0, severity: str | None = None, wait_s: float = 0.0
+    ) -> list[AuditEvent]:
+        """Audit events of every sandbox after ``after_id``; ``wait_s`` waits for new ones (a stream, by polling)."""
+        params: dict[str, Any] = {
+            "after_id": after_id,
+            "wait_s": wait_s,
+            **({"severity": severity} if severity else {}),
+        }
+        response = self._transport.request("GET", "/v1/audit", params=params, timeout_s=wait_s)
+        return [AuditEvent.model_validate(item) for item in response.json()]
 
     def issue_job_token(self, job: str) -> str:
         """A bearer token that reaches only sandboxes labelled job=<job>: hand it to a trainer so that,

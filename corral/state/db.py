@@ -61,6 +61,7 @@ sandboxes = Table(
     Column("idle_pause_s", Float, nullable=True),
     Column("paused_at", Float, nullable=True),
     Column("network", JSON, nullable=True),  # NetworkPolicy as JSON; null = loopback only
+    Column("protected_paths", JSON, nullable=True),
     Column("ended_at", Float, nullable=True),
     Column("end_reason", String(32), nullable=True),
     Column("status_message", Text, nullable=True),

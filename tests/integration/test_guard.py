@@ -73,3 +73,56 @@ def test_grader_needs_existing_layers(client: corral.Client) -> None:
     with client.create("busybox") as agent:
         with pytest.raises(corral.NotFound):
             agent.grade("true", hidden=["no-such-answers"])
+
+
+def _kinds(sandbox: corral.Sandbox) -> dict[str, str]:
+    return {event.kind: event.severity for event in sandbox.audit_events()}
+
+
+def test_replacing_a_system_binary_raises_a_critical_event(client: corral.Client) -> None:
+    with client.create("busybox") as sandbox:
+        sandbox.exec("echo harmless")
+        assert "protected_path_modified" not in _kinds(sandbox)
+        sandbox.exec("rm /bin/vi && printf '#!/bin/sh\\necho pwned\\n' > /bin/vi && chmod +x /bin/vi")
+        events = [e for e in sandbox.audit_events() if e.kind == "protected_path_modified"]
+        assert len(events) == 1 and events[0].severity == "critical" and "/bin/vi" in events[0].detail["paths"]
+        sandbox.exec("echo again")
+        assert len([e for e in sandbox.audit_events() if e.kind == "protected_path_modified"]) == 1  # reported once
+
+
+def test_editing_protected_task_files_is_reported(client: corral.Client) -> None:
+    with client.create("busybox", protected_paths=["/work/tests/"]) as sandbox:
+        sandbox.files.write("/work/tests/test_task.py", "assert solve() == 42\n")  # the task's own setup
+        sandbox.audit_events()
+        sandbox.exec("echo 'assert True' > /work/tests/test_task.py")  # the agent weakens the test
+        kinds = _kinds(sandbox)
+        assert kinds.get("protected_path_modified") == "critical" and "modifies_tests" in kinds
+
+
+def test_quota_hits_are_events(client: corral.Client) -> None:
+    with client.create("busybox", memory_mb=32, pids_max=32) as sandbox:
+        sandbox.exec("tail /dev/zero", timeout_s=30)
+        sandbox.exec("yes", timeout_s=0.5, output_cap_bytes=1000)
+        sandbox.exec("bomb() { bomb | bomb & }; bomb; sleep 1", timeout_s=2)
+        kinds = _kinds(sandbox)
+        assert kinds["oom_kill"] == "warning" and kinds["output_capped"] == "info" and kinds["timeout"] == "info"
+        assert kinds["pids_limit"] == "warning"
+
+
+def test_kernel_memory_probe_is_contained_and_flagged(client: corral.Client) -> None:
+    with client.create("busybox") as sandbox:
+        result = sandbox.exec(
+            "cat /proc/kpagecgroup /proc/kcore 2>&1 | head -c 100 | wc -c; "
+            "grep -r x /proc/sys/kernel 2>/dev/null | head -1"
+        )
+        assert result.exit_code == 0
+        assert _kinds(sandbox)["probe_kernel_memory"] == "critical"
+        assert sandbox.exec("echo alive").stdout == "alive\n"
+
+
+def test_audit_stream_follows_new_events(client: corral.Client) -> None:
+    last = max([e.id for e in client.audit_events()], default=0)
+    with client.create("busybox") as sandbox:
+        sandbox.exec("insmod evil.ko; true")
+        events = client.audit_events(after_id=last, wait_s=5)
+        assert any(e.kind == "privileged_tool" and e.sandbox_id == sandbox.id for e in events)

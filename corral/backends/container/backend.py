@@ -37,6 +37,7 @@ from corral.backends.container.memory import CgroupMemory
 from corral.backends.container.network import AllowRule, DeniedCounts, NetworkFabric
 from corral.backends.container.oci import AGENT_PATH, ContainerLimits, build_config
 from corral.backends.container.runtime import OciRuntime, Overlay
+from corral.guard.audit import PROTECTED_PREFIXES
 from corral.images.erofs import build_erofs
 from corral.images.store import check_layer_file
 from corral.sdk._exceptions import Conflict, NotFound, SandboxGone
@@ -128,6 +129,24 @@ def _changed_since(upper: Path, since: float) -> list[str]:
 _RECYCLE_POLLS = 50
 _VOLATILE_DIRS = ("dev", "dev/shm", "dev/mqueue")  # tmpfs mounts: writes there are not in the upper dir
 _SYSV_IPC = ("shm", "msg", "sem")
+
+
+def _changed_under(upper: Path, prefixes: tuple[str, ...]) -> list[str]:
+    """Entries of the writable layer under these prefixes: each one is a change (copy-up, new file or whiteout)."""
+    found: list[str] = []
+    for prefix in prefixes:
+        base = upper / prefix.strip("/")
+        if not base.exists():
+            continue  # the usual case: nothing there was touched, one stat
+        if not base.is_dir() or base.is_symlink():
+            found.append("/" + prefix.strip("/"))
+            continue
+        for entry in base.rglob("*"):
+            if not entry.is_dir() or entry.is_symlink():
+                found.append("/" + str(entry.relative_to(upper)))
+            if len(found) >= _CHANGED_PATHS_MAX:
+                return found
+    return sorted(set(found))
 
 
 def _pristine_state(upper: Path, init_pid: int) -> frozenset[str]:
@@ -393,6 +412,18 @@ class ContainerBackend:
         if address is None:
             return None, None
         return address, await asyncio.to_thread(self._fabric.denied, self._netns(container))
+
+    async def findings(self, sandbox_id: str) -> tuple[list[str], int]:
+        container = self._get(sandbox_id)
+        upper = self._dir / sandbox_id / "upper"
+        prefixes = (*PROTECTED_PREFIXES, *container.spec.protected_paths)
+        changed = await asyncio.to_thread(_changed_under, upper, prefixes)
+        try:
+            events = self._cgroup_file(sandbox_id, "pids", "pids.events").read_text().split()
+            pid_limit_hits = int(events[events.index("max") + 1]) if "max" in events else 0
+        except OSError:
+            pid_limit_hits = 0
+        return changed, pid_limit_hits
 
     async def recycle(self, sandbox_id: str) -> bool:
         """Kill every process but the agent; True if nothing of the last use is left (no process, no file,
