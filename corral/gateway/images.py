@@ -204,7 +204,8 @@ class ImageService:
                 memory_mb=_BUILDER_MEMORY_MB,
                 labels={"corral.builder": request.name},
                 ttl_s=ttl_s,
-            )  # fmt: skip
+                network=request.network,
+            )
         )
         try:
             for command in request.commands:

@@ -488,6 +488,9 @@ class BuildRequest(_Model):
     env: dict[str, str] = Field(default_factory=dict)
     timeout_s: float = Field(1800, gt=0, description="Per command.")
     no_cache: bool = Field(False, description="Build even if identical inputs were built before.")
+    network: NetworkPolicy | None = Field(
+        None, description="commands: the builder sandbox's egress allowlist (e.g. a package mirror); null = none."
+    )
 
 
 class BuildEvent(_Model):

@@ -86,3 +86,12 @@ def test_bad_rules_are_refused(client: corral.Client) -> None:
                  {"cidr": "10.0.0.1", "protocol": "icmp", "ports": [1]}]:  # fmt: skip
         with pytest.raises(corral.InvalidRequest):
             client.create("busybox", network={"allow": [rule]})
+
+
+def test_builder_sandbox_can_reach_the_mirror(client: corral.Client, mirror: str) -> None:
+    allow = {"allow": [{"cidr": mirror, "ports": [8080]}]}
+    client.images.build(
+        "from-mirror", "commands", on=["busybox"], commands=[f"{FETCH} > /fetched"], network=allow, no_cache=True
+    )
+    with client.create("from-mirror") as sandbox:
+        assert sandbox.files.read_text("/fetched") == "ok from mirror\n"
