@@ -10,7 +10,7 @@ REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$REPO_ROOT/.venv"
 STAMP="$VENV/.corral-installed"
 LAYER_DIR="${CORRAL_NODE_DIR:-/var/lib/corral}/layers"
-APT_PACKAGES=(erofs-utils crun runc busybox-static debootstrap iproute2 nftables gcc libc6-dev make)
+APT_PACKAGES=(erofs-utils crun runc busybox-static debootstrap iproute2 nftables gcc libc6-dev make postgresql)
 
 log() { printf 'setup: %s\n' "$*"; }
 die() { printf 'setup: error: %s\n' "$*" >&2; exit 1; }

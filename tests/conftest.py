@@ -7,6 +7,9 @@ sandbox the tests left and stops the server by PID, even when a test failed.
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -60,3 +63,18 @@ async def aclient(server: EmbeddedServer) -> AsyncIterator[corral.AsyncClient]:
 def sandbox(client: corral.Client) -> Iterator[corral.Sandbox]:
     with client.create("busybox", ttl_s=600) as sb:
         yield sb
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """A throwaway PostgreSQL (unix socket only) started by scripts/postgres.sh, stopped at the end."""
+    directory = Path(tempfile.mkdtemp(prefix="corral-pg-", dir="/var/tmp"))
+    started = subprocess.run(
+        ["bash", str(REPO / "scripts" / "postgres.sh"), "start", str(directory)], capture_output=True, text=True
+    )
+    assert started.returncode == 0, started.stderr
+    try:
+        yield started.stdout.strip()
+    finally:
+        subprocess.run(["bash", str(REPO / "scripts" / "postgres.sh"), "stop", str(directory)], capture_output=True)
+        shutil.rmtree(directory, ignore_errors=True)
