@@ -5,6 +5,10 @@ this command starts for itself: create -> first exec, exec round trip, and a
 burst of concurrent creates. The baseline is plain crun on a copy of the same
 busybox rootfs, with Corral's own config.json (limits, namespaces, seccomp)
 minus the agent: `crun run --detach` + `crun exec`, and `crun exec` alone.
+The same two are also taken on a second bundle without the security profile
+(no seccomp, no masked or read-only paths, no no_new_privs; the capability set
+is kept, dropping capabilities costs nothing measurable), which gives the
+profile's own cost as a with/without ratio.
 This machine is noisy, so absolute numbers drift from run to run; both sides
 are sampled in one process, interleaved sample by sample, and the verdicts
 compare them as ratios (or against the absolute ceiling for exec).
@@ -25,8 +29,10 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import IO, Any, Self
+from typing import IO, Any, Self, TypeVar
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -52,6 +58,8 @@ EXEC_P50_TARGET_MS = 5.0  # exec round trip p50, absolute
 CRUN_TIMEOUT_S = 30.0
 BENCH_CGROUP = "corral-bench"
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+_T = TypeVar("_T")
 
 
 def percentile(samples: Sequence[float], q: float) -> float:
@@ -138,31 +146,49 @@ class _Crun:
             self.kill_and_delete(container_id)
 
 
-def _build_baseline_bundle(bundle: Path, layer_file: Path) -> None:
-    """Copy the busybox EROFS layer into bundle/rootfs, a plain directory."""
-    mountpoint = bundle.parent / "layer-mnt"
+def _build_baseline_rootfs(rootfs: Path, layer_file: Path) -> None:
+    """Copy the busybox EROFS layer into rootfs, a plain directory."""
+    mountpoint = rootfs.parent / "layer-mnt"
     mountpoint.mkdir(parents=True)
-    bundle.mkdir()
     subprocess.run(["mount", "-t", "erofs", "-o", "ro", str(layer_file), str(mountpoint)],
                    check=True, capture_output=True, timeout=CRUN_TIMEOUT_S)  # fmt: skip
     try:
-        copy = ["cp", "-a", f"{mountpoint}/.", str(bundle / "rootfs")]
+        copy = ["cp", "-a", f"{mountpoint}/.", str(rootfs)]
         subprocess.run(copy, check=True, capture_output=True, timeout=CRUN_TIMEOUT_S * 10)
     finally:
         subprocess.run(["umount", str(mountpoint)], check=True, capture_output=True, timeout=CRUN_TIMEOUT_S)
 
 
-def _write_bundle_config(bundle: Path, container_id: str) -> None:
-    """A sandbox's config.json, running sleep instead of the agent."""
-    config = oci.build_config(
-        hostname=container_id[-12:],
-        limits=LIMITS,
-        cgroup_path=f"/{BENCH_CGROUP}/{container_id}",
-        agent_binary=Path("/nonexistent"),
-    )
-    config["process"]["args"] = ["/bin/sleep", "1000"]
-    config["mounts"] = [m for m in config["mounts"] if m["destination"] != oci.AGENT_PATH]
-    (bundle / "config.json").write_text(json.dumps(config))
+@dataclass(frozen=True)
+class _Bundle:
+    """A crun bundle on the shared baseline rootfs, with or without Corral's security profile."""
+
+    directory: Path
+    rootfs: Path
+    profile: bool
+
+    def write_config(self, container_id: str) -> None:
+        """A sandbox's config.json, running sleep instead of the agent."""
+        config = oci.build_config(
+            hostname=container_id[-12:],
+            limits=LIMITS,
+            cgroup_path=f"/{BENCH_CGROUP}/{container_id}",
+            agent_binary=Path("/nonexistent"),
+        )
+        config["process"]["args"] = ["/bin/sleep", "1000"]
+        config["mounts"] = [m for m in config["mounts"] if m["destination"] != oci.AGENT_PATH]
+        config["root"]["path"] = str(self.rootfs)
+        if not self.profile:
+            for key in ("seccomp", "maskedPaths", "readonlyPaths"):
+                del config["linux"][key]
+            config["process"]["noNewPrivileges"] = False
+        self.directory.mkdir(parents=True, exist_ok=True)
+        (self.directory / "config.json").write_text(json.dumps(config))
+
+
+def _in_turn(sample_index: int, first: _T, second: _T) -> tuple[_T, _T]:
+    """Swap the order on odd samples, so neither side always runs right after the other (or after Corral)."""
+    return (first, second) if sample_index % 2 == 0 else (second, first)
 
 
 def _remove_bench_cgroups() -> None:
@@ -187,11 +213,11 @@ def _corral_create_sample(client: Client) -> float:
         sandbox.kill()
 
 
-def _crun_create_sample(crun: _Crun, bundle: Path, container_id: str) -> float:
-    _write_bundle_config(bundle, container_id)
+def _crun_create_sample(crun: _Crun, bundle: _Bundle, container_id: str) -> float:
+    bundle.write_config(container_id)
     started = time.perf_counter()
     try:
-        crun.run_detached(container_id, bundle)
+        crun.run_detached(container_id, bundle.directory)
         crun.exec_true(container_id)
         return (time.perf_counter() - started) * 1000
     finally:
@@ -216,12 +242,20 @@ async def _concurrent_create(url: str, api_key: str, count: int, on_created: Cal
             "creations_per_s": len(created) / wall_s, "errors": errors[:5]}  # fmt: skip
 
 
+def _profile_cost(with_profile: Sequence[float], without_profile: Sequence[float]) -> dict[str, Any]:
+    profiled, bare = summarize(with_profile), summarize(without_profile)
+    return {"with_profile": profiled, "without_profile": bare, "p50_ratio": profiled["p50"] / bare["p50"]}
+
+
 def _measure(work_dir: Path, layer_file: Path, runs: int, concurrency: int, progress: Progress) -> dict[str, Any]:
-    bundle = work_dir / "baseline" / "bundle"
-    samples: dict[str, list[float]] = {"corral_create": [], "crun_create": [], "corral_exec": [], "crun_exec": []}
+    rootfs = work_dir / "baseline" / "rootfs"
+    profiled = _Bundle(work_dir / "baseline" / "profiled", rootfs, profile=True)
+    bare = _Bundle(work_dir / "baseline" / "bare", rootfs, profile=False)
+    samples: dict[str, list[float]] = {key: [] for key in ("corral_create", "crun_create", "crun_create_bare",
+                                                           "corral_exec", "crun_exec", "crun_exec_bare")}  # fmt: skip
     with contextlib.ExitStack() as stack:
         task = progress.add_task("baseline rootfs (mount EROFS, cp -a)", total=1)
-        _build_baseline_bundle(bundle, layer_file)
+        _build_baseline_rootfs(rootfs, layer_file)
         crun = stack.enter_context(_Crun(work_dir / "crun-root", work_dir / "crun.log"))
         stack.callback(crun.delete_all)
         progress.update(task, completed=1)
@@ -230,25 +264,32 @@ def _measure(work_dir: Path, layer_file: Path, runs: int, concurrency: int, prog
         client = stack.enter_context(Client(url, api_key))
         progress.update(task, completed=1)
 
-        task = progress.add_task("create → first exec (corral, crun)", total=runs)
+        task = progress.add_task("create → first exec (corral, crun ± profile)", total=runs)
         for i in range(runs):
             samples["corral_create"].append(_corral_create_sample(client))
-            samples["crun_create"].append(_crun_create_sample(crun, bundle, f"bench-create-{i}"))
+            for key, bundle, container_id in _in_turn(
+                i, ("crun_create", profiled, f"bench-create-{i}"), ("crun_create_bare", bare, f"bench-create-bare-{i}")
+            ):
+                samples[key].append(_crun_create_sample(crun, bundle, container_id))
             progress.advance(task)
 
         calls = EXEC_WARMUP_CALLS + runs * EXEC_SAMPLES_PER_RUN
-        task = progress.add_task("exec round trip (corral, crun)", total=calls)
+        task = progress.add_task("exec round trip (corral, crun ± profile)", total=calls)
+        exec_containers = {"crun_exec": (profiled, "bench-exec"), "crun_exec_bare": (bare, "bench-exec-bare")}
         with client.create(IMAGE, cpu=LIMITS.cpu, memory_mb=LIMITS.memory_mb, ttl_s=SANDBOX_TTL_S) as sandbox:
-            _write_bundle_config(bundle, "bench-exec")
-            crun.run_detached("bench-exec", bundle)
+            for bundle, container_id in exec_containers.values():
+                bundle.write_config(container_id)
+                crun.run_detached(container_id, bundle.directory)
             for i in range(calls):
-                corral_ms = _timed_ms(lambda: _require_success(sandbox.exec("true")))
-                crun_ms = _timed_ms(lambda: crun.exec_true("bench-exec"))
+                timings_ms = {"corral_exec": _timed_ms(lambda: _require_success(sandbox.exec("true")))}
+                for key, (_, container_id) in _in_turn(i, *exec_containers.items()):
+                    timings_ms[key] = _timed_ms(partial(crun.exec_true, container_id))
                 if i >= EXEC_WARMUP_CALLS:
-                    samples["corral_exec"].append(corral_ms)
-                    samples["crun_exec"].append(crun_ms)
+                    for key, elapsed_ms in timings_ms.items():
+                        samples[key].append(elapsed_ms)
                 progress.advance(task)
-            crun.kill_and_delete("bench-exec")
+            for _, container_id in exec_containers.values():
+                crun.kill_and_delete(container_id)
 
         task = progress.add_task(f"concurrent create ×{concurrency} (corral)", total=concurrency)
         burst = asyncio.run(_concurrent_create(url, api_key, concurrency, lambda: progress.advance(task)))
@@ -259,6 +300,8 @@ def _measure(work_dir: Path, layer_file: Path, runs: int, concurrency: int, prog
                    "exec_roundtrip": summarize(samples["corral_exec"]), "concurrent_create": burst},
         "baseline": {"crun_create_start_exec": summarize(samples["crun_create"]),
                      "crun_exec": summarize(samples["crun_exec"])},
+        "profile_cost": {"crun_create_start_exec": _profile_cost(samples["crun_create"], samples["crun_create_bare"]),
+                         "crun_exec": _profile_cost(samples["crun_exec"], samples["crun_exec_bare"])},
     }  # fmt: skip
 
 
@@ -280,9 +323,11 @@ def _table(report: dict[str, Any]) -> Table:
     corral, baseline, info, params = report["corral"], report["baseline"], report["host"], report["params"]
     checks = {check["metric"]: check for check in report["checks"]}
     caption = (f"baselines: crun run --detach + crun exec, and crun exec; {params['runs']} creates and "
-               f"{params['exec_samples']} execs per side, interleaved. Kernel {info['kernel']}, "
-               f"{info['cpu_count']} cpus, cgroup {info['cgroup_layout']}, {info['crun_version']}.")  # fmt: skip
-    table = Table("metric", "corral p50 ms", "corral p95 ms", "baseline p50 ms", "ratio", "target", "verdict",
+               f"{params['exec_samples']} execs per side, interleaved. Profile cost: the same crun runs with "
+               "Corral's profile vs without seccomp, masked/read-only paths and no_new_privs. "
+               f"Kernel {info['kernel']}, {info['cpu_count']} cpus, cgroup {info['cgroup_layout']}, "
+               f"{info['crun_version']}.")  # fmt: skip
+    table = Table("metric", "p50 ms", "p95 ms", "baseline p50 ms", "ratio", "target", "verdict",
                   title="corral bench", caption=caption)  # fmt: skip
 
     def verdict(metric: str, failed: str = "over") -> str:
@@ -299,6 +344,12 @@ def _table(report: dict[str, Any]) -> Table:
     table.add_row(f"concurrent creates ×{burst['requested']}", f"{burst['succeeded']}/{burst['requested']} ok",
                   f"{burst['wall_s']:.2f} s wall", "-", f"{burst['creations_per_s']:.1f}/s",
                   "all succeed", verdict("concurrent_create", "failed"))  # fmt: skip
+    table.add_section()
+    for label, key in (("profile cost: create+exec", "crun_create_start_exec"), ("profile cost: exec", "crun_exec")):
+        cost = report["profile_cost"][key]
+        profiled, bare = cost["with_profile"], cost["without_profile"]
+        table.add_row(label, f"{profiled['p50']:.1f}", f"{profiled['p95']:.1f}", f"{bare['p50']:.1f}",
+                      f"{cost['p50_ratio']:.2f}", "-", "-")  # fmt: skip
     return table
 
 

@@ -76,6 +76,8 @@ def test_restart_keeps_running_sandboxes(fresh_server: EmbeddedServer) -> None:
         assert handle.files.read_text("/state.txt") == "before restart"
         assert handle.exec("echo $K").stdout == "v\n"
         assert "sleep 600" in handle.exec("ps").stdout  # processes survived too
+        status = handle.exec("grep -E 'NoNewPrivs|Seccomp:' /proc/self/status").stdout.split()
+        assert status == ["NoNewPrivs:", "1", "Seccomp:", "2"]  # the re-attached agent keeps the profile
         del background
 
 

@@ -447,6 +447,8 @@ static void read_ctl(void) {
 int main(int argc, char **argv) {
     ctl = argc > 2 && strcmp(argv[1], "--fd") == 0 ? atoi(argv[2]) : 3;
     prctl(PR_SET_DUMPABLE, 0);
+    /* `crun exec` (a re-attached agent) does not set no_new_privs; every command must inherit it. */
+    prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
     fcntl(ctl, F_SETFD, FD_CLOEXEC);
     signal(SIGPIPE, SIG_IGN);
     sigset_t mask;
