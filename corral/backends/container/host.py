@@ -202,13 +202,16 @@ def build_native_helpers(out_root: Path) -> NativeHelpers:
     return NativeHelpers(**binaries)
 
 
+_CONTAINER_INITS = frozenset({"agent"})  # corral-agent, bind-mounted as /.corral/agent
+
+
 class OrphanReaper:
     """Reaps processes re-parented to this subreaper that nobody waits for:
     the runtime's intermediate forks and the inits of deleted containers.
 
     asyncio waits for the runtime processes it spawned by pid, so those are
     registered here (``spawned``) and left alone; while a spawn is in flight
-    its pid is not known yet, so no round runs then.
+    its pid is not known yet, so only container inits are reaped then.
     """
 
     def __init__(self) -> None:
@@ -234,8 +237,7 @@ class OrphanReaper:
             self._tracked.difference_update(pids)
 
     def reap(self) -> int:
-        if self._spawning:
-            return 0
+        spawning = self._spawning > 0
         reaped = 0
         # An orphan is handed to any of our threads, so read every task's children.
         for children in Path("/proc/self/task").glob("*/children"):
@@ -250,7 +252,10 @@ class OrphanReaper:
                     stat = Path(f"/proc/{pid}/stat").read_text()
                 except OSError:
                     continue
-                if stat[stat.rindex(")") + 2] == "Z":
+                zombie = stat[stat.rindex(")") + 2] == "Z"
+                # A container's init is never a process we spawned: safe even while a spawn is in flight.
+                orphaned_init = stat[stat.index("(") + 1 : stat.rindex(")")] in _CONTAINER_INITS
+                if zombie and (orphaned_init or not spawning):
                     with contextlib.suppress(ChildProcessError):
                         os.waitpid(pid, os.WNOHANG)
                         reaped += 1
