@@ -160,7 +160,7 @@ class FnCallService:
         reusable = False
         with contextlib.suppress(CorralError):
             reusable = await self._sandboxes.call(sandbox_id, lambda edge: edge.recycle(sandbox_id))
-        if reusable and len(pool.idle) + pool.in_use < pool.target:
+        if reusable and len(pool.idle) < self._max_per_pool:  # housekeeping trims idle pools later
             pool.recycled += 1
             pool.idle.append(sandbox_id)
             return
