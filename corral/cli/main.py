@@ -324,6 +324,18 @@ def bench_fncall(
     run_fncall_benchmark(runs=runs, clients=clients, as_json=as_json, console=console)
 
 
+@app.command("bench-density")
+def bench_density(
+    count: Annotated[int, typer.Option(help="Idle sandboxes to create in all.")] = 1000,
+    step: Annotated[int, typer.Option(help="Sandboxes created between two measurements.")] = 250,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Measure host memory per idle sandbox and exec round trip as the node fills, against a same-run baseline."""
+    from corral.bench.density import run_density_benchmark
+
+    run_density_benchmark(count=count, step=step, as_json=as_json, console=console)
+
+
 def main() -> None:
     try:
         app()

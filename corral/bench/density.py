@@ -1,0 +1,259 @@
+"""`corral bench-density`: how many idle containers one node holds, and what each one costs the host.
+
+Idle busybox sandboxes (cpu 0.01, 64 MiB limit, no TTL) are created in batches of `step`, 16 at a time;
+at 0 and after every batch this records:
+
+- host memory in use (MemTotal - MemAvailable) and its growth per sandbox since the reading just before
+  the first create. That same-run baseline, never a constant, because "in use" drifts between runs (other
+  tenants, page cache, memory cgroups of destroyed sandboxes lingering in unreclaimable slab);
+- exec("true") round trip on 20 random live sandboxes, sequential: the node still answers when full.
+  cpu 0.01 is a CFS quota of 1 ms per 100 ms, so the p95 shows throttling and the p50 the node;
+- create latency of the batch just made;
+- the mount count of the server process: overlays live in each container's own mount namespace, so this
+  stays flat as containers pile up (overlays piling up in one shared namespace slow every later create).
+
+It stops early, and says why, if a create fails or MemAvailable falls under 2 GiB. At the end one bulk
+kill by label removes every sandbox (timed), the server stops, and what could be left behind is counted:
+containers in the crun state root, cgroups of our sandboxes, erofs/overlay mounts in the host namespace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import json
+import os
+import platform
+import random
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from corral.backends.container import host
+from corral.bench.containers import summarize
+from corral.embedded import EmbeddedServer
+from corral.sdk import AsyncClient, Client, CorralError, InvalidRequest
+
+__all__ = ["run_density_benchmark"]
+
+IMAGE, CPU, MEMORY_MB = "busybox", 0.1, 64
+LABELS = {"bench": "density"}
+CREATE_CONCURRENCY = 16
+EXEC_PROBES = 20
+MIN_AVAILABLE_MIB = 2048
+# The defaults (4× RAM in limits) admit ~1,500 of these at 64 MiB each; idle ones come nowhere near their limits.
+SERVER_ENV = {"CORRAL_CPU_OVERCOMMIT": "5000", "CORRAL_MEMORY_OVERCOMMIT": "50"}
+MIB_PER_SANDBOX_TARGET = 2.0
+EXEC_TARGET_MS = 20.0
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+CRUN_TIMEOUT_S = 30.0
+
+
+def _meminfo_mib() -> dict[str, float]:
+    fields = (line.split() for line in Path("/proc/meminfo").read_text().splitlines())
+    return {parts[0].rstrip(":"): int(parts[1]) / 1024 for parts in fields
+            if parts[0] in ("MemTotal:", "MemAvailable:", "SUnreclaim:")}  # fmt: skip
+
+
+def _used_mib() -> float:
+    info = _meminfo_mib()
+    return info["MemTotal"] - info["MemAvailable"]
+
+
+def _rss_mib(pid: int) -> float:
+    return next(int(line.split()[1]) / 1024 for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                if line.startswith("VmRSS:"))  # fmt: skip
+
+
+def _memory_low() -> str | None:
+    """Why to stop creating, if MemAvailable fell under MIN_AVAILABLE_MIB."""
+    available = _meminfo_mib()["MemAvailable"]
+    return f"MemAvailable {available:.0f} MiB < {MIN_AVAILABLE_MIB} MiB" if available < MIN_AVAILABLE_MIB else None
+
+
+async def _create_batch(url: str, api_key: str, count: int) -> tuple[list[str], list[float], str | None]:
+    """Create `count` sandboxes, CREATE_CONCURRENCY at a time; stop starting new ones at the first failure."""
+    ids: list[str] = []
+    latencies: list[float] = []
+    problems: list[str] = []
+    async with AsyncClient(url, api_key) as client:
+        gate = asyncio.Semaphore(CREATE_CONCURRENCY)
+
+        async def one() -> None:
+            async with gate:
+                if problems:
+                    return
+                if low := _memory_low():
+                    problems.append(low)
+                    return
+                started = time.perf_counter()
+                try:
+                    sandbox = await client.create(IMAGE, cpu=CPU, memory_mb=MEMORY_MB, ttl_s=None, labels=LABELS)
+                except CorralError as exc:
+                    problems.append(f"create failed: {exc}")
+                    return
+                latencies.append((time.perf_counter() - started) * 1000)
+                ids.append(sandbox.id)
+
+        async with asyncio.TaskGroup() as group:
+            for _ in range(count):
+                group.create_task(one())
+    return ids, latencies, problems[0] if problems else None
+
+
+def _exec_probe(client: Client, ids: list[str]) -> dict[str, float] | None:
+    """exec("true") round trip on EXEC_PROBES random live sandboxes, one after another."""
+    if not ids:
+        return None
+    latencies = []
+    for sandbox_id in random.sample(ids, min(EXEC_PROBES, len(ids))):
+        sandbox = client.get(sandbox_id)
+        started = time.perf_counter()
+        result = sandbox.exec("true")
+        latencies.append((time.perf_counter() - started) * 1000)
+        if result.exit_code != 0:
+            raise RuntimeError(f"`true` in {sandbox_id} exited {result.exit_code}: {result.stderr[-300:]}")
+    return summarize(latencies)
+
+
+def _sample(
+    client: Client, server_pid: int, ids: list[str], baseline_mib: float, create: dict[str, Any] | None
+) -> dict[str, Any]:
+    used, meminfo = _used_mib(), _meminfo_mib()
+    return {"sandboxes": len(ids), "used_mib": used, "delta_mib": used - baseline_mib,
+            "mib_per_sandbox": (used - baseline_mib) / len(ids) if ids else None, "exec": _exec_probe(client, ids),
+            "create": create, "server_mounts": len(Path(f"/proc/{server_pid}/mounts").read_text().splitlines()),
+            "server_rss_mib": _rss_mib(server_pid), "available_mib": meminfo["MemAvailable"],
+            "slab_unreclaimable_mib": meminfo["SUnreclaim"]}  # fmt: skip
+
+
+def _leftovers(data_dir: Path, ids: list[str]) -> dict[str, int]:
+    """What outlived the server: containers in its crun root, our cgroups, erofs/overlay mounts on the host."""
+    state_root = data_dir / "run" / "crun"
+    containers = 0
+    if state_root.is_dir() and (crun := shutil.which("crun")):
+        listing = subprocess.run([crun, "--root", str(state_root), "list", "-q"], capture_output=True, text=True,
+                                 stdin=subprocess.DEVNULL, timeout=CRUN_TIMEOUT_S)  # fmt: skip
+        containers = len(listing.stdout.split())
+    mounts = [line for line in Path("/proc/mounts").read_text().splitlines() if line.split()[2] in ("erofs", "overlay")]
+    cgroups = {path.name for pattern in ("corral/*", "*/corral/*") for path in CGROUP_ROOT.glob(pattern)}
+    return {"containers": containers, "cgroups": len(cgroups & set(ids)), "host_mounts": len(mounts)}
+
+
+def _measure(data_dir: Path, count: int, step: int, progress: Progress) -> dict[str, Any]:
+    task = progress.add_task("starting corral serve", total=1)
+    server = EmbeddedServer(data_dir, env=SERVER_ENV)
+    ids: list[str] = []
+    steps: list[dict[str, Any]] = []
+    stopped: str | None = None
+    kill: dict[str, Any] | None = None
+    try:
+        server.start()
+        assert server.process is not None
+        progress.update(task, completed=1)
+        with server.client() as client:
+            baseline_mib = _used_mib()
+            steps.append(_sample(client, server.process.pid, ids, baseline_mib, None))
+            task = progress.add_task(f"idle {IMAGE} sandboxes, {step} per step", total=count)
+            while len(ids) < count and stopped is None:
+                started = time.perf_counter()
+                batch = min(step, count - len(ids))
+                new_ids, latencies, stopped = asyncio.run(_create_batch(server.url, server.api_key, batch))
+                batch_s = time.perf_counter() - started
+                ids.extend(new_ids)
+                progress.update(task, completed=len(ids))
+                create = {**summarize(latencies), "batch_s": batch_s} if latencies else None
+                if new_ids:
+                    steps.append(_sample(client, server.process.pid, ids, baseline_mib, create))
+                stopped = stopped or _memory_low()
+            task = progress.add_task(f"bulk kill of {len(ids)} sandboxes, stopping the server", total=1)
+    finally:
+        if server.running():
+            with server.client() as client, contextlib.suppress(CorralError):
+                started = time.perf_counter()
+                result = client.bulk(LABELS, "kill")
+                kill = {"matched": result.matched, "killed": len(result.done), "failed": len(result.failed),
+                        "wall_s": time.perf_counter() - started}  # fmt: skip
+        server.shutdown()
+        leftovers = _leftovers(data_dir, ids)
+        host.orphans.reap()
+    progress.update(task, completed=1)
+    return {"baseline_used_mib": baseline_mib, "steps": steps, "stopped": stopped, "kill": kill,
+            "leftovers": leftovers}  # fmt: skip
+
+
+def _checks(report: dict[str, Any]) -> list[dict[str, Any]]:
+    last = report["steps"][-1]
+    per_sandbox = last["mib_per_sandbox"]
+    exec_p50 = last["exec"]["p50"] if last["exec"] else None
+    return [
+        {"metric": "mib_per_sandbox", "target": f"≤ {MIB_PER_SANDBOX_TARGET:g} MiB at {last['sandboxes']}",
+         "value": per_sandbox, "ok": per_sandbox is not None and per_sandbox <= MIB_PER_SANDBOX_TARGET},
+        {"metric": "exec", "target": f"p50 ≤ {EXEC_TARGET_MS:g} ms at {last['sandboxes']}", "value": exec_p50,
+         "ok": exec_p50 is not None and exec_p50 <= EXEC_TARGET_MS},
+    ]  # fmt: skip
+
+
+def _table(report: dict[str, Any]) -> Table:
+    info, kill, left = report["host"], report["kill"], report["leftovers"]
+    killed = f"{kill['killed']}/{kill['matched']} in {kill['wall_s']:.1f} s" if kill else "not run"
+    caption = (f"Baseline {report['baseline_used_mib']:.0f} MiB in use before the first create (same run); "
+               f"{IMAGE}, cpu {CPU:g}, {MEMORY_MB} MiB limit, {CREATE_CONCURRENCY} creates in flight; exec on "
+               f"{EXEC_PROBES} random sandboxes. Bulk kill: {killed}. "
+               f"Left behind: {left['containers']} containers, {left['cgroups']} cgroups, "
+               f"{left['host_mounts']} erofs/overlay host mounts. "
+               f"Kernel {info['kernel']}, {info['cpu_count']} cpus, {info['mem_total_mib']:.0f} MiB RAM.")  # fmt: skip
+    table = Table("sandboxes", "host MiB used", "MiB / sandbox", "exec p50 / p95", "create p50 (rate)", "server mounts",
+                  title="corral bench-density", caption=caption)  # fmt: skip
+    for row in report["steps"]:
+        per_sandbox = f"{row['mib_per_sandbox']:.2f}" if row["mib_per_sandbox"] is not None else "-"
+        probe = f"{row['exec']['p50']:.1f} / {row['exec']['p95']:.1f} ms" if row["exec"] else "-"
+        batch = row["create"]
+        create = f"{batch['p50']:.0f} ms ({batch['n'] / batch['batch_s']:.0f}/s)" if batch else "-"
+        table.add_row(str(row["sandboxes"]), f"{row['used_mib']:.0f} (+{row['delta_mib']:.0f})", per_sandbox, probe,
+                      create, str(row["server_mounts"]))  # fmt: skip
+    verdicts = [f"{check['target']}: " + ("[green]ok[/green]" if check["ok"] else "[red]missed[/red]")
+                for check in report["checks"]]  # fmt: skip
+    stopped = f"[yellow]stopped early: {report['stopped']}[/yellow]" if report["stopped"] else "ran to the end"
+    table.add_section()
+    table.add_row("verdict", stopped, verdicts[0], verdicts[1], "-", "-")
+    return table
+
+
+def run_density_benchmark(*, count: int, step: int, as_json: bool, console: Console) -> None:
+    """Fill the node with idle sandboxes, measuring host memory and responsiveness per step, then print a table."""
+    if count < 1 or step < 1:
+        raise InvalidRequest("--count and --step must be at least 1")
+    if os.geteuid() != 0:
+        raise SystemExit("corral bench-density needs root: the server it starts runs containers")
+    host.become_child_subreaper()  # what the server's sandboxes leave behind comes to us; host.orphans reaps it
+    data_dir = Path(tempfile.mkdtemp(prefix="corral-bench-density."))
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())  # fmt: skip
+    try:
+        with Progress(*columns, console=Console(stderr=True) if as_json else console) as progress:
+            results = _measure(data_dir / "server", count, step, progress)
+    finally:
+        shutil.rmtree(data_dir, ignore_errors=True)
+    report: dict[str, Any] = {
+        "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "unit": "MiB, ms",
+        "params": {"count": count, "step": step, "image": IMAGE, "cpu": CPU, "memory_mb": MEMORY_MB,
+                   "create_concurrency": CREATE_CONCURRENCY, "exec_probes": EXEC_PROBES, "server_env": SERVER_ENV},
+        "host": {"kernel": platform.release(), "cpu_count": os.cpu_count(),
+                 "mem_total_mib": _meminfo_mib()["MemTotal"]},
+        **results,
+    }  # fmt: skip
+    report["checks"] = _checks(report)
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        console.print(_table(report))
