@@ -55,6 +55,7 @@ LEAK_PROBE = "echo x >> /tmp/leak; cat /tmp/leak | wc -l"
 SHELL_TRUE = ["/bin/sh", "-c", "true"]
 CONTAINER_EVERY = 10  # one fresh-container sample per this many calls: each costs ~50 fncalls
 THROUGHPUT_CALLS_PER_RUN = 5
+BATCH_SIZE = 100
 COLD_EVERY = 5  # one cold-pool sample per this many runs: each leaves a pool of warm sandboxes behind
 COLD_MEMORY_MB_BASE = 200
 SANDBOX_TTL_S = 600.0  # a sandbox leaked by a crashed bench still goes away
@@ -172,6 +173,21 @@ def _throughput(server: EmbeddedServer, runs: int, clients: int, progress: Progr
     return out
 
 
+def _batched(client: Client, calls: int, progress: Progress) -> dict[str, Any]:
+    """The same calls sent BATCH_SIZE per request (/v1/fncall/batch) by one client: HTTP cost amortised."""
+    task = progress.add_task(f"throughput, batches of {BATCH_SIZE}", total=calls)
+    started, done = time.perf_counter(), 0
+    while done < calls:
+        results = client.fncall_batch([{"cmd": "true"}] * min(BATCH_SIZE, calls - done))
+        for result in results:
+            if not isinstance(result, FnCallResult):
+                raise RuntimeError(f"a batched call failed: {result}")
+            _require_success(result, "true")
+        done += len(results)
+        progress.advance(task, len(results))
+    return {"calls": done, "calls_per_s": done / (time.perf_counter() - started)}
+
+
 def _cold(client: Client, samples: int, progress: Progress) -> dict[str, Any]:
     """A call into a pool that does not exist yet: a new memory_mb per sample."""
     latencies, hits = [], 0
@@ -195,6 +211,7 @@ def _measure(data_dir: Path, runs: int, clients: int, progress: Progress) -> dic
         with server.client() as client:
             roundtrip = _roundtrip(client, runs, progress)
             throughput = _throughput(server, runs, clients, progress)
+            batched = _batched(client, runs * THROUGHPUT_CALLS_PER_RUN, progress)
             cold = _cold(client, max(3, runs // COLD_EVERY), progress)
             _settle(client)  # calls hand their sandbox back in the background: let that finish before stopping
             pools = [pool.model_dump() for pool in client.fncall_pools()]
@@ -203,7 +220,7 @@ def _measure(data_dir: Path, runs: int, clients: int, progress: Progress) -> dic
         server.shutdown()  # the server kills its pools' warm sandboxes as it stops
         host.orphans.reap()
     progress.update(task, completed=1)
-    return {"roundtrip": roundtrip, "throughput": throughput, "cold": cold, "pools": pools}
+    return {"roundtrip": roundtrip, "throughput": throughput, "batched": batched, "cold": cold, "pools": pools}
 
 
 def _checks(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -254,6 +271,9 @@ def _table(report: dict[str, Any]) -> Table:
                       f"sh -c true ×{level} threads: {base['calls_per_s']:.0f}/s",
                       f"{ours['calls_per_s'] / base['calls_per_s']:.2f}× rate",
                       target, outcome)  # fmt: skip
+    batched, singles = report["batched"], throughput[str(params["clients"])]["fncall"]
+    table.add_row(f"throughput, batches of {BATCH_SIZE}, 1 client", f"({batched['calls_per_s']:.0f}/s)", "-",
+                  f"×{params['clients']} single calls: {singles['calls_per_s']:.0f}/s", "-", "-", "-")  # fmt: skip
     timing(f"cold pool ×{cold['n']} (new pool per call)", cold, "warm call", roundtrip["fncall"])
     return table
 
