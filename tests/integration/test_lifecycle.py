@@ -179,3 +179,24 @@ def test_job_token_reaches_only_its_job(client: corral.Client, server: EmbeddedS
             corral.Client(server.url, token).list()
     finally:
         outsider.kill()
+
+
+def _swap_cached_kb() -> int:
+    for line in open("/proc/meminfo"):
+        if line.startswith("SwapCached:"):
+            return int(line.split()[1])
+    return 0
+
+
+def test_resume_prefetches_swapped_memory(client: corral.Client) -> None:
+    """The memory holder sleeps and never touches its pages: only the prefetch reads them back from swap."""
+    with client.create("debian-12", memory_mb=512) as sandbox:
+        sandbox.exec(HOLD_MEMORY, timeout_s=60)
+        time.sleep(1.0)
+        sandbox.pause(wait_reclaim=True)
+        before = _swap_cached_kb()
+        sandbox.resume()
+        deadline = time.monotonic() + 10
+        while _swap_cached_kb() - before < 50_000:  # kB read back into memory (swap cache) ahead of any touch
+            assert time.monotonic() < deadline, "the swapped-out memory was not prefetched after resume"
+            time.sleep(0.2)

@@ -33,7 +33,7 @@ from corral.backends.base import (
 from corral.backends.container.agent_protocol import AgentConnection, AgentExit, AgentOutput, AgentStarted, ExecOrder
 from corral.backends.container.files import ConfinedTree
 from corral.backends.container.host import CgroupLayout, LayerMounts, NativeHelpers, orphans
-from corral.backends.container.memory import CgroupMemory
+from corral.backends.container.memory import CgroupMemory, prefetch_swapped
 from corral.backends.container.network import AllowRule, DeniedCounts, NetworkFabric
 from corral.backends.container.oci import AGENT_PATH, ContainerLimits, build_config
 from corral.backends.container.runtime import OciRuntime, Overlay
@@ -58,6 +58,7 @@ class _Container:
     baseline: frozenset[str] = frozenset()  # its writable layer right after start (for recycle)
     reclaim: asyncio.Future[ReclaimResult] | None = None  # pushing memory out while paused
     stop_reclaim: threading.Event = field(default_factory=threading.Event)
+    prefetch: asyncio.Future[int] | None = None  # swap-in after a resume
 
 
 class _AgentCommand:
@@ -480,6 +481,8 @@ class ContainerBackend:
             container.memory.stop_swapping()
             await container.runtime.resume(sandbox_id)
             container.paused = False
+            # Swapped-out memory comes back in the background: the caller need not wait for it.
+            container.prefetch = asyncio.ensure_future(asyncio.to_thread(prefetch_swapped, container.memory.pids()))
 
     def housekeeping(self) -> None:
         orphans.reap()
