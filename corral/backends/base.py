@@ -53,6 +53,7 @@ class SandboxSpec:
     idle_pause_s: float | None = None
     network: tuple[AllowRule, ...] | None = None  # None: loopback only; else plugged in with this egress allowlist
     protected_paths: tuple[str, ...] = ()  # besides system binaries: changes raise audit events
+    disk_mb: int | None = None  # size limit of the writable layer; None: the host disk
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,9 @@ class Backend(Protocol):
     async def findings(self, sandbox_id: str) -> tuple[list[str], int]:
         """What a command may have done that the audit log wants: changed paths in the writable layer under
         the protected prefixes (system binaries, the spec's protected_paths), and PID-limit hits so far."""
+
+    def disk_usage(self, sandbox_id: str) -> tuple[int, int] | None:
+        """(used, total) bytes of a size-limited writable layer; None without a limit."""
 
     async def recycle(self, sandbox_id: str) -> bool:
         """End every process of the last use; True if nothing of it is left, so it can be used as new."""

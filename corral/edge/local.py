@@ -42,6 +42,7 @@ _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _FINISHED_COMMANDS_KEPT = 256
 _HOUSEKEEPING_INTERVAL_S = 1.0
 _NETWORK_AUDIT_EVERY = 5
+_DISK_FULL_FRACTION = 0.95
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,7 @@ class _Sandbox:
     reported_paths: set[str] = field(default_factory=set)  # protected paths already in the audit log
     pid_limit_hits: int = 0
     denied_packets: int = 0
+    disk_full: bool = False
     last_active: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # pause and resume one at a time
 
@@ -459,6 +461,11 @@ class LocalEdge:
             found.append(("pids_limit", "warning", {"hits": pid_limit_hits - sandbox.pid_limit_hits,
                                                     "pids_max": sandbox.spec.pids_max}))  # fmt: skip
             sandbox.pid_limit_hits = pid_limit_hits
+        usage = self._backend.disk_usage(sandbox_id)
+        full = usage is not None and usage[0] >= _DISK_FULL_FRACTION * usage[1]
+        if full and not sandbox.disk_full:
+            found.append(("disk_full", "warning", {"used_bytes": usage[0], "total_bytes": usage[1]}))  # type: ignore[index]
+        sandbox.disk_full = full
         return found
 
     async def _audit_network(self) -> None:

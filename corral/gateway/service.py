@@ -216,6 +216,7 @@ class SandboxService:
             idle_pause_s=record["idle_pause_s"],
             network=_rules(record["network"]),
             protected_paths=tuple(record["protected_paths"] or ()),
+            disk_mb=record["disk_mb"],
         )
 
     async def create(self, request: CreateSandboxRequest) -> SandboxInfo:
@@ -248,6 +249,7 @@ class SandboxService:
                 idle_pause_s=request.idle_pause_s,
                 network=to_allow_rules(request.network.allow) if request.network is not None else None,
                 protected_paths=tuple(request.protected_paths),
+                disk_mb=request.disk_mb,
             )
             self._store.insert(
                 {
@@ -258,7 +260,7 @@ class SandboxService:
                     "created_at": now, "expires_at": now + request.ttl_s if request.ttl_s else None,
                     "ttl_counts_paused": request.ttl_counts_paused, "idle_pause_s": request.idle_pause_s,
                     "network": request.network.model_dump() if request.network is not None else None,
-                    "protected_paths": request.protected_paths,
+                    "protected_paths": request.protected_paths, "disk_mb": request.disk_mb,
                 }
             )  # fmt: skip
             try:

@@ -559,6 +559,7 @@ class AsyncClient:
         ttl_counts_paused: bool = False,
         network: NetworkPolicy | dict[str, Any] | None = None,
         protected_paths: list[str] | None = None,
+        disk_mb: int | None = None,
     ) -> AsyncSandbox:
         """Create a sandbox from ``image``, an ``environment`` ({base, workspace, tools}), or ``layers``."""
         fields = {
@@ -566,6 +567,7 @@ class AsyncClient:
             "cpu": cpu, "memory_mb": memory_mb, "pids_max": pids_max, "env": env or {}, "cwd": cwd, "user": user,
             "labels": labels or {}, "ttl_s": ttl_s, "idle_pause_s": idle_pause_s,
             "ttl_counts_paused": ttl_counts_paused, "network": network, "protected_paths": protected_paths or [],
+            "disk_mb": disk_mb,
         }  # fmt: skip
         body = _validated(CreateSandboxRequest, fields)
         response = await self._transport.request("POST", "/v1/sandboxes", json=body.model_dump(mode="json"))

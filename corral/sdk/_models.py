@@ -140,6 +140,9 @@ class CreateSandboxRequest(_Model):
     network: NetworkPolicy | None = Field(
         None, description="Null (the default): loopback only. Else plugged in with this egress allowlist."
     )
+    disk_mb: int | None = Field(
+        None, ge=8, le=1 << 20, description="Size limit of the writable layer in MiB; null = no limit (host disk)."
+    )
     protected_paths: list[str] = Field(
         default_factory=list,
         description="Paths (prefixes) whose modification raises a critical audit event, e.g. the task's tests; "
@@ -166,6 +169,7 @@ class SandboxInfo(_Model):
     idle_pause_s: float | None = None
     paused_at: float | None = None
     network: NetworkPolicy | None = None
+    disk_mb: int | None = None
     ended_at: float | None = None
     end_reason: str | None = Field(None, description="Why it ended: killed, ttl_expired, oom, exited, lost, error.")
     status_message: str | None = None

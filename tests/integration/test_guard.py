@@ -126,3 +126,28 @@ def test_audit_stream_follows_new_events(client: corral.Client) -> None:
         sandbox.exec("insmod evil.ko; true")
         events = client.audit_events(after_id=last, wait_s=5)
         assert any(e.kind == "privileged_tool" and e.sandbox_id == sandbox.id for e in events)
+
+
+def test_writable_layer_size_limit(client: corral.Client) -> None:
+    with client.create("busybox", disk_mb=16) as sandbox:
+        assert sandbox.info.disk_mb == 16
+        filled = sandbox.exec("dd if=/dev/zero of=/big bs=1M count=64 2>&1; echo rc=$?")
+        assert "No space left" in filled.stdout and not filled.stdout.strip().endswith("rc=0")
+        assert _kinds(sandbox).get("disk_full") == "warning"
+        sandbox.exec("rm /big")
+        assert sandbox.exec("echo fine > /f && cat /f").stdout == "fine\n"  # usable again once space is freed
+        snapshot = sandbox.snapshot()  # the size-limited layer packs like any other
+        assert snapshot.diff.size_bytes > 0
+
+
+def test_disk_limit_survives_a_restart(fresh_server) -> None:  # type: ignore[no-untyped-def]
+    with fresh_server.client() as client:
+        sandbox = client.create("busybox", disk_mb=16)
+        sandbox.exec("echo kept > /kept")
+    fresh_server.stop()
+    fresh_server.start()
+    with fresh_server.client() as client:
+        handle = client.connect(sandbox)
+        assert handle.exec("cat /kept").stdout == "kept\n"
+        assert handle.snapshot().diff.size_bytes > 0  # the edge sees the writable layer again
+        handle.kill()

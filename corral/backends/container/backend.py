@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import socket
+import subprocess
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ from corral.backends.container.runtime import OciRuntime, Overlay
 from corral.guard.audit import PROTECTED_PREFIXES
 from corral.images.erofs import build_erofs
 from corral.images.store import check_layer_file
-from corral.sdk._exceptions import Conflict, NotFound, SandboxGone
+from corral.sdk._exceptions import Conflict, InternalError, NotFound, SandboxGone
 
 __all__ = ["ContainerBackend"]
 
@@ -101,6 +102,45 @@ class _AgentCommand:
 
 
 _CHANGED_PATHS_MAX = 10_000
+_DISK_IMAGE = "disk.img"
+
+
+def _run_quietly(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+
+
+def _make_disk(root: Path, disk_mb: int) -> None:
+    """A size-limited filesystem for the writable layer: a sparse ext4 image on a loop device, mounted in the
+    edge's namespace (the launcher inherits it). Writes past the size fail with ENOSPC inside the sandbox."""
+    image, mountpoint = root / _DISK_IMAGE, root / "disk"
+    mountpoint.mkdir(exist_ok=True)
+    with open(image, "wb") as f:
+        f.truncate(disk_mb << 20)
+    for argv in (
+        ["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-E", "lazy_itable_init=1,nodiscard", str(image)],
+        ["mount", "-o", "loop,nosuid,nodev", str(image), str(mountpoint)],
+    ):
+        run = _run_quietly(argv)
+        if run.returncode != 0:
+            raise InternalError(f"cannot make the sandbox's {disk_mb} MiB disk: {' '.join(argv[:1])}: {run.stderr}")
+
+
+def _remove_sandbox_dir(root: Path) -> None:
+    """Its bundle and writable layer; a size-limited disk is unmounted first (its loop device goes with it)."""
+    if os.path.ismount(root / "disk"):
+        _run_quietly(["umount", "-l", str(root / "disk")])
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _remount_disk(root: Path) -> None:
+    """After an edge restart: mount the loop device the running container still uses (the same block device,
+    so the same filesystem instance, never a second one on the same image)."""
+    mountpoint = root / "disk"
+    if os.path.ismount(mountpoint):
+        return
+    found = _run_quietly(["losetup", "-j", str(root / _DISK_IMAGE)]).stdout.split(":")[0]
+    if found:
+        _run_quietly(["mount", "-o", "nosuid,nodev", found, str(mountpoint)])
 
 
 def _changed_since(upper: Path, since: float) -> list[str]:
@@ -210,6 +250,21 @@ class ContainerBackend:
             self._runtimes[name] = OciRuntime(name, self._state_root / name, self._helpers.launch)
         return self._runtimes[name]
 
+    def _layer_root(self, sandbox_id: str) -> Path:
+        """Where its writable layer lives: its own size-limited filesystem when it has disk_mb, else the data dir."""
+        root = self._dir / sandbox_id
+        return root / "disk" if (root / _DISK_IMAGE).exists() else root
+
+    def _upper(self, sandbox_id: str) -> Path:
+        return self._layer_root(sandbox_id) / "upper"
+
+    def disk_usage(self, sandbox_id: str) -> tuple[int, int] | None:
+        """(bytes used, bytes total) of a size-limited writable layer; None when it has no limit."""
+        if not (self._dir / sandbox_id / _DISK_IMAGE).exists():
+            return None
+        st = os.statvfs(self._layer_root(sandbox_id))
+        return (st.f_blocks - st.f_bfree) * st.f_frsize, st.f_blocks * st.f_frsize
+
     def _memory(self, sandbox_id: str) -> CgroupMemory:
         return CgroupMemory(self._layout, self._cgroup_path(sandbox_id))
 
@@ -219,8 +274,12 @@ class ContainerBackend:
     async def create(self, spec: SandboxSpec) -> None:
         runtime = self.runtime(spec.runtime)
         root = self._dir / spec.sandbox_id
-        bundle, upper, work = root / "bundle", root / "upper", root / "work"
-        for path in (bundle / "rootfs", upper, work):
+        bundle = root / "bundle"
+        bundle.joinpath("rootfs").mkdir(parents=True, exist_ok=True)
+        if spec.disk_mb is not None:
+            await asyncio.to_thread(_make_disk, root, spec.disk_mb)
+        upper, work = self._upper(spec.sandbox_id), self._layer_root(spec.sandbox_id) / "work"
+        for path in (upper, work):
             path.mkdir(parents=True, exist_ok=True)
         lowers = await self._acquire_layers(spec)
         config = build_config(
@@ -245,7 +304,7 @@ class ContainerBackend:
             agent.close()
             await runtime.kill_and_delete(spec.sandbox_id)
             self._release_layers(spec)
-            shutil.rmtree(root, ignore_errors=True)
+            await asyncio.to_thread(_remove_sandbox_dir, root)
             raise
         container = _Container(spec, runtime, agent, init_pid, self._memory(spec.sandbox_id))
         container.baseline = await asyncio.to_thread(_pristine_state, upper, init_pid)
@@ -280,6 +339,8 @@ class ContainerBackend:
             await self.destroy(spec.sandbox_id)
             return None
         await self._acquire_layers(spec)  # counted like a new sandbox; released on destroy
+        if spec.disk_mb is not None:
+            await asyncio.to_thread(_remount_disk, self._dir / spec.sandbox_id)
         paused = state.status == "paused"
         edge_end, agent_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         agent = AgentConnection(edge_end)
@@ -357,7 +418,7 @@ class ContainerBackend:
         The sandbox is frozen meanwhile, so the layer is a consistent point in
         time; the agent's mountpoint is left out."""
         container = self._get(sandbox_id)
-        upper = self._dir / sandbox_id / "upper"
+        upper = self._upper(sandbox_id)
         was_paused = container.paused
         if not was_paused:
             await container.runtime.pause(sandbox_id)
@@ -416,7 +477,7 @@ class ContainerBackend:
 
     async def findings(self, sandbox_id: str) -> tuple[list[str], int]:
         container = self._get(sandbox_id)
-        upper = self._dir / sandbox_id / "upper"
+        upper = self._upper(sandbox_id)
         prefixes = (*PROTECTED_PREFIXES, *container.spec.protected_paths)
         changed = await asyncio.to_thread(_changed_under, upper, prefixes)
         try:
@@ -439,7 +500,7 @@ class ContainerBackend:
             await asyncio.sleep(0.002)
         else:
             return False
-        state = await asyncio.to_thread(_pristine_state, self._dir / sandbox_id / "upper", container.init_pid)
+        state = await asyncio.to_thread(_pristine_state, self._upper(sandbox_id), container.init_pid)
         return state == container.baseline
 
     def _cgroup_file(self, sandbox_id: str, controller: str, name: str) -> Path:
@@ -451,7 +512,7 @@ class ContainerBackend:
     async def changed_paths(self, sandbox_id: str, since: float) -> list[str]:
         """Paths in the sandbox's writable layer changed (written, created or deleted) at or after ``since``."""
         self._get(sandbox_id)
-        upper = self._dir / sandbox_id / "upper"
+        upper = self._upper(sandbox_id)
         return await asyncio.to_thread(_changed_since, upper, since)
 
     async def pause(self, sandbox_id: str, *, wait_reclaim: bool = False) -> ReclaimResult:
