@@ -21,24 +21,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
-import json
 import os
 import platform
 import random
 import shutil
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 from rich.table import Table
 
 from corral.backends.container import host
 from corral.bench.containers import summarize
+from corral.bench.harness import bench_session, emit
 from corral.embedded import EmbeddedServer
 from corral.sdk import AsyncClient, Client, CorralError, InvalidRequest
 
@@ -232,19 +230,9 @@ def run_density_benchmark(*, count: int, step: int, as_json: bool, console: Cons
     """Fill the node with idle sandboxes, measuring host memory and responsiveness per step, then print a table."""
     if count < 1 or step < 1:
         raise InvalidRequest("--count and --step must be at least 1")
-    if os.geteuid() != 0:
-        raise SystemExit("corral bench-density needs root: the server it starts runs containers")
-    host.become_child_subreaper()  # what the server's sandboxes leave behind comes to us; host.orphans reaps it
-    data_dir = Path(tempfile.mkdtemp(prefix="corral-bench-density."))
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn())  # fmt: skip
-    try:
-        with Progress(*columns, console=Console(stderr=True) if as_json else console) as progress:
-            results = _measure(data_dir / "server", count, step, progress)
-    finally:
-        shutil.rmtree(data_dir, ignore_errors=True)
+    with bench_session("bench-density", as_json=as_json, console=console) as (scratch, progress):
+        results = _measure(scratch / "server", count, step, progress)
     report: dict[str, Any] = {
-        "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "unit": "MiB, ms",
         "params": {"count": count, "step": step, "image": IMAGE, "cpu": CPU, "memory_mb": MEMORY_MB,
                    "create_concurrency": CREATE_CONCURRENCY, "exec_probes": EXEC_PROBES, "server_env": SERVER_ENV},
@@ -253,7 +241,4 @@ def run_density_benchmark(*, count: int, step: int, as_json: bool, console: Cons
         **results,
     }  # fmt: skip
     report["checks"] = _checks(report)
-    if as_json:
-        print(json.dumps(report, indent=2))
-    else:
-        console.print(_table(report))
+    emit(report, _table, as_json=as_json, console=console)

@@ -23,14 +23,10 @@ or against the target the spec promises.
 from __future__ import annotations
 
 import asyncio
-import datetime
 import functools
-import json
 import os
 import platform
-import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -38,11 +34,12 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 from rich.table import Table
 
 from corral.backends.container import host
 from corral.bench.containers import summarize
+from corral.bench.harness import bench_session, emit
 from corral.embedded import EmbeddedServer
 from corral.sdk import AsyncClient, Client, FnCallResult, InvalidRequest
 
@@ -288,19 +285,9 @@ def run_fncall_benchmark(*, runs: int, clients: int, as_json: bool, console: Con
     """Measure fncall round trip, throughput and cold start against same-run baselines, then print a table (or JSON)."""
     if runs < 1 or clients < 1:
         raise InvalidRequest("--runs and --clients must be at least 1")
-    if os.geteuid() != 0:
-        raise SystemExit("corral bench-fncall needs root: the server it starts runs containers")
-    host.become_child_subreaper()  # what the server's sandboxes leave behind comes to us; host.orphans reaps it
-    data_dir = Path(tempfile.mkdtemp(prefix="corral-bench-fncall."))
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn())  # fmt: skip
-    try:
-        with Progress(*columns, console=Console(stderr=True) if as_json else console) as progress:
-            results = _measure(data_dir / "server", runs, clients, progress)
-    finally:
-        shutil.rmtree(data_dir, ignore_errors=True)
+    with bench_session("bench-fncall", as_json=as_json, console=console) as (scratch, progress):
+        results = _measure(scratch / "server", runs, clients, progress)
     report: dict[str, Any] = {
-        "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "unit": "ms",
         "params": {"runs": runs, "clients": clients, "image": IMAGE, "warmup_calls": WARMUP_CALLS,
                    "probe_every": PROBE_EVERY, "throughput_calls": runs * THROUGHPUT_CALLS_PER_RUN},
@@ -308,8 +295,6 @@ def run_fncall_benchmark(*, runs: int, clients: int, as_json: bool, console: Con
         **results,
     }  # fmt: skip
     report["checks"] = _checks(report)
-    if as_json:
-        print(json.dumps(report, indent=2))
-    else:
-        console.print(_table(report))
+    emit(report, _table, as_json=as_json, console=console)
+    if not as_json:
         console.print(_pool_line(report["pools"]))

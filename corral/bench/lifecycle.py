@@ -26,23 +26,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
-import json
 import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 from rich.table import Table
 
 from corral.backends.container import host
 from corral.bench.containers import summarize
+from corral.bench.harness import bench_session, emit
 from corral.embedded import EmbeddedServer
 from corral.sdk import AsyncClient, Client, CorralError, ExecResult, InvalidRequest, Sandbox
 
@@ -313,21 +311,13 @@ def run_lifecycle_benchmark(*, runs: int, as_json: bool, console: Console) -> No
     # Before any thread (the progress bar starts one): unshare(CLONE_NEWNS)
     # refuses a threaded process. On hybrid hosts this hides v2 so crun works.
     host.enter_private_mount_namespace(layout)
-    host.become_child_subreaper()  # what the server's sandboxes leave behind comes to us; host.orphans reaps it
     if shutil.which("crun") is None:
         raise InvalidRequest("crun is not installed: apt-get install crun")
-    data_dir = Path(tempfile.mkdtemp(prefix="corral-bench-lifecycle."))
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn())  # fmt: skip
-    try:
-        with Progress(*columns, console=Console(stderr=True) if as_json else console) as progress:
-            results = _measure(data_dir / "server", runs, progress)
-    finally:
-        shutil.rmtree(data_dir, ignore_errors=True)
+    with bench_session("bench-lifecycle", as_json=as_json, console=console) as (scratch, progress):
+        results = _measure(scratch / "server", runs, progress)
     swap_kib = [int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
                 if line.startswith("SwapTotal:")]  # fmt: skip
     report: dict[str, Any] = {
-        "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "unit": "ms",
         "params": {"runs": runs, "pause_image": PAUSE_IMAGE, "pause_memory_mb": PAUSE_MEMORY_MB,
                    "held_mib": HELD_MIB, "fork_image": FORK_IMAGE, "fork_burst": FORK_BURST,
@@ -337,7 +327,4 @@ def run_lifecycle_benchmark(*, runs: int, as_json: bool, console: Console) -> No
         **results,
     }  # fmt: skip
     report["checks"] = _checks(report)
-    if as_json:
-        print(json.dumps(report, indent=2))
-    else:
-        console.print(_table(report))
+    emit(report, _table, as_json=as_json, console=console)

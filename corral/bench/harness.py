@@ -1,0 +1,53 @@
+"""What every `corral bench-*` command shares: the root check, the subreaper, a scratch dir, the progress bar,
+and printing the report as a table or as JSON (progress then goes to stderr, so stdout is the JSON alone)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from corral.backends.container import host
+
+__all__ = ["bench_session", "emit"]
+
+
+@contextmanager
+def bench_session(name: str, *, as_json: bool, console: Console) -> Iterator[tuple[Path, Progress]]:
+    """A scratch dir (removed afterwards) and a progress bar, for a bench that starts its own server as root."""
+    if os.geteuid() != 0:
+        raise SystemExit(f"corral {name} needs root: the server it starts runs containers")
+    host.become_child_subreaper()  # what the server's sandboxes leave behind comes to us; host.orphans reaps it
+    scratch = Path(tempfile.mkdtemp(prefix=f"corral-{name}."))
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())  # fmt: skip
+    try:
+        with Progress(*columns, console=Console(stderr=True) if as_json else console) as progress:
+            yield scratch, progress
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def emit(
+    report: dict[str, Any],
+    table: Callable[[dict[str, Any]], Table],
+    *,
+    as_json: bool,
+    console: Console,
+) -> None:
+    """Stamp the report and print it: JSON on stdout, or the table."""
+    report.setdefault("timestamp", datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        console.print(table(report))
