@@ -234,6 +234,7 @@ def test_corrupt_layer_is_refused(fresh_server: EmbeddedServer, tmp_path: Path) 
         with pytest.raises(corral.InternalError, match="corrupt"):
             client.create(environment={"base": "busybox", "tools": "to-corrupt"})
         assert client.list() == []
+        assert list((fresh_server.data_dir / "sandboxes").iterdir()) == []  # nothing of the failed create is left
 
 
 def test_cli_build_import_tag_rm_snapshot(server: EmbeddedServer, tmp_path: Path) -> None:

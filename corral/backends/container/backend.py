@@ -275,13 +275,17 @@ class ContainerBackend:
         runtime = self.runtime(spec.runtime)
         root = self._dir / spec.sandbox_id
         bundle = root / "bundle"
-        bundle.joinpath("rootfs").mkdir(parents=True, exist_ok=True)
-        if spec.disk_mb is not None:
-            await asyncio.to_thread(_make_disk, root, spec.disk_mb)
-        upper, work = self._upper(spec.sandbox_id), self._layer_root(spec.sandbox_id) / "work"
-        for path in (upper, work):
-            path.mkdir(parents=True, exist_ok=True)
-        lowers = await self._acquire_layers(spec)
+        try:  # a disk that cannot be made or a layer that cannot be mounted leaves nothing behind
+            bundle.joinpath("rootfs").mkdir(parents=True, exist_ok=True)
+            if spec.disk_mb is not None:
+                await asyncio.to_thread(_make_disk, root, spec.disk_mb)
+            upper, work = self._upper(spec.sandbox_id), self._layer_root(spec.sandbox_id) / "work"
+            for path in (upper, work):
+                path.mkdir(parents=True, exist_ok=True)
+            lowers = await self._acquire_layers(spec)
+        except BaseException:
+            await asyncio.to_thread(_remove_sandbox_dir, root)
+            raise
         config = build_config(
             hostname=spec.sandbox_id[-12:],
             limits=ContainerLimits(cpu=spec.cpu, memory_mb=spec.memory_mb, pids_max=spec.pids_max),
