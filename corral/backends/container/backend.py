@@ -168,6 +168,8 @@ def _changed_since(upper: Path, since: float) -> list[str]:
 
 
 _RECYCLE_POLLS = 50
+_PRISTINE_MAX_ENTRIES = 256  # bounds the walk, which runs on the event loop
+_TOO_MANY = "upper:too-many-entries"
 _VOLATILE_DIRS = ("dev", "dev/shm", "dev/mqueue")  # tmpfs mounts: writes there are not in the upper dir
 _SYSV_IPC = ("shm", "msg", "sem")
 
@@ -194,7 +196,10 @@ def _pristine_state(upper: Path, init_pid: int) -> frozenset[str]:
     """What a call could leave behind outside its processes: every entry of the writable layer (with its
     metadata), the tmpfs mounts' listings and the SysV IPC objects."""
     state: set[str] = set()
-    for entry in upper.rglob("*"):
+    for count, entry in enumerate(upper.rglob("*")):
+        if count >= _PRISTINE_MAX_ENTRIES:  # a call that wrote this much is not reused: stop looking
+            state.add(_TOO_MANY)
+            break
         st = entry.lstat()
         state.add(f"upper:{entry.relative_to(upper)}:{st.st_mode}:{st.st_size}:{st.st_mtime_ns}")
     root = Path(f"/proc/{init_pid}/root")
@@ -504,8 +509,8 @@ class ContainerBackend:
             await asyncio.sleep(0.002)
         else:
             return False
-        state = await asyncio.to_thread(_pristine_state, self._upper(sandbox_id), container.init_pid)
-        return state == container.baseline
+        state = _pristine_state(self._upper(sandbox_id), container.init_pid)  # small: cheaper than a thread hop
+        return state == container.baseline and _TOO_MANY not in state
 
     def _cgroup_file(self, sandbox_id: str, controller: str, name: str) -> Path:
         relative = self._cgroup_path(sandbox_id).lstrip("/")
