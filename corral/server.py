@@ -145,6 +145,7 @@ def serve(settings: Settings) -> None:
                 )  # fmt: skip
             finally:
                 await fncall.close()
+                trajectories.flush()
         finally:
             await service.close()
             store.close()

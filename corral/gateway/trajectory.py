@@ -5,12 +5,15 @@ the sandbox's log before its answer leaves the server. With a client step id
 (``step_id``), a step sent again (a trainer restarted after preemption) is
 answered from the log instead of running twice, a different request under the
 same id is refused as a divergence, and the files the step changed are
-recorded (provenance). Without one, the step gets an ``auto-`` id: logged,
-exported, replayable, but never matched against a resend.
+recorded (provenance). Without one, the step gets an ``auto-`` id and is written
+within a few milliseconds after its answer (off the request path; a crash in
+that window can lose it): logged, exported, replayable, but never matched
+against a resend.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import functools
@@ -41,6 +44,7 @@ from corral.trajectory import LOG_CAP_KEY, Replay, Step, TrajectoryLog
 __all__ = ["Trajectories"]
 
 _AUTO_PREFIX = "auto-"
+_FLUSH_DELAY_S = 0.005
 M = TypeVar("M", bound=BaseModel)
 _REPLAY_COMPARED = ("exit_code", "stdout", "stderr")
 
@@ -80,6 +84,24 @@ class Trajectories:
         self._log = log
         self._sandboxes = sandboxes
         self._max_logged_file_bytes = max_logged_file_bytes
+        # Steps without a client id are written just after their answer leaves (within _FLUSH_DELAY_S),
+        # off the request path: there is no resend to match, so they need not be durable before it.
+        self._pending: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = []
+        self._flush_handle: asyncio.TimerHandle | None = None
+
+    def _append_auto(self, sandbox_id: str, kind: str, request: dict[str, Any], result: dict[str, Any]) -> None:
+        self._pending.append((sandbox_id, kind, request, result))
+        if self._flush_handle is None:
+            self._flush_handle = asyncio.get_running_loop().call_later(_FLUSH_DELAY_S, self.flush)
+
+    def flush(self) -> None:
+        """Write the pending steps, in the order they finished."""
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        pending, self._pending = self._pending, []
+        for sandbox_id, kind, request, result in pending:
+            self._log.append(sandbox_id, _auto_id(), kind, request, result)
 
     def mark_lost(self) -> int:
         """At start: steps that were running when the server died have no known outcome."""
@@ -89,6 +111,7 @@ class Trajectories:
         if step_id.startswith(_AUTO_PREFIX):
             raise InvalidRequest(f"step ids starting with {_AUTO_PREFIX!r} are Corral's own: choose another")
         self._sandboxes.get(sandbox_id)  # unknown sandboxes get no log entries
+        self.flush()  # earlier steps first: the log's order is the order steps finished or began
         return self._log.begin(sandbox_id, step_id, kind, request)
 
     @staticmethod
@@ -137,9 +160,9 @@ class Trajectories:
             except (NotFound, SandboxGone):
                 raise  # no such sandbox (any more): nothing to log against
             except CorralError as exc:
-                self._log.append(sandbox_id, _auto_id(), kind, request, _error(exc))
+                self._append_auto(sandbox_id, kind, request, _error(exc))
                 raise
-            self._log.append(sandbox_id, _auto_id(), kind, request, result.model_dump(mode="json"))
+            self._append_auto(sandbox_id, kind, request, result.model_dump(mode="json"))
             await self._audit(sandbox_id, _command_text(request), result if isinstance(result, ExecResult) else None)
             return result
         step = self._begin(sandbox_id, step_id, kind, request)
@@ -236,7 +259,7 @@ class Trajectories:
         files: list[str] | None,
     ) -> None:
         if step is None:
-            self._log.append(sandbox_id, _auto_id(), kind, request, result)
+            self._append_auto(sandbox_id, kind, request, result)
         elif "error" in result:
             self._log.fail(step, result["error"])
         else:
@@ -246,20 +269,24 @@ class Trajectories:
 
     def steps(self, sandbox_id: str, *, after_seq: int, limit: int | None) -> list[TrajectoryStep]:
         self._sandboxes.get(sandbox_id)
+        self.flush()
         return [_to_model(step) for step in self._log.steps(sandbox_id, after_seq=after_seq, limit=limit)]
 
     def export_jsonl(self, sandbox_id: str) -> Iterator[str]:
         self._sandboxes.get(sandbox_id)
+        self.flush()
         return self._log.export_jsonl(sandbox_id)
 
     def provenance(self, sandbox_id: str, path: str) -> list[TrajectoryStep]:
         self._sandboxes.get(sandbox_id)
+        self.flush()
         return [_to_model(step) for step in self._log.provenance(sandbox_id, path)]
 
     # -- replay ---------------------------------------------------------
 
     async def replay(self, sandbox_id: str, request: ReplayRequest) -> ReplayResult:
         """Re-run a sandbox's logged steps, in order, in a fresh sandbox from the same layers and settings."""
+        self.flush()
         original = self._sandboxes.record(sandbox_id)
         steps = [s for s in self._log.steps(sandbox_id) if s.state == "done" and "error" not in (s.result or {})]
         fresh = await self._sandboxes.create(
