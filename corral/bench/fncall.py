@@ -39,7 +39,7 @@ from rich.table import Table
 
 from corral.backends.container import host
 from corral.bench.containers import summarize
-from corral.bench.harness import bench_session, emit
+from corral.bench.harness import ResultTable, bench_session, emit
 from corral.embedded import EmbeddedServer
 from corral.sdk import AsyncClient, Client, FnCallResult, InvalidRequest
 
@@ -235,22 +235,11 @@ def _checks(report: dict[str, Any]) -> list[dict[str, Any]]:
 def _table(report: dict[str, Any]) -> Table:
     roundtrip, throughput, cold, params, info = (report[key] for key in ("roundtrip", "throughput", "cold", "params",
                                                                          "host"))  # fmt: skip
-    checks = {check["metric"]: check for check in report["checks"]}
     caption = (f"{params['runs']} sequential calls (every {PROBE_EVERY}th a leak probe), each beside sh -c true; "
                f"{len(throughput)} throughput passes of {params['throughput_calls']} calls; client, server and "
                f"sandboxes share {info['cpu_count']} cpus. Kernel {info['kernel']}.")  # fmt: skip
-    table = Table("metric", "p50", "p95", "baseline (same run)", "ratio", "target", "verdict",
-                  title="corral bench-fncall", caption=caption)  # fmt: skip
-
-    def verdict(metric: str) -> str:
-        return "[green]ok[/green]" if checks[metric]["ok"] else "[red]missed[/red]"
-
-    def timing(label: str, ours: dict[str, float], base_label: str, base: dict[str, float] | None,
-               metric: str | None = None) -> None:  # fmt: skip
-        ratio = f"{ours['p50'] / base['p50']:.2f}×" if base else "-"
-        table.add_row(label, f"{ours['p50']:.2f} ms", f"{ours['p95']:.2f} ms",
-                      f"{base_label} {base['p50']:.2f} ms" if base else base_label, ratio,
-                      checks[metric]["target"] if metric else "-", verdict(metric) if metric else "-")  # fmt: skip
+    rows = ResultTable("corral bench-fncall", caption, report["checks"], digits=2)
+    table, verdict, timing = rows.table, rows.verdict, rows.timing
 
     timing("trivial call, sync", roundtrip["fncall"], "sh -c true", roundtrip["shell"], "roundtrip")
     if "container" in roundtrip:
@@ -262,7 +251,7 @@ def _table(report: dict[str, Any]) -> Table:
     for level, side in throughput.items():
         ours, base = side["fncall"], side["shell"]
         gated = level == str(params["clients"])
-        target, outcome = (checks["throughput"]["target"], verdict("throughput")) if gated else ("-", "-")
+        target, outcome = (rows.target("throughput"), verdict("throughput")) if gated else ("-", "-")
         table.add_row(f"throughput ×{level} client{'s' * (level != '1')}, hits {ours['hit_rate']:.1%}",
                       f"{ours['p50']:.2f} ms ({ours['calls_per_s']:.0f}/s)", f"{ours['p95']:.2f} ms",
                       f"sh -c true ×{level} threads: {base['calls_per_s']:.0f}/s",

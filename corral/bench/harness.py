@@ -51,3 +51,29 @@ def emit(
         print(json.dumps(report, indent=2))
     else:
         console.print(table(report))
+
+
+class ResultTable:
+    """The bench table: metric, p50, p95, same-run baseline, ratio, target, verdict; verdicts come from the
+    report's checks (``{"metric", "target", "ok"}``)."""
+
+    def __init__(self, title: str, caption: str, checks: list[dict[str, Any]], *, digits: int) -> None:
+        self.table = Table("metric", "p50", "p95", "baseline (same run)", "ratio", "target", "verdict",
+                           title=title, caption=caption)  # fmt: skip
+        self._checks = {check["metric"]: check for check in checks}
+        self._digits = digits
+
+    def verdict(self, metric: str) -> str:
+        return "[green]ok[/green]" if self._checks[metric]["ok"] else "[red]missed[/red]"
+
+    def target(self, metric: str) -> str:
+        return str(self._checks[metric]["target"])
+
+    def timing(self, label: str, ours: dict[str, float], base_label: str, base: dict[str, float] | None,
+               metric: str | None = None) -> None:  # fmt: skip
+        """A row of medians (ms) beside a baseline's median, with the ratio and, for a checked metric, its verdict."""
+        d = self._digits
+        ratio = f"{ours['p50'] / base['p50']:.{d}f}×" if base else "-"
+        self.table.add_row(label, f"{ours['p50']:.{d}f} ms", f"{ours['p95']:.{d}f} ms",
+                           f"{base_label} {base['p50']:.{d}f} ms" if base else base_label, ratio,
+                           self.target(metric) if metric else "-", self.verdict(metric) if metric else "-")  # fmt: skip

@@ -40,7 +40,7 @@ from rich.table import Table
 
 from corral.backends.container import host
 from corral.bench.containers import summarize
-from corral.bench.harness import bench_session, emit
+from corral.bench.harness import ResultTable, bench_session, emit
 from corral.embedded import EmbeddedServer
 from corral.sdk import AsyncClient, Client, CorralError, ExecResult, InvalidRequest, Sandbox
 
@@ -259,22 +259,11 @@ def _checks(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _table(report: dict[str, Any]) -> Table:
     pause, fork, replay, info = report["pause"], report["fork"], report["replay"], report["host"]
-    checks = {check["metric"]: check for check in report["checks"]}
     caption = (f"{report['params']['runs']} samples per timing, each beside its baseline in the same run; "
                f"replay: {REPLAY_STEPS} steps per pass, log check {replay['check']}. Kernel {info['kernel']}, "
                f"{info['cpu_count']} cpus, cgroup {info['cgroup_layout']}, swap {info['swap_mib']} MiB.")  # fmt: skip
-    table = Table("metric", "p50", "p95", "baseline (same run)", "ratio", "target", "verdict",
-                  title="corral bench-lifecycle", caption=caption)  # fmt: skip
-
-    def verdict(metric: str) -> str:
-        return "[green]ok[/green]" if checks[metric]["ok"] else "[red]missed[/red]"
-
-    def timing(label: str, ours: dict[str, float], base_label: str, base: dict[str, float] | None,
-               metric: str | None = None) -> None:  # fmt: skip
-        ratio = f"{ours['p50'] / base['p50']:.1f}×" if base else "-"
-        table.add_row(label, f"{ours['p50']:.1f} ms", f"{ours['p95']:.1f} ms",
-                      f"{base_label} {base['p50']:.1f} ms" if base else base_label, ratio,
-                      checks[metric]["target"] if metric else "-", verdict(metric) if metric else "-")  # fmt: skip
+    rows = ResultTable("corral bench-lifecycle", caption, report["checks"], digits=1)
+    table, verdict, timing = rows.table, rows.verdict, rows.timing
 
     timing(f"pause, {HELD_MIB} MiB resident (client)", pause["pause"], "crun pause", pause["crun_pause"], "pause")
     timing("  pause, server side", pause["pause_server"], "crun pause", pause["crun_pause"])
@@ -282,7 +271,7 @@ def _table(report: dict[str, Any]) -> Table:
     reclaimed = pause["reclaimed"]
     table.add_row("  memory reclaimed by pause", f"{reclaimed['p50']:.0%}", f"min {reclaimed['min']:.0%}",
                   f"freezer only: 0% (of {pause['before_mib']['p50']:.0f} MiB)", "-",
-                  checks["reclaimed"]["target"], verdict("reclaimed"))  # fmt: skip
+                  rows.target("reclaimed"), verdict("reclaimed"))  # fmt: skip
     timing("resume", pause["resume"], "crun resume", pause["crun_resume"], "resume")
     timing("first exec after resume", pause["first_exec"], "warm exec", pause["warm_exec"])
     timing("fork(1) → child ready", fork["fork"], "create", fork["create"], "fork")
@@ -297,7 +286,7 @@ def _table(report: dict[str, Any]) -> Table:
         table.add_row(label, f"{ours['p50']:.1f} ms ({ours['steps_per_s']:.0f} steps/s)", f"{ours['p95']:.1f} ms",
                       f"exec true: {base['steps_per_s']:.0f} steps/s",
                       f"{ours['steps_per_s'] / base['steps_per_s']:.2f}× rate",
-                      checks["replay"]["target"] if gated else "-", verdict("replay") if gated else "-")  # fmt: skip
+                      rows.target("replay") if gated else "-", verdict("replay") if gated else "-")  # fmt: skip
     return table
 
 
