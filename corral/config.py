@@ -80,6 +80,14 @@ class Settings(BaseSettings):
         "are deleted, least recently used first. Unset: never delete.",
     )
 
+    vm_accel: Literal["auto", "kvm", "tcg"] = Field(
+        "auto",
+        description="microvm/vm accelerator: auto boots a probe guest under KVM (bounded) and falls back to TCG.",
+    )
+    vm_boot_timeout_s: float = Field(
+        90.0, gt=0, description="How long a microvm/vm guest may take to boot before its create fails."
+    )
+
     @property
     def database(self) -> str:
         return self.database_url or f"sqlite:///{self.data_dir / 'corral.db'}"

@@ -38,7 +38,7 @@ def linked_node_dir(node_dir: Path) -> Path:
     server builds lands here and goes away with it.
     """
     real = Settings().node_dir
-    for sub in ("layers", "bin"):
+    for sub in ("layers", "bin", "vm"):
         source = real / sub
         for path in source.rglob("*") if source.is_dir() else []:
             target = node_dir / sub / path.relative_to(source)

@@ -26,6 +26,8 @@ from corral.backends.container.host import (
     enter_private_mount_namespace,
 )
 from corral.backends.container.memory import ensure_zram_swap
+from corral.backends.router import BackendRouter
+from corral.backends.vm.backend import VmBackend
 from corral.config import Settings
 from corral.edge.local import LocalEdge, node_capacity
 from corral.gateway.app import create_app
@@ -98,7 +100,7 @@ def serve(settings: Settings) -> None:
         store = StateStore(settings.database)
         catalogue = Catalogue(store.engine, LayerStore(settings.layer_dir))
         catalogue.sync_from_store()
-        backend = ContainerBackend(
+        containers = ContainerBackend(
             data_dir=settings.data_dir,
             helpers=helpers,
             layout=layout,
@@ -106,6 +108,22 @@ def serve(settings: Settings) -> None:
             agent_start_timeout_s=settings.agent_start_timeout_s,
             layer_idle_unmount_s=settings.layer_idle_unmount_s,
             create_concurrency=settings.create_concurrency,
+        )
+        backend = BackendRouter(
+            {
+                "container": containers,
+                **{
+                    kind: VmBackend(
+                        kind=kind,
+                        data_dir=settings.data_dir,
+                        node_dir=settings.node_dir,
+                        guest_agent=helpers.agent,
+                        accel=settings.vm_accel,
+                        boot_timeout_s=settings.vm_boot_timeout_s,
+                    )  # fmt: skip
+                    for kind in ("microvm", "vm")
+                },
+            }
         )
         capacity = node_capacity(settings.cpu_overcommit, settings.memory_overcommit, settings.max_file_bytes)
         edges = {}

@@ -10,7 +10,8 @@ REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$REPO_ROOT/.venv"
 STAMP="$VENV/.corral-installed"
 LAYER_DIR="${CORRAL_NODE_DIR:-/var/lib/corral}/layers"
-APT_PACKAGES=(erofs-utils crun runc busybox-static debootstrap iproute2 nftables gcc libc6-dev make postgresql)
+APT_PACKAGES=(erofs-utils crun runc busybox-static debootstrap iproute2 nftables gcc libc6-dev make postgresql
+              qemu-system-x86 qemu-utils cpio kmod e2fsprogs)
 
 log() { printf 'setup: %s\n' "$*"; }
 die() { printf 'setup: error: %s\n' "$*" >&2; exit 1; }
@@ -63,4 +64,7 @@ log "virtualenv ok ($VENV)"
 # 3. Base images: built once per node into the shared layer store.
 "$VENV/bin/python" -m corral.images.bases --store "$LAYER_DIR" busybox debian-12
 log "base images ok ($LAYER_DIR)"
+
+# 4. VM guests: the guest kernel (Debian's, via apt-get download), our initramfs, the KVM/TCG probe.
+CORRAL_NODE_DIR="${CORRAL_NODE_DIR:-/var/lib/corral}" "$VENV/bin/python" -m corral.backends.vm.setup
 log "done"

@@ -1,4 +1,4 @@
-"""The contract every backend (container now; fncall, microvm, vm later) meets.
+"""The contract every backend (container, microvm, vm; fncall runs on containers) meets.
 
 The edge drives backends only through ``Backend`` and ``RunningCommand``; the
 shared conformance tests in tests/integration/test_backend_conformance.py run
@@ -54,6 +54,8 @@ class SandboxSpec:
     network: tuple[AllowRule, ...] | None = None  # None: loopback only; else plugged in with this egress allowlist
     protected_paths: tuple[str, ...] = ()  # besides system binaries: changes raise audit events
     disk_mb: int | None = None  # size limit of the writable layer; None: the host disk
+    backend: str = "container"  # which backend runs it: container | microvm | vm
+    restore_from: str | None = None  # VM backends: start from this checkpoint directory (memory, devices, disk)
 
 
 @dataclass(frozen=True)
@@ -111,8 +113,9 @@ class RunningCommand(Protocol):
 class Backend(Protocol):
     name: str
 
-    async def create(self, spec: SandboxSpec) -> None:
-        """Start the sandbox; when this returns, commands can run in it."""
+    async def create(self, spec: SandboxSpec) -> str | None:
+        """Start the sandbox; when this returns, commands can run in it. Returns a note for its status
+        (e.g. a VM running on software emulation), or None."""
 
     async def destroy(self, sandbox_id: str) -> None:
         """Stop it and release everything it held; idempotent."""

@@ -209,11 +209,11 @@ class LocalEdge:
             )
         self._committed.add(spec)
 
-    async def create(self, spec: SandboxSpec) -> None:
+    async def create(self, spec: SandboxSpec) -> str | None:
         await self._admit(spec)
         self._starting.add(spec.sandbox_id)
         try:
-            await self._backend.create(spec)
+            note = await self._backend.create(spec)
             if spec.sandbox_id in self._cancelled:
                 await self._backend.destroy(spec.sandbox_id)
                 raise SandboxGone(f"sandbox {spec.sandbox_id} was killed while it was starting")
@@ -224,6 +224,7 @@ class LocalEdge:
             self._starting.discard(spec.sandbox_id)
             self._cancelled.discard(spec.sandbox_id)
         self._track(spec)
+        return note
 
     def _track(self, spec: SandboxSpec) -> _Sandbox:
         self._committed.add(spec)
@@ -496,6 +497,10 @@ class LocalEdge:
     async def pack_diff(self, sandbox_id: str, dest: Path) -> None:
         self._get(sandbox_id)
         await self._backend.pack_diff(sandbox_id, dest)
+
+    async def checkpoint(self, sandbox_id: str, dest: Path) -> None:
+        await self._active(sandbox_id)
+        await self._backend.checkpoint(sandbox_id, dest)  # type: ignore[attr-defined]
 
     # -- files --------------------------------------------------------------
 

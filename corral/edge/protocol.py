@@ -57,8 +57,8 @@ class Edge(Protocol):
 
     async def load(self) -> EdgeLoad: ...
 
-    async def create(self, spec: SandboxSpec) -> None:
-        """Admit and start a sandbox; raises CapacityExhausted if this node refuses."""
+    async def create(self, spec: SandboxSpec) -> str | None:
+        """Admit and start a sandbox; raises CapacityExhausted if this node refuses. Returns a status note."""
 
     async def adopt(self, specs: list[SandboxSpec]) -> dict[str, str | None]:
         """Take back sandboxes that outlived a restart: "running", "paused", or None when gone."""

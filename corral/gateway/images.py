@@ -249,8 +249,11 @@ class ImageService:
     # -- snapshots and forks ----------------------------------------------
 
     async def fork(self, sandbox_id: str, request: ForkRequest) -> list[SandboxInfo]:
-        """New sandboxes from this one's filesystem now: same limits, env, user and TTL length."""
+        """New sandboxes from this one now: same limits, env, user and TTL length. Containers get its
+        filesystem; VMs get its memory, processes and disks too (a checkpoint restored once per child)."""
         parent = self._sandboxes.record(sandbox_id)
+        if parent["backend"] in ("microvm", "vm"):
+            return await self._fork_vm(sandbox_id, parent, request)
         snap = await self.snapshot(sandbox_id, None)
         ttl_s = parent["expires_at"] - parent["created_at"] if parent["expires_at"] else None
         child = CreateSandboxRequest(
@@ -260,6 +263,20 @@ class ImageService:
             ttl_counts_paused=parent["ttl_counts_paused"], idle_pause_s=parent["idle_pause_s"],
         )  # fmt: skip
         return list(await asyncio.gather(*(self._sandboxes.create(child) for _ in range(request.count))))
+
+    async def _fork_vm(self, sandbox_id: str, parent: dict, request: ForkRequest) -> list[SandboxInfo]:  # type: ignore[type-arg]
+        ttl_s = parent["expires_at"] - parent["created_at"] if parent["expires_at"] else None
+        child = CreateSandboxRequest(
+            layers=self._sandboxes.layers_of(sandbox_id), backend=parent["backend"], cpu=parent["cpu"],
+            memory_mb=parent["memory_mb"], pids_max=parent["pids_max"], env=parent["env"], cwd=parent["cwd"],
+            user=parent["user"], labels={**parent["labels"], **request.labels, "corral.forked_from": sandbox_id},
+            ttl_s=ttl_s, ttl_counts_paused=parent["ttl_counts_paused"], idle_pause_s=parent["idle_pause_s"],
+            disk_mb=parent["disk_mb"],
+        )  # fmt: skip
+        with self._builder.scratch("vm-fork-") as scratch:
+            checkpoint = scratch / "checkpoint"
+            await self._sandboxes.call(sandbox_id, lambda edge: edge.checkpoint(sandbox_id, checkpoint))
+            return [await self._sandboxes.create(child, restore_from=str(checkpoint)) for _ in range(request.count)]
 
     # -- snapshots --------------------------------------------------------
 

@@ -217,9 +217,11 @@ class SandboxService:
             network=_rules(record["network"]),
             protected_paths=tuple(record["protected_paths"] or ()),
             disk_mb=record["disk_mb"],
+            backend=record["backend"],
         )
 
-    async def create(self, request: CreateSandboxRequest) -> SandboxInfo:
+    async def create(self, request: CreateSandboxRequest, *, restore_from: str | None = None) -> SandboxInfo:
+        """``restore_from``: a VM checkpoint directory on the edges (fork of a VM: memory, processes, disk)."""
         if not request.cwd.startswith("/"):
             raise InvalidRequest(f"cwd must be an absolute path, got {request.cwd!r}")
         for key in request.env:
@@ -250,6 +252,8 @@ class SandboxService:
                 network=to_allow_rules(request.network.allow) if request.network is not None else None,
                 protected_paths=tuple(request.protected_paths),
                 disk_mb=request.disk_mb,
+                backend=request.backend,
+                restore_from=restore_from,
             )
             self._store.insert(
                 {
@@ -264,7 +268,7 @@ class SandboxService:
                 }
             )  # fmt: skip
             try:
-                await self._edges[edge_id].create(spec)
+                note = await self._edges[edge_id].create(spec)
             except CapacityExhausted as exc:
                 self._store.end(spec.sandbox_id, SandboxState.ENDED, "refused", exc.message)
                 refused.add(edge_id)
@@ -272,7 +276,7 @@ class SandboxService:
             except BaseException as exc:
                 self._store.end(spec.sandbox_id, SandboxState.ENDED, "error", str(exc) or type(exc).__name__)
                 raise
-            if not self._store.mark_running(spec.sandbox_id):
+            if not self._store.mark_running(spec.sandbox_id, status_message=note):
                 await self._edges[edge_id].destroy(spec.sandbox_id)  # killed while it was starting
                 self._raise_if_ended(self.get(spec.sandbox_id))
             return self.get(spec.sandbox_id)

@@ -121,7 +121,11 @@ class CreateSandboxRequest(_Model):
     layers: list[str] | None = Field(
         None, description="Layer digests, bottom first, to stack instead of `image` or `environment`."
     )
-    backend: Literal["container"] = "container"
+    backend: Literal["container", "microvm", "vm"] = Field(
+        "container",
+        description="container: an OCI container (crun/runc). microvm: QEMU -M microvm with its own kernel. "
+        "vm: QEMU q35 booting a full disk built from the layers. The same exec, files, pause and fork for all.",
+    )
     runtime: Literal["crun", "runc"] | None = Field(None, description="OCI runtime; the server's default when unset.")
     cpu: float = Field(DEFAULT_CPU, gt=0, description="CPU cores (CFS quota).")
     memory_mb: int = Field(DEFAULT_MEMORY_MB, gt=0, description="Memory limit in MiB; exceeding it OOM-kills.")

@@ -140,13 +140,13 @@ class StateStore:
         with self._engine.begin() as conn:
             conn.execute(update(sandboxes).where(sandboxes.c.id == sandbox_id).values(**values))
 
-    def mark_running(self, sandbox_id: str) -> bool:
+    def mark_running(self, sandbox_id: str, status_message: str | None = None) -> bool:
         """creating → running; False if the sandbox was ended meanwhile (killed while it started)."""
         with self._engine.begin() as conn:
             result = conn.execute(
                 update(sandboxes)
                 .where(sandboxes.c.id == sandbox_id, sandboxes.c.state == SandboxState.CREATING.value)
-                .values(state=SandboxState.RUNNING.value)
+                .values(state=SandboxState.RUNNING.value, status_message=status_message)
             )
             return result.rowcount > 0
 

@@ -22,6 +22,7 @@ __all__ = ["AgentConnection", "AgentExit", "AgentOutput", "AgentStarted", "ExecO
 T_EXEC, T_STDIN, T_SIGNAL, T_PING, T_KILL_ALL = 1, 2, 3, 4, 5
 T_STARTED, T_STDOUT, T_STDERR, T_EXIT, T_ERROR, T_PONG, T_HELLO = 10, 11, 12, 13, 14, 15, 20
 F_TIMED_OUT, F_OUT_TRUNC, F_ERR_TRUNC = 1, 2, 4
+_TOOL_FLAGS = {"": 0, "sandbox": 2, "guest": 2 | 4}  # EXEC flags: run the tool binary by fd; skip the chroot
 AGENT_VERSION = 1
 _HEADER = struct.Struct("<IBI")
 _EXEC_FIXED = struct.Struct("<IIQII")
@@ -39,6 +40,7 @@ class ExecOrder:
     timeout_ms: int
     output_cap_bytes: int
     has_stdin: bool
+    tool: str = ""  # guest agents: "sandbox" runs the project's busybox in the sandbox's root, "guest" outside it
 
     def encode(self) -> bytes:
         strings = [self.user, self.cwd, *self.argv, *(f"{k}={v}" for k, v in self.env.items())]
@@ -46,7 +48,11 @@ class ExecOrder:
             if "\0" in text:
                 raise ValueError("NUL byte in command, environment, cwd or user")
         fixed = _EXEC_FIXED.pack(
-            1 if self.has_stdin else 0, self.timeout_ms, self.output_cap_bytes, len(self.argv), len(self.env)
+            (1 if self.has_stdin else 0) | _TOOL_FLAGS[self.tool],
+            self.timeout_ms,
+            self.output_cap_bytes,
+            len(self.argv),
+            len(self.env),
         )
         return fixed + b"".join(s.encode() + b"\0" for s in strings)
 
@@ -91,15 +97,24 @@ class AgentConnection:
         self.agent_pid: int | None = None
         self.closed = asyncio.Event()
 
-    async def start(self, hello_timeout_s: float) -> None:
-        """Open the stream and wait for the agent's hello (it proves the agent runs)."""
+    async def start(self, hello_timeout_s: float, *, ping: bool = False) -> None:
+        """Open the stream and wait for the agent's hello (it proves the agent runs).
+
+        ``ping``: also send a ping and take its pong as the greeting. A guest
+        agent greets each time it sees the host connect, but a quick reconnect
+        can pass unseen; the ping always gets an answer."""
         self._sock.setblocking(False)
         self._reader, self._writer = await asyncio.open_unix_connection(sock=self._sock, limit=_MAX_FRAME)
+        if ping:
+            self._writer.write(_HEADER.pack(5, T_PING, 0))
         try:
             kind, _job_id, payload = await asyncio.wait_for(self._read_frame(), hello_timeout_s)
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
             self.close()
             raise ServerUnavailable(f"sandbox agent did not start within {hello_timeout_s:.0f}s") from exc
+        if ping and kind == T_PONG:
+            self._read_task = asyncio.get_running_loop().create_task(self._read_loop())
+            return
         if kind != T_HELLO or len(payload) < 8:
             self.close()
             raise ServerUnavailable("sandbox agent sent an unexpected greeting")

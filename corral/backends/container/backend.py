@@ -276,7 +276,7 @@ class ContainerBackend:
     def _cgroup_path(self, sandbox_id: str) -> str:
         return f"/corral/{sandbox_id}"
 
-    async def create(self, spec: SandboxSpec) -> None:
+    async def create(self, spec: SandboxSpec) -> str | None:
         runtime = self.runtime(spec.runtime)
         root = self._dir / spec.sandbox_id
         bundle = root / "bundle"
@@ -324,6 +324,7 @@ class ContainerBackend:
             except BaseException:
                 await self.destroy(spec.sandbox_id)
                 raise
+        return None
 
     async def _acquire_layers(self, spec: SandboxSpec) -> list[Path]:
         """Mountpoints of the sandbox's layers, top first (overlayfs lowerdir order)."""

@@ -7,6 +7,15 @@
  * or network, and makes itself non-dumpable so sandbox processes cannot open
  * its fds through /proc or ptrace it.
  *
+ * Guest mode (inside a microVM/VM, started by the project's initramfs):
+ *   --dev PATH   the channel is a virtio-serial port; when the host end goes
+ *                away (POLLHUP) the agent waits for it and greets it again.
+ *   --root DIR   commands chroot into the sandbox's root (the overlay).
+ *   --tool PATH  a static binary (busybox); EXEC with flag 2 runs it by fd,
+ *                so file operations need nothing from the sandbox's image.
+ *                Flag 4 runs it without the chroot (e.g. to pack the
+ *                writable layer, which only the guest's own root shows).
+ *
  * Wire format (little endian), both directions:
  *   u32 length (of what follows) | u8 type | u32 job id | payload
  * Edge -> agent: EXEC, STDIN (empty payload closes stdin), SIGNAL, PING,
@@ -56,6 +65,9 @@ struct job {
 };
 
 static int ctl = -1;
+static const char *ctl_dev;       /* guest mode: the virtio-serial port to the host */
+static int tool_fd = -1;          /* guest mode: busybox, run by fd for EXEC flag 2 */
+static const char *sandbox_root;  /* guest mode: commands chroot here (unless flag 4) */
 static struct job *jobs[MAX_JOBS];
 static int njobs;
 static char *rbuf;
@@ -67,8 +79,10 @@ static int64_t now_ms(void) {
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
+static int dev_fd = -1;           /* guest mode: the port stays open; ctl is dev_fd while the host is there */
+
 static void disconnect(void) {
-    if (ctl >= 0) close(ctl);
+    if (ctl >= 0 && ctl != dev_fd) close(ctl);
     ctl = -1;
 }
 
@@ -158,7 +172,8 @@ static void child_fail(const char *what, const char *arg, int code) {
 
 /* In the forked child: become the command. Never returns. */
 static void run_child(int in_fd, int out_w, int err_w, const char *user, const char *cwd,
-                      char **argv, char **envp, int nenv) {
+                      char **argv, char **envp, int nenv, int flags) {
+    int use_tool = (flags & 2) != 0;
     sigset_t all;
     sigemptyset(&all);
     sigprocmask(SIG_SETMASK, &all, NULL);
@@ -167,12 +182,15 @@ static void run_child(int in_fd, int out_w, int err_w, const char *user, const c
     dup2(in_fd, 0);
     dup2(out_w, 1);
     dup2(err_w, 2);
-    for (int fd = 3; fd < 1024; fd++) close(fd);
+    for (int fd = 3; fd < 1024; fd++)
+        if (!(use_tool && fd == tool_fd)) close(fd);
     int adj = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
     if (adj >= 0) {
         (void)!write(adj, "0", 1);
         close(adj);
     }
+    if (sandbox_root && !(flags & 4) && (chroot(sandbox_root) < 0 || chdir("/") < 0))
+        child_fail("cannot enter the sandbox root", sandbox_root, 126);
     uid_t uid;
     gid_t gid;
     char home[512];
@@ -197,6 +215,14 @@ static void run_child(int in_fd, int out_w, int err_w, const char *user, const c
     if (setuid(uid) < 0) child_fail("cannot switch to user", user, 126);
     if (cwd[0] && chdir(cwd) < 0) child_fail("cannot change directory to", cwd, 126);
     environ = envp;
+    if (use_tool) {
+        if (tool_fd < 0) {
+            errno = ENOENT;
+            child_fail("no tool binary in this sandbox", argv[0], 127);
+        }
+        fexecve(tool_fd, argv, envp);
+        child_fail("cannot run tool", argv[0], 126);
+    }
     execvp(argv[0], argv);
     child_fail("cannot run", argv[0], errno == ENOENT ? 127 : 126);
 }
@@ -262,7 +288,7 @@ static void start_job(uint32_t id, const char *p, size_t len) {
         in[0] = open("/dev/null", O_RDONLY | O_CLOEXEC);
     }
     pid_t pid = fork();
-    if (pid == 0) run_child(in[0], out[1], err[1], strs[0], strs[1], argv, envp, (int)envc);
+    if (pid == 0) run_child(in[0], out[1], err[1], strs[0], strs[1], argv, envp, (int)envc, (int)flags);
     int fork_errno = errno;
     close(out[1]);
     close(err[1]);
@@ -444,12 +470,37 @@ static void read_ctl(void) {
     rlen -= off;
 }
 
+static void greet(void) {
+    uint32_t hello[2] = {AGENT_VERSION, (uint32_t)getpid()};
+    send_frame(T_HELLO, 0, hello, sizeof hello);
+}
+
+/* Guest mode: once the host end is connected (the port no longer reports POLLHUP), greet it. */
+static void reconnect_dev(void) {
+    if (dev_fd < 0) dev_fd = open(ctl_dev, O_RDWR | O_CLOEXEC);
+    if (dev_fd < 0) return;
+    struct pollfd p = {.fd = dev_fd, .events = POLLIN};
+    if (poll(&p, 1, 0) < 0 || (p.revents & POLLHUP)) return;
+    ctl = dev_fd;
+    rlen = 0;
+    greet();
+}
+
 int main(int argc, char **argv) {
-    ctl = argc > 2 && strcmp(argv[1], "--fd") == 0 ? atoi(argv[2]) : 3;
+    const char *tool = NULL;
+    ctl = 3;
+    for (int i = 1; i + 1 < argc; i += 2) {
+        if (strcmp(argv[i], "--fd") == 0) ctl = atoi(argv[i + 1]);
+        else if (strcmp(argv[i], "--dev") == 0) ctl_dev = argv[i + 1];
+        else if (strcmp(argv[i], "--root") == 0) sandbox_root = argv[i + 1];
+        else if (strcmp(argv[i], "--tool") == 0) tool = argv[i + 1];
+    }
+    if (tool) tool_fd = open(tool, O_RDONLY | O_CLOEXEC);
+    if (ctl_dev) ctl = -1;
     prctl(PR_SET_DUMPABLE, 0);
     /* `crun exec` (a re-attached agent) does not set no_new_privs; every command must inherit it. */
     prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
-    fcntl(ctl, F_SETFD, FD_CLOEXEC);
+    if (ctl >= 0) fcntl(ctl, F_SETFD, FD_CLOEXEC);
     signal(SIGPIPE, SIG_IGN);
     sigset_t mask;
     sigemptyset(&mask);
@@ -457,13 +508,14 @@ int main(int argc, char **argv) {
     sigprocmask(SIG_BLOCK, &mask, NULL);
     int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
     int is_init = getpid() == 1;
-    uint32_t hello[2] = {AGENT_VERSION, (uint32_t)getpid()};
-    send_frame(T_HELLO, 0, hello, sizeof hello);
+    if (ctl_dev) reconnect_dev();
+    else greet();
 
     struct pollfd pfds[2 + 3 * MAX_JOBS];
     struct job *owner[2 + 3 * MAX_JOBS];
     for (;;) {
-        if (ctl < 0 && !is_init) break;  /* an attached agent ends with its edge */
+        if (ctl < 0 && !is_init && !ctl_dev) break;  /* an attached agent ends with its edge */
+        if (ctl < 0 && ctl_dev) reconnect_dev();
         int n = 0;
         pfds[n] = (struct pollfd){.fd = sfd, .events = POLLIN};
         owner[n++] = NULL;
@@ -484,6 +536,7 @@ int main(int argc, char **argv) {
                 if (wait_ms < 0 || left < wait_ms) wait_ms = left;
             }
         }
+        if (ctl < 0 && ctl_dev && (wait_ms < 0 || wait_ms > 50)) wait_ms = 50;  /* look for the host again */
         int r = poll(pfds, (nfds_t)n, (int)wait_ms);
         if (r < 0 && errno != EINTR) break;
         if (r > 0) {

@@ -1,0 +1,126 @@
+"""Several backends behind one ``Backend``: the edge stays backend-neutral.
+
+A sandbox's backend is named in its spec (``container``, ``microvm``, ``vm``);
+the router remembers which backend owns each sandbox id from its create or
+adopt and sends every later call there.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from corral.backends.base import Backend, CommandSpec, ReclaimResult, RunningCommand, SandboxSpec
+from corral.backends.container.network import AllowRule, DeniedCounts
+from corral.sdk._exceptions import InvalidRequest, NotFound
+
+__all__ = ["BackendRouter"]
+
+
+class BackendRouter:
+    name = "router"
+
+    def __init__(self, backends: dict[str, Backend]) -> None:
+        self.backends = backends
+        self._owner: dict[str, Backend] = {}
+
+    def _for_spec(self, spec: SandboxSpec) -> Backend:
+        backend = self.backends.get(spec.backend)
+        if backend is None:
+            raise InvalidRequest(
+                f"backend {spec.backend!r} is not enabled on this node (enabled: {', '.join(sorted(self.backends))})"
+            )
+        return backend
+
+    def owner(self, sandbox_id: str) -> Backend:
+        backend = self._owner.get(sandbox_id)
+        if backend is None:
+            raise NotFound(f"no running sandbox {sandbox_id} on this node")
+        return backend
+
+    async def create(self, spec: SandboxSpec) -> str | None:
+        backend = self._for_spec(spec)
+        self._owner[spec.sandbox_id] = backend
+        try:
+            return await backend.create(spec)
+        except BaseException:
+            self._owner.pop(spec.sandbox_id, None)
+            raise
+
+    async def destroy(self, sandbox_id: str) -> None:
+        backend = self._owner.pop(sandbox_id, None)
+        if backend is not None:
+            await backend.destroy(sandbox_id)
+            return
+        for candidate in self.backends.values():  # an orphan, or one whose create failed half-way
+            await candidate.destroy(sandbox_id)
+
+    def run(self, sandbox_id: str, command: CommandSpec) -> RunningCommand:
+        return self.owner(sandbox_id).run(sandbox_id, command)
+
+    def files(self, sandbox_id: str):  # type: ignore[no-untyped-def]  # ConfinedTree or GuestTree
+        return self.owner(sandbox_id).files(sandbox_id)
+
+    async def adopt(self, spec: SandboxSpec) -> str | None:
+        backend = self._for_spec(spec)
+        state = await backend.adopt(spec)
+        if state is not None:
+            self._owner[spec.sandbox_id] = backend
+        return state
+
+    async def orphans(self, known_ids: set[str]) -> list[str]:
+        found: list[str] = []
+        for backend in self.backends.values():
+            found += await backend.orphans(known_ids)
+        return found
+
+    async def wait_ended(self, sandbox_id: str) -> str:
+        return await self.owner(sandbox_id).wait_ended(sandbox_id)
+
+    async def pack_diff(self, sandbox_id: str, dest: Path) -> None:
+        await self.owner(sandbox_id).pack_diff(sandbox_id, dest)
+
+    async def checkpoint(self, sandbox_id: str, dest: Path) -> None:
+        backend = self.owner(sandbox_id)
+        checkpoint = getattr(backend, "checkpoint", None)
+        if checkpoint is None:
+            raise InvalidRequest(f"{backend.name} sandboxes have no memory snapshots: snapshot their files instead")
+        await checkpoint(sandbox_id, dest)
+
+    async def findings(self, sandbox_id: str) -> tuple[list[str], int]:
+        return await self.owner(sandbox_id).findings(sandbox_id)
+
+    def disk_usage(self, sandbox_id: str) -> tuple[int, int] | None:
+        return self.owner(sandbox_id).disk_usage(sandbox_id)
+
+    async def recycle(self, sandbox_id: str) -> bool:
+        return await self.owner(sandbox_id).recycle(sandbox_id)
+
+    async def fs_clock(self, sandbox_id: str) -> float:
+        return await self.owner(sandbox_id).fs_clock(sandbox_id)
+
+    async def changed_paths(self, sandbox_id: str, since: float) -> list[str]:
+        return await self.owner(sandbox_id).changed_paths(sandbox_id, since)
+
+    async def pause(self, sandbox_id: str, *, wait_reclaim: bool = False) -> ReclaimResult:
+        return await self.owner(sandbox_id).pause(sandbox_id, wait_reclaim=wait_reclaim)
+
+    async def resume(self, sandbox_id: str) -> None:
+        await self.owner(sandbox_id).resume(sandbox_id)
+
+    async def set_network(self, sandbox_id: str, rules: tuple[AllowRule, ...]) -> str:
+        return await self.owner(sandbox_id).set_network(sandbox_id, rules)
+
+    async def attach_network_peer(self, name: str, netns_path: str, address: str) -> None:
+        for backend in self.backends.values():
+            await backend.attach_network_peer(name, netns_path, address)
+
+    async def network_status(self, sandbox_id: str) -> tuple[str | None, DeniedCounts | None]:
+        return await self.owner(sandbox_id).network_status(sandbox_id)
+
+    def housekeeping(self) -> None:
+        for backend in self.backends.values():
+            backend.housekeeping()
+
+    async def close(self) -> None:
+        for backend in self.backends.values():
+            await backend.close()

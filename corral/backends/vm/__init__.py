@@ -1,0 +1,1 @@
+"""VM sandboxes (microvm, vm) on QEMU."""

@@ -1,0 +1,561 @@
+"""VM sandboxes on QEMU: ``microvm`` (QEMU -M microvm) and ``vm`` (q35, a full disk).
+
+microvm: Debian's PVH kernel boots the project's initramfs, which stacks the
+sandbox's EROFS layers (read-only virtio-blk disks: the node's layer files,
+shared, not copied) under an overlay whose upper lives on a per-sandbox qcow2
+scratch disk, then runs corral-agent as PID 1 on a virtio-serial port.
+vm: q35 boots the same kernel and initramfs, which mounts a per-sandbox qcow2
+over an ext4 disk image built once per node from the sandbox's layers and
+hands PID 1 to the image's own init system when it has one.
+
+Per sandbox, under ``<data_dir>/vms/<id>/``: machine.json, the disk,
+console.log, qemu.log and the QMP and agent sockets; guest memory is a shared
+file in /dev/shm, so snapshots (``checkpoint``) write only device state and
+copy that file. QEMU is daemonized and re-adopted after an edge restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import os
+import shutil
+import socket
+import subprocess
+import tarfile
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from corral.backends.base import (
+    CommandEvent,
+    CommandExit,
+    CommandOutput,
+    CommandSpec,
+    CommandStarted,
+    ReclaimResult,
+    SandboxSpec,
+)
+from corral.backends.container.agent_protocol import AgentConnection, AgentExit, AgentOutput, AgentStarted, ExecOrder
+from corral.backends.container.host import orphans
+from corral.backends.container.network import AllowRule, DeniedCounts
+from corral.backends.vm.accel import choose_accelerator
+from corral.backends.vm.files import GuestTree
+from corral.backends.vm.guest import GuestKit, ensure_guest_kit
+from corral.backends.vm.qemu import Accelerator, Machine, MachineConfig, console_tail, host_tsc_khz
+from corral.guard.audit import PROTECTED_PREFIXES
+from corral.images.erofs import build_erofs
+from corral.sdk._exceptions import Conflict, InternalError, InvalidRequest, NotFound, SandboxGone, ServerUnavailable
+
+__all__ = ["VmBackend", "MIN_GUEST_MEMORY_MB"]
+
+log = logging.getLogger("corral.vm")
+
+MIN_GUEST_MEMORY_MB = 192  # Debian's kernel and the initramfs need this much to boot
+DEFAULT_DISK_MB = 2048
+_CHANGED_MAX = 10_000
+
+
+@dataclass
+class _Vm:
+    spec: SandboxSpec
+    machine: Machine
+    agent: AgentConnection
+    paused: bool = False
+
+
+class _GuestCommand:
+    """A command running through the guest agent, as the backend-neutral RunningCommand."""
+
+    def __init__(self, vm: _Vm, command: CommandSpec) -> None:
+        self._vm = vm
+        self._command = command
+        self._agent = vm.agent
+        self._job_id = self._agent.new_job_id()
+
+    async def events(self) -> AsyncIterator[CommandEvent]:
+        cmd = self._command
+        order = ExecOrder(
+            argv=cmd.argv,
+            env=cmd.env,
+            cwd=cmd.cwd,
+            user=cmd.user,
+            timeout_ms=max(1, int(cmd.timeout_s * 1000)),
+            output_cap_bytes=cmd.output_cap_bytes,
+            has_stdin=cmd.stdin is not None,
+        )
+        async for event in self._agent.run(self._job_id, order, cmd.stdin if cmd.stdin else None):
+            if isinstance(event, AgentStarted):
+                yield CommandStarted(pid=event.pid)
+            elif isinstance(event, AgentOutput):
+                yield CommandOutput(event.stream, event.data)
+            elif isinstance(event, AgentExit):
+                yield CommandExit(event.exit_code, event.timed_out, False, event.stdout_truncated,
+                                  event.stderr_truncated)  # fmt: skip
+
+    def write_stdin(self, data: bytes) -> None:
+        self._agent.write_stdin(self._job_id, data)
+
+    def signal(self, signo: int) -> None:
+        self._agent.signal(self._job_id, signo)
+
+
+def _run(argv: list[str]) -> None:
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise InternalError(f"{argv[0]} failed: {done.stderr.strip()[-500:]}")
+
+
+def _scratch_template(vm_dir: Path, size_mb: int) -> Path:
+    """An empty ext4 file system of ``size_mb``, made once per node per size (sparse)."""
+    path = vm_dir / f"scratch-{size_mb}m.ext4"
+    if not path.exists():
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        with tmp.open("wb") as handle:
+            handle.truncate(size_mb << 20)
+        _run(["mkfs.ext4", "-q", "-F", "-m", "0", "-E", "lazy_itable_init=1,lazy_journal_init=1", str(tmp)])
+        os.chmod(tmp, 0o444)
+        os.replace(tmp, path)
+    return path
+
+
+def _root_disk_image(vm_dir: Path, layers: tuple[Path, ...], size_mb: int) -> Path:
+    """A full ext4 disk of the stacked layers (what a q35 guest boots as its root), once per node per stack."""
+    key = hashlib.sha256("|".join([str(size_mb), *(p.name for p in layers)]).encode()).hexdigest()[:16]
+    path = vm_dir / "disks" / f"root-{key}.ext4"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=vm_dir, prefix=".disk-") as tmp:
+        work = Path(tmp)
+        mounts: list[Path] = []
+        try:
+            for index, layer in enumerate(layers):
+                point = work / f"l{index}"
+                point.mkdir()
+                _run(["mount", "-t", "erofs", "-o", "ro", str(layer), str(point)])
+                mounts.append(point)
+            tree = mounts[0]
+            if len(mounts) > 1:
+                tree = work / "tree"
+                tree.mkdir()
+                lower = ":".join(str(p) for p in reversed(mounts))
+                _run(["mount", "-t", "overlay", "overlay", "-o", f"ro,lowerdir={lower}", str(tree)])
+                mounts.append(tree)
+            image = work / "root.ext4"
+            with image.open("wb") as handle:
+                handle.truncate(size_mb << 20)
+            _run(["mkfs.ext4", "-q", "-F", "-m", "0", "-d", str(tree), str(image)])
+        finally:
+            for point in reversed(mounts):
+                subprocess.run(["umount", "-l", str(point)], capture_output=True)
+        os.chmod(image, 0o444)
+        os.replace(image, path)
+    return path
+
+
+def _parse_stamp(text: str) -> float:
+    """busybox ``stat -c '%Y|%y'`` (epoch seconds | "2026-11-30 10:00:00.123456789 +0000") as float seconds."""
+    seconds, _, human = text.partition("|")
+    clock = human.split()[1] if len(human.split()) > 1 else ""
+    fraction = clock.partition(".")[2] or "0"
+    return float(f"{seconds}.{fraction}") if seconds.isdigit() else 0.0
+
+
+def _copy_sparse(source: Path, dest: Path) -> None:
+    _run(["cp", "--sparse=always", "--reflink=auto", str(source), str(dest)])
+
+
+class VmBackend:
+    """One backend object per machine kind ("microvm" or "vm"); both share the node's guest kit."""
+
+    def __init__(
+        self,
+        *,
+        kind: str,
+        data_dir: Path,
+        node_dir: Path,
+        guest_agent: Path,
+        accel: str = "auto",
+        boot_timeout_s: float = 90.0,
+    ) -> None:
+        if kind not in ("microvm", "vm"):
+            raise ValueError(f"unknown VM kind {kind!r}")
+        self.name = kind
+        self._kind = kind
+        self._dir = data_dir / "vms"
+        self._vm_dir = node_dir / "vm"
+        self._guest_agent = guest_agent
+        self._accel_setting = accel
+        self._boot_timeout_s = boot_timeout_s
+        self._vms: dict[str, _Vm] = {}
+        self._ready_lock = asyncio.Lock()
+        self._kit: GuestKit | None = None
+        self.accelerator: Accelerator | None = None
+
+    # -- node setup -----------------------------------------------------------
+
+    async def ready(self) -> tuple[GuestKit, Accelerator]:
+        """The guest kit and the accelerator, prepared once (downloads the kernel on first use)."""
+        async with self._ready_lock:
+            if self._kit is None or self.accelerator is None:
+                try:
+                    kit = await asyncio.to_thread(ensure_guest_kit, self._vm_dir.parent, self._guest_agent)
+                except Exception as exc:
+                    raise ServerUnavailable(f"cannot prepare the VM guest kernel and initramfs: {exc}") from exc
+                self.accelerator = await asyncio.to_thread(choose_accelerator, kit, self._vm_dir, self._accel_setting)
+                self._kit = kit
+            return self._kit, self.accelerator
+
+    # -- lifecycle --------------------------------------------------------------
+
+    def _machine_dir(self, sandbox_id: str) -> Path:
+        return self._dir / sandbox_id
+
+    async def _config(self, spec: SandboxSpec, directory: Path) -> MachineConfig:
+        kit, accel = await self.ready()
+        if not spec.layers:
+            raise InvalidRequest("a VM sandbox needs at least one layer")
+        disk = directory / "disk.qcow2"
+        size_mb = spec.disk_mb or DEFAULT_DISK_MB
+        layer_files = tuple(layer.path for layer in spec.layers)
+        if self._kind == "microvm":
+            backing = await asyncio.to_thread(_scratch_template, self._vm_dir, size_mb)
+            machine_layers = tuple(str(path) for path in layer_files)
+        else:
+            backing = await asyncio.to_thread(_root_disk_image, self._vm_dir, layer_files, size_mb)
+            machine_layers = ()
+        await asyncio.to_thread(
+            _run, ["qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b", str(backing), str(disk)]
+        )
+        return MachineConfig(
+            name=spec.sandbox_id,
+            kind=self._kind,
+            accel=accel.name,
+            vcpus=max(1, min(os.cpu_count() or 1, math.ceil(spec.cpu))),
+            memory_mb=max(MIN_GUEST_MEMORY_MB, spec.memory_mb),
+            kernel=str(kit.vmlinux if self._kind == "microvm" else kit.bzimage),
+            initramfs=str(kit.initramfs),
+            layers=machine_layers,
+            disk=str(disk),
+            hostname=spec.sandbox_id[-12:],
+            tsc_khz=host_tsc_khz() if accel.name == "tcg" else None,
+        )
+
+    async def _connect_agent(self, machine: Machine, timeout_s: float) -> AgentConnection:
+        """Wait for the guest agent (it proves the guest booted); fail fast if QEMU dies meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(str(machine.agent_socket))
+        agent = AgentConnection(sock)
+        greeting = asyncio.ensure_future(agent.start(timeout_s, ping=True))
+        exited = asyncio.ensure_future(machine.wait_exit())
+        try:
+            done, _ = await asyncio.wait({greeting, exited}, timeout=max(0.1, deadline - time.monotonic()),
+                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        finally:
+            exited.cancel()
+        if greeting in done and greeting.exception() is None:
+            return agent
+        greeting.cancel()
+        agent.close()
+        what = "QEMU exited" if exited in done else f"no agent answered within {timeout_s:.0f}s"
+        raise ServerUnavailable(f"the guest did not boot ({what}); console:\n{console_tail(machine.directory)}")
+
+    async def create(self, spec: SandboxSpec) -> str | None:
+        if spec.network is not None:
+            raise InvalidRequest(f"{self._kind} sandboxes have no network yet: create it without `network`")
+        directory = self._machine_dir(spec.sandbox_id)
+        directory.mkdir(parents=True, exist_ok=True)
+        machine: Machine | None = None
+        try:
+            if spec.restore_from is not None:
+                machine = await self._restore(spec, Path(spec.restore_from), directory)
+            else:
+                machine = Machine(await self._config(spec, directory), directory)
+                with orphans.spawned():
+                    await machine.launch()
+            agent = await self._connect_agent(machine, self._boot_timeout_s)
+        except BaseException:
+            if machine is not None:
+                await machine.kill()
+                machine.memory_file.unlink(missing_ok=True)
+            await asyncio.to_thread(shutil.rmtree, directory, True)
+            raise
+        self._vms[spec.sandbox_id] = _Vm(spec, machine, agent)
+        accel = self.accelerator
+        note = f"{self._kind} on {accel.name.upper()}: {accel.reason}" if accel is not None else None
+        log.info("sandbox %s: %s", spec.sandbox_id, note)
+        return note
+
+    async def _restore(self, spec: SandboxSpec, source: Path, directory: Path) -> Machine:
+        """A new machine from a checkpoint: its memory, devices and disk as they were (processes included)."""
+        if not (source / "state").exists():
+            raise NotFound(f"no VM checkpoint at {source} on this node")
+        saved = MachineConfig.load(source)
+        if saved.kind != self._kind:
+            raise InvalidRequest(f"a {saved.kind} checkpoint cannot start a {self._kind} sandbox")
+        kit, accel = await self.ready()
+        disk = directory / "disk.qcow2"
+        await asyncio.to_thread(_copy_sparse, source / "disk.qcow2", disk)
+        config = MachineConfig(
+            **{
+                **saved.__dict__,
+                "name": spec.sandbox_id,
+                "disk": str(disk),
+                "accel": accel.name,
+                "layers": tuple(str(layer.path) for layer in spec.layers) if saved.layers else (),
+            }
+        )
+        machine = Machine(config, directory)
+        await asyncio.to_thread(_copy_sparse, source / "memory", machine.memory_file)
+        with orphans.spawned():
+            await machine.launch(incoming=True)
+        await machine.execute("migrate-set-capabilities",
+                              {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})  # fmt: skip
+        await machine.execute("migrate-incoming", {"uri": f"exec:cat {source / 'state'}"})
+        await self._wait_migration(machine, incoming=True)
+        await machine.execute("cont")
+        return machine
+
+    async def _wait_migration(self, machine: Machine, *, incoming: bool) -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if incoming:
+                status = await machine.execute("query-status")
+                if isinstance(status, dict) and status.get("status") in ("paused", "prelaunch", "running"):
+                    if status.get("status") != "inmigrate":
+                        return
+            else:
+                info = await machine.execute("query-migrate")
+                state = info.get("status") if isinstance(info, dict) else None
+                if state == "completed":
+                    return
+                if state in ("failed", "cancelled"):
+                    raise InternalError(f"VM snapshot failed: {info.get('error-desc', state)}")
+            await asyncio.sleep(0.005)
+        raise InternalError("VM snapshot/restore did not finish within 120s")
+
+    async def adopt(self, spec: SandboxSpec) -> str | None:
+        directory = self._machine_dir(spec.sandbox_id)
+        try:
+            machine = Machine(MachineConfig.load(directory), directory)
+        except (OSError, ValueError, TypeError):
+            return None
+        if not machine.adopt():
+            await self.destroy(spec.sandbox_id)
+            return None
+        try:
+            status = await machine.execute("query-status")
+            paused = isinstance(status, dict) and status.get("status") != "running"
+            if paused:
+                await machine.execute("cont")  # the agent must answer our greeting
+            agent = await self._connect_agent(machine, 15)
+            if paused:
+                await machine.execute("stop")
+        except Exception:
+            log.exception("could not re-attach to VM sandbox %s", spec.sandbox_id)
+            await machine.kill()
+            await self.destroy(spec.sandbox_id)
+            return None
+        self._vms[spec.sandbox_id] = _Vm(spec, machine, agent, paused=paused)
+        return "paused" if paused else "running"
+
+    async def orphans(self, known_ids: set[str]) -> list[str]:
+        if not self._dir.exists():
+            return []
+        found = []
+        for directory in self._dir.iterdir():
+            if directory.name in known_ids or not (directory / "machine.json").exists():
+                continue
+            try:
+                if MachineConfig.load(directory).kind == self._kind:
+                    found.append(directory.name)
+            except (OSError, ValueError, TypeError):
+                continue
+        return found
+
+    def _get(self, sandbox_id: str) -> _Vm:
+        vm = self._vms.get(sandbox_id)
+        if vm is None:
+            raise NotFound(f"no running {self._kind} for sandbox {sandbox_id}")
+        if vm.agent.closed.is_set() or not vm.machine.alive():
+            raise SandboxGone(
+                f"sandbox {sandbox_id} stopped: its VM exited; console:\n{console_tail(vm.machine.directory, 5)}"
+            )
+        return vm
+
+    def run(self, sandbox_id: str, command: CommandSpec) -> _GuestCommand:
+        return _GuestCommand(self._get(sandbox_id), command)
+
+    def files(self, sandbox_id: str) -> GuestTree:
+        return GuestTree(self._get(sandbox_id).agent, asyncio.get_running_loop())
+
+    async def wait_ended(self, sandbox_id: str) -> str:
+        vm = self._get(sandbox_id)
+        await vm.machine.wait_exit()
+        return f"its VM exited ({console_tail(vm.machine.directory, 1)})"
+
+    async def destroy(self, sandbox_id: str) -> None:
+        vm = self._vms.pop(sandbox_id, None)
+        directory = self._machine_dir(sandbox_id)
+        machine = vm.machine if vm is not None else None
+        if vm is not None:
+            vm.agent.close()
+        if machine is None and (directory / "machine.json").exists():
+            try:
+                machine = Machine(MachineConfig.load(directory), directory)
+                if not machine.adopt():
+                    machine.pid = None
+            except (OSError, ValueError, TypeError):
+                machine = None
+        if machine is not None:
+            await machine.kill()
+            machine.memory_file.unlink(missing_ok=True)
+        await asyncio.to_thread(shutil.rmtree, directory, True)
+
+    async def shutdown(self, sandbox_id: str, timeout_s: float = 10.0) -> bool:
+        """Clean stop: sync the guest's disks and power it off; True if it stopped within ``timeout_s``."""
+        vm = self._get(sandbox_id)
+        if vm.paused:
+            await self.resume(sandbox_id)
+        order = ExecOrder(["poweroff", "-f"], {}, "/", "root", 10_000, 4096, False, tool="guest")
+        try:
+            await self._tool(vm, ["sync"], tool="guest")
+            async for _ in vm.agent.run(vm.agent.new_job_id(), order):
+                pass
+        except Exception:  # noqa: BLE001 - the agent goes away with the guest, mid-answer
+            pass
+        try:
+            await asyncio.wait_for(vm.machine.wait_exit(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+    # -- pause, snapshots ---------------------------------------------------------
+
+    async def pause(self, sandbox_id: str, *, wait_reclaim: bool = False) -> ReclaimResult:
+        """vCPUs stop, guest memory stays where it is (a shared file the kernel may swap out)."""
+        vm = self._get(sandbox_id)
+        before = vm.machine.rss_bytes()
+        await vm.machine.execute("stop")
+        vm.paused = True
+        return ReclaimResult(before, vm.machine.rss_bytes())
+
+    async def resume(self, sandbox_id: str) -> None:
+        vm = self._get(sandbox_id)
+        await vm.machine.execute("cont")
+        vm.paused = False
+
+    async def checkpoint(self, sandbox_id: str, dest: Path) -> None:
+        """Memory, device state and disk of the running VM into ``dest`` (processes included)."""
+        vm = self._get(sandbox_id)
+        dest.mkdir(parents=True, exist_ok=True)
+        machine = vm.machine
+        was_paused = vm.paused
+        if not was_paused:
+            await machine.execute("stop")
+        try:
+            await machine.execute("migrate-set-capabilities",
+                                  {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})  # fmt: skip
+            await machine.execute("migrate", {"uri": f"exec:cat > {dest / 'state'}"})
+            await self._wait_migration(machine, incoming=False)
+            await asyncio.to_thread(_copy_sparse, machine.memory_file, dest / "memory")
+            await asyncio.to_thread(_copy_sparse, Path(machine.config.disk), dest / "disk.qcow2")
+            machine.config.save(dest)
+        finally:
+            if not was_paused:
+                await machine.execute("cont")
+
+    async def pack_diff(self, sandbox_id: str, dest: Path) -> None:
+        """The guest's writable layer as an EROFS diff layer (microvm: the overlay's upper directory)."""
+        vm = self._get(sandbox_id)
+        if self._kind != "microvm":
+            raise Conflict("a full VM has no separate writable layer to pack: fork it (memory and disk) instead")
+        await self._tool(vm, ["sync"], tool="guest")
+        data = await self._tool(vm, ["tar", "-C", "/scratch/upper", "-cf", "-", "."], tool="guest", cap=8 << 30)
+        with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".vm-diff-") as tmp:
+            tree = Path(tmp) / "upper"
+            tree.mkdir()
+
+            def unpack() -> None:
+                import io
+
+                with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as archive:
+                    archive.extractall(tree, filter="tar")  # whiteouts are character devices: kept
+
+            await asyncio.to_thread(unpack)
+            await asyncio.to_thread(build_erofs, tree, dest)
+
+    async def _tool(self, vm: _Vm, argv: list[str], *, tool: str, cap: int = 1 << 20) -> bytes:
+        order = ExecOrder(argv, {"PATH": "/nonexistent"}, "/", "root", 120_000, cap, False, tool=tool)
+        out = bytearray()
+        async for event in vm.agent.run(vm.agent.new_job_id(), order):
+            if isinstance(event, AgentOutput) and event.stream == "stdout":
+                out.extend(event.data)
+            elif isinstance(event, AgentExit) and (event.exit_code != 0 or event.stdout_truncated):
+                raise InternalError(f"{argv[0]} in the guest failed (exit {event.exit_code})")
+        return bytes(out)
+
+    # -- what the audit log and the trajectory log ask --------------------------
+
+    async def findings(self, sandbox_id: str) -> tuple[list[str], int]:
+        vm = self._get(sandbox_id)
+        if self._kind != "microvm":
+            return [], 0  # a full VM's root disk has no separate writable layer to look at
+        prefixes = sorted({p.strip("/") for p in (*PROTECTED_PREFIXES, *vm.spec.protected_paths)})
+        script = 'cd /scratch/upper || exit 0; for p in "$@"; do [ -e "$p" ] && find "$p" ! -type d; done; exit 0'
+        out = await self._tool(vm, ["sh", "-c", script, "sh", *prefixes], tool="guest")
+        return ["/" + line for line in out.decode(errors="replace").splitlines()[:_CHANGED_MAX] if line], 0
+
+    def disk_usage(self, sandbox_id: str) -> tuple[int, int] | None:
+        return None
+
+    async def recycle(self, sandbox_id: str) -> bool:
+        return False  # VM sandboxes are not pooled
+
+    async def fs_clock(self, sandbox_id: str) -> float:
+        vm = self._get(sandbox_id)
+        # The stamp the guest's file system puts on a file it touches now: the same clock as changed_paths reads.
+        script = "touch /scratch/.corral-clock && stat -c '%Y|%y' /scratch/.corral-clock"
+        out = await self._tool(vm, ["sh", "-c", script], tool="guest")
+        return _parse_stamp(out.decode(errors="replace").strip())
+
+    async def changed_paths(self, sandbox_id: str, since: float) -> list[str]:
+        vm = self._get(sandbox_id)
+        if self._kind != "microvm":
+            return []
+        script = "cd /scratch/upper && find . ! -type d -exec stat -c '%Y|%y|%n' {} +"
+        out = await self._tool(vm, ["sh", "-c", script], tool="guest", cap=16 << 20)
+        changed = []
+        for line in out.decode(errors="replace").splitlines():
+            seconds, human, name = (line.split("|", 2) + ["", ""])[:3]
+            if _parse_stamp(f"{seconds}|{human}") >= since:
+                changed.append(name.removeprefix("."))
+        return sorted(changed)[:_CHANGED_MAX]
+
+    # -- network (not yet for VMs) ------------------------------------------------
+
+    async def set_network(self, sandbox_id: str, rules: tuple[AllowRule, ...]) -> str:
+        raise InvalidRequest(f"{self._kind} sandboxes have no network yet")
+
+    async def attach_network_peer(self, name: str, netns_path: str, address: str) -> None:
+        return None  # VM sandboxes are never plugged in, so there is nothing to attach to
+
+    async def network_status(self, sandbox_id: str) -> tuple[str | None, DeniedCounts | None]:
+        self._get(sandbox_id)
+        return None, None
+
+    def housekeeping(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        """Running VMs keep running (they are re-adopted); only our connections close."""
+        for vm in self._vms.values():
+            vm.agent.close()
+            await vm.machine.close_monitor()
+        self._vms.clear()

@@ -1,0 +1,278 @@
+"""One QEMU process per VM sandbox: its command line, its QMP monitor, its files.
+
+A machine lives in its own directory (console log, QMP and agent sockets, pid
+file, scratch disk) and its guest memory in a shared file under /dev/shm, so a
+snapshot only has to write device state (``x-ignore-shared``) and copy that
+file, and so the memory survives nothing but the machine itself. QEMU runs
+daemonized: it outlives an edge restart and is re-adopted by its pid file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from qemu.qmp import QMPClient
+
+__all__ = ["Accelerator", "MachineConfig", "Machine", "QEMU_BINARY", "console_tail", "host_tsc_khz", "timing_arguments"]
+
+QEMU_BINARY = "qemu-system-x86_64"
+SHM_DIR = Path("/dev/shm")
+AGENT_PORT_NAME = "corral.agent"
+_CONFIG_FILE = "machine.json"
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    name: str  # "kvm" | "tcg"
+    reason: str  # why this one (shown in the sandbox's status and the logs)
+
+
+@dataclass(frozen=True)
+class MachineConfig:
+    """Everything that decides a machine's command line; saved beside it for adoption and restore."""
+
+    name: str
+    kind: str  # "microvm" | "vm" (q35)
+    accel: str  # "kvm" | "tcg"
+    vcpus: int
+    memory_mb: int
+    kernel: str
+    initramfs: str
+    layers: tuple[str, ...]  # EROFS files, bottom first (microvm overlay)
+    disk: str  # the writable disk: scratch (microvm) or root (vm), qcow2
+    hostname: str
+    tsc_khz: int | None = None  # TCG: the host's TSC rate, given to the guest (see timing_arguments)
+    tap: str | None = None  # a tap device name, inside the machine's network namespace
+    netns: str | None = None
+
+    def save(self, directory: Path) -> None:
+        (directory / _CONFIG_FILE).write_text(json.dumps(asdict(self)))
+
+    @classmethod
+    def load(cls, directory: Path) -> MachineConfig:
+        data = json.loads((directory / _CONFIG_FILE).read_text())
+        data["layers"] = tuple(data["layers"])
+        return cls(**data)
+
+
+def host_tsc_khz() -> int | None:
+    """The host's TSC rate in kHz (what a TCG guest's rdtsc counts at), from /proc/cpuinfo."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("cpu MHz"):
+                return int(float(line.split(":", 1)[1]) * 1000)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def timing_arguments(tsc_khz: int | None) -> list[str]:
+    """Kernel arguments that spare a TCG guest its timer calibration.
+
+    A microvm has no HPET or ACPI PM timer, so the kernel calibrates the TSC
+    against the PIT; under TCG on a busy host that calibration fails, the TSC
+    is marked unstable and boot hangs in calibrate_delay. A TCG guest's TSC
+    runs at the host's rate, so give the kernel that rate instead."""
+    if not tsc_khz:
+        return []
+    return [f"tsc_early_khz={tsc_khz}", "tsc=reliable", "no_timer_check"]
+
+
+def kernel_command_line(config: MachineConfig) -> str:
+    words = ["console=ttyS0", "panic=-1", "quiet", f"corral.layers={len(config.layers)}"]
+    words += timing_arguments(config.tsc_khz)
+    words.append(f"corral.hostname={config.hostname}")
+    if config.kind == "vm":
+        words += ["corral.root=disk", "corral.init=1"]
+    return " ".join(words)
+
+
+def machine_argv(config: MachineConfig, directory: Path, *, incoming: bool = False) -> list[str]:
+    """The QEMU command line: no default devices, virtio only, console to a file (never a pipe)."""
+    memory_file = SHM_DIR / f"corral-{config.name}.mem"
+    bus = "device" if config.kind == "microvm" else "pci"
+    machine = (
+        "microvm,x-option-roms=off,isa-serial=on,rtc=on,memory-backend=mem"
+        if config.kind == "microvm"
+        else "q35,memory-backend=mem"
+    )
+    cpu = "host,-arch-capabilities" if config.accel == "kvm" else "max"
+    argv = [
+        QEMU_BINARY,
+        "-name", f"corral-{config.name},process=corral-{config.name}",
+        "-M", machine,
+        "-accel", config.accel,
+        "-cpu", cpu,
+        "-smp", str(config.vcpus),
+        "-m", f"{config.memory_mb}M",
+        "-object", f"memory-backend-file,id=mem,size={config.memory_mb}M,mem-path={memory_file},share=on",
+        "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+        "-kernel", config.kernel,
+        "-initrd", config.initramfs,
+        "-append", kernel_command_line(config),
+        "-serial", f"file:{directory / 'console.log'}",
+    ]  # fmt: skip
+    for index, layer in enumerate(config.layers):
+        argv += [
+            "-drive", f"id=l{index},file={layer},format=raw,if=none,readonly=on,file.locking=off",
+            "-device", f"virtio-blk-{bus},drive=l{index},serial=l{index}",
+        ]  # fmt: skip
+    disk_serial = "root" if config.kind == "vm" else "scratch"
+    argv += [
+        "-drive", f"id=disk,file={config.disk},format=qcow2,if=none,discard=unmap",
+        "-device", f"virtio-blk-{bus},drive=disk,serial={disk_serial}",
+        "-device", f"virtio-serial-{bus}",
+        "-chardev", f"socket,id=agent,path={directory / 'agent.sock'},server=on,wait=off",
+        "-device", f"virtserialport,chardev=agent,name={AGENT_PORT_NAME}",
+        "-device", f"virtio-balloon-{bus},id=balloon,free-page-reporting=on",
+        "-qmp", f"unix:{directory / 'qmp.sock'},server=on,wait=off",
+        "-pidfile", str(directory / "qemu.pid"),
+        "-daemonize",
+    ]  # fmt: skip
+    if config.tap:
+        argv += ["-netdev", f"tap,id=net,ifname={config.tap},script=no,downscript=no"]
+        argv += ["-device", f"virtio-net-{bus},netdev=net"]
+    if incoming:
+        argv += ["-incoming", "defer"]
+    return argv
+
+
+def console_tail(directory: Path, lines: int = 15) -> str:
+    try:
+        text = (directory / "console.log").read_text(errors="replace")
+    except OSError:
+        return "(no console output)"
+    tail = [line for line in text.splitlines() if line.strip()][-lines:]
+    return "\n".join(tail) or "(no console output)"
+
+
+class Machine:
+    """A running (or starting) QEMU process and its monitor."""
+
+    def __init__(self, config: MachineConfig, directory: Path) -> None:
+        self.config = config
+        self.directory = directory
+        self.memory_file = SHM_DIR / f"corral-{config.name}.mem"
+        self.pid: int | None = None
+        self._qmp: QMPClient | None = None
+        self._qmp_lock = asyncio.Lock()
+
+    @property
+    def agent_socket(self) -> Path:
+        return self.directory / "agent.sock"
+
+    async def launch(self, *, incoming: bool = False) -> None:
+        """Start QEMU daemonized; returns once it runs (its guest is still booting)."""
+        self.config.save(self.directory)
+        argv = machine_argv(self.config, self.directory, incoming=incoming)
+        if self.config.netns:
+            argv = ["ip", "netns", "exec", self.config.netns, *argv]
+        with (self.directory / "qemu.log").open("ab") as log:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
+            )
+            code = await proc.wait()
+        if code != 0:
+            detail = (self.directory / "qemu.log").read_text(errors="replace").strip()[-1500:]
+            raise RuntimeError(f"QEMU did not start (exit {code}): {detail}")
+        self.pid = int((self.directory / "qemu.pid").read_text().strip())
+        await self.qmp()
+
+    def adopt(self) -> bool:
+        """Find a machine that outlived an edge restart; False if its process is gone."""
+        try:
+            pid = int((self.directory / "qemu.pid").read_text().strip())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            return False
+        if f"corral-{self.config.name}".encode() not in cmdline:
+            return False
+        self.pid = pid
+        return True
+
+    def alive(self) -> bool:
+        if self.pid is None:
+            return False
+        try:
+            state = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return False
+        return state != "Z"
+
+    async def qmp(self) -> QMPClient:
+        if self._qmp is None or not self._qmp.runstate.name == "RUNNING":
+            client = QMPClient(f"corral-{self.config.name}")
+            for _ in range(100):
+                try:
+                    await client.connect(str(self.directory / "qmp.sock"))
+                    break
+                except (OSError, ConnectionError, Exception):  # noqa: BLE001 - qemu.qmp wraps OS errors in its own
+                    if not self.alive():
+                        raise
+                    await asyncio.sleep(0.02)
+            self._qmp = client
+        return self._qmp
+
+    async def execute(self, command: str, arguments: dict[str, object] | None = None) -> object:
+        async with self._qmp_lock:
+            client = await self.qmp()
+            return await client.execute(command, arguments)
+
+    async def wait_exit(self) -> None:
+        """Return once the QEMU process has gone (it is not our child after -daemonize)."""
+        if self.pid is None:
+            return
+        try:
+            fd = os.pidfd_open(self.pid)
+        except ProcessLookupError:
+            return
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        loop.add_reader(fd, lambda: done.done() or done.set_result(None))
+        try:
+            await done
+        finally:
+            loop.remove_reader(fd)
+            os.close(fd)
+
+    async def kill(self) -> None:
+        """Forced stop: SIGKILL, then wait for the process to go."""
+        if self._qmp is not None:
+            try:
+                await self._qmp.disconnect()
+            except Exception:  # noqa: BLE001 - the monitor may already be gone with the process
+                pass
+            self._qmp = None
+        if self.pid is not None and self.alive():
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                await asyncio.wait_for(self.wait_exit(), 10)
+            except TimeoutError:
+                pass
+
+    async def close_monitor(self) -> None:
+        if self._qmp is not None:
+            try:
+                await self._qmp.disconnect()
+            except Exception:  # noqa: BLE001
+                pass
+            self._qmp = None
+
+    def rss_bytes(self) -> int:
+        """Host memory the QEMU process holds (its RSS, shared guest memory included)."""
+        try:
+            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return 0
