@@ -398,7 +398,8 @@ class VmBackend:
     async def wait_ended(self, sandbox_id: str) -> str:
         vm = self._get(sandbox_id)
         await vm.machine.wait_exit()
-        return f"its VM exited ({console_tail(vm.machine.directory, 1)})"
+        log.warning("the VM of sandbox %s exited; console:\n%s", sandbox_id, console_tail(vm.machine.directory))
+        return "exited"
 
     async def destroy(self, sandbox_id: str) -> None:
         vm = self._vms.pop(sandbox_id, None)

@@ -1,0 +1,222 @@
+"""microvm and vm sandboxes: real QEMU guests (TCG here), driven through the real SDK and server.
+
+Each boot costs about two seconds of a core under TCG, so one module-scoped
+microvm serves the read-mostly tests; the fault tests boot their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import signal
+import tarfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import corral
+from corral.backends.base import LayerRef, SandboxSpec
+from corral.backends.container.host import build_native_helpers
+from corral.backends.vm.accel import probe_boot, probe_kvm
+from corral.backends.vm.backend import VmBackend
+from corral.backends.vm.guest import ensure_guest_kit
+from corral.embedded import EmbeddedServer
+from corral.sdk import NotFound
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _qemu_pid(server: EmbeddedServer, sandbox_id: str) -> int:
+    return int((server.data_dir / "vms" / sandbox_id / "qemu.pid").read_text())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture(scope="module")
+def microvm(server: EmbeddedServer) -> Iterator[corral.Sandbox]:
+    with server.client() as client, client.create("busybox", backend="microvm", ttl_s=900) as sb:
+        yield sb
+
+
+def test_microvm_runs_its_own_kernel_and_says_how(microvm: corral.Sandbox) -> None:
+    result = microvm.exec("uname -r; echo out; echo err >&2; exit 3")
+    assert result.exit_code == 3
+    guest_kernel, out = result.stdout.splitlines()
+    assert guest_kernel != os.uname().release and guest_kernel.endswith("-amd64")
+    assert out == "out" and result.stderr == "err\n"
+    info = microvm.refresh()
+    assert info.backend == "microvm" and info.state == "running"
+    assert info.status_message and ("TCG" in info.status_message or "KVM" in info.status_message)
+
+
+def test_microvm_exec_stdin_env_cwd_and_timeout(microvm: corral.Sandbox) -> None:
+    assert microvm.exec("cat", stdin="fed in").stdout == "fed in"
+    assert microvm.exec("echo $GREETING; pwd", env={"GREETING": "hi"}, cwd="/tmp").stdout == "hi\n/tmp\n"
+    started = time.monotonic()
+    slow = microvm.exec("sleep 30", timeout_s=1)
+    assert slow.timed_out and time.monotonic() - started < 15
+    streamed = [e.data for e in microvm.exec_stream("for i in 1 2 3; do echo $i; done") if e.type == "stdout"]
+    assert "".join(d or "" for d in streamed) == "1\n2\n3\n"
+
+
+def test_microvm_files_resolve_inside_the_guest(microvm: corral.Sandbox) -> None:
+    microvm.files.write("/work/dir/a.txt", "alpha")
+    assert microvm.files.read("/work/dir/a.txt") == b"alpha"
+    assert [f.name for f in microvm.files.list("/work/dir")] == ["a.txt"]
+    info = microvm.files.stat("/work/dir/a.txt")
+    assert info.type == "file" and info.size == 5
+    assert microvm.exec("cat /work/dir/a.txt").stdout == "alpha"
+    # A symlink the agent made resolves in the guest's root, never on the host.
+    microvm.exec("ln -sf / /work/escape")
+    assert microvm.files.read("/work/escape/etc/passwd").decode() == microvm.exec("cat /etc/passwd").stdout
+    assert microvm.files.stat("/work/escape").link_target == "/"
+    microvm.files.mkdir("/work/made")
+    assert microvm.files.stat("/work/made").type == "dir"
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        data = b"from a tar"
+        member = tarfile.TarInfo("t/inner.txt")
+        member.size = len(data)
+        tar.addfile(member, io.BytesIO(data))
+    microvm.files.upload_tar("/work/up", buffer.getvalue())
+    assert microvm.exec("cat /work/up/t/inner.txt").stdout == "from a tar"
+    microvm.files.remove("/work/dir", recursive=True)
+    with pytest.raises(NotFound):
+        microvm.files.read("/work/dir/a.txt")
+
+
+def test_microvm_pause_then_any_request_resumes(microvm: corral.Sandbox) -> None:
+    microvm.exec("echo before > /tmp/p")
+    result = microvm.pause()
+    assert result.sandbox.state == "paused"
+    assert microvm.exec("cat /tmp/p").stdout == "before\n"  # transparent resume
+    assert microvm.refresh().state == "running"
+
+
+def test_microvm_fork_carries_memory_and_processes(client: corral.Client, microvm: corral.Sandbox) -> None:
+    microvm.exec("echo parent-file > /root/state")
+    microvm.exec("sleep 600 >/dev/null 2>&1 & echo $! > /root/pid", timeout_s=10)
+    pid = microvm.exec("cat /root/pid").stdout.strip()
+    kids = microvm.fork(2)
+    try:
+        for kid in kids:
+            assert kid.refresh().backend == "microvm"
+            assert kid.exec("cat /root/state").stdout == "parent-file\n"
+            assert kid.exec(f"kill -0 {pid} && echo running").stdout == "running\n"  # the process came along
+        kids[0].exec("echo child > /root/state")
+        assert microvm.exec("cat /root/state").stdout == "parent-file\n"
+        assert kids[1].exec("cat /root/state").stdout == "parent-file\n"
+    finally:
+        for kid in kids:
+            kid.kill()
+
+
+def test_microvm_snapshot_is_a_layer_containers_can_use(client: corral.Client, microvm: corral.Sandbox) -> None:
+    microvm.exec("mkdir -p /opt/made && echo in-vm > /opt/made/file && rm -f /etc/motd")
+    snap = microvm.snapshot()
+    assert len(snap.layers) == 2
+    with client.create(layers=snap.layers, ttl_s=120) as container:
+        assert container.exec("cat /opt/made/file").stdout == "in-vm\n"
+
+
+def test_kill_frees_the_qemu_process_its_files_and_memory(server: EmbeddedServer, client: corral.Client) -> None:
+    sb = client.create("busybox", backend="microvm", ttl_s=300)
+    pid = _qemu_pid(server, sb.id)
+    assert _alive(pid) and Path(f"/dev/shm/corral-{sb.id}.mem").exists()
+    sb.kill()
+    assert sb.refresh().state == "ended"
+    assert not _alive(pid)
+    assert not (server.data_dir / "vms" / sb.id).exists()
+    assert not Path(f"/dev/shm/corral-{sb.id}.mem").exists()
+
+
+def test_a_crashed_qemu_ends_the_sandbox(server: EmbeddedServer, client: corral.Client) -> None:
+    sb = client.create("busybox", backend="microvm", ttl_s=300)
+    pid = _qemu_pid(server, sb.id)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while sb.refresh().state != "ended" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    info = sb.refresh()
+    assert info.state == "ended" and info.end_reason == "exited", info
+    assert not (server.data_dir / "vms" / sb.id).exists()
+    assert not Path(f"/dev/shm/corral-{sb.id}.mem").exists()
+    with pytest.raises(corral.CorralError):
+        sb.fork(1)  # a snapshot of a sandbox that is gone: a clear error
+
+
+def test_full_vm_boots_a_disk_built_from_the_base_layer(client: corral.Client) -> None:
+    with client.create("debian-12", backend="vm", ttl_s=300) as vm:
+        assert vm.exec("cat /etc/debian_version").stdout.startswith("12")
+        assert "ext4" in vm.exec("grep ' / ' /proc/mounts").stdout
+        vm.files.write("/root/note", "q35")
+        assert vm.exec("cat /root/note").stdout == "q35"
+
+
+def test_vm_sandboxes_are_readopted_after_a_server_restart(fresh_server: EmbeddedServer) -> None:
+    with fresh_server.client() as client:
+        sb = client.create("busybox", backend="microvm", ttl_s=300)
+        sb.exec("echo kept > /root/k")
+        pid = _qemu_pid(fresh_server, sb.id)
+    fresh_server.stop()
+    fresh_server.start()
+    with fresh_server.client() as client:
+        again = client.connect(sb)
+        assert again.refresh().state == "running"
+        assert again.exec("cat /root/k").stdout == "kept\n"
+        assert _qemu_pid(fresh_server, sb.id) == pid
+        again.kill()
+    assert not _alive(pid)
+
+
+# -- the backend on its own: faults the API cannot provoke --------------------------------
+
+
+@pytest.fixture
+def vm_backend(tmp_path: Path, test_env: dict[str, str]) -> VmBackend:
+    node_dir = Path(test_env["CORRAL_NODE_DIR"])
+    agent = build_native_helpers(node_dir).agent
+    return VmBackend(kind="microvm", data_dir=tmp_path, node_dir=node_dir, guest_agent=agent, boot_timeout_s=60)
+
+
+def _spec(sandbox_id: str, layer: Path, **extra: object) -> SandboxSpec:
+    return SandboxSpec(sandbox_id, "test", (LayerRef("sha256:x", layer),), "crun", 1, 256, 64, backend="microvm",
+                       **extra)  # type: ignore[arg-type]  # fmt: skip
+
+
+async def test_a_guest_that_does_not_boot_fails_fast_with_its_console(vm_backend: VmBackend, tmp_path: Path) -> None:
+    garbage = tmp_path / "not-erofs.img"
+    garbage.write_bytes(os.urandom(1 << 20))
+    started = time.monotonic()
+    with pytest.raises(corral.ServerUnavailable) as caught:
+        await vm_backend.create(_spec("sb-t-noboot", garbage))
+    assert time.monotonic() - started < 45
+    assert "cannot mount layer l0" in str(caught.value)  # the guest's own words, from its console
+    assert not (tmp_path / "vms" / "sb-t-noboot").exists()
+    assert not Path("/dev/shm/corral-sb-t-noboot.mem").exists()
+
+
+async def test_restore_without_the_checkpoint_is_refused(vm_backend: VmBackend, tmp_path: Path) -> None:
+    with pytest.raises(NotFound, match="no VM checkpoint"):
+        await vm_backend.create(_spec("sb-t-nock", tmp_path / "x", restore_from=str(tmp_path / "missing")))
+    assert not (tmp_path / "vms" / "sb-t-nock").exists()
+
+
+async def test_the_kvm_probe_is_bounded_and_tcg_boots(test_env: dict[str, str]) -> None:
+    node_dir = Path(test_env["CORRAL_NODE_DIR"])
+    kit = await asyncio.to_thread(ensure_guest_kit, node_dir, build_native_helpers(node_dir).agent)
+    booted, what = await asyncio.to_thread(probe_boot, kit, "tcg", 30)
+    assert booted, what
+    started = time.monotonic()
+    works, what = await asyncio.to_thread(probe_kvm, kit, 4)
+    assert time.monotonic() - started < 10  # answers within its bound whether or not KVM works here
+    assert isinstance(works, bool) and what
