@@ -120,7 +120,8 @@ def serve(settings: Settings) -> None:
                         guest_agent=helpers.agent,
                         accel=settings.vm_accel,
                         boot_timeout_s=settings.vm_boot_timeout_s,
-                    )  # fmt: skip
+                        network_fabric=containers.network_fabric,
+                    )
                     for kind in ("microvm", "vm")
                 },
             }

@@ -312,6 +312,18 @@ def bench_lifecycle(
     run_lifecycle_benchmark(runs=runs, as_json=as_json, console=console)
 
 
+@app.command("bench-vm")
+def bench_vm(
+    runs: Annotated[int, typer.Option(help="Samples per boot, fork and pause timing (vm: half, min 2).")] = 5,
+    idle: Annotated[int, typer.Option(help="Idle microVMs whose host memory is measured.")] = 4,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Measure microvm and vm boot, exec, fork, pause/resume and idle memory against same-run baselines."""
+    from corral.bench.vm import run_vm_benchmark
+
+    run_vm_benchmark(runs=runs, idle=idle, as_json=as_json, console=console)
+
+
 @app.command("bench-fncall")
 def bench_fncall(
     runs: Annotated[int, typer.Option(help="Sequential calls timed; throughput passes make 5× as many.")] = 200,

@@ -271,7 +271,7 @@ class ImageService:
             memory_mb=parent["memory_mb"], pids_max=parent["pids_max"], env=parent["env"], cwd=parent["cwd"],
             user=parent["user"], labels={**parent["labels"], **request.labels, "corral.forked_from": sandbox_id},
             ttl_s=ttl_s, ttl_counts_paused=parent["ttl_counts_paused"], idle_pause_s=parent["idle_pause_s"],
-            disk_mb=parent["disk_mb"],
+            disk_mb=parent["disk_mb"], network=parent["network"],
         )  # fmt: skip
         with self._builder.scratch("vm-fork-") as scratch:
             checkpoint = scratch / "checkpoint"

@@ -460,6 +460,10 @@ class ContainerBackend:
         fabric = await self._started_fabric()
         return await asyncio.to_thread(fabric.attach, container.spec.sandbox_id, self._netns(container), rules)
 
+    async def network_fabric(self) -> NetworkFabric:
+        """This edge's sandbox network (started on first use); VM sandboxes plug into it too."""
+        return await self._started_fabric()
+
     async def _started_fabric(self) -> NetworkFabric:
         if not self._fabric_started:
             await asyncio.to_thread(self._fabric.start)

@@ -42,7 +42,7 @@ from typing import Any, Literal, get_args
 
 from corral.sdk._exceptions import CapacityExhausted, Conflict, InternalError, InvalidRequest, NotFound
 
-__all__ = ["AllowRule", "DeniedCounts", "NetworkFabric", "SUBNET", "GATEWAY", "MAX_ALLOW_RULES"]
+__all__ = ["AllowRule", "DeniedCounts", "NetworkFabric", "SUBNET", "GATEWAY", "GUEST_LINK_IFNAME", "MAX_ALLOW_RULES"]
 
 IpProtocol = Literal["tcp", "udp", "icmp", "any"]
 SUBNET = ipaddress.IPv4Network("10.88.0.0/16")
@@ -50,6 +50,7 @@ GATEWAY = ipaddress.IPv4Address("10.88.0.1")
 MAX_ALLOW_RULES = 256
 _BRIDGE = "br0"
 _SANDBOX_IFNAME = "eth0"
+GUEST_LINK_IFNAME = "tap0"  # in a VM sandbox's namespace: the tap device its guest's NIC sits on
 _COMMAND_TIMEOUT_S = 10
 _FIRST_HOST, _LAST_HOST = 2, SUBNET.num_addresses - 2  # .0.0 is the network, .0.1 the gateway, the last broadcast
 _SAFE_PATH = re.compile(r"/[A-Za-z0-9_./-]+")
@@ -164,15 +165,22 @@ def _render_policy(rules: Sequence[AllowRule]) -> str:
         "  counter ingress_denied { }",
         "  chain output {\n    type filter hook output priority 0; policy drop;\n  }",
         "  chain input {\n    type filter hook input priority 0; policy drop;\n  }",
+        "  chain forward {\n    type filter hook forward priority 0; policy drop;\n  }",
         "}",
         "flush chain inet corral output",
         "flush chain inet corral input",
+        "flush chain inet corral forward",
         "add rule inet corral output oif lo accept",
         *(f"add rule inet corral output {rule.nft_match()} accept" for rule in rules),
         'add rule inet corral output counter name "egress_denied" drop',
         "add rule inet corral input iif lo accept",
         "add rule inet corral input ct state established,related accept",
         'add rule inet corral input counter name "ingress_denied" drop',
+        # A VM's namespace routes its guest (behind GUEST_LINK_IFNAME) out: the same list, on the forward hook.
+        "add rule inet corral forward ct state established,related accept",
+        *(f'add rule inet corral forward iifname "{GUEST_LINK_IFNAME}" {rule.nft_match()} accept' for rule in rules),
+        f'add rule inet corral forward iifname "{GUEST_LINK_IFNAME}" counter name "egress_denied" drop',
+        'add rule inet corral forward counter name "ingress_denied" drop',
     ]
     return "\n".join(lines) + "\n"
 

@@ -27,7 +27,7 @@ import subprocess
 import tarfile
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,10 +42,11 @@ from corral.backends.base import (
 )
 from corral.backends.container.agent_protocol import AgentConnection, AgentExit, AgentOutput, AgentStarted, ExecOrder
 from corral.backends.container.host import orphans
-from corral.backends.container.network import AllowRule, DeniedCounts
+from corral.backends.container.network import GUEST_LINK_IFNAME, AllowRule, DeniedCounts, NetworkFabric
 from corral.backends.vm.accel import choose_accelerator
 from corral.backends.vm.files import GuestTree
 from corral.backends.vm.guest import GuestKit, ensure_guest_kit
+from corral.backends.vm.network import create_guest_link, delete_namespace, namespace_name
 from corral.backends.vm.qemu import Accelerator, Machine, MachineConfig, console_tail, host_tsc_khz
 from corral.guard.audit import PROTECTED_PREFIXES
 from corral.images.erofs import build_erofs
@@ -58,6 +59,8 @@ log = logging.getLogger("corral.vm")
 MIN_GUEST_MEMORY_MB = 192  # Debian's kernel and the initramfs need this much to boot
 DEFAULT_DISK_MB = 2048
 _CHANGED_MAX = 10_000
+_BALLOON_HEADROOM_MB = 32  # left above what the guest uses when a pause squeezes it
+_BALLOON_WAIT_S = 2.0  # how long a pause waits for the balloon to inflate
 
 
 @dataclass
@@ -182,6 +185,7 @@ class VmBackend:
         guest_agent: Path,
         accel: str = "auto",
         boot_timeout_s: float = 90.0,
+        network_fabric: Callable[[], Awaitable[NetworkFabric]] | None = None,
     ) -> None:
         if kind not in ("microvm", "vm"):
             raise ValueError(f"unknown VM kind {kind!r}")
@@ -192,6 +196,7 @@ class VmBackend:
         self._guest_agent = guest_agent
         self._accel_setting = accel
         self._boot_timeout_s = boot_timeout_s
+        self._network_fabric = network_fabric
         self._vms: dict[str, _Vm] = {}
         self._ready_lock = asyncio.Lock()
         self._kit: GuestKit | None = None
@@ -267,16 +272,18 @@ class VmBackend:
         raise ServerUnavailable(f"the guest did not boot ({what}); console:\n{console_tail(machine.directory)}")
 
     async def create(self, spec: SandboxSpec) -> str | None:
-        if spec.network is not None:
-            raise InvalidRequest(f"{self._kind} sandboxes have no network yet: create it without `network`")
         directory = self._machine_dir(spec.sandbox_id)
         directory.mkdir(parents=True, exist_ok=True)
         machine: Machine | None = None
         try:
+            netns = await self._plug(spec) if spec.network is not None else None
             if spec.restore_from is not None:
-                machine = await self._restore(spec, Path(spec.restore_from), directory)
+                machine = await self._restore(spec, Path(spec.restore_from), directory, netns)
             else:
-                machine = Machine(await self._config(spec, directory), directory)
+                config = await self._config(spec, directory)
+                if netns is not None:
+                    config = MachineConfig(**{**config.__dict__, "tap": GUEST_LINK_IFNAME, "netns": netns})
+                machine = Machine(config, directory)
                 with orphans.spawned():
                     await machine.launch()
             agent = await self._connect_agent(machine, self._boot_timeout_s)
@@ -284,6 +291,7 @@ class VmBackend:
             if machine is not None:
                 await machine.kill()
                 machine.memory_file.unlink(missing_ok=True)
+            await self._unplug(spec.sandbox_id)
             await asyncio.to_thread(shutil.rmtree, directory, True)
             raise
         self._vms[spec.sandbox_id] = _Vm(spec, machine, agent)
@@ -292,13 +300,32 @@ class VmBackend:
         log.info("sandbox %s: %s", spec.sandbox_id, note)
         return note
 
-    async def _restore(self, spec: SandboxSpec, source: Path, directory: Path) -> Machine:
+    async def _plug(self, spec: SandboxSpec) -> str:
+        """The sandbox's own namespace, plugged into the edge's network with its allowlist; its name."""
+        if self._network_fabric is None:
+            raise InvalidRequest("this node has no sandbox network for VMs")
+        fabric = await self._network_fabric()
+        name = namespace_name(spec.sandbox_id)
+        path = await asyncio.to_thread(create_guest_link, name)
+        await asyncio.to_thread(fabric.attach, spec.sandbox_id, path, spec.network or ())
+        return name
+
+    async def _unplug(self, sandbox_id: str) -> None:
+        if self._network_fabric is not None:
+            fabric = await self._network_fabric()
+            if fabric.address_of(sandbox_id) is not None:
+                await asyncio.to_thread(fabric.detach, sandbox_id)
+        await asyncio.to_thread(delete_namespace, namespace_name(sandbox_id))
+
+    async def _restore(self, spec: SandboxSpec, source: Path, directory: Path, netns: str | None) -> Machine:
         """A new machine from a checkpoint: its memory, devices and disk as they were (processes included)."""
         if not (source / "state").exists():
             raise NotFound(f"no VM checkpoint at {source} on this node")
         saved = MachineConfig.load(source)
         if saved.kind != self._kind:
             raise InvalidRequest(f"a {saved.kind} checkpoint cannot start a {self._kind} sandbox")
+        if (saved.tap is not None) != (netns is not None):
+            raise InvalidRequest("a VM is restored with the devices it was saved with: network on both or neither")
         kit, accel = await self.ready()
         disk = directory / "disk.qcow2"
         await asyncio.to_thread(_copy_sparse, source / "disk.qcow2", disk)
@@ -309,6 +336,7 @@ class VmBackend:
                 "disk": str(disk),
                 "accel": accel.name,
                 "layers": tuple(str(layer.path) for layer in spec.layers) if saved.layers else (),
+                "netns": netns,
             }
         )
         machine = Machine(config, directory)
@@ -357,6 +385,11 @@ class VmBackend:
             agent = await self._connect_agent(machine, 15)
             if paused:
                 await machine.execute("stop")
+            if spec.network is not None and self._network_fabric is not None:
+                # The router namespace went with the old server: plug the VM's namespace in again.
+                fabric = await self._network_fabric()
+                await asyncio.to_thread(fabric.attach, spec.sandbox_id, f"/run/netns/{machine.config.netns}",
+                                        spec.network)  # fmt: skip
         except Exception:
             log.exception("could not re-attach to VM sandbox %s", spec.sandbox_id)
             await machine.kill()
@@ -417,6 +450,7 @@ class VmBackend:
         if machine is not None:
             await machine.kill()
             machine.memory_file.unlink(missing_ok=True)
+        await self._unplug(sandbox_id)
         await asyncio.to_thread(shutil.rmtree, directory, True)
 
     async def shutdown(self, sandbox_id: str, timeout_s: float = 10.0) -> bool:
@@ -440,17 +474,41 @@ class VmBackend:
     # -- pause, snapshots ---------------------------------------------------------
 
     async def pause(self, sandbox_id: str, *, wait_reclaim: bool = False) -> ReclaimResult:
-        """vCPUs stop, guest memory stays where it is (a shared file the kernel may swap out)."""
+        """vCPUs stop with guest memory kept. With ``wait_reclaim`` the balloon first squeezes the
+        guest down to what it uses (its page cache and free memory come back to the host), bounded
+        in time; the guest can take memory back on resume or, under pressure, by deflating."""
         vm = self._get(sandbox_id)
         before = vm.machine.rss_bytes()
+        if wait_reclaim and not vm.paused:
+            await self._squeeze(vm)
         await vm.machine.execute("stop")
         vm.paused = True
         return ReclaimResult(before, vm.machine.rss_bytes())
+
+    async def _squeeze(self, vm: _Vm) -> None:
+        meminfo = (await self._tool(vm, ["cat", "/proc/meminfo"], tool="guest")).decode()
+        fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in meminfo.splitlines() if ":" in line}
+        used = fields.get("MemTotal", 0) - fields.get("MemAvailable", 0)
+        target = max(MIN_GUEST_MEMORY_MB << 19, used + (_BALLOON_HEADROOM_MB << 20))
+        full = vm.machine.config.memory_mb << 20
+        if target >= full:
+            return
+        await vm.machine.execute("balloon", {"value": target})
+        deadline = time.monotonic() + _BALLOON_WAIT_S
+        last = -1
+        while time.monotonic() < deadline:
+            actual = await vm.machine.execute("query-balloon")
+            now = actual.get("actual", full) if isinstance(actual, dict) else full
+            if now <= target or now == last:
+                break
+            last = now
+            await asyncio.sleep(0.05)
 
     async def resume(self, sandbox_id: str) -> None:
         vm = self._get(sandbox_id)
         await vm.machine.execute("cont")
         vm.paused = False
+        await vm.machine.execute("balloon", {"value": vm.machine.config.memory_mb << 20})  # all of it back
 
     async def checkpoint(self, sandbox_id: str, dest: Path) -> None:
         """Memory, device state and disk of the running VM into ``dest`` (processes included)."""
@@ -542,14 +600,26 @@ class VmBackend:
     # -- network (not yet for VMs) ------------------------------------------------
 
     async def set_network(self, sandbox_id: str, rules: tuple[AllowRule, ...]) -> str:
-        raise InvalidRequest(f"{self._kind} sandboxes have no network yet")
+        vm = self._get(sandbox_id)
+        if vm.machine.config.netns is None or self._network_fabric is None:
+            raise InvalidRequest(
+                f"a {self._kind} gets its network card at create: create it with `network` (an empty allow list "
+                "keeps it closed) to change the allowlist later"
+            )
+        fabric = await self._network_fabric()
+        await asyncio.to_thread(fabric.set_policy, f"/run/netns/{vm.machine.config.netns}", rules)
+        return fabric.address_of(sandbox_id) or ""
 
     async def attach_network_peer(self, name: str, netns_path: str, address: str) -> None:
-        return None  # VM sandboxes are never plugged in, so there is nothing to attach to
+        return None  # peers join the edge's fabric, which the container backend owns and VMs share
 
     async def network_status(self, sandbox_id: str) -> tuple[str | None, DeniedCounts | None]:
-        self._get(sandbox_id)
-        return None, None
+        vm = self._get(sandbox_id)
+        if vm.machine.config.netns is None or self._network_fabric is None:
+            return None, None
+        fabric = await self._network_fabric()
+        denied = await asyncio.to_thread(fabric.denied, f"/run/netns/{vm.machine.config.netns}")
+        return fabric.address_of(sandbox_id), denied
 
     def housekeeping(self) -> None:
         return None

@@ -7,6 +7,7 @@
 #   corral.init=1       (vm) hand PID 1 to the image's own /sbin/init; the agent keeps running beside it
 #   corral.probe=1      print a marker and power off (accelerator probe)
 #   corral.hostname=H
+#   corral.net=A/P,G    configure eth0 (virtio-net on the host's tap) with address A/P and default gateway G
 /bin/busybox mkdir -p /bin /proc /sys /dev /layers /scratch /sysroot
 /bin/busybox --install -s /bin
 export PATH=/bin
@@ -71,6 +72,11 @@ mount -t devpts devpts /sysroot/dev/pts
 mount -t tmpfs shm /sysroot/dev/shm
 hostname "$(arg corral.hostname)"
 ip link set lo up 2>/dev/null
+net="$(arg corral.net)"  # address/prefix,gateway of the guest's side of its tap link
+if [ -n "$net" ]; then
+    ip link set eth0 up && ip addr add "${net%,*}" dev eth0 && ip route add default via "${net#*,}" \
+        || fail "cannot configure eth0 for $net"
+fi
 port=""
 for p in /sys/class/virtio-ports/*; do
     [ "$(cat "$p/name" 2>/dev/null)" = corral.agent ] && port="/dev/${p##*/}"

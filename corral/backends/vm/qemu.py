@@ -19,6 +19,8 @@ from pathlib import Path
 
 from qemu.qmp import QMPClient
 
+from corral.backends.vm.network import GUEST_ADDRESS, GUEST_GATEWAY
+
 __all__ = ["Accelerator", "MachineConfig", "Machine", "QEMU_BINARY", "console_tail", "host_tsc_khz", "timing_arguments"]
 
 QEMU_BINARY = "qemu-system-x86_64"
@@ -90,6 +92,8 @@ def kernel_command_line(config: MachineConfig) -> str:
     words.append(f"corral.hostname={config.hostname}")
     if config.kind == "vm":
         words += ["corral.root=disk", "corral.init=1"]
+    if config.tap:
+        words.append(f"corral.net={GUEST_ADDRESS}/30,{GUEST_GATEWAY}")
     return " ".join(words)
 
 
@@ -130,7 +134,7 @@ def machine_argv(config: MachineConfig, directory: Path, *, incoming: bool = Fal
         "-device", f"virtio-serial-{bus}",
         "-chardev", f"socket,id=agent,path={directory / 'agent.sock'},server=on,wait=off",
         "-device", f"virtserialport,chardev=agent,name={AGENT_PORT_NAME}",
-        "-device", f"virtio-balloon-{bus},id=balloon,free-page-reporting=on",
+        "-device", f"virtio-balloon-{bus},id=balloon,free-page-reporting=on,deflate-on-oom=on",
         "-qmp", f"unix:{directory / 'qmp.sock'},server=on,wait=off",
         "-pidfile", str(directory / "qemu.pid"),
         "-daemonize",
@@ -266,6 +270,16 @@ class Machine:
             except Exception:  # noqa: BLE001
                 pass
             self._qmp = None
+
+    def pss_bytes(self) -> int:
+        """Host memory the QEMU process accounts for, shared pages split among their users."""
+        try:
+            for line in Path(f"/proc/{self.pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return 0
 
     def rss_bytes(self) -> int:
         """Host memory the QEMU process holds (its RSS, shared guest memory included)."""

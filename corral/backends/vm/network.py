@@ -1,0 +1,57 @@
+"""A VM sandbox's own network namespace: its guest's NIC on a tap device there, routed out through the fabric.
+
+The namespace gets the sandbox's fabric address on ``eth0`` (and the egress
+allowlist, on the forward hook) like a container's; the guest sits behind a
+point-to-point link on ``tap0`` and is masqueraded to that address. The host's
+own network namespace is never touched. The guest's side of the link is the
+same in every VM, so a forked guest keeps working in its child's namespace.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+
+from corral.backends.container.network import GUEST_LINK_IFNAME
+from corral.sdk._exceptions import InternalError
+
+__all__ = ["GUEST_ADDRESS", "GUEST_GATEWAY", "namespace_name", "create_guest_link", "delete_namespace"]
+
+GUEST_GATEWAY = "192.168.127.1"
+GUEST_ADDRESS = "192.168.127.2"
+_PREFIX = 30
+
+
+def namespace_name(sandbox_id: str) -> str:
+    return f"corral-vm-{hashlib.sha256(sandbox_id.encode()).hexdigest()[:12]}"
+
+
+def _run(argv: list[str], stdin: str | None = None) -> None:
+    done = subprocess.run(argv, input=stdin, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise InternalError(f"{' '.join(argv[:4])} failed: {done.stderr.strip()[-400:]}")
+
+
+def create_guest_link(name: str) -> str:
+    """The namespace (created if missing) with a tap device for QEMU and NAT towards ``eth0``; its path."""
+    path = f"/run/netns/{name}"
+    if not os.path.exists(path):
+        _run(["ip", "netns", "add", name])
+    _run(
+        ["ip", "-n", name, "-batch", "-"],
+        f"link set lo up\ntuntap add dev {GUEST_LINK_IFNAME} mode tap\n"
+        f"addr add {GUEST_GATEWAY}/{_PREFIX} dev {GUEST_LINK_IFNAME}\nlink set {GUEST_LINK_IFNAME} up\n",
+    )
+    _run(["nsenter", f"--net={path}", "sysctl", "-qw", "net.ipv4.ip_forward=1"])
+    nat = (
+        "table ip corral_nat {\n  chain postrouting {\n    type nat hook postrouting priority 100; policy accept;\n"
+        '    oifname "eth0" masquerade\n  }\n}\n'
+    )
+    _run(["nsenter", f"--net={path}", "nft", "-f", "-"], nat)
+    return path
+
+
+def delete_namespace(name: str) -> None:
+    if os.path.exists(f"/run/netns/{name}"):
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
