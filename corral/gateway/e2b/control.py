@@ -136,11 +136,14 @@ def _check_create_options(body: dict[str, Any]) -> None:
         raise refuse("autoPause", "a Corral sandbox ends at its timeout; use Corral's idle_pause_s for pausing")
     if body.get("autoPauseMemory") is not None:
         raise refuse("autoPauseMemory", "pausing always keeps memory")
-    auto_resume = body.get("autoResume")
-    if isinstance(auto_resume, dict) and auto_resume.get("enabled") is False:
-        raise refuse("autoResume.enabled=false", "any request to a paused Corral sandbox resumes it")
+    # autoResume is about sandboxes that autoPause paused, which is refused above; what the SDKs send by
+    # default ({"enabled": false}) changes nothing here. (Any request to a paused Corral sandbox resumes it.)
     if body.get("allow_internet_access"):
-        raise refuse("allow_internet_access=true", "sandboxes have loopback only; Corral's API sets egress allowlists")
+        raise refuse(
+            "allow_internet_access=True",
+            "sandboxes have loopback only (Corral's API sets egress allowlists); pass allow_internet_access=False, "
+            "as older SDKs (e.g. e2b 2.30) must, since they send True unless told otherwise",
+        )
     for option, why in (("network", "use Corral's egress allowlist (PUT /v1/sandboxes/{id}/network)"),
                         ("mcp", "no MCP gateway"), ("iam", "no cloud IAM"), ("volumeMounts", "no volumes")):  # fmt: skip
         if body.get(option):
