@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -35,6 +36,7 @@ KERNEL_PATH = "/tmp/.corral-e2b-kernel.py"
 _KERNEL_SOURCE = (Path(__file__).parent / "kernel_main.py").read_bytes()
 _DEFAULT_CONTEXT = "default"
 _DRAIN_TIMEOUT_S = 10.0
+_DISCONNECT_POLL_S = 0.2
 _LANGUAGES = (None, "", "python", "python3")
 
 router = APIRouter(include_in_schema=False)
@@ -102,6 +104,9 @@ class Kernels:
             raise NotFound(f"context {context_id} not found")
         kernel.dead = True
         await self._signal(kernel, 9)
+        if kernel.process.task is not None:  # gone from the process table before a restart reuses its tag
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(kernel.process.task), _DRAIN_TIMEOUT_S)
 
     async def restart(self, where: Target, context_id: str) -> _Kernel:
         kernel = self._kernels.get((where.sandbox_id, context_id))
@@ -168,7 +173,12 @@ class Kernels:
                         return
             finally:
                 if not finished and not kernel.dead:
-                    await self._signal(kernel, 2)  # the client went away: interrupt the cell
+                    with anyio.CancelScope(shield=True):  # the response was cancelled: still reach the kernel
+                        await self.interrupt(kernel)
+
+    async def interrupt(self, kernel: _Kernel) -> None:
+        """SIGINT: the running cell ends with KeyboardInterrupt, the context keeps its state."""
+        await self._signal(kernel, 2)
 
 
 def _interpreter_target(request: Request) -> Target:
@@ -183,6 +193,12 @@ def _plain_error(exc: CorralError | E2BError) -> Response:
         return exc.response()
     status = 404 if exc.status == 410 else exc.status
     return JSONResponse({"code": status, "message": exc.message}, status_code=status)
+
+
+async def _interrupt_when_gone(request: Request, kernel: _Kernel) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(_DISCONNECT_POLL_S)
+    await facade(request).kernels.interrupt(kernel)
 
 
 @router.post("/execute")
@@ -201,9 +217,14 @@ async def execute(request: Request) -> Response:
         return _plain_error(exc)
 
     async def lines() -> AsyncIterator[bytes]:
-        yield first
-        async for chunk in stream:
-            yield chunk
+        # Nothing is sent while a cell computes, so a client that went away (its timeout) is noticed here.
+        watcher = asyncio.get_running_loop().create_task(_interrupt_when_gone(request, kernel))
+        try:
+            yield first
+            async for chunk in stream:
+                yield chunk
+        finally:
+            watcher.cancel()
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 

@@ -6,7 +6,7 @@ writes E2B's execution messages, one JSON object per line, to the stdout it
 started with: stdout/stderr as they are printed, the value of a final
 expression as the main result, an error with its traceback, the execution
 count, then ``end_of_execution``. Output written straight to file
-descriptors 1 and 2 (by subprocesses) arrives on stderr. SIGINT interrupts
+descriptors 1 and 2 (by subprocesses) arrives as stdout and stderr. SIGINT interrupts
 the running cell (KeyboardInterrupt), as Jupyter does. Standard library only.
 """
 
@@ -14,30 +14,84 @@ import ast
 import io
 import json
 import os
+import select
 import sys
+import threading
 import time
 import traceback
 
 _protocol = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
-os.dup2(2, 1)
+_protocol_lock = threading.Lock()
+_DRAIN_WAIT_S = 2.0
 
 
 def _send(message):
-    _protocol.write(json.dumps(message) + "\n")
-    _protocol.flush()
+    line = json.dumps(message) + "\n"
+    with _protocol_lock:
+        _protocol.write(line)
+        _protocol.flush()
+
+
+class _Descriptors:
+    """Output written to file descriptors 1 and 2 (by subprocesses, C code) as stdout/stderr messages.
+
+    Each descriptor becomes a pipe that a thread reads; at the end of a cell the
+    thread is asked to empty the pipes first, so that output belongs to its cell.
+    """
+
+    def __init__(self):
+        self._names = {}
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            read_end, write_end = os.pipe()
+            os.dup2(write_end, fd)
+            os.close(write_end)
+            self._names[read_end] = name
+        self._drain_asked = threading.Event()
+        self._drained = threading.Event()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self):
+        while True:
+            ready, _, _ = select.select(list(self._names), [], [], 0.05)
+            for fd in ready:
+                data = os.read(fd, 65536)
+                if data:
+                    text = data.decode(errors="replace")
+                    _send({"type": self._names[fd], "text": text, "timestamp": time.time_ns() // 1000})
+            if not ready and self._drain_asked.is_set():
+                self._drain_asked.clear()
+                self._drained.set()
+
+    def drain(self):
+        self._drained.clear()
+        self._drain_asked.set()
+        self._drained.wait(_DRAIN_WAIT_S)
 
 
 class _Stream(io.TextIOBase):
+    """print() writes the text and the newline separately: send whole lines (the rest at flush)."""
+
     def __init__(self, name):
         self._name = name
+        self._pending = ""
 
     def writable(self):
         return True
 
     def write(self, text):
-        if text:
-            _send({"type": self._name, "text": text, "timestamp": time.time_ns() // 1000})
+        self._pending += text
+        if "\n" in self._pending:
+            complete, _, self._pending = self._pending.rpartition("\n")
+            self._send(complete + "\n")
         return len(text)
+
+    def flush(self):
+        if self._pending:
+            self._send(self._pending)
+            self._pending = ""
+
+    def _send(self, text):
+        _send({"type": self._name, "text": text, "timestamp": time.time_ns() // 1000})
 
 
 def _formats(value):
@@ -69,6 +123,7 @@ def _run(code, namespace, count):
 
 
 def main():
+    descriptors = _Descriptors()
     namespace = {"__name__": "__main__", "__builtins__": __builtins__}
     count = 0
     streams = (sys.stdout, sys.stderr)
@@ -91,6 +146,8 @@ def main():
             _send({"type": "error", "name": type(exc).__name__, "value": str(exc), "traceback": "".join(lines)})
         finally:
             sys.stdout.flush()
+            sys.stderr.flush()
+            descriptors.drain()
             sys.stdout, sys.stderr = streams
             os.environ.clear()
             os.environ.update(saved_env)
