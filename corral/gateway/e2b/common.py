@@ -16,10 +16,9 @@ import base64
 import binascii
 import hashlib
 import hmac
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
-
-from collections.abc import Callable, Coroutine
 
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
@@ -157,9 +156,7 @@ def target(request: Request, user: str | None = None) -> Target:
     """Route a data-plane request by its ``E2b-Sandbox-Id``/``E2b-Sandbox-Port`` headers and check its token."""
     sandbox_id = request.headers.get("e2b-sandbox-id")
     if not sandbox_id:
-        raise E2BError(
-            400, "missing E2b-Sandbox-Id header: set E2B_SANDBOX_URL to this server's URL (see docs/e2b.md)"
-        )
+        raise E2BError(400, "missing E2b-Sandbox-Id header: set E2B_SANDBOX_URL to this server's URL (see docs/e2b.md)")
     port_text = request.headers.get("e2b-sandbox-port", str(ENVD_PORT))
     if not port_text.isdigit() or int(port_text) not in (ENVD_PORT, INTERPRETER_PORT):
         raise E2BError(

@@ -40,8 +40,16 @@ DEFAULT_TIMEOUT_S = 300  # E2B's default sandbox timeout
 MAX_TIMEOUT_S = 24 * 3600
 _FAR_FUTURE = "9999-12-31T00:00:00Z"  # endAt of a sandbox without a TTL (made through /v1)
 TEMPLATE_IMAGES = {"base": "e2b-base", "code-interpreter-v1": "e2b-base"}
-_CREATE_FIELDS = {"templateID", "timeout", "metadata", "envVars", "secure", "autoPause", "autoPauseMemory",
-                  "autoResume", "allow_internet_access", "network", "mcp", "iam", "volumeMounts"}  # fmt: skip
+_CREATE_FIELDS = {
+    "templateID", "timeout", "metadata", "envVars", "secure", "autoPause", "autoPauseMemory", "autoResume",
+    "allow_internet_access", "network", "mcp", "iam", "volumeMounts",
+}  # fmt: skip
+_UNSUPPORTED_CREATE_OPTIONS = {
+    "network": "use Corral's egress allowlist (PUT /v1/sandboxes/{id}/network)",
+    "mcp": "no MCP gateway",
+    "iam": "no cloud IAM",
+    "volumeMounts": "no volumes",
+}
 _LIVE_STATES = [SandboxState.CREATING.value, SandboxState.RUNNING.value, SandboxState.PAUSED.value]
 
 router = APIRouter(include_in_schema=False, route_class=E2BRoute)
@@ -144,8 +152,7 @@ def _check_create_options(body: dict[str, Any]) -> None:
             "sandboxes have loopback only (Corral's API sets egress allowlists); pass allow_internet_access=False, "
             "as older SDKs (e.g. e2b 2.30) must, since they send True unless told otherwise",
         )
-    for option, why in (("network", "use Corral's egress allowlist (PUT /v1/sandboxes/{id}/network)"),
-                        ("mcp", "no MCP gateway"), ("iam", "no cloud IAM"), ("volumeMounts", "no volumes")):  # fmt: skip
+    for option, why in _UNSUPPORTED_CREATE_OPTIONS.items():
         if body.get(option):
             raise refuse(option, why)
 

@@ -16,7 +16,6 @@ import base64
 import datetime as dt
 import gzip
 import json
-import shlex
 import stat
 import struct
 import time
@@ -39,9 +38,18 @@ router = APIRouter(include_in_schema=False)
 _STREAM_TYPE = "application/connect+json"
 _END_STREAM = 0x02
 _DEFAULT_KEEPALIVE_S = 50.0
-_CONNECT_CODES = {400: "invalid_argument", 401: "unauthenticated", 403: "permission_denied", 404: "not_found",
-                  409: "already_exists", 410: "not_found", 413: "resource_exhausted", 502: "unavailable",
-                  503: "unavailable", 504: "deadline_exceeded"}  # fmt: skip
+_CONNECT_CODES = {
+    400: "invalid_argument",
+    401: "unauthenticated",
+    403: "permission_denied",
+    404: "not_found",
+    409: "already_exists",
+    410: "not_found",
+    413: "resource_exhausted",
+    502: "unavailable",
+    503: "unavailable",
+    504: "deadline_exceeded",
+}
 _FILE_TYPES = {"file": "FILE_TYPE_FILE", "dir": "FILE_TYPE_DIRECTORY", "symlink": "FILE_TYPE_SYMLINK"}
 _OWNERS = {0: "root", 1000: "user", 65534: "nobody"}
 _SIGNALS = {"SIGNAL_SIGKILL": 9, "SIGNAL_SIGTERM": 15, "SIGNAL_SIGINT": 2, "SIGNAL_SIGHUP": 1}
@@ -58,8 +66,9 @@ def frame(message: dict[str, Any], flags: int = 0) -> bytes:
 def end_frame(error: CorralError | None = None, code: str | None = None) -> bytes:
     if error is None:
         return frame({}, _END_STREAM)
-    return frame({"error": {"code": code or _CONNECT_CODES.get(error.status, "internal"), "message": error.message}},
-                 _END_STREAM)  # fmt: skip
+    return frame(
+        {"error": {"code": code or _CONNECT_CODES.get(error.status, "internal"), "message": error.message}}, _END_STREAM
+    )
 
 
 def _connect_error(exc: CorralError) -> JSONResponse:
@@ -75,7 +84,9 @@ async def _message(request: Request) -> dict[str, Any]:
             raise InvalidRequest("empty Connect stream request")
         flags, length = struct.unpack(">BI", body[:5])
         if flags & 0x01:
-            raise InvalidRequest("compressed Connect messages are not supported (send connect-accept-encoding identity)")
+            raise InvalidRequest(
+                "compressed Connect messages are not supported (send connect-accept-encoding identity)"
+            )
         body = body[5 : 5 + length]
     if not body.strip():
         return {}
@@ -152,8 +163,9 @@ def _end_event(event: Event) -> dict[str, Any]:
     return {"event": {"end": end}}
 
 
-async def _follow(process: Process, queue: asyncio.Queue[Event], deadline_s: float | None,
-                  keepalive_s: float) -> AsyncIterator[bytes]:  # fmt: skip
+async def _follow(
+    process: Process, queue: asyncio.Queue[Event], deadline_s: float | None, keepalive_s: float
+) -> AsyncIterator[bytes]:
     """Frames of one subscriber: start, data and keepalives, then end (or the deadline's error)."""
     stop_at = time.monotonic() + deadline_s if deadline_s else None
     try:
@@ -164,8 +176,9 @@ async def _follow(process: Process, queue: asyncio.Queue[Event], deadline_s: flo
                 event = await asyncio.wait_for(queue.get(), timeout=max(0.0, wait_s))
             except TimeoutError:
                 if stop_at is not None and time.monotonic() >= stop_at:
-                    yield end_frame(CorralError(f"the stream's deadline of {deadline_s:g} s passed"),
-                                    "deadline_exceeded")  # fmt: skip
+                    yield end_frame(
+                        CorralError(f"the stream's deadline of {deadline_s:g} s passed"), "deadline_exceeded"
+                    )
                     return
                 yield frame({"event": {"keepalive": {}}})
                 continue
@@ -176,8 +189,10 @@ async def _follow(process: Process, queue: asyncio.Queue[Event], deadline_s: flo
                 yield end_frame(event.error)
                 return
             elif event.result is not None and event.result.timed_out:
-                yield end_frame(CorralError(f"the command ran past its timeout of {deadline_s or 0:g} s and was "
-                                            "killed"), "deadline_exceeded")  # fmt: skip
+                yield end_frame(
+                    CorralError(f"the command ran past its timeout of {deadline_s or 0:g} s and was killed"),
+                    "deadline_exceeded",
+                )
                 return
             else:
                 yield frame(_end_event(event))
@@ -204,10 +219,14 @@ async def _start(request: Request, where: Target, message: dict[str, Any]) -> St
     deadline_s = _deadline_s(request)
     env = {"HOME": where.home, "USER": where.user, "LOGNAME": where.user, **envs}
     exec_request = ExecRequest(
-        cmd=[cmd, *(config.get("args") or [])], env=env, cwd=cwd, user=where.user,
-        timeout_s=min(deadline_s or NO_TIMEOUT_S, NO_TIMEOUT_S), stdin="" if message.get("stdin") else None,
+        cmd=[cmd, *(config.get("args") or [])],
+        env=env,
+        cwd=cwd,
+        user=where.user,
+        timeout_s=min(deadline_s or NO_TIMEOUT_S, NO_TIMEOUT_S),
+        stdin="" if message.get("stdin") else None,
         output_cap_bytes=OUTPUT_CAP_BYTES,
-    )  # fmt: skip
+    )
     table = facade(request).processes
     process, queue = await table.start(where.sandbox_id, exec_request, tag=message.get("tag"), config=config)
     return _stream(_follow(process, queue, deadline_s, _keepalive_s(request)))
@@ -240,8 +259,10 @@ async def process_rpc(method: str, request: Request) -> Response:
         if method == "Connect":
             return await _connect(request, where, message)
         if method == "List":
-            processes = [{"config": p.config, "pid": p.pid, **({"tag": p.tag} if p.tag else {})}
-                         for p in facade(request).processes.list(where.sandbox_id)]  # fmt: skip
+            processes = [
+                {"config": p.config, "pid": p.pid, **({"tag": p.tag} if p.tag else {})}
+                for p in facade(request).processes.list(where.sandbox_id)
+            ]
             return JSONResponse({"processes": processes})
         if method == "SendSignal":
             signo = _SIGNALS.get(str(message.get("signal")))
@@ -281,8 +302,11 @@ async def _edge(request: Request, where: Target, operation):  # type: ignore[no-
 
 async def _run_as_user(request: Request, where: Target, argv: list[str], what: str) -> None:
     """mkdir and mv run in the sandbox as the request's user, so ownership and permissions are as in E2B."""
-    result = await _edge(request, where, lambda edge: edge.exec(
-        where.sandbox_id, ExecRequest(cmd=argv, user=where.user, cwd="/", timeout_s=60)))  # fmt: skip
+    result = await _edge(
+        request,
+        where,
+        lambda edge: edge.exec(where.sandbox_id, ExecRequest(cmd=argv, user=where.user, cwd="/", timeout_s=60)),
+    )
     if result.exit_code != 0:
         detail = (result.stderr or result.stdout).strip()
         if "Permission denied" in detail:
@@ -378,8 +402,9 @@ async def read_file(request: Request, path: str, username: str | None = None) ->
     except CorralError as exc:
         return _file_error(exc)
     if "gzip" in request.headers.get("accept-encoding", "") and len(data) > 0:
-        return Response(gzip.compress(data, 1), media_type="application/octet-stream",
-                        headers={"Content-Encoding": "gzip"})  # fmt: skip
+        return Response(
+            gzip.compress(data, 1), media_type="application/octet-stream", headers={"Content-Encoding": "gzip"}
+        )
     return Response(data, media_type="application/octet-stream")
 
 
@@ -411,11 +436,11 @@ async def write_files(request: Request, path: str | None = None, username: str |
         files: list[tuple[str, bytes]] = []
         if request.headers.get("content-type", "").startswith("multipart/form-data"):
             async with request.form(max_files=1000, max_part_size=limit) as form:
-                for _name, value in form.multi_items():
-                    if not isinstance(value, UploadFile):
-                        continue
-                    target_path = value.filename if value.filename and (len(form) > 1 or not path) else path
-                    files.append((where.path(target_path or ""), await value.read()))
+                uploads = [value for _, value in form.multi_items() if isinstance(value, UploadFile)]
+                for upload in uploads:
+                    # One file: the ``path`` query names it; several: each part's filename is its path.
+                    named = path if path and len(uploads) == 1 else upload.filename
+                    files.append((where.path(named or ""), await upload.read()))
         else:
             if not path:
                 raise InvalidRequest("path is required for an octet-stream upload")
@@ -441,7 +466,3 @@ async def health(request: Request) -> Response:
     except E2BError as exc:
         return exc.response()
     return Response(status_code=204)
-
-
-def shell_join(argv: list[str]) -> str:
-    return shlex.join(argv)

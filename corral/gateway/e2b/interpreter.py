@@ -70,15 +70,20 @@ class Kernels:
         context_id = context_id or secrets.token_hex(8)
         cwd = where.path(cwd) if cwd else where.home
         sandbox_id = where.sandbox_id
-        await self._sandboxes.call(sandbox_id, lambda edge: edge.write_file(sandbox_id, KERNEL_PATH, _KERNEL_SOURCE,
-                                                                             0o644))  # fmt: skip
+        await self._sandboxes.call(
+            sandbox_id, lambda edge: edge.write_file(sandbox_id, KERNEL_PATH, _KERNEL_SOURCE, 0o644)
+        )
         request = ExecRequest(
-            cmd=["python3", "-u", KERNEL_PATH], env={"HOME": where.home, "USER": where.user}, cwd=cwd,
-            user=where.user, timeout_s=NO_TIMEOUT_S, stdin="", output_cap_bytes=OUTPUT_CAP_BYTES,
-        )  # fmt: skip
+            cmd=["python3", "-u", KERNEL_PATH],
+            env={"HOME": where.home, "USER": where.user},
+            cwd=cwd,
+            user=where.user,
+            timeout_s=NO_TIMEOUT_S,
+            stdin="",
+            output_cap_bytes=OUTPUT_CAP_BYTES,
+        )
         config = {"cmd": "python3", "args": ["-u", KERNEL_PATH], "cwd": cwd}
-        process, queue = await self._processes.start(sandbox_id, request, tag=f"e2b-kernel-{context_id}",
-                                                     config=config)  # fmt: skip
+        process, queue = await self._processes.start(sandbox_id, request, tag=f"e2b-kernel-{context_id}", config=config)
         kernel = _Kernel(context_id, cwd, process, queue)
         self._kernels[(sandbox_id, context_id)] = kernel
         return kernel
@@ -127,8 +132,12 @@ class Kernels:
                 kernel.dead = True
                 code = event.result.exit_code if event.result is not None else None
                 reason = event.error.message if event.error is not None else f"exit code {code}"
-                yield {"type": "error", "name": "KernelDied", "value": f"the Python kernel exited ({reason})",
-                       "traceback": ""}  # fmt: skip
+                yield {
+                    "type": "error",
+                    "name": "KernelDied",
+                    "value": f"the Python kernel exited ({reason})",
+                    "traceback": "",
+                }
                 yield {"type": "end_of_execution"}
                 return
             if event.stream == "stderr":
@@ -155,7 +164,7 @@ class Kernels:
             try:
                 await self._drain(kernel)
             except TimeoutError:
-                raise CorralError("the context's kernel did not stop its interrupted cell; restart the context")
+                raise CorralError("the context's kernel did not stop its interrupted cell; restart it") from None
             if kernel.dead:
                 raise NotFound(f"context {kernel.context_id} not found: its kernel exited; create a new one")
             line = json.dumps({"code": code, "env": env}).encode() + b"\n"
@@ -207,8 +216,10 @@ async def execute(request: Request) -> Response:
         where = _interpreter_target(request)
         body = await request.json()
         if body.get("language") not in _LANGUAGES:
-            raise InvalidRequest(f"language {body.get('language')!r} is not supported by Corral's code interpreter: "
-                                 "Python only (run other languages with commands.run)")  # fmt: skip
+            raise InvalidRequest(
+                f"language {body.get('language')!r} is not supported by Corral's code interpreter: "
+                "Python only (run other languages with commands.run)"
+            )
         env = body.get("env_vars") or {}
         kernel = await facade(request).kernels.get(where, body.get("context_id"))
         stream = facade(request).kernels.execute(kernel, str(body.get("code", "")), env)
@@ -269,5 +280,3 @@ async def restart_context(context_id: str, request: Request) -> Response:
     except (CorralError, E2BError) as exc:
         return _plain_error(exc)
     return Response(status_code=204)
-
-

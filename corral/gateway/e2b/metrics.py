@@ -22,7 +22,8 @@ __all__ = ["sample"]
 
 _INTERVAL_S = 0.2
 _SCRIPT = f"""
-ticks() {{ for f in /proc/[0-9]*/stat; do sed 's/.*) //' "$f" 2>/dev/null; done | awk '{{s += $12 + $13}} END {{printf "%d", s}}'; }}
+ticks() {{ for f in /proc/[0-9]*/stat; do sed 's/.*) //' "$f" 2>/dev/null; done \\
+  | awk '{{s += $12 + $13}} END {{printf "%d", s}}'; }}
 a=$(ticks); sleep {_INTERVAL_S}; b=$(ticks)
 echo cpu $a $b $(getconf CLK_TCK 2>/dev/null || echo 100)
 awk '/^VmRSS:/ {{s += $2}} END {{printf "mem %d\\n", s * 1024}}' /proc/[0-9]*/status 2>/dev/null

@@ -75,7 +75,9 @@ def ensure_e2b_base(store: LayerStore, work_dir: Path) -> ImageRecord:
         _build_rootfs(rootfs, downloads)
         image_file = Path(scratch) / "layer.erofs"
         build_erofs(rootfs, image_file)
-        layer = store.import_layer(image_file, kind="tools", labels={"source": "apt-get download sudo", "e2b_recipe": _RECIPE}, move=True)
+        layer = store.import_layer(
+            image_file, kind="tools", labels={"source": "apt-get download sudo", "e2b_recipe": _RECIPE}, move=True
+        )
         shutil.rmtree(rootfs)
     return store.tag(IMAGE_NAME, [*debian.layers, layer.digest])
 

@@ -67,7 +67,9 @@ class Watchers:
 
     async def create(self, where: Target, path: str, recursive: bool) -> str:
         if sum(sid == where.sandbox_id for sid, _ in self._watchers) >= _MAX_WATCHERS_PER_SANDBOX:
-            raise InvalidRequest(f"too many watchers in sandbox {where.sandbox_id} (at most {_MAX_WATCHERS_PER_SANDBOX})")
+            raise InvalidRequest(
+                f"too many watchers in sandbox {where.sandbox_id} (at most {_MAX_WATCHERS_PER_SANDBOX})"
+            )
         info = await self._sandboxes.call(where.sandbox_id, lambda edge: edge.stat(where.sandbox_id, path))
         if info.type != "dir":
             raise InvalidRequest(f"path {path} is not a directory")
@@ -133,7 +135,9 @@ class Watchers:
                 if time.monotonic() - last_sent >= keepalive_s:
                     yield _frame({"keepalive": {}})
                     last_sent = time.monotonic()
-            yield _frame({"error": {"code": "deadline_exceeded", "message": f"the watch's deadline of "
-                                    f"{deadline_s:g} s passed"}}, 0x02)  # fmt: skip
+            yield _frame(
+                {"error": {"code": "deadline_exceeded", "message": f"the watch's deadline of {deadline_s:g} s passed"}},
+                0x02,
+            )
         finally:
             self._watchers.pop((sandbox_id, watcher_id), None)
