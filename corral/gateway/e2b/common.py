@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import datetime as dt
 import hashlib
 import hmac
+import json
+import struct
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +31,7 @@ from corral.sdk._exceptions import AuthenticationError, CorralError, InvalidRequ
 from corral.sdk._models import SandboxInfo, SandboxState
 
 __all__ = [
+    "END_STREAM",
     "E2BError",
     "E2BRoute",
     "ENVD_VERSION",
@@ -38,8 +42,10 @@ __all__ = [
     "access_token",
     "e2b_api_key",
     "facade",
+    "frame",
     "home_of",
     "refuse",
+    "rfc3339",
     "services",
     "target",
 ]
@@ -49,6 +55,19 @@ ENVD_PORT = 49983
 INTERPRETER_PORT = 49999
 TEMPLATE_LABEL = "corral.e2b.template"
 SANDBOX_USER = "user"
+
+
+END_STREAM = 0x02  # the flag of a Connect stream's last frame
+
+
+def rfc3339(unix_s: float) -> str:
+    return dt.datetime.fromtimestamp(unix_s, dt.UTC).isoformat().replace("+00:00", "Z")
+
+
+def frame(message: dict[str, Any], flags: int = 0) -> bytes:
+    """One Connect stream frame: ``[flags:1][length:4 big-endian][json]``."""
+    body = json.dumps(message, separators=(",", ":")).encode()
+    return struct.pack(">BI", flags, len(body)) + body
 
 
 class E2BError(Exception):

@@ -10,7 +10,6 @@ Create options Corral cannot honour are refused (400), never ignored.
 from __future__ import annotations
 
 import base64
-import datetime as dt
 import time
 import urllib.parse
 from typing import Any
@@ -29,6 +28,7 @@ from corral.gateway.e2b.common import (
     facade,
     home_of,
     refuse,
+    rfc3339,
     services,
 )
 from corral.sdk._exceptions import NotFound
@@ -59,10 +59,6 @@ def image_of(template_id: str) -> str:
     return TEMPLATE_IMAGES.get(template_id, template_id)
 
 
-def _rfc3339(unix_s: float) -> str:
-    return dt.datetime.fromtimestamp(unix_s, dt.UTC).isoformat().replace("+00:00", "Z")
-
-
 def _template(info: SandboxInfo) -> str:
     return info.labels.get(TEMPLATE_LABEL, info.image)
 
@@ -91,8 +87,8 @@ def _listed(info: SandboxInfo) -> dict[str, Any]:
         "sandboxID": info.id,
         "clientID": "corral",
         "alias": _template(info),
-        "startedAt": _rfc3339(info.created_at),
-        "endAt": _rfc3339(end) if end else _FAR_FUTURE,
+        "startedAt": rfc3339(info.created_at),
+        "endAt": rfc3339(end) if end else _FAR_FUTURE,
         "cpuCount": max(1, round(info.cpu)),
         "memoryMB": info.memory_mb,
         "diskSizeMB": info.disk_mb or 0,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import datetime as dt
 import gzip
 import json
 import stat
@@ -26,17 +25,16 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.datastructures import UploadFile
 
-from corral.gateway.e2b.common import E2BError, Target, basic_user, facade, services, target
+from corral.gateway.e2b.common import END_STREAM, E2BError, Target, basic_user, facade, frame, rfc3339, services, target
 from corral.gateway.e2b.processes import NO_TIMEOUT_S, OUTPUT_CAP_BYTES, Event, Process
 from corral.gateway.e2b.watch import Watchers
 from corral.sdk._exceptions import Conflict, CorralError, InvalidRequest, NotFound, PayloadTooLarge
 from corral.sdk._models import ExecRequest, FileInfo
 
-__all__ = ["router", "end_frame", "frame"]
+__all__ = ["router", "end_frame", "entry"]
 
 router = APIRouter(include_in_schema=False)
 _STREAM_TYPE = "application/connect+json"
-_END_STREAM = 0x02
 _DEFAULT_KEEPALIVE_S = 50.0
 _CONNECT_CODES = {
     400: "invalid_argument",
@@ -58,16 +56,11 @@ _SIGNALS = {"SIGNAL_SIGKILL": 9, "SIGNAL_SIGTERM": 15, "SIGNAL_SIGINT": 2, "SIGN
 # -- Connect framing ---------------------------------------------------------
 
 
-def frame(message: dict[str, Any], flags: int = 0) -> bytes:
-    body = json.dumps(message, separators=(",", ":")).encode()
-    return struct.pack(">BI", flags, len(body)) + body
-
-
 def end_frame(error: CorralError | None = None, code: str | None = None) -> bytes:
     if error is None:
-        return frame({}, _END_STREAM)
+        return frame({}, END_STREAM)
     return frame(
-        {"error": {"code": code or _CONNECT_CODES.get(error.status, "internal"), "message": error.message}}, _END_STREAM
+        {"error": {"code": code or _CONNECT_CODES.get(error.status, "internal"), "message": error.message}}, END_STREAM
     )
 
 
@@ -131,7 +124,7 @@ def entry(info: FileInfo) -> dict[str, Any]:
         "permissions": _permissions(kind | stat.S_IMODE(mode)),
         "owner": _OWNERS.get(info.uid, str(info.uid)),
         "group": _OWNERS.get(info.gid, str(info.gid)),
-        "modifiedTime": dt.datetime.fromtimestamp(info.mtime, dt.UTC).isoformat().replace("+00:00", "Z"),
+        "modifiedTime": rfc3339(info.mtime),
     }
     if info.link_target is not None:
         result["symlinkTarget"] = info.link_target

@@ -67,6 +67,7 @@ class Kernels:
         return [k for (sid, _), k in self._kernels.items() if sid == sandbox_id and not k.dead]
 
     async def create(self, where: Target, cwd: str | None, context_id: str | None = None) -> _Kernel:
+        self._kernels = {key: k for key, k in self._kernels.items() if not k.dead and not k.process.ended}
         context_id = context_id or secrets.token_hex(8)
         cwd = where.path(cwd) if cwd else where.home
         sandbox_id = where.sandbox_id

@@ -10,10 +10,10 @@ the trajectory log: it is the platform looking, not the agent acting.
 
 from __future__ import annotations
 
-import datetime as dt
 import time
 from typing import Any
 
+from corral.gateway.e2b.common import rfc3339
 from corral.gateway.service import SandboxService
 from corral.sdk._exceptions import CorralError
 from corral.sdk._models import ExecRequest, SandboxInfo
@@ -42,7 +42,7 @@ async def sample(sandboxes: SandboxService, info: SandboxInfo) -> dict[str, Any]
     disk = values.get("disk", [0, 0])
     now = time.time()
     return {
-        "timestamp": dt.datetime.fromtimestamp(now, dt.UTC).isoformat().replace("+00:00", "Z"),
+        "timestamp": rfc3339(now),
         "timestampUnix": int(now),
         "cpuCount": max(1, round(info.cpu)),
         "cpuUsedPct": round(min(100.0, 100 * cpu_s / _INTERVAL_S / max(info.cpu, 1e-9)), 2),

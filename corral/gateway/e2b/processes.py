@@ -53,6 +53,10 @@ class Process:
     subscribers: set[asyncio.Queue[Event]] = field(default_factory=set)
     task: asyncio.Task[None] | None = None
 
+    @property
+    def ended(self) -> bool:
+        return self.task is not None and self.task.done()
+
     def subscribe(self) -> asyncio.Queue[Event]:
         queue: asyncio.Queue[Event] = asyncio.Queue()
         self.subscribers.add(queue)

@@ -11,15 +11,13 @@ is a REMOVE plus a CREATE.
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
-import struct
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from corral.gateway.e2b.common import Target
+from corral.gateway.e2b.common import END_STREAM, Target, frame
 from corral.gateway.service import SandboxService
 from corral.sdk._exceptions import CorralError, InvalidRequest, NotFound
 
@@ -28,11 +26,6 @@ __all__ = ["Watchers", "POLL_INTERVAL_S"]
 POLL_INTERVAL_S = 0.2
 _MAX_WATCHERS_PER_SANDBOX = 64
 _Snapshot = dict[str, tuple[str, int, float, int]]
-
-
-def _frame(message: dict[str, Any], flags: int = 0) -> bytes:
-    body = json.dumps(message, separators=(",", ":")).encode()
-    return struct.pack(">BI", flags, len(body)) + body
 
 
 @dataclass
@@ -121,23 +114,23 @@ class Watchers:
         stop_at = time.monotonic() + deadline_s if deadline_s else None
         last_sent = time.monotonic()
         try:
-            yield _frame({"start": {}})
+            yield frame({"start": {}})
             while stop_at is None or time.monotonic() < stop_at:
                 await asyncio.sleep(POLL_INTERVAL_S)
                 try:
                     events = await self.events(sandbox_id, watcher_id)
                 except CorralError as exc:
-                    yield _frame({"error": {"code": "not_found", "message": exc.message}}, 0x02)
+                    yield frame({"error": {"code": "not_found", "message": exc.message}}, END_STREAM)
                     return
                 for event in events:
-                    yield _frame({"filesystem": event})
+                    yield frame({"filesystem": event})
                     last_sent = time.monotonic()
                 if time.monotonic() - last_sent >= keepalive_s:
-                    yield _frame({"keepalive": {}})
+                    yield frame({"keepalive": {}})
                     last_sent = time.monotonic()
-            yield _frame(
+            yield frame(
                 {"error": {"code": "deadline_exceeded", "message": f"the watch's deadline of {deadline_s:g} s passed"}},
-                0x02,
+                END_STREAM,
             )
         finally:
             self._watchers.pop((sandbox_id, watcher_id), None)
