@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from e2b import TimeoutException
 from e2b_code_interpreter import AsyncSandbox, Sandbox
 
 
@@ -57,15 +58,14 @@ def test_cells_are_commands_of_the_sandbox(code_sbx: Sandbox) -> None:
     assert child.logs.stdout == ["out\n"] and child.logs.stderr == ["err\n"]
 
 
-def test_a_timed_out_cell_runs_on_and_the_next_waits_for_it(code_sbx: Sandbox) -> None:
-    """As with a Jupyter kernel's queue: the client stops waiting; the context keeps its state."""
+def test_a_timed_out_cell_leaves_the_context_usable(code_sbx: Sandbox) -> None:
     code_sbx.run_code("kept = 'yes'")
     started = time.monotonic()
-    with pytest.raises(Exception, match="timed out"):
-        code_sbx.run_code("import time; time.sleep(3); kept = 'after'", timeout=1)
+    with pytest.raises(TimeoutException, match="timed out"):
+        code_sbx.run_code("import time; time.sleep(3)", timeout=1)
     assert time.monotonic() - started < 3
-    assert code_sbx.run_code("kept").text == "'after'"
-    assert time.monotonic() - started >= 3
+    # The SDK may keep its connection open after its timeout: the cell then runs on and this one waits for it.
+    assert code_sbx.run_code("kept").text == "'yes'"
 
 
 def test_other_languages_are_refused(code_sbx: Sandbox) -> None:

@@ -5,7 +5,9 @@ the sandbox when first needed) started through the process table, so it is a
 logged, audited command like any other, listed by ``commands.list``. A cell
 goes to the kernel's stdin as one JSON line; the kernel's messages come back
 on its stdout as NDJSON and are passed through as they arrive. One cell runs
-at a time per context; a client that goes away interrupts its cell (SIGINT).
+at a time per context. A cell runs to its end even when its client stopped
+waiting (the server is not told when a client goes away while nothing is
+sent); if its response is closed early, the cell is interrupted (SIGINT).
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ KERNEL_PATH = "/tmp/.corral-e2b-kernel.py"
 _KERNEL_SOURCE = (Path(__file__).parent / "kernel_main.py").read_bytes()
 _DEFAULT_CONTEXT = "default"
 _DRAIN_TIMEOUT_S = 10.0
-_DISCONNECT_POLL_S = 0.2
 _LANGUAGES = (None, "", "python", "python3")
 
 router = APIRouter(include_in_schema=False)
@@ -205,12 +206,6 @@ def _plain_error(exc: CorralError | E2BError) -> Response:
     return JSONResponse({"code": status, "message": exc.message}, status_code=status)
 
 
-async def _interrupt_when_gone(request: Request, kernel: _Kernel) -> None:
-    while not await request.is_disconnected():
-        await asyncio.sleep(_DISCONNECT_POLL_S)
-    await facade(request).kernels.interrupt(kernel)
-
-
 @router.post("/execute")
 async def execute(request: Request) -> Response:
     try:
@@ -229,14 +224,9 @@ async def execute(request: Request) -> Response:
         return _plain_error(exc)
 
     async def lines() -> AsyncIterator[bytes]:
-        # Nothing is sent while a cell computes, so a client that went away (its timeout) is noticed here.
-        watcher = asyncio.get_running_loop().create_task(_interrupt_when_gone(request, kernel))
-        try:
-            yield first
-            async for chunk in stream:
-                yield chunk
-        finally:
-            watcher.cancel()
+        yield first
+        async for chunk in stream:
+            yield chunk
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 

@@ -15,6 +15,7 @@ import io
 import json
 import os
 import select
+import signal
 import sys
 import threading
 import time
@@ -122,16 +123,27 @@ def _run(code, namespace, count):
             _send({"type": "result", "is_main_result": True, **_formats(value)})
 
 
+class _Interrupts:
+    """SIGINT interrupts a running cell only: between cells (or while a cell's end is sent) it is ignored."""
+
+    def __init__(self):
+        self.armed = False
+        signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+
+
 def main():
+    interrupts = _Interrupts()
     descriptors = _Descriptors()
     namespace = {"__name__": "__main__", "__builtins__": __builtins__}
     count = 0
     streams = (sys.stdout, sys.stderr)
     while True:
-        try:
-            line = sys.stdin.readline()
-        except KeyboardInterrupt:
-            continue  # an interrupt that came after the cell ended
+        line = sys.stdin.readline()
         if not line:
             return
         request = json.loads(line)
@@ -140,7 +152,11 @@ def main():
         os.environ.update(request.get("env") or {})
         sys.stdout, sys.stderr = _Stream("stdout"), _Stream("stderr")
         try:
-            _run(request["code"], namespace, count)
+            interrupts.armed = True
+            try:
+                _run(request["code"], namespace, count)
+            finally:
+                interrupts.armed = False
         except BaseException as exc:  # noqa: B036 - SystemExit and KeyboardInterrupt are the cell's errors too
             lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
             _send({"type": "error", "name": type(exc).__name__, "value": str(exc), "traceback": "".join(lines)})
