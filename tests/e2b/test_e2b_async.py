@@ -24,6 +24,7 @@ async def test_lifecycle(asbx: AsyncSandbox) -> None:
     listed = await AsyncSandbox.list(query=SandboxQuery(metadata={"suite": "async"})).next_items()
     assert asbx.sandbox_id in [s.sandbox_id for s in listed]
     assert await asbx.pause() is True
+    assert await asbx.get_metrics() == []  # sampling a paused sandbox would resume it
     resumed = await AsyncSandbox.connect(asbx.sandbox_id)
     assert (await resumed.get_info()).state == SandboxState.RUNNING
     (sample,) = await asbx.get_metrics()

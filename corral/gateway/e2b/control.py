@@ -293,9 +293,11 @@ router.add_api_route("/sandboxes/{sandbox_id}/resume", _connect, methods=["POST"
 
 @router.get("/sandboxes/{sandbox_id}/metrics")
 async def metrics(sandbox_id: str, request: Request) -> JSONResponse:
-    """One sample, taken now, from the sandbox's own cgroup and filesystem."""
+    """One sample, taken now, from inside the sandbox (corral/gateway/e2b/metrics.py); none while paused."""
     check_api_key(request)
     info = _live(request, sandbox_id)
+    if info.state == SandboxState.PAUSED:
+        return JSONResponse([])  # sampling runs a command, which would resume it
     sample = await facade(request).metrics(info)
     return JSONResponse([sample])
 
