@@ -7,6 +7,10 @@ sandboxes; the same sandboxes are visible through Corral's own API.
 from __future__ import annotations
 
 import io
+import os
+import re
+import subprocess
+import sys
 import time
 
 import httpx
@@ -25,6 +29,7 @@ from e2b import (
 )
 
 import corral
+from corral.embedded import EmbeddedServer
 
 
 @pytest.fixture
@@ -258,3 +263,12 @@ def test_wrong_keys_are_refused(sbx: Sandbox, e2b_env: dict[str, str]) -> None:
     assert right.status_code == 200 and "processes" in right.json()
     other_port = httpx.get(f"{e2b_env['E2B_SANDBOX_URL']}/health", headers={**headers, "E2b-Sandbox-Port": "8080"})
     assert other_port.status_code == 502 and "port 8080 is not open" in other_port.json()["message"]
+
+
+def test_e2b_env_prints_what_points_the_sdk_here(server: EmbeddedServer, e2b_env: dict[str, str]) -> None:
+    env = {**os.environ, "CORRAL_URL": server.url, "CORRAL_API_KEY": server.api_key}
+    done = subprocess.run([sys.executable, "-m", "corral.cli.main", "e2b-env"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    printed = dict(part.split("=", 1) for part in done.stdout.split()[1:])
+    assert printed == e2b_env
+    assert re.fullmatch(r"e2b_[0-9a-f]{40}", printed["E2B_API_KEY"])  # what e2b 2.2x-2.4x check client-side
