@@ -23,6 +23,7 @@ from e2b import (
     PtySize,
     Sandbox,
     SandboxException,
+    SandboxNotRunningException,
     SandboxQuery,
     SandboxState,
     TimeoutException,
@@ -95,6 +96,16 @@ def test_pause_then_connect_resumes_with_state(sbx: Sandbox, client: corral.Clie
     assert again.get_info().state == SandboxState.RUNNING
     assert again.files.read("/home/user/state.txt") == "kept"
     assert background.pid in [p.pid for p in again.commands.list()]
+
+
+def test_killing_the_sandbox_ends_its_commands(e2b_env: dict[str, str]) -> None:
+    sandbox = Sandbox.create("base")
+    handle = sandbox.commands.run("sleep 600", background=True)
+    assert sandbox.kill() is True
+    with pytest.raises(SandboxNotRunningException, match="killed|was not found"):
+        handle.wait()
+    with pytest.raises(SandboxNotRunningException):
+        sandbox.commands.run("true")
 
 
 def test_kill_and_unknown_sandboxes(e2b_env: dict[str, str], client: corral.Client) -> None:

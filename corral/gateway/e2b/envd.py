@@ -56,17 +56,22 @@ _SIGNALS = {"SIGNAL_SIGKILL": 9, "SIGNAL_SIGTERM": 15, "SIGNAL_SIGINT": 2, "SIGN
 # -- Connect framing ---------------------------------------------------------
 
 
+def _code_and_message(error: CorralError) -> tuple[str, str]:
+    if error.status == 410:  # what E2B's proxy says of a sandbox that is gone: the SDK's SandboxNotRunningException
+        return "unavailable", f"The sandbox was not found: {error.message}"
+    return _CONNECT_CODES.get(error.status, "internal"), error.message
+
+
 def end_frame(error: CorralError | None = None, code: str | None = None) -> bytes:
     if error is None:
         return frame({}, END_STREAM)
-    return frame(
-        {"error": {"code": code or _CONNECT_CODES.get(error.status, "internal"), "message": error.message}}, END_STREAM
-    )
+    default_code, message = _code_and_message(error)
+    return frame({"error": {"code": code or default_code, "message": message}}, END_STREAM)
 
 
 def _connect_error(exc: CorralError) -> JSONResponse:
-    status = 404 if exc.status == 410 else exc.status
-    return JSONResponse({"code": _CONNECT_CODES.get(exc.status, "internal"), "message": exc.message}, status)
+    code, message = _code_and_message(exc)
+    return JSONResponse({"code": code, "message": message}, 502 if exc.status == 410 else exc.status)
 
 
 async def _message(request: Request) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from corral.gateway.trajectory import Trajectories
-from corral.sdk._exceptions import Conflict, CorralError, InternalError, NotFound
+from corral.sdk._exceptions import Conflict, CorralError, InternalError, NotFound, SandboxGone
 from corral.sdk._models import ExecRequest, ExecResult
 
 __all__ = ["ProcessTable", "Process", "Event", "OUTPUT_CAP_BYTES", "NO_TIMEOUT_S"]
@@ -52,6 +52,7 @@ class Process:
     command_id: str | None = None
     subscribers: set[asyncio.Queue[Event]] = field(default_factory=set)
     task: asyncio.Task[None] | None = None
+    stopped_by: CorralError | None = None  # why this table stopped following it, if it did
 
     @property
     def ended(self) -> bool:
@@ -130,12 +131,15 @@ class ProcessTable:
             if not started.done():
                 started.set_exception(InternalError("the command ended before it started"))
             if not ended:
-                process.publish(Event(error=InternalError("the command was stopped (server shutting down)")))
+                process.publish(Event(error=process.stopped_by or InternalError("the server is shutting down")))
             self._processes.pop((process.sandbox_id, process.pid), None)
 
     async def forget(self, sandbox_id: str) -> None:
         """The sandbox was killed: stop following its processes."""
-        await self._cancel([p for p in self.list(sandbox_id)])
+        processes = self.list(sandbox_id)
+        for process in processes:
+            process.stopped_by = SandboxGone(f"sandbox {sandbox_id} was killed")
+        await self._cancel(processes)
 
     async def close(self) -> None:
         await self._cancel(list(self._processes.values()))
