@@ -176,6 +176,10 @@ def test_stdin_send_and_close(sbx: Sandbox) -> None:
     sbx.commands.send_stdin(handle.pid, b"world\n")
     sbx.commands.close_stdin(handle.pid)
     assert handle.wait().stdout == "HELLO WORLD\n"
+    streamed = sbx.commands.run("cat", background=True, stdin=True)
+    sbx.commands.stream_input(streamed.pid, (f"line {i}\n" for i in range(3)))
+    sbx.commands.close_stdin(streamed.pid)
+    assert streamed.wait().stdout == "line 0\nline 1\nline 2\n"
     assert sbx.commands.run("cat").stdout == ""  # stdin=False: empty, never hangs
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import gzip
 import json
 import stat
@@ -245,9 +246,47 @@ async def _command_id(request: Request, where: Target, message: dict[str, Any]) 
     return process.command_id
 
 
+async def _frames(request: Request) -> AsyncIterator[dict[str, Any]]:
+    """The messages of a client stream, as their frames arrive."""
+    buffer = b""
+    async for chunk in request.stream():
+        buffer += chunk
+        while len(buffer) >= 5:
+            flags, length = struct.unpack(">BI", buffer[:5])
+            if len(buffer) < 5 + length:
+                break
+            body, buffer = buffer[5 : 5 + length], buffer[5 + length :]
+            if flags & END_STREAM:
+                return
+            yield json.loads(body) if body.strip() else {}
+
+
+async def _write_stdin(sandbox_id: str, command_id: str, data: bytes, edge: Any) -> None:
+    await edge.command_stdin(sandbox_id, command_id, data)
+
+
+async def _stream_input(request: Request, where: Target) -> StreamingResponse:
+    """StreamInput (``commands.stream_stdin``): a start frame naming the process, then data frames for its stdin."""
+    svc = services(request).sandboxes
+    command_id = None
+    async for message in _frames(request):
+        if "start" in message:
+            command_id = await _command_id(request, where, message["start"])
+        elif "data" in message:
+            given = message["data"].get("input") or {}
+            if "pty" in given:
+                raise InvalidRequest("PTY input is not supported by Corral's E2B facade")
+            if command_id is None:
+                raise InvalidRequest("StreamInput needs its start event before data")
+            data = base64.b64decode(given.get("stdin", ""))
+            if data:
+                await svc.call(where.sandbox_id, functools.partial(_write_stdin, where.sandbox_id, command_id, data))
+    return _stream(_single(frame({}) + end_frame()))
+
+
 @router.post("/process.Process/{method}")
 async def process_rpc(method: str, request: Request) -> Response:
-    streaming = method in ("Start", "Connect")
+    streaming = method in ("Start", "Connect", "StreamInput")
     try:
         where = target(request, basic_user(request))
         message = await _message(request)
@@ -278,11 +317,13 @@ async def process_rpc(method: str, request: Request) -> Response:
             if data:  # an empty write would close stdin in Corral
                 await svc.call(where.sandbox_id, lambda edge: edge.command_stdin(where.sandbox_id, command_id, data))
             return JSONResponse({})
+        if method == "StreamInput":
+            return await _stream_input(request, where)
         if method == "CloseStdin":
             command_id = await _command_id(request, where, message)
             await svc.call(where.sandbox_id, lambda edge: edge.command_stdin(where.sandbox_id, command_id, b""))
             return JSONResponse({})
-        raise NotFound(f"process.Process/{method} is not supported by Corral's E2B facade (no PTY, no StreamInput)")
+        raise NotFound(f"process.Process/{method} is not supported by Corral's E2B facade (no PTY)")
     except E2BError as exc:
         return exc.response()
     except CorralError as exc:
