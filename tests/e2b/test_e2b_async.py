@@ -5,7 +5,15 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from e2b import AsyncSandbox, CommandExitException, FilesystemEventType, SandboxQuery, SandboxState, TimeoutException
+from e2b import (
+    AsyncSandbox,
+    CommandExitException,
+    FilesystemEventType,
+    PtySize,
+    SandboxQuery,
+    SandboxState,
+    TimeoutException,
+)
 
 
 @pytest.fixture
@@ -66,3 +74,24 @@ async def test_files_and_streamed_watch(asbx: AsyncSandbox) -> None:
     assert [e.name for e in await asbx.files.list("/home/user/w")] == ["b.txt"]
     await asbx.files.remove("/home/user/w")
     assert not await asbx.files.exists("/home/user/w")
+
+
+async def test_pty_session_with_resize(asbx: AsyncSandbox) -> None:
+    output = bytearray()
+
+    async def wait_for(text: bytes) -> None:
+        for _ in range(100):
+            if text in output:
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"{text!r} never came; the terminal showed {bytes(output)!r}")
+
+    terminal = await asbx.pty.create(PtySize(rows=30, cols=100), on_data=output.extend)
+    await asbx.pty.send_stdin(terminal.pid, b"stty size; tty; echo $TERM\n")
+    await wait_for(b"xterm-256color")
+    assert b"30 100" in output and b"/dev/pts/" in output
+    await asbx.pty.resize(terminal.pid, PtySize(rows=40, cols=120))
+    await asbx.pty.send_stdin(terminal.pid, b"stty size; exit 3\n")
+    with pytest.raises(CommandExitException) as ended:
+        await terminal.wait()
+    assert ended.value.exit_code == 3 and b"40 120" in output

@@ -6,8 +6,9 @@ list, pause, timeout, kill, metrics), ``envd`` the in-sandbox daemon's
 protocol (processes, filesystem, /files), routed by the ``E2b-Sandbox-Id``
 and ``E2b-Sandbox-Port`` headers, ``interpreter`` the code interpreter's
 port 49999 (``run_code`` and contexts) backed by a small Python kernel
-shipped into the sandbox. ``processes`` and ``watch`` hold what E2B keeps
-inside envd (running processes, directory watchers). docs/e2b.md says what
+shipped into the sandbox. ``processes``, ``pty`` and ``watch`` stand in for
+what E2B keeps inside envd (running processes, terminals, directory
+watchers); ``metrics`` samples a sandbox; ``template`` builds ``e2b-base``. docs/e2b.md says what
 is and is not supported.
 """
 

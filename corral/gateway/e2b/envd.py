@@ -26,6 +26,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.datastructures import UploadFile
 
+from corral.gateway.e2b import pty
 from corral.gateway.e2b.common import END_STREAM, E2BError, Target, basic_user, facade, frame, rfc3339, services, target
 from corral.gateway.e2b.processes import NO_TIMEOUT_S, OUTPUT_CAP_BYTES, Event, Process
 from corral.gateway.e2b.watch import Watchers
@@ -183,7 +184,8 @@ async def _follow(
                 continue
             if not event.is_end:
                 payload = base64.b64encode(event.data).decode()
-                yield frame({"event": {"data": {event.stream: payload}}})
+                stream = "pty" if process.pty_marker else event.stream
+                yield frame({"event": {"data": {stream: payload}}})
             elif event.error is not None:
                 yield end_frame(event.error)
                 return
@@ -207,27 +209,33 @@ def _keepalive_s(request: Request) -> float:
 
 
 async def _start(request: Request, where: Target, message: dict[str, Any]) -> StreamingResponse:
-    if message.get("pty"):
-        raise InvalidRequest("PTY sessions are not supported by Corral's E2B facade: use commands.run (docs/e2b.md)")
     config = message.get("process") or {}
     cmd = config.get("cmd")
     if not cmd:
         raise InvalidRequest("process.cmd is required")
+    argv = [cmd, *(config.get("args") or [])]
     envs = config.get("envs") or {}
     cwd = where.path(config["cwd"]) if config.get("cwd") else where.home
     deadline_s = _deadline_s(request)
     env = {"HOME": where.home, "USER": where.user, "LOGNAME": where.user, **envs}
+    marker = None
+    if message.get("pty"):
+        marker = pty.new_marker()
+        argv = pty.pty_argv(cmd, argv[1:], message["pty"])
+        env[pty.PTY_MARKER_ENV] = marker
     exec_request = ExecRequest(
-        cmd=[cmd, *(config.get("args") or [])],
+        cmd=argv,
         env=env,
         cwd=cwd,
         user=where.user,
         timeout_s=min(deadline_s or NO_TIMEOUT_S, NO_TIMEOUT_S),
-        stdin="" if message.get("stdin") else None,
+        stdin="" if message.get("stdin") or marker else None,
         output_cap_bytes=OUTPUT_CAP_BYTES,
     )
     table = facade(request).processes
-    process, queue = await table.start(where.sandbox_id, exec_request, tag=message.get("tag"), config=config)
+    process, queue = await table.start(
+        where.sandbox_id, exec_request, tag=message.get("tag"), config=config, pty_marker=marker
+    )
     return _stream(_follow(process, queue, deadline_s, _keepalive_s(request)))
 
 
@@ -274,11 +282,9 @@ async def _stream_input(request: Request, where: Target) -> StreamingResponse:
             command_id = await _command_id(request, where, message["start"])
         elif "data" in message:
             given = message["data"].get("input") or {}
-            if "pty" in given:
-                raise InvalidRequest("PTY input is not supported by Corral's E2B facade")
             if command_id is None:
                 raise InvalidRequest("StreamInput needs its start event before data")
-            data = base64.b64decode(given.get("stdin", ""))
+            data = base64.b64decode(given.get("stdin") or given.get("pty") or "")
             if data:
                 await svc.call(where.sandbox_id, functools.partial(_write_stdin, where.sandbox_id, command_id, data))
     return _stream(_single(frame({}) + end_frame()))
@@ -310,20 +316,26 @@ async def process_rpc(method: str, request: Request) -> Response:
             return JSONResponse({})
         if method == "SendInput":
             given = message.get("input") or {}
-            if "pty" in given:
-                raise InvalidRequest("PTY input is not supported by Corral's E2B facade")
-            data = base64.b64decode(given.get("stdin", ""))
+            data = base64.b64decode(given.get("stdin") or given.get("pty") or "")
             command_id = await _command_id(request, where, message)
             if data:  # an empty write would close stdin in Corral
                 await svc.call(where.sandbox_id, lambda edge: edge.command_stdin(where.sandbox_id, command_id, data))
             return JSONResponse({})
         if method == "StreamInput":
             return await _stream_input(request, where)
+        if method == "Update":
+            pid, tag = _selector(message)
+            process = facade(request).processes.find(where.sandbox_id, pid, tag)
+            if process.pty_marker is None:
+                raise InvalidRequest(f"process {process.pid} is not a PTY session")
+            user = process.user or where.user
+            await pty.resize(svc, where.sandbox_id, process.pty_marker, user, message.get("pty") or {})
+            return JSONResponse({})
         if method == "CloseStdin":
             command_id = await _command_id(request, where, message)
             await svc.call(where.sandbox_id, lambda edge: edge.command_stdin(where.sandbox_id, command_id, b""))
             return JSONResponse({})
-        raise NotFound(f"process.Process/{method} is not supported by Corral's E2B facade (no PTY)")
+        raise NotFound(f"process.Process/{method} is not supported by Corral's E2B facade")
     except E2BError as exc:
         return exc.response()
     except CorralError as exc:

@@ -53,6 +53,8 @@ class Process:
     subscribers: set[asyncio.Queue[Event]] = field(default_factory=set)
     task: asyncio.Task[None] | None = None
     stopped_by: CorralError | None = None  # why this table stopped following it, if it did
+    pty_marker: str | None = None  # a PTY session (pty.py): its output is terminal data
+    user: str | None = None  # who it runs as
 
     @property
     def ended(self) -> bool:
@@ -84,12 +86,18 @@ class ProcessTable:
         raise NotFound(f"process with {'pid ' + str(pid) if pid is not None else 'tag ' + repr(tag)} not found")
 
     async def start(
-        self, sandbox_id: str, request: ExecRequest, *, tag: str | None, config: dict[str, Any]
+        self,
+        sandbox_id: str,
+        request: ExecRequest,
+        *,
+        tag: str | None,
+        config: dict[str, Any],
+        pty_marker: str | None = None,
     ) -> tuple[Process, asyncio.Queue[Event]]:
         """Start it and subscribe the caller; returns once it runs (errors before that are raised)."""
         if tag is not None and any(p.tag == tag for p in self.list(sandbox_id)):
             raise Conflict(f"a process with tag {tag!r} is already running")
-        process = Process(sandbox_id, next(self._pids), tag, config)
+        process = Process(sandbox_id, next(self._pids), tag, config, pty_marker=pty_marker, user=request.user)
         queue = process.subscribe()
         started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._processes[(sandbox_id, process.pid)] = process
