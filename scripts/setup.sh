@@ -61,8 +61,21 @@ if [[ "$want" != "$have" ]]; then
 fi
 log "virtualenv ok ($VENV)"
 
+# An E2B SDK from before the /v2 endpoints, for tests/e2b/test_e2b_old_sdk.py (kept apart from the venv's e2b).
+E2B_OLD_VERSION=2.30.0
+E2B_OLD_DIR="$VENV/e2b-$E2B_OLD_VERSION"
+if [[ ! -f "$E2B_OLD_DIR/.installed" ]]; then
+    log "installing e2b==$E2B_OLD_VERSION into $E2B_OLD_DIR"
+    rm -rf "$E2B_OLD_DIR"
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-warn-conflicts \
+        --target "$E2B_OLD_DIR" "e2b==$E2B_OLD_VERSION"
+    touch "$E2B_OLD_DIR/.installed"
+fi
+
 # 3. Base images: built once per node into the shared layer store.
 "$VENV/bin/python" -m corral.images.bases --store "$LAYER_DIR" busybox debian-12
+# E2B's "base" template (corral/gateway/e2b/template.py): debian-12 + sudo, built once.
+"$VENV/bin/python" -m corral.gateway.e2b.template --store "$LAYER_DIR"
 log "base images ok ($LAYER_DIR)"
 
 # 4. VM guests: the guest kernel (Debian's, via apt-get download), our initramfs, the KVM/TCG probe.

@@ -336,6 +336,27 @@ def bench_fncall(
     run_fncall_benchmark(runs=runs, clients=clients, as_json=as_json, console=console)
 
 
+@app.command("bench-e2b")
+def bench_e2b(
+    runs: Annotated[int, typer.Option(help="Creates per client; round trips are 10× as many.")] = 20,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Measure the e2b SDK against Corral's own SDK (create → first command, command round trip) in one run."""
+    from corral.bench.e2b import run_e2b_benchmark
+
+    run_e2b_benchmark(runs=runs, as_json=as_json, console=console)
+
+
+@app.command("e2b-env")
+def e2b_env() -> None:
+    """Print the environment that points the e2b SDK at this server (E2B_API_URL, E2B_SANDBOX_URL, E2B_API_KEY)."""
+    from corral.gateway.e2b import e2b_api_key
+
+    with _client() as client:
+        url, key = client.url, client.api_key
+    console.print(f"export E2B_API_URL={url} E2B_SANDBOX_URL={url} E2B_API_KEY={e2b_api_key(key)}", highlight=False)
+
+
 @app.command("bench-density")
 def bench_density(
     count: Annotated[int, typer.Option(help="Idle sandboxes to create in all.")] = 1000,

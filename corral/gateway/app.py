@@ -22,6 +22,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 
 from corral.gateway.auth import Caller
+from corral.gateway.e2b import include_e2b
 from corral.gateway.fncall import FnCallService
 from corral.gateway.images import ImageService
 from corral.gateway.service import SandboxService
@@ -506,4 +507,5 @@ def create_app(service_factory, max_file_bytes: int, upload_dir: Path) -> FastAP
         data = await svc.call(sandbox_id, lambda edge: edge.download_tar(sandbox_id, path))
         return Response(data, media_type="application/x-tar")
 
+    include_e2b(app, max_file_bytes)  # E2B's API and envd protocol on the same port (corral/gateway/e2b)
     return app

@@ -54,6 +54,11 @@ class JobTokens:
         self._api_key = api_key.encode()
         self._jobs: dict[str, str] = {}  # token sha256 -> job, filled as tokens are seen
 
+    @property
+    def server_key(self) -> str:
+        """The server's API key (the E2B facade derives its keys from it)."""
+        return self._api_key.decode()
+
     def issue(self, job: str) -> str:
         if not _JOB_RE.match(job):
             raise InvalidRequest(f"job name {job!r} must be 1-128 of letters, digits and ._:-")

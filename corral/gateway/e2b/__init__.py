@@ -1,0 +1,73 @@
+"""An E2B-compatible facade: the unmodified ``e2b`` and ``e2b-code-interpreter`` SDKs drive Corral sandboxes.
+
+Served on Corral's own port, next to /v1, over the same SandboxService,
+trajectory log and audit: ``control`` is E2B's REST API (create, connect,
+list, pause, timeout, kill, metrics), ``envd`` the in-sandbox daemon's
+protocol (processes, filesystem, /files), routed by the ``E2b-Sandbox-Id``
+and ``E2b-Sandbox-Port`` headers, ``interpreter`` the code interpreter's
+port 49999 (``run_code`` and contexts) backed by a small Python kernel
+shipped into the sandbox. ``processes``, ``pty`` and ``watch`` stand in for
+what E2B keeps inside envd (running processes, terminals, directory
+watchers); ``metrics`` samples a sandbox; ``template`` builds ``e2b-base``. docs/e2b.md says what
+is and is not supported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+
+from corral.gateway.e2b import control, envd, interpreter
+from corral.gateway.e2b.common import e2b_api_key
+from corral.gateway.e2b.metrics import sample
+from corral.gateway.e2b.processes import ProcessTable
+from corral.gateway.e2b.watch import Watchers
+from corral.sdk._models import SandboxInfo
+
+__all__ = ["E2BFacade", "e2b_api_key", "include_e2b"]
+
+
+class E2BFacade:
+    """What the facade keeps between requests; owned by the app's lifespan, which closes it."""
+
+    def __init__(self, services: Any, max_file_bytes: int) -> None:
+        self.server_key: str = services.tokens.server_key
+        self.max_file_bytes = max_file_bytes
+        self._sandboxes = services.sandboxes
+        self.processes = ProcessTable(services.trajectories)
+        self.watchers = Watchers(services.sandboxes)
+        self.kernels = interpreter.Kernels(self.processes, services.sandboxes)
+
+    async def metrics(self, info: SandboxInfo) -> dict[str, Any]:
+        return await sample(self._sandboxes, info)
+
+    async def forget(self, sandbox_id: str) -> None:
+        """The sandbox ended: drop its processes, kernels and watchers."""
+        self.kernels.forget(sandbox_id)
+        self.watchers.forget(sandbox_id)
+        await self.processes.forget(sandbox_id)
+
+    async def close(self) -> None:
+        await self.processes.close()
+
+
+def include_e2b(app: FastAPI, max_file_bytes: int) -> None:
+    """Serve the E2B API on ``app``; the facade lives as long as the app's services."""
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[Any]:
+        async with inner(app) as state:
+            app.state.e2b = E2BFacade(app.state.service, max_file_bytes)
+            try:
+                yield state
+            finally:
+                await app.state.e2b.close()
+
+    app.router.lifespan_context = lifespan
+    app.include_router(control.router)
+    app.include_router(envd.router)
+    app.include_router(interpreter.router)

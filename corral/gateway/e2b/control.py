@@ -1,0 +1,314 @@
+"""E2B's control plane (``api.e2b.app``) over SandboxService: the same sandboxes as /v1.
+
+A template is a Corral image: ``base`` and ``code-interpreter-v1`` are the
+``e2b-base`` image (debian-12 + sudo, user ``user``; corral/gateway/e2b/template.py),
+any other template id is an image ref such as ``debian-12``. E2B's ``timeout``
+is the sandbox's TTL, ``metadata`` its labels, ``envVars`` its environment.
+Create options Corral cannot honour are refused (400), never ignored.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+import urllib.parse
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from corral.gateway.e2b.common import (
+    ENVD_VERSION,
+    SANDBOX_USER,
+    TEMPLATE_LABEL,
+    E2BError,
+    E2BRoute,
+    access_token,
+    check_api_key,
+    facade,
+    home_of,
+    refuse,
+    rfc3339,
+    services,
+)
+from corral.sdk._exceptions import NotFound
+from corral.sdk._models import CreateSandboxRequest, SandboxInfo, SandboxState
+
+__all__ = ["router", "DEFAULT_TIMEOUT_S", "TEMPLATE_IMAGES", "image_of"]
+
+DEFAULT_TIMEOUT_S = 300  # E2B's default sandbox timeout
+MAX_TIMEOUT_S = 24 * 3600
+_FAR_FUTURE = "9999-12-31T00:00:00Z"  # endAt of a sandbox without a TTL (made through /v1)
+TEMPLATE_IMAGES = {"base": "e2b-base", "code-interpreter-v1": "e2b-base"}
+_CREATE_FIELDS = {
+    "templateID", "timeout", "metadata", "envVars", "secure", "autoPause", "autoPauseMemory", "autoResume",
+    "allow_internet_access", "network", "mcp", "iam", "volumeMounts",
+}  # fmt: skip
+_UNSUPPORTED_CREATE_OPTIONS = {
+    "network": "use Corral's egress allowlist (PUT /v1/sandboxes/{id}/network)",
+    "mcp": "no MCP gateway",
+    "iam": "no cloud IAM",
+    "volumeMounts": "no volumes",
+}
+_LIVE_STATES = [SandboxState.CREATING.value, SandboxState.RUNNING.value, SandboxState.PAUSED.value]
+
+router = APIRouter(include_in_schema=False, route_class=E2BRoute)
+
+
+def image_of(template_id: str) -> str:
+    return TEMPLATE_IMAGES.get(template_id, template_id)
+
+
+def _template(info: SandboxInfo) -> str:
+    return info.labels.get(TEMPLATE_LABEL, info.image)
+
+
+def _metadata(info: SandboxInfo) -> dict[str, str]:
+    return {k: v for k, v in info.labels.items() if not k.startswith("corral.")}
+
+
+def _sandbox(request: Request, info: SandboxInfo) -> dict[str, Any]:
+    return {
+        "templateID": _template(info),
+        "sandboxID": info.id,
+        "clientID": "corral",
+        "alias": _template(info),
+        "envdVersion": ENVD_VERSION,
+        "envdAccessToken": access_token(facade(request).server_key, info.id),
+        "trafficAccessToken": access_token(facade(request).server_key, info.id),
+        "domain": None,
+    }
+
+
+def _listed(info: SandboxInfo) -> dict[str, Any]:
+    end = info.ended_at or info.expires_at
+    return {
+        "templateID": _template(info),
+        "sandboxID": info.id,
+        "clientID": "corral",
+        "alias": _template(info),
+        "startedAt": rfc3339(info.created_at),
+        "endAt": rfc3339(end) if end else _FAR_FUTURE,
+        "cpuCount": max(1, round(info.cpu)),
+        "memoryMB": info.memory_mb,
+        "diskSizeMB": info.disk_mb or 0,
+        "state": "paused" if info.state == SandboxState.PAUSED else "running",
+        "metadata": _metadata(info),
+        "envdVersion": ENVD_VERSION,
+    }
+
+
+def _live(request: Request, sandbox_id: str) -> SandboxInfo:
+    """A sandbox that still exists; an ended one is E2B's 404."""
+    try:
+        info = services(request).sandboxes.get(sandbox_id)
+    except NotFound:
+        raise E2BError(404, f"sandbox {sandbox_id} not found") from None
+    if info.state.value not in _LIVE_STATES:
+        raise E2BError(404, f"sandbox {sandbox_id} not found: it ended ({info.end_reason})")
+    return info
+
+
+async def _json(request: Request) -> dict[str, Any]:
+    body = await request.body()
+    if not body.strip():
+        return {}
+    try:
+        parsed = await request.json()
+    except ValueError:
+        raise E2BError(400, "the request body is not JSON") from None
+    if not isinstance(parsed, dict):
+        raise E2BError(400, "the request body must be a JSON object")
+    return parsed
+
+
+def _timeout(value: Any, default: int | None) -> int | None:
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise E2BError(400, f"timeout must be a whole number of seconds >= 0, got {value!r}")
+    if value > MAX_TIMEOUT_S:
+        raise E2BError(400, f"timeout {value} s is over the maximum of {MAX_TIMEOUT_S} s")
+    return value
+
+
+def _check_create_options(body: dict[str, Any]) -> None:
+    unknown = sorted(k for k, v in body.items() if k not in _CREATE_FIELDS and v not in (None, {}, []))
+    if unknown:
+        raise refuse(f"create option(s) {', '.join(unknown)}", "unknown to this facade")
+    if body.get("autoPause"):
+        raise refuse("autoPause", "a Corral sandbox ends at its timeout; use Corral's idle_pause_s for pausing")
+    if body.get("autoPauseMemory") is not None:
+        raise refuse("autoPauseMemory", "pausing always keeps memory")
+    # autoResume is about sandboxes that autoPause paused, which is refused above; what the SDKs send by
+    # default ({"enabled": false}) changes nothing here. (Any request to a paused Corral sandbox resumes it.)
+    if body.get("allow_internet_access"):
+        raise refuse(
+            "allow_internet_access=True",
+            "sandboxes have loopback only (Corral's API sets egress allowlists); pass allow_internet_access=False, "
+            "as older SDKs (e.g. e2b 2.30) must, since they send True unless told otherwise",
+        )
+    for option, why in _UNSUPPORTED_CREATE_OPTIONS.items():
+        if body.get(option):
+            raise refuse(option, why)
+
+
+async def _create(request: Request) -> JSONResponse:
+    check_api_key(request)
+    body = await _json(request)
+    _check_create_options(body)
+    template_id = body.get("templateID")
+    if not isinstance(template_id, str) or not template_id:
+        raise E2BError(400, "templateID is required: a Corral image such as 'base' or 'debian-12'")
+    metadata = body.get("metadata") or {}
+    env = body.get("envVars") or {}
+    for name, mapping in (("metadata", metadata), ("envVars", env)):
+        if not isinstance(mapping, dict) or not all(isinstance(v, str) for v in mapping.values()):
+            raise E2BError(400, f"{name} must map strings to strings")
+    if any(key.startswith("corral.") for key in metadata):
+        raise E2BError(400, "metadata keys starting with 'corral.' are Corral's own")
+    timeout_s = _timeout(body.get("timeout"), DEFAULT_TIMEOUT_S)
+    create = CreateSandboxRequest(
+        image=image_of(template_id),
+        env=env,
+        user=SANDBOX_USER,
+        cwd=home_of(SANDBOX_USER),
+        labels={**metadata, TEMPLATE_LABEL: template_id},
+        ttl_s=timeout_s or None,
+    )
+    svc = services(request).sandboxes
+    try:
+        info = await svc.create(create)
+    except NotFound as exc:
+        raise E2BError(404, f"template {template_id!r} not found: {exc.message}") from None
+    return JSONResponse(_sandbox(request, info), status_code=201)
+
+
+router.add_api_route("/sandboxes", _create, methods=["POST"])
+router.add_api_route("/v2/sandboxes", _create, methods=["POST"])
+
+
+def _selector(request: Request) -> tuple[dict[str, str], list[str]]:
+    labels: dict[str, str] = {}
+    for raw in request.query_params.getlist("metadata"):
+        for key, value in urllib.parse.parse_qsl(raw, keep_blank_values=True):
+            labels[key] = value
+    wanted = [s for raw in request.query_params.getlist("state") for s in raw.split(",") if s]
+    bad = [s for s in wanted if s not in ("running", "paused")]
+    if bad:
+        raise E2BError(400, f"unknown state filter {', '.join(bad)}: use running or paused")
+    states = []
+    for state in wanted or ["running", "paused"]:
+        states += [SandboxState.CREATING.value, SandboxState.RUNNING.value] if state == "running" else [state]
+    return labels, states
+
+
+@router.get("/v2/sandboxes")
+@router.get("/sandboxes")
+async def list_sandboxes(request: Request) -> JSONResponse:
+    check_api_key(request)
+    labels, states = _selector(request)
+    if request.query_params.get("template"):
+        labels[TEMPLATE_LABEL] = request.query_params["template"]
+    infos = services(request).sandboxes.list(states=states, labels=labels)
+    if request.query_params.get("order", "asc").lower() == "desc":
+        infos.reverse()
+    limit_text = request.query_params.get("limit")
+    token = request.query_params.get("nextToken")
+    start = 0
+    if token:
+        try:
+            start = int(base64.urlsafe_b64decode(token.encode()).decode())
+        except ValueError:
+            raise E2BError(400, f"nextToken {token!r} is not one this server gave") from None
+    end = len(infos) if not limit_text else start + max(1, int(limit_text))
+    headers = {}
+    if end < len(infos):
+        headers["x-next-token"] = base64.urlsafe_b64encode(str(end).encode()).decode()
+    return JSONResponse([_listed(info) for info in infos[start:end]], headers=headers)
+
+
+@router.get("/sandboxes/{sandbox_id}")
+async def get_info(sandbox_id: str, request: Request) -> JSONResponse:
+    check_api_key(request)
+    info = _live(request, sandbox_id)
+    return JSONResponse({**_listed(info), **_sandbox(request, info)})
+
+
+@router.delete("/sandboxes/{sandbox_id}")
+async def kill(sandbox_id: str, request: Request) -> Response:
+    check_api_key(request)
+    _live(request, sandbox_id)
+    await services(request).sandboxes.kill(sandbox_id)
+    await facade(request).forget(sandbox_id)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/timeout")
+async def set_timeout(sandbox_id: str, request: Request) -> Response:
+    check_api_key(request)
+    body = await _json(request)
+    _live(request, sandbox_id)
+    timeout_s = _timeout(body.get("timeout"), None)
+    if timeout_s is None:
+        raise E2BError(400, "timeout is required (seconds from now)")
+    services(request).sandboxes.set_ttl(sandbox_id, timeout_s or None)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/pause")
+async def pause(sandbox_id: str, request: Request) -> Response:
+    check_api_key(request)
+    body = await _json(request)
+    if body.get("memory") is False:
+        raise refuse("pause(memory=False)", "a Corral pause always keeps the sandbox's memory and processes")
+    info = _live(request, sandbox_id)
+    if info.state == SandboxState.PAUSED:
+        raise E2BError(409, f"sandbox {sandbox_id} is already paused")
+    await services(request).sandboxes.pause(sandbox_id)
+    return Response(status_code=204)
+
+
+async def _connect(sandbox_id: str, request: Request) -> JSONResponse:
+    """Resume a paused sandbox (201) or just hand back a running one (200); a timeout only extends the TTL."""
+    check_api_key(request)
+    body = await _json(request)
+    if body.get("memory") is False:
+        raise refuse("connect(memory=False)", "a Corral sandbox always resumes with its memory")
+    info = _live(request, sandbox_id)
+    svc = services(request).sandboxes
+    timeout_s = _timeout(body.get("timeout"), None)
+    if timeout_s and info.expires_at is not None and info.expires_at < time.time() + timeout_s:
+        svc.set_ttl(sandbox_id, timeout_s)
+    resumed = info.state == SandboxState.PAUSED
+    if resumed:
+        await svc.resume(sandbox_id)
+    return JSONResponse(_sandbox(request, svc.get(sandbox_id)), status_code=201 if resumed else 200)
+
+
+router.add_api_route("/sandboxes/{sandbox_id}/connect", _connect, methods=["POST"])
+router.add_api_route("/v2/sandboxes/{sandbox_id}/connect", _connect, methods=["POST"])
+router.add_api_route("/sandboxes/{sandbox_id}/resume", _connect, methods=["POST"])
+
+
+@router.get("/sandboxes/{sandbox_id}/metrics")
+async def metrics(sandbox_id: str, request: Request) -> JSONResponse:
+    """One sample, taken now, from inside the sandbox (corral/gateway/e2b/metrics.py); none while paused."""
+    check_api_key(request)
+    info = _live(request, sandbox_id)
+    if info.state == SandboxState.PAUSED:
+        return JSONResponse([])  # sampling runs a command, which would resume it
+    sample = await facade(request).metrics(info)
+    return JSONResponse([sample])
+
+
+@router.post("/sandboxes/{sandbox_id}/snapshots")
+@router.get("/snapshots")
+@router.post("/sandboxes/{sandbox_id}/fork")
+@router.put("/sandboxes/{sandbox_id}/network")
+async def unsupported(request: Request) -> Response:
+    check_api_key(request)
+    raise refuse(
+        f"{request.method} {request.url.path}",
+        "use Corral's own API for snapshots, forks and networks (sandbox.snapshot(), fork(), set_network())",
+    )
