@@ -153,6 +153,10 @@ class Backend(Protocol):
     async def changed_paths(self, sandbox_id: str, since: float) -> list[str]:
         """Files changed at or after ``since`` (from fs_clock): where the sandbox's state came from."""
 
+    async def shutdown(self, sandbox_id: str, timeout_s: float) -> bool:
+        """Ask it to stop cleanly (a VM syncs and powers off; a container's processes get SIGTERM);
+        True if it stopped within ``timeout_s``. The caller destroys it either way."""
+
     async def pause(self, sandbox_id: str, *, wait_reclaim: bool = False) -> ReclaimResult:
         """Stop every process with its state kept, then give back its memory (in the background
         unless ``wait_reclaim``); a resume stops the reclaim early."""

@@ -101,6 +101,9 @@ class BackendRouter:
     async def changed_paths(self, sandbox_id: str, since: float) -> list[str]:
         return await self.owner(sandbox_id).changed_paths(sandbox_id, since)
 
+    async def shutdown(self, sandbox_id: str, timeout_s: float) -> bool:
+        return await self.owner(sandbox_id).shutdown(sandbox_id, timeout_s)
+
     async def pause(self, sandbox_id: str, *, wait_reclaim: bool = False) -> ReclaimResult:
         return await self.owner(sandbox_id).pause(sandbox_id, wait_reclaim=wait_reclaim)
 

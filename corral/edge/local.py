@@ -498,6 +498,13 @@ class LocalEdge:
         self._get(sandbox_id)
         await self._backend.pack_diff(sandbox_id, dest)
 
+    async def shutdown(self, sandbox_id: str, timeout_s: float) -> bool:
+        await self._active(sandbox_id)
+        sandbox = self._sandboxes.get(sandbox_id)
+        if sandbox is not None and sandbox.watcher is not None:
+            sandbox.watcher.cancel()  # its end is ours to report: "shutdown", not "exited"
+        return await self._backend.shutdown(sandbox_id, timeout_s)
+
     async def checkpoint(self, sandbox_id: str, dest: Path) -> None:
         await self._active(sandbox_id)
         await self._backend.checkpoint(sandbox_id, dest)  # type: ignore[attr-defined]

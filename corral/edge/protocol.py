@@ -60,6 +60,9 @@ class Edge(Protocol):
     async def create(self, spec: SandboxSpec) -> str | None:
         """Admit and start a sandbox; raises CapacityExhausted if this node refuses. Returns a status note."""
 
+    async def shutdown(self, sandbox_id: str, timeout_s: float) -> bool:
+        """Ask the sandbox to stop cleanly; True if it did within ``timeout_s`` (the caller destroys it after)."""
+
     async def adopt(self, specs: list[SandboxSpec]) -> dict[str, str | None]:
         """Take back sandboxes that outlived a restart: "running", "paused", or None when gone."""
 

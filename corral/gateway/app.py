@@ -294,6 +294,12 @@ def create_app(service_factory, max_file_bytes: int, upload_dir: Path) -> FastAP
     async def kill_sandbox(sandbox_id: str, svc: Service) -> SandboxInfo:
         return await svc.kill(sandbox_id)
 
+    @app.post("/v1/sandboxes/{sandbox_id}/shutdown", dependencies=[Auth])
+    async def shutdown_sandbox(sandbox_id: str, svc: Service, timeout_s: float = 10.0) -> SandboxInfo:
+        """Stop it cleanly (VMs: sync and power off; containers: SIGTERM to every process), wait at most
+        ``timeout_s``, then destroy it; it ends with reason ``shutdown``."""
+        return await svc.shutdown(sandbox_id, timeout_s)
+
     @app.post("/v1/sandboxes/{sandbox_id}/ttl", dependencies=[Auth])
     async def set_ttl(sandbox_id: str, body: SetTtlRequest, svc: Service) -> SandboxInfo:
         return svc.set_ttl(sandbox_id, body.ttl_s)

@@ -301,6 +301,19 @@ class SandboxService:
             await self._destroy(sandbox_id, "killed")
         return self.get(sandbox_id)
 
+    async def shutdown(self, sandbox_id: str, timeout_s: float) -> SandboxInfo:
+        if not 0 <= timeout_s <= 600:
+            raise InvalidRequest(f"timeout_s must be between 0 and 600, got {timeout_s}")
+        info = self.get(sandbox_id)
+        if info.state in _LIVE:
+            clean = await self.call(sandbox_id, lambda edge: edge.shutdown(sandbox_id, timeout_s))
+            edge = self._edges.get(edge_of(sandbox_id))
+            if edge is not None:
+                await edge.destroy(sandbox_id)
+            message = "stopped cleanly" if clean else f"still running after {timeout_s:g}s: killed"
+            self._store.end(sandbox_id, SandboxState.ENDED, "shutdown", message)
+        return self.get(sandbox_id)
+
     async def pause(self, sandbox_id: str, wait_reclaim: bool = False) -> PauseResult:
         """Freeze it with its state kept and give its memory back; any later request resumes it."""
         info = self.get(sandbox_id)

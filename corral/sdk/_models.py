@@ -175,7 +175,9 @@ class SandboxInfo(_Model):
     network: NetworkPolicy | None = None
     disk_mb: int | None = None
     ended_at: float | None = None
-    end_reason: str | None = Field(None, description="Why it ended: killed, ttl_expired, oom, exited, lost, error.")
+    end_reason: str | None = Field(
+        None, description="Why it ended: killed, shutdown, ttl_expired, oom, exited, lost, error."
+    )
     status_message: str | None = None
 
 

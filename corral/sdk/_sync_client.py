@@ -330,6 +330,15 @@ class Sandbox:
         self.info = SandboxInfo.model_validate(response.json())
         return self.info
 
+    def shutdown(self, timeout_s: float = 10.0) -> SandboxInfo:
+        """Stop it cleanly, then destroy it: a VM flushes its disks and powers off; a container's processes
+        get SIGTERM. Whatever is still running after ``timeout_s`` is killed."""
+        response = self._transport.request(
+            "POST", f"/v1/sandboxes/{self.id}/shutdown", params={"timeout_s": timeout_s}, timeout_s=timeout_s + 60
+        )
+        self.info = SandboxInfo.model_validate(response.json())
+        return self.info
+
     def set_ttl(self, ttl_s: float | None) -> SandboxInfo:
         response = self._transport.request("POST", f"/v1/sandboxes/{self.id}/ttl", json={"ttl_s": ttl_s})
         self.info = SandboxInfo.model_validate(response.json())

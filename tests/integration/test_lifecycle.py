@@ -200,3 +200,14 @@ def test_resume_prefetches_swapped_memory(client: corral.Client) -> None:
         while _swap_cached_kb() - before < 50_000:  # kB read back into memory (swap cache) ahead of any touch
             assert time.monotonic() < deadline, "the swapped-out memory was not prefetched after resume"
             time.sleep(0.2)
+
+
+def test_clean_shutdown_sends_term_then_ends_the_container(client: corral.Client) -> None:
+    sb = client.create("busybox", ttl_s=300)
+    sb.start("trap 'exit 0' TERM; while :; do sleep 0.1; done")
+    info = sb.shutdown(timeout_s=20)
+    assert (info.state, info.end_reason, info.status_message) == ("ended", "shutdown", "stopped cleanly")
+    stubborn = client.create("busybox", ttl_s=300)
+    stubborn.start("trap '' TERM; while :; do sleep 0.1; done")
+    info = stubborn.shutdown(timeout_s=1)
+    assert (info.end_reason, info.status_message) == ("shutdown", "still running after 1s: killed")

@@ -264,3 +264,13 @@ def test_microvm_network_goes_through_its_own_namespace_and_allowlist(server: Em
     finally:
         mirror.kill()
         mirror.wait()
+
+
+def test_clean_shutdown_powers_the_guest_off(server: EmbeddedServer, client: corral.Client) -> None:
+    sb = client.create("busybox", backend="microvm", ttl_s=300)
+    pid = _qemu_pid(server, sb.id)
+    started = time.monotonic()
+    info = sb.shutdown(timeout_s=30)
+    assert time.monotonic() - started < 25  # it powered itself off; nothing waited out the timeout
+    assert (info.state, info.end_reason, info.status_message) == ("ended", "shutdown", "stopped cleanly")
+    assert not _alive(pid)

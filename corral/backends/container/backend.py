@@ -18,6 +18,7 @@ import shutil
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -528,6 +529,23 @@ class ContainerBackend:
         self._get(sandbox_id)
         upper = self._upper(sandbox_id)
         return await asyncio.to_thread(_changed_since, upper, since)
+
+    async def shutdown(self, sandbox_id: str, timeout_s: float) -> bool:
+        """SIGTERM to every process but the agent (PID 1 ignores it), then wait until only the agent is left."""
+        container = self._get(sandbox_id)
+        if container.paused:
+            await self.resume(sandbox_id)
+        await container.runtime.signal_all(sandbox_id, "TERM")
+        procs = self._cgroup_file(sandbox_id, "pids", "cgroup.procs")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if len(procs.read_text().split()) <= 1:
+                    return True
+            except OSError:
+                return True
+            await asyncio.sleep(0.05)
+        return False
 
     async def pause(self, sandbox_id: str, *, wait_reclaim: bool = False) -> ReclaimResult:
         """Freeze every process (state and memory kept), then push the memory out in the background.

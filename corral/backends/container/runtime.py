@@ -133,6 +133,10 @@ class OciRuntime:
         _, out, _ = await self._run([*self._base(), "list", "--format", "json"])
         return [entry["id"] for entry in json.loads(out or b"[]") or []]
 
+    async def signal_all(self, container_id: str, signal_name: str) -> None:
+        """Send a signal to every process of the container (its init ignores what it does not handle)."""
+        await self._run([*self._base(), "kill", "--all", container_id, signal_name])
+
     async def pause(self, container_id: str) -> None:
         """Freeze every process of the container (cgroup freezer)."""
         await self._run([*self._base(), "pause", container_id])
