@@ -8,6 +8,7 @@ adopt and sends every later call there.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from corral.backends.base import Backend, CommandSpec, ReclaimResult, RunningCommand, SandboxSpec
 from corral.backends.container.network import AllowRule, DeniedCounts
@@ -79,12 +80,28 @@ class BackendRouter:
     async def pack_diff(self, sandbox_id: str, dest: Path) -> None:
         await self.owner(sandbox_id).pack_diff(sandbox_id, dest)
 
-    async def checkpoint(self, sandbox_id: str, dest: Path) -> None:
+    def _checkpointing(self, sandbox_id: str) -> Any:  # noqa: ANN401 - a backend that has checkpoints (VmBackend)
         backend = self.owner(sandbox_id)
-        checkpoint = getattr(backend, "checkpoint", None)
-        if checkpoint is None:
-            raise InvalidRequest(f"{backend.name} sandboxes have no memory snapshots: snapshot their files instead")
-        await checkpoint(sandbox_id, dest)
+        if not hasattr(backend, "save_checkpoint"):
+            raise InvalidRequest(
+                f"{backend.name} sandboxes have no memory checkpoints: snapshot() keeps their files as a layer"
+            )
+        return backend
+
+    async def checkpoint(self, sandbox_id: str, dest: Path) -> None:
+        await self._checkpointing(sandbox_id).checkpoint(sandbox_id, dest)
+
+    async def save_checkpoint(self, sandbox_id: str) -> dict[str, object]:
+        return await self._checkpointing(sandbox_id).save_checkpoint(sandbox_id)  # type: ignore[no-any-return]
+
+    def list_checkpoints(self, sandbox_id: str) -> list[dict[str, object]]:
+        return self._checkpointing(sandbox_id).list_checkpoints(sandbox_id)  # type: ignore[no-any-return]
+
+    def checkpoint_dir(self, sandbox_id: str, checkpoint_id: str) -> Path:
+        return self._checkpointing(sandbox_id).checkpoint_dir(sandbox_id, checkpoint_id)  # type: ignore[no-any-return]
+
+    async def rewind(self, sandbox_id: str, checkpoint_id: str) -> None:
+        await self._checkpointing(sandbox_id).rewind(sandbox_id, checkpoint_id)
 
     async def findings(self, sandbox_id: str) -> tuple[list[str], int]:
         return await self.owner(sandbox_id).findings(sandbox_id)

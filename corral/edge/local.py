@@ -509,6 +509,22 @@ class LocalEdge:
         await self._active(sandbox_id)
         await self._backend.checkpoint(sandbox_id, dest)  # type: ignore[attr-defined]
 
+    async def save_checkpoint(self, sandbox_id: str) -> dict[str, object]:
+        await self._active(sandbox_id)
+        return await self._backend.save_checkpoint(sandbox_id)  # type: ignore[attr-defined,no-any-return]
+
+    async def list_checkpoints(self, sandbox_id: str) -> list[dict[str, object]]:
+        self._get(sandbox_id)
+        return self._backend.list_checkpoints(sandbox_id)  # type: ignore[attr-defined,no-any-return]
+
+    async def checkpoint_dir(self, sandbox_id: str, checkpoint_id: str) -> Path:
+        self._get(sandbox_id)
+        return self._backend.checkpoint_dir(sandbox_id, checkpoint_id)  # type: ignore[attr-defined,no-any-return]
+
+    async def rewind(self, sandbox_id: str, checkpoint_id: str) -> None:
+        await self._active(sandbox_id)
+        await self._backend.rewind(sandbox_id, checkpoint_id)  # type: ignore[attr-defined]
+
     # -- files --------------------------------------------------------------
 
     async def _in_tree(self, sandbox_id: str, operation, *args, **kwargs):  # type: ignore[no-untyped-def]

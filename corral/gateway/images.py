@@ -254,6 +254,8 @@ class ImageService:
         parent = self._sandboxes.record(sandbox_id)
         if parent["backend"] in ("microvm", "vm"):
             return await self._fork_vm(sandbox_id, parent, request)
+        if request.checkpoint is not None:
+            raise InvalidRequest("only VM sandboxes have checkpoints; a container forks from its files as they are")
         snap = await self.snapshot(sandbox_id, None)
         ttl_s = parent["expires_at"] - parent["created_at"] if parent["expires_at"] else None
         child = CreateSandboxRequest(
@@ -273,6 +275,10 @@ class ImageService:
             ttl_s=ttl_s, ttl_counts_paused=parent["ttl_counts_paused"], idle_pause_s=parent["idle_pause_s"],
             disk_mb=parent["disk_mb"], network=parent["network"],
         )  # fmt: skip
+        if request.checkpoint is not None:
+            named = request.checkpoint
+            saved = await self._sandboxes.call(sandbox_id, lambda edge: edge.checkpoint_dir(sandbox_id, named))
+            return [await self._sandboxes.create(child, restore_from=str(saved)) for _ in range(request.count)]
         with self._builder.scratch("vm-fork-") as scratch:
             checkpoint = scratch / "checkpoint"
             await self._sandboxes.call(sandbox_id, lambda edge: edge.checkpoint(sandbox_id, checkpoint))

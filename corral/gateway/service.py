@@ -27,6 +27,7 @@ from corral.sdk._exceptions import CapacityExhausted, InvalidRequest, NotFound, 
 from corral.sdk._models import (
     BulkRequest,
     BulkResult,
+    CheckpointInfo,
     CreateSandboxRequest,
     NetworkPolicy,
     NetworkStatus,
@@ -299,6 +300,23 @@ class SandboxService:
         info = self.get(sandbox_id)
         if info.state in _LIVE:
             await self._destroy(sandbox_id, "killed")
+        return self.get(sandbox_id)
+
+    async def save_checkpoint(self, sandbox_id: str) -> CheckpointInfo:
+        self._raise_if_ended(self.get(sandbox_id))
+        saved = await self.call(sandbox_id, lambda edge: edge.save_checkpoint(sandbox_id))
+        return CheckpointInfo.model_validate(saved)
+
+    async def list_checkpoints(self, sandbox_id: str) -> list[CheckpointInfo]:
+        self._raise_if_ended(self.get(sandbox_id))
+        found = await self.call(sandbox_id, lambda edge: edge.list_checkpoints(sandbox_id))
+        return [CheckpointInfo.model_validate(item) for item in found]
+
+    async def restore_checkpoint(self, sandbox_id: str, checkpoint_id: str) -> SandboxInfo:
+        """Rewind the sandbox to one of its checkpoints (memory, processes, disk); it runs afterwards."""
+        self._raise_if_ended(self.get(sandbox_id))
+        await self.call(sandbox_id, lambda edge: edge.rewind(sandbox_id, checkpoint_id))
+        self._store.update(sandbox_id, state=SandboxState.RUNNING.value, paused_at=None)
         return self.get(sandbox_id)
 
     async def shutdown(self, sandbox_id: str, timeout_s: float) -> SandboxInfo:

@@ -41,6 +41,7 @@ __all__ = [
     "BulkRequest",
     "BulkResult",
     "ForkRequest",
+    "CheckpointInfo",
     "ExecRequest",
     "ExecResult",
     "ExecEvent",
@@ -210,6 +211,19 @@ class BulkResult(_Model):
 class ForkRequest(_Model):
     count: int = Field(1, ge=1, le=256)
     labels: dict[str, str] = Field(default_factory=dict, description="Added to the parent's labels.")
+    checkpoint: str | None = Field(
+        None, description="VM sandboxes: start the children from this checkpoint of the parent instead of from now."
+    )
+
+
+class CheckpointInfo(_Model):
+    """A VM sandbox's whole state at one moment (memory, processes, devices, disk), kept on its node
+    until the sandbox ends."""
+
+    id: str
+    sandbox_id: str
+    created_at: float = Field(description="Unix time, seconds.")
+    size_bytes: int = Field(description="Disk used by its files (memory copy, device state, disk).")
 
 
 class SetTtlRequest(_Model):

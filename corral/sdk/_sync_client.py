@@ -26,6 +26,7 @@ from corral.sdk._models import (
     BuildRequest,
     BulkRequest,
     BulkResult,
+    CheckpointInfo,
     CommandInfo,
     CreateSandboxRequest,
     Environment,
@@ -495,9 +496,12 @@ class Sandbox:
         self.info = SandboxInfo.model_validate(response.json())
         return self.info
 
-    def fork(self, count: int = 1, *, labels: dict[str, str] | None = None) -> list[Sandbox]:
-        """``count`` new sandboxes from this one's filesystem as it is now (it keeps running)."""
-        body = _validated(ForkRequest, {"count": count, "labels": labels or {}}).model_dump()
+    def fork(
+        self, count: int = 1, *, labels: dict[str, str] | None = None, checkpoint: str | None = None
+    ) -> list[Sandbox]:
+        """``count`` new sandboxes from this one as it is now (it keeps running): its filesystem, and for VMs
+        its memory and processes too. ``checkpoint``: VMs only, from that checkpoint instead of from now."""
+        body = _validated(ForkRequest, {"count": count, "labels": labels or {}, "checkpoint": checkpoint}).model_dump()
         response = self._transport.request("POST", f"/v1/sandboxes/{self.id}/fork", json=body, timeout_s=600)
         return [
             Sandbox(
@@ -509,6 +513,23 @@ class Sandbox:
             )  # fmt: skip
             for item in response.json()
         ]
+
+    def checkpoint(self) -> CheckpointInfo:
+        """VM sandboxes: keep its whole state now (memory, processes, disk) to restore or fork from later."""
+        response = self._transport.request("POST", f"/v1/sandboxes/{self.id}/checkpoints", timeout_s=600)
+        return CheckpointInfo.model_validate(response.json())
+
+    def checkpoints(self) -> list[CheckpointInfo]:
+        response = self._transport.request("GET", f"/v1/sandboxes/{self.id}/checkpoints")
+        return [CheckpointInfo.model_validate(item) for item in response.json()]
+
+    def restore(self, checkpoint: str) -> SandboxInfo:
+        """VM sandboxes: rewind this sandbox to a checkpoint of its own; what happened since is gone."""
+        response = self._transport.request(
+            "POST", f"/v1/sandboxes/{self.id}/checkpoints/{checkpoint}/restore", timeout_s=600
+        )
+        self.info = SandboxInfo.model_validate(response.json())
+        return self.info
 
     def snapshot(self, name: str | None = None) -> SnapshotInfo:
         """Its filesystem changes so far as a diff layer; ``client.create(layers=info.layers)`` continues from here."""

@@ -274,3 +274,27 @@ def test_clean_shutdown_powers_the_guest_off(server: EmbeddedServer, client: cor
     assert time.monotonic() - started < 25  # it powered itself off; nothing waited out the timeout
     assert (info.state, info.end_reason, info.status_message) == ("ended", "shutdown", "stopped cleanly")
     assert not _alive(pid)
+
+
+def test_checkpoints_rewind_the_same_sandbox_and_seed_forks(client: corral.Client) -> None:
+    with client.create("busybox", backend="microvm", ttl_s=300) as vm:
+        vm.exec("echo step-1 > /root/state; sleep 600 >/dev/null 2>&1 & echo $! > /root/pid")
+        saved = vm.checkpoint()
+        assert saved.sandbox_id == vm.id and saved.size_bytes > 0
+        assert [c.id for c in vm.checkpoints()] == [saved.id]
+        vm.exec("echo step-2 > /root/state; kill $(cat /root/pid)")
+        info = vm.restore(saved.id)
+        assert info.state == "running"
+        assert vm.exec("cat /root/state").stdout == "step-1\n"  # rewound: disk and memory as at the checkpoint
+        assert vm.exec("kill -0 $(cat /root/pid) && echo alive").stdout == "alive\n"  # the killed process is back
+        vm.exec("echo step-3 > /root/state")
+        (child,) = vm.fork(1, checkpoint=saved.id)
+        try:
+            assert child.exec("cat /root/state").stdout == "step-1\n"
+        finally:
+            child.kill()
+        assert vm.exec("cat /root/state").stdout == "step-3\n"
+        with pytest.raises(NotFound, match="no checkpoint"):
+            vm.restore("ck-000000000000")
+    with client.create("busybox", ttl_s=60) as container, pytest.raises(corral.InvalidRequest, match="checkpoints"):
+        container.checkpoint()

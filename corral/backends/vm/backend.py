@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import math
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -69,6 +71,7 @@ class _Vm:
     machine: Machine
     agent: AgentConnection
     paused: bool = False
+    replacing: bool = False  # being restored from a checkpoint: its QEMU's exit is not the sandbox's end
 
 
 class _GuestCommand:
@@ -429,8 +432,14 @@ class VmBackend:
         return GuestTree(self._get(sandbox_id).agent, asyncio.get_running_loop())
 
     async def wait_ended(self, sandbox_id: str) -> str:
-        vm = self._get(sandbox_id)
-        await vm.machine.wait_exit()
+        while True:
+            vm = self._get(sandbox_id)
+            await vm.machine.wait_exit()
+            while vm.replacing and self._vms.get(sandbox_id) is vm:
+                await asyncio.sleep(0.05)  # a restore replaces the machine: follow the new one
+            if self._vms.get(sandbox_id) not in (None, vm):
+                continue
+            break
         log.warning("the VM of sandbox %s exited; console:\n%s", sandbox_id, console_tail(vm.machine.directory))
         return "exited"
 
@@ -529,6 +538,55 @@ class VmBackend:
         finally:
             if not was_paused:
                 await machine.execute("cont")
+
+    def _checkpoints(self, sandbox_id: str) -> Path:
+        return self._machine_dir(sandbox_id) / "checkpoints"
+
+    async def save_checkpoint(self, sandbox_id: str) -> dict[str, object]:
+        """A named checkpoint kept beside the machine (and removed with it)."""
+        checkpoint_id = f"ck-{secrets.token_hex(6)}"
+        dest = self._checkpoints(sandbox_id) / checkpoint_id
+        try:
+            await self.checkpoint(sandbox_id, dest)
+        except BaseException:
+            await asyncio.to_thread(shutil.rmtree, dest, True)
+            raise
+        info = {"id": checkpoint_id, "sandbox_id": sandbox_id, "created_at": time.time(),
+                "size_bytes": sum(p.stat().st_blocks * 512 for p in dest.iterdir())}  # fmt: skip
+        (dest / "checkpoint.json").write_text(json.dumps(info))
+        return info
+
+    def list_checkpoints(self, sandbox_id: str) -> list[dict[str, object]]:
+        self._get(sandbox_id)
+        found = []
+        for meta in sorted(self._checkpoints(sandbox_id).glob("*/checkpoint.json")):
+            try:
+                found.append(json.loads(meta.read_text()))
+            except (OSError, ValueError):
+                continue
+        return sorted(found, key=lambda info: float(info["created_at"]))  # type: ignore[arg-type]
+
+    def checkpoint_dir(self, sandbox_id: str, checkpoint_id: str) -> Path:
+        path = self._checkpoints(sandbox_id) / checkpoint_id
+        if "/" in checkpoint_id or not (path / "checkpoint.json").exists():
+            raise NotFound(f"sandbox {sandbox_id} has no checkpoint {checkpoint_id!r} (see GET .../checkpoints)")
+        return path
+
+    async def rewind(self, sandbox_id: str, checkpoint_id: str) -> None:
+        """Replace the running machine with the one saved in ``checkpoint_id``: memory, processes, disk."""
+        vm = self._get(sandbox_id)
+        source = self.checkpoint_dir(sandbox_id, checkpoint_id)
+        vm.replacing = True
+        try:
+            vm.agent.close()
+            await vm.machine.kill()
+            vm.machine.memory_file.unlink(missing_ok=True)
+            machine = await self._restore(vm.spec, source, vm.machine.directory, vm.machine.config.netns)
+            agent = await self._connect_agent(machine, self._boot_timeout_s)
+        except BaseException:
+            self._vms.pop(sandbox_id, None)  # its watcher reports it ended
+            raise
+        self._vms[sandbox_id] = _Vm(vm.spec, machine, agent)
 
     async def pack_diff(self, sandbox_id: str, dest: Path) -> None:
         """The guest's writable layer as an EROFS diff layer (microvm: the overlay's upper directory)."""
