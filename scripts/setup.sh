@@ -73,7 +73,7 @@ if [[ ! -f "$E2B_OLD_DIR/.installed" ]]; then
 fi
 
 # 3. Base images: built once per node into the shared layer store.
-"$VENV/bin/python" -m corral.images.bases --store "$LAYER_DIR" busybox debian-12
+"$VENV/bin/python" -m corral.images.bases --store "$LAYER_DIR" busybox debian-12 debian-12-systemd
 # E2B's "base" template (corral/gateway/e2b/template.py): debian-12 + sudo, built once.
 "$VENV/bin/python" -m corral.gateway.e2b.template --store "$LAYER_DIR"
 log "base images ok ($LAYER_DIR)"

@@ -46,8 +46,10 @@ __all__ = [
     "main",
 ]
 
-BASE_IMAGE_NAMES = ("busybox", "debian-12")
+BASE_IMAGE_NAMES = ("busybox", "debian-12", "debian-12-systemd")
 DEBIAN_PACKAGES = ("bash", "python3", "git", "ca-certificates", "coreutils")
+# A whole operating system for backend="vm": the same packages plus an init system to hand PID 1 to.
+SYSTEMD_PACKAGES = (*DEBIAN_PACKAGES, "systemd-sysv")
 DEFAULT_STORE_DIR = Path("/var/lib/corral/layers")
 DEFAULT_WORK_DIR = Path("/var/tmp/corral-build")
 DEFAULT_DEBIAN_MIRROR = "http://deb.debian.org/debian"
@@ -237,8 +239,11 @@ def _base_image_plan(name: str, work_dir: Path) -> tuple[str, Callable[[Path], N
         return "rootfs from the host's busybox-static (a second)", build_busybox_rootfs, version
     mirror = debian_mirror("bookworm")
     log_path = work_dir / f"{name}.debootstrap.log"
-    build = functools.partial(build_debian_rootfs, suite="bookworm", mirror=mirror, log_path=log_path)
-    source = f"debootstrap --variant=minbase --include={','.join(DEBIAN_PACKAGES)} bookworm {mirror}"
+    packages = SYSTEMD_PACKAGES if name == "debian-12-systemd" else DEBIAN_PACKAGES
+    build = functools.partial(
+        build_debian_rootfs, suite="bookworm", packages=packages, mirror=mirror, log_path=log_path
+    )
+    source = f"debootstrap --variant=minbase --include={','.join(packages)} bookworm {mirror}"
     return f"debootstrap bookworm from {mirror} (about 1 minute; log {log_path})", build, source
 
 

@@ -155,8 +155,10 @@ def test_a_crashed_qemu_ends_the_sandbox(server: EmbeddedServer, client: corral.
         sb.fork(1)  # a snapshot of a sandbox that is gone: a clear error
 
 
-def test_full_vm_boots_a_disk_built_from_the_base_layer(client: corral.Client) -> None:
-    with client.create("debian-12", backend="vm", ttl_s=300) as vm:
+def test_full_vm_boots_a_disk_built_from_the_base_layer_under_its_init_system(client: corral.Client) -> None:
+    with client.create("debian-12-systemd", backend="vm", ttl_s=300) as vm:
+        init = vm.exec("readlink /proc/1/exe; cat /proc/1/cmdline | tr '\\0' ' '").stdout
+        assert "systemd" in init, init  # the image's init is PID 1; the agent runs beside it
         assert vm.exec("cat /etc/debian_version").stdout.startswith("12")
         assert "ext4" in vm.exec("grep ' / ' /proc/mounts").stdout
         vm.files.write("/root/note", "q35")

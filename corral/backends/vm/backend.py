@@ -638,7 +638,7 @@ class VmBackend:
     async def fs_clock(self, sandbox_id: str) -> float:
         vm = self._get(sandbox_id)
         # The stamp the guest's file system puts on a file it touches now: the same clock as changed_paths reads.
-        script = "touch /scratch/.corral-clock && stat -c '%Y|%y' /scratch/.corral-clock"
+        script = "f=/dev/.corral-clock; [ -d /scratch ] && f=/scratch/.corral-clock; touch $f && stat -c '%Y|%y' $f"
         out = await self._tool(vm, ["sh", "-c", script], tool="guest")
         return _parse_stamp(out.decode(errors="replace").strip())
 

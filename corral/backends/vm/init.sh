@@ -83,8 +83,15 @@ for p in /sys/class/virtio-ports/*; do
 done
 [ -n "$port" ] || fail "no virtio-serial port named corral.agent"
 echo "corral-init: starting the agent on $port"
-if [ "$(arg corral.init)" = 1 ] && [ -x /sysroot/sbin/init ]; then
-    /agent --dev "$port" --root /sysroot --tool /bin/busybox &
+# /sbin/init is often an absolute symlink (to systemd): look it up inside the new root.
+init_link="$(readlink /sysroot/sbin/init)"
+case "$init_link" in
+    /*) init_file="/sysroot$init_link" ;;
+    "") init_file=/sysroot/sbin/init ;;
+    *) init_file="/sysroot/sbin/$init_link" ;;
+esac
+if [ "$(arg corral.init)" = 1 ] && [ -x "$init_file" ]; then
+    /agent --dev "$port" --root /sysroot --enter-root --tool /bin/busybox &
     exec switch_root /sysroot /sbin/init
 fi
 exec /agent --dev "$port" --root /sysroot --tool /bin/busybox
