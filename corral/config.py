@@ -80,6 +80,15 @@ class Settings(BaseSettings):
         "are deleted, least recently used first. Unset: never delete.",
     )
 
+    memory_reserve_mb: int = Field(
+        1024, ge=0, description="The node refuses new sandboxes when less memory than this is available (MemAvailable)."
+    )
+    memory_full_pressure_pct: float = Field(
+        10.0, gt=0, description="... or when memory pressure (PSI full avg10, %) is above this: the node thrashes."
+    )
+    pressure_pause_idle_s: float = Field(
+        30.0, ge=0, description="While memory is short, sandboxes idle this long are paused (their memory reclaimed)."
+    )
     vm_accel: Literal["auto", "kvm", "tcg"] = Field(
         "auto",
         description="microvm/vm accelerator: auto boots a probe guest under KVM (bounded) and falls back to TCG.",

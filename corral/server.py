@@ -126,7 +126,11 @@ def serve(settings: Settings) -> None:
                 },
             }
         )
-        capacity = node_capacity(settings.cpu_overcommit, settings.memory_overcommit, settings.max_file_bytes)
+        capacity = node_capacity(
+            settings.cpu_overcommit, settings.memory_overcommit, settings.max_file_bytes,
+            memory_reserve_mb=settings.memory_reserve_mb, memory_full_pressure_pct=settings.memory_full_pressure_pct,
+            pressure_pause_idle_s=settings.pressure_pause_idle_s,
+        )  # fmt: skip
         edges = {}
         service = SandboxService(
             store=store,

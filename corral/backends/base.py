@@ -141,6 +141,9 @@ class Backend(Protocol):
         """What a command may have done that the audit log wants: changed paths in the writable layer under
         the protected prefixes (system binaries, the spec's protected_paths), and PID-limit hits so far."""
 
+    def resident_bytes(self, sandbox_id: str) -> int:
+        """Host memory the sandbox holds now (node stats)."""
+
     def disk_usage(self, sandbox_id: str) -> tuple[int, int] | None:
         """(used, total) bytes of a size-limited writable layer; None without a limit."""
 

@@ -106,6 +106,9 @@ class BackendRouter:
     async def findings(self, sandbox_id: str) -> tuple[list[str], int]:
         return await self.owner(sandbox_id).findings(sandbox_id)
 
+    def resident_bytes(self, sandbox_id: str) -> int:
+        return self.owner(sandbox_id).resident_bytes(sandbox_id)
+
     def disk_usage(self, sandbox_id: str) -> tuple[int, int] | None:
         return self.owner(sandbox_id).disk_usage(sandbox_id)
 

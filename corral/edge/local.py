@@ -31,9 +31,19 @@ from corral.backends.base import (
 )
 from corral.backends.container.files import ConfinedTree
 from corral.backends.container.network import AllowRule
+from corral.edge.host_readings import HostReadings, read_host
 from corral.edge.protocol import EdgeEvents
 from corral.sdk._exceptions import CapacityExhausted, InvalidRequest, NotFound, SandboxGone
-from corral.sdk._models import CommandInfo, EdgeLoad, ExecEvent, ExecRequest, ExecResult, FileInfo, NetworkRule
+from corral.sdk._models import (
+    CommandInfo,
+    EdgeLoad,
+    ExecEvent,
+    ExecRequest,
+    ExecResult,
+    FileInfo,
+    NetworkRule,
+    NodeStats,
+)
 
 __all__ = ["LocalEdge", "NodeCapacity"]
 
@@ -41,6 +51,7 @@ log = logging.getLogger(__name__)
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _FINISHED_COMMANDS_KEPT = 256
 _HOUSEKEEPING_INTERVAL_S = 1.0
+_PRESSURE_PAUSES_PER_ROUND = 8  # sandboxes paused per housekeeping round while memory is short
 _NETWORK_AUDIT_EVERY = 5
 _DISK_FULL_FRACTION = 0.95
 
@@ -52,6 +63,9 @@ class NodeCapacity:
     cpu_overcommit: float
     memory_overcommit: float
     max_file_bytes: int
+    memory_reserve_mb: int = 1024  # below this much MemAvailable the node refuses new sandboxes
+    memory_full_pressure_pct: float = 10.0  # ... and above this memory PSI "full" avg10 (the node thrashes)
+    pressure_pause_idle_s: float = 30.0  # under pressure, sandboxes idle this long are paused (memory reclaimed)
 
 
 @dataclass
@@ -171,6 +185,7 @@ class LocalEdge:
             try:
                 self._backend.housekeeping()
                 await self._pause_idle()
+                await self._relieve_pressure()
                 rounds += 1
                 if rounds % _NETWORK_AUDIT_EVERY == 0:  # an nft listing per networked sandbox: not every second
                     await self._audit_network()
@@ -191,7 +206,71 @@ class LocalEdge:
             memory_capacity_mb=int(self._capacity.memory_mb * self._capacity.memory_overcommit),
         )
 
+    async def stats(self) -> NodeStats:
+        host = read_host()
+        counts: dict[str, dict[str, int]] = {}
+        resident = 0
+        for sandbox_id, sandbox in list(self._sandboxes.items()):
+            state = "paused" if sandbox.paused else "running"
+            per_backend = counts.setdefault(sandbox.spec.backend, {})
+            per_backend[state] = per_backend.get(state, 0) + 1
+            resident += self._backend.resident_bytes(sandbox_id)
+        cap = self._capacity
+        return NodeStats(
+            edge_id=self.edge_id,
+            sandboxes=counts,
+            cpu_cores=cap.cpu,
+            cpu_committed=self._committed.cpu,
+            cpu_overcommit=self._committed.cpu / cap.cpu,
+            cpu_capacity=cap.cpu * cap.cpu_overcommit,
+            load_1m=host.load_1m,
+            memory_total_mb=host.memory_total_mb,
+            memory_available_mb=host.memory_available_mb,
+            memory_committed_mb=self._committed.memory_mb,
+            memory_capacity_mb=int(cap.memory_mb * cap.memory_overcommit),
+            memory_resident_mb=resident / (1 << 20),
+            memory_reclaimed_mb=host.swap_used_mb,
+            swap_total_mb=host.swap_total_mb,
+            pressure={
+                "cpu_some": host.cpu_some_avg10,
+                "memory_some": host.memory_some_avg10,
+                "memory_full": host.memory_full_avg10,
+                "io_some": host.io_some_avg10,
+            },  # fmt: skip
+            refusing=pressure_refusal(self._capacity, host),
+        )
+
+    async def _relieve_pressure(self) -> None:
+        """When memory runs short, pause (and so reclaim) the longest-idle sandboxes first."""
+        host = read_host()
+        cap = self._capacity
+        if host.memory_available_mb >= 2 * cap.memory_reserve_mb and (
+            host.memory_some_avg10 <= 2 * cap.memory_full_pressure_pct
+        ):
+            return
+        now = time.monotonic()
+        idle = sorted(
+            (s for s in self._sandboxes.values()
+             if not s.paused and not s.busy() and now - s.last_active >= cap.pressure_pause_idle_s),
+            key=lambda s: s.last_active,
+        )  # fmt: skip
+        for sandbox in idle[:_PRESSURE_PAUSES_PER_ROUND]:
+            sandbox_id = sandbox.spec.sandbox_id
+            try:
+                await self.pause(sandbox_id)
+            except Exception:
+                log.exception("edge %s: could not pause idle sandbox %s under pressure", self.edge_id, sandbox_id)
+                continue
+            log.warning("sandbox %s paused to relieve memory pressure (%d MiB available)", sandbox_id,
+                        host.memory_available_mb)  # fmt: skip
+            self._events.paused(sandbox_id, time.time())
+
     async def _admit(self, spec: SandboxSpec) -> None:
+        refusal = pressure_refusal(self._capacity, read_host())
+        if refusal is not None:
+            raise CapacityExhausted(
+                f"node {self.edge_id} refuses new sandboxes: {refusal}; retry later, or pause or kill idle ones"
+            )
         if spec.cpu > self._capacity.cpu:
             raise InvalidRequest(f"cpu={spec.cpu} is more than this node has ({self._capacity.cpu:g} cores)")
         if spec.memory_mb > self._capacity.memory_mb:
@@ -577,7 +656,23 @@ class LocalEdge:
         return await self._in_tree(sandbox_id, pack)
 
 
-def node_capacity(cpu_overcommit: float, memory_overcommit: float, max_file_bytes: int) -> NodeCapacity:
-    """This machine's cores and RAM, with the configured overcommit."""
+def pressure_refusal(cap: NodeCapacity, host: HostReadings) -> str | None:
+    """Why the node should take no new sandbox now (real memory pressure), or None."""
+    if host.memory_available_mb < cap.memory_reserve_mb:
+        return f"memory is short: {host.memory_available_mb} MiB available, {cap.memory_reserve_mb} MiB kept in reserve"
+    if host.memory_full_avg10 > cap.memory_full_pressure_pct:
+        return (
+            f"the node is thrashing: memory pressure (PSI full avg10) {host.memory_full_avg10:.0f}% "
+            f"> {cap.memory_full_pressure_pct:g}%"
+        )
+    return None
+
+
+def node_capacity(
+    cpu_overcommit: float, memory_overcommit: float, max_file_bytes: int, **pressure: float
+) -> NodeCapacity:
+    """This machine's cores and RAM, with the configured overcommit (and pressure limits, see NodeCapacity)."""
     memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1 << 20)
-    return NodeCapacity(float(os.cpu_count() or 1), memory_mb, cpu_overcommit, memory_overcommit, max_file_bytes)
+    return NodeCapacity(
+        float(os.cpu_count() or 1), memory_mb, cpu_overcommit, memory_overcommit, max_file_bytes, **pressure
+    )  # type: ignore[arg-type]

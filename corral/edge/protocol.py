@@ -15,7 +15,16 @@ from typing import Any, Protocol
 
 from corral.backends.base import SandboxSpec
 from corral.sdk._exceptions import NotFound
-from corral.sdk._models import CommandInfo, EdgeLoad, ExecEvent, ExecRequest, ExecResult, FileInfo, NetworkRule
+from corral.sdk._models import (
+    CommandInfo,
+    EdgeLoad,
+    ExecEvent,
+    ExecRequest,
+    ExecResult,
+    FileInfo,
+    NetworkRule,
+    NodeStats,
+)
 
 __all__ = ["Edge", "EdgeEvents", "new_sandbox_id", "edge_of"]
 
@@ -56,6 +65,9 @@ class Edge(Protocol):
         """Begin the edge's own housekeeping; called once before adopt()."""
 
     async def load(self) -> EdgeLoad: ...
+
+    async def stats(self) -> NodeStats:
+        """What runs on the node, what is promised and used, and its pressure."""
 
     async def create(self, spec: SandboxSpec) -> str | None:
         """Admit and start a sandbox; raises CapacityExhausted if this node refuses. Returns a status note."""

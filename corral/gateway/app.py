@@ -51,6 +51,7 @@ from corral.sdk._models import (
     MkdirRequest,
     NetworkPolicy,
     NetworkStatus,
+    NodeStats,
     PauseResult,
     PoolStats,
     ReplayRequest,
@@ -294,6 +295,11 @@ def create_app(service_factory, max_file_bytes: int, upload_dir: Path) -> FastAP
     @app.delete("/v1/sandboxes/{sandbox_id}", dependencies=[Auth])
     async def kill_sandbox(sandbox_id: str, svc: Service) -> SandboxInfo:
         return await svc.kill(sandbox_id)
+
+    @app.get("/v1/nodes", dependencies=[Auth])
+    async def node_stats(svc: Service) -> list[NodeStats]:
+        """Per node: sandboxes per backend and state, CPU and memory committed vs used vs reclaimed, pressure."""
+        return await svc.node_stats()
 
     @app.post("/v1/sandboxes/{sandbox_id}/checkpoints", status_code=201, dependencies=[Auth])
     async def save_checkpoint(sandbox_id: str, svc: Service) -> CheckpointInfo:

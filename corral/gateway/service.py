@@ -31,6 +31,7 @@ from corral.sdk._models import (
     CreateSandboxRequest,
     NetworkPolicy,
     NetworkStatus,
+    NodeStats,
     PauseResult,
     SandboxInfo,
     SandboxState,
@@ -233,10 +234,16 @@ class SandboxService:
         digests, image_name = self._resolve_root(request)
         layers = self._layer_refs(digests)
         self._catalogue.touch([d.partition("#")[0] for d in digests])
-        refused: set[str] = set()
+        refused: dict[str, str] = {}  # edge id -> why it refused
         while True:
             loads = [await edge.load() for edge_id, edge in self._edges.items() if edge_id not in refused]
-            edge_id = place(loads, cpu=request.cpu, memory_mb=request.memory_mb, exclude=frozenset(refused))
+            try:
+                edge_id = place(loads, cpu=request.cpu, memory_mb=request.memory_mb, exclude=frozenset(refused))
+            except CapacityExhausted as exc:
+                if not refused:
+                    raise
+                why = "; ".join(f"{edge}: {reason}" for edge, reason in refused.items())
+                raise CapacityExhausted(f"{exc.message} ({why})") from None
             now = time.time()
             spec = SandboxSpec(
                 sandbox_id=new_sandbox_id(edge_id),
@@ -272,7 +279,7 @@ class SandboxService:
                 note = await self._edges[edge_id].create(spec)
             except CapacityExhausted as exc:
                 self._store.end(spec.sandbox_id, SandboxState.ENDED, "refused", exc.message)
-                refused.add(edge_id)
+                refused[edge_id] = exc.message
                 continue
             except BaseException as exc:
                 self._store.end(spec.sandbox_id, SandboxState.ENDED, "error", str(exc) or type(exc).__name__)
@@ -301,6 +308,9 @@ class SandboxService:
         if info.state in _LIVE:
             await self._destroy(sandbox_id, "killed")
         return self.get(sandbox_id)
+
+    async def node_stats(self) -> list[NodeStats]:
+        return [await edge.stats() for edge in self._edges.values()]
 
     async def save_checkpoint(self, sandbox_id: str) -> CheckpointInfo:
         self._raise_if_ended(self.get(sandbox_id))

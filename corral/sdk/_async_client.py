@@ -49,6 +49,7 @@ from corral.sdk._models import (
     NetworkPolicy,
     NetworkRule,
     NetworkStatus,
+    NodeStats,
     PauseResult,
     PoolStats,
     ReplayRequest,
@@ -619,6 +620,11 @@ class AsyncClient:
     async def kill(self, sandbox_id: str) -> SandboxInfo:
         response = await self._transport.request("DELETE", f"/v1/sandboxes/{sandbox_id}")
         return SandboxInfo.model_validate(response.json())
+
+    async def nodes(self) -> list[NodeStats]:
+        """Each node's sandboxes per backend and state, CPU and memory committed vs used vs reclaimed, pressure."""
+        response = await self._transport.request("GET", "/v1/nodes")
+        return [NodeStats.model_validate(item) for item in response.json()]
 
     async def fncall(
         self,

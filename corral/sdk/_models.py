@@ -61,6 +61,7 @@ __all__ = [
     "BuildRequest",
     "BuildEvent",
     "EdgeLoad",
+    "NodeStats",
 ]
 
 DEFAULT_CPU = 1.0
@@ -525,6 +526,27 @@ class BuildEvent(_Model):
     image: ImageInfo | None = None
     cached: bool | None = None
     error: dict[str, str] | None = None
+
+
+class NodeStats(_Model):
+    """One node as its edge sees it: what runs there, what is promised, what is used, how pressed it is."""
+
+    edge_id: str
+    sandboxes: dict[str, dict[str, int]] = Field(description="Count per backend, then per state (running, paused).")
+    cpu_cores: float
+    cpu_committed: float = Field(description="CPU promised to admitted sandboxes.")
+    cpu_overcommit: float = Field(description="cpu_committed / cpu_cores.")
+    cpu_capacity: float = Field(description="What admission allows: cores × the CPU overcommit factor.")
+    load_1m: float
+    memory_total_mb: int
+    memory_available_mb: int = Field(description="MemAvailable: what the node can still give without swapping.")
+    memory_committed_mb: int = Field(description="Memory promised to admitted sandboxes.")
+    memory_capacity_mb: int = Field(description="What admission allows: RAM × the memory overcommit factor.")
+    memory_resident_mb: float = Field(description="What the sandboxes hold now (cgroup usage; VMs: QEMU PSS).")
+    memory_reclaimed_mb: float = Field(description="Node swap in use: mostly paused sandboxes' memory (zram).")
+    swap_total_mb: int
+    pressure: dict[str, float] = Field(description="PSI avg10 in percent: cpu_some, memory_some, memory_full, io_some.")
+    refusing: str | None = Field(None, description="Why the node refuses new sandboxes right now, if it does.")
 
 
 class EdgeLoad(_Model):

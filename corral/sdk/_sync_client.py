@@ -47,6 +47,7 @@ from corral.sdk._models import (
     NetworkPolicy,
     NetworkRule,
     NetworkStatus,
+    NodeStats,
     PauseResult,
     PoolStats,
     ReplayRequest,
@@ -617,6 +618,11 @@ class Client:
     def kill(self, sandbox_id: str) -> SandboxInfo:
         response = self._transport.request("DELETE", f"/v1/sandboxes/{sandbox_id}")
         return SandboxInfo.model_validate(response.json())
+
+    def nodes(self) -> list[NodeStats]:
+        """Each node's sandboxes per backend and state, CPU and memory committed vs used vs reclaimed, pressure."""
+        response = self._transport.request("GET", "/v1/nodes")
+        return [NodeStats.model_validate(item) for item in response.json()]
 
     def fncall(
         self,

@@ -264,6 +264,13 @@ class ContainerBackend:
     def _upper(self, sandbox_id: str) -> Path:
         return self._layer_root(sandbox_id) / "upper"
 
+    def resident_bytes(self, sandbox_id: str) -> int:
+        container = self._containers.get(sandbox_id)
+        try:
+            return container.memory.usage_bytes() if container is not None else 0
+        except OSError:
+            return 0
+
     def disk_usage(self, sandbox_id: str) -> tuple[int, int] | None:
         """(bytes used, bytes total) of a size-limited writable layer; None when it has no limit."""
         if not (self._dir / sandbox_id / _DISK_IMAGE).exists():

@@ -629,6 +629,10 @@ class VmBackend:
         out = await self._tool(vm, ["sh", "-c", script, "sh", *prefixes], tool="guest")
         return ["/" + line for line in out.decode(errors="replace").splitlines()[:_CHANGED_MAX] if line], 0
 
+    def resident_bytes(self, sandbox_id: str) -> int:
+        vm = self._vms.get(sandbox_id)
+        return vm.machine.pss_bytes() if vm is not None else 0
+
     def disk_usage(self, sandbox_id: str) -> tuple[int, int] | None:
         return None
 
