@@ -32,6 +32,7 @@ from corral.backends.base import (
 from corral.backends.container.files import ConfinedTree
 from corral.backends.container.network import AllowRule
 from corral.edge.protocol import EdgeEvents
+from corral.guard.audit import classify_changes
 from corral.sdk._exceptions import CapacityExhausted, InvalidRequest, NotFound, SandboxGone
 from corral.sdk._models import CommandInfo, EdgeLoad, ExecEvent, ExecRequest, ExecResult, FileInfo, NetworkRule
 
@@ -170,6 +171,8 @@ class LocalEdge:
             await asyncio.sleep(_HOUSEKEEPING_INTERVAL_S)
             try:
                 self._backend.housekeeping()
+                for sandbox_id, kind, severity, detail in self._backend.kernel_events():
+                    self._events.audit(sandbox_id, kind, severity, detail)
                 await self._pause_idle()
                 rounds += 1
                 if rounds % _NETWORK_AUDIT_EVERY == 0:  # an nft listing per networked sandbox: not every second
@@ -454,9 +457,8 @@ class LocalEdge:
         changed, pid_limit_hits = await self._backend.findings(sandbox_id)
         found: list[tuple[str, str, dict[str, Any]]] = []
         new_paths = [path for path in changed if path not in sandbox.reported_paths]
-        if new_paths:
-            sandbox.reported_paths.update(new_paths)
-            found.append(("protected_path_modified", "critical", {"paths": new_paths[:100]}))
+        sandbox.reported_paths.update(new_paths)
+        found += classify_changes(new_paths, sandbox.spec.protected_paths)
         if pid_limit_hits > sandbox.pid_limit_hits:
             found.append(("pids_limit", "warning", {"hits": pid_limit_hits - sandbox.pid_limit_hits,
                                                     "pids_max": sandbox.spec.pids_max}))  # fmt: skip

@@ -558,6 +558,7 @@ class Client:
         network: NetworkPolicy | dict[str, Any] | None = None,
         protected_paths: list[str] | None = None,
         disk_mb: int | None = None,
+        sensitive_paths: list[str] | None = None,
     ) -> Sandbox:
         """Create a sandbox from ``image``, an ``environment`` ({base, workspace, tools}), or ``layers``."""
         fields = {
@@ -565,7 +566,7 @@ class Client:
             "cpu": cpu, "memory_mb": memory_mb, "pids_max": pids_max, "env": env or {}, "cwd": cwd, "user": user,
             "labels": labels or {}, "ttl_s": ttl_s, "idle_pause_s": idle_pause_s,
             "ttl_counts_paused": ttl_counts_paused, "network": network, "protected_paths": protected_paths or [],
-            "disk_mb": disk_mb,
+            "disk_mb": disk_mb, "sensitive_paths": sensitive_paths or [],
         }  # fmt: skip
         body = _validated(CreateSandboxRequest, fields)
         response = self._transport.request("POST", "/v1/sandboxes", json=body.model_dump(mode="json"))

@@ -62,6 +62,7 @@ sandboxes = Table(
     Column("paused_at", Float, nullable=True),
     Column("network", JSON, nullable=True),  # NetworkPolicy as JSON; null = loopback only
     Column("protected_paths", JSON, nullable=True),
+    Column("sensitive_paths", JSON, nullable=True),
     Column("disk_mb", Integer, nullable=True),
     Column("ended_at", Float, nullable=True),
     Column("end_reason", String(32), nullable=True),

@@ -3,7 +3,8 @@ security profile lives here.
 
 Isolation: new mount, PID, UTS, IPC and network namespaces (the network one
 has only loopback); cgroup limits for CPU, memory and PIDs; a seccomp profile
-that refuses what sandboxed agents never need; a reduced capability set;
+that refuses what sandboxed agents never need (and has the kernel log each refusal);
+extent-swapping ioctls refused; a reduced capability set;
 no_new_privs; masked and read-only /proc and /sys paths. The agent binary is
 bind-mounted read-only at AGENT_PATH and runs as the container's init.
 """
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["AGENT_PATH", "ContainerLimits", "build_config", "CAPABILITIES", "DENIED_SYSCALLS"]
+__all__ = ["AGENT_PATH", "ContainerLimits", "build_config", "CAPABILITIES", "DENIED_SYSCALLS", "DENIED_IOCTLS"]
 
 AGENT_PATH = "/.corral/agent"
 CFS_PERIOD_US = 100_000
@@ -100,6 +101,18 @@ DENIED_SYSCALLS = [
 # Answered ENOSYS so that glibc falls back to clone(2) (EPERM would break threads).
 ENOSYS_SYSCALLS = ["clone3"]
 
+# ioctl requests refused with EPERM: swapping or moving extents between files (the documented way to read a
+# protected file, which corrupted the filesystem), swapping the boot loader inode, and dedupe (a content
+# oracle). Clone/reflink (FICLONE) stays: cp tries it and falls back, and it shares no data you cannot read.
+DENIED_IOCTLS = {
+    "EXT4_IOC_MOVE_EXT": 0xC028660F,
+    "EXT4_IOC_SWAP_BOOT": 0x00006611,
+    "XFS_IOC_SWAPEXT": 0xC0C0586D,
+    "XFS_IOC_EXCHANGE_RANGE": 0x40285881,
+    "FIDEDUPERANGE": 0xC0189436,
+}
+_IOCTL_CMD_MASK = 0xFFFFFFFF  # the kernel truncates the request to 32 bits: compare only those
+
 MASKED_PATHS = [
     "/proc/acpi",
     "/proc/asound",
@@ -129,13 +142,26 @@ class ContainerLimits:
     pids_max: int
 
 
-def _seccomp() -> dict[str, Any]:
+def _seccomp(log_denials: bool) -> dict[str, Any]:
+    """With ``log_denials`` (SECCOMP_FILTER_FLAG_LOG; crun has it, runc 1.1 refuses flags) the kernel writes an
+    audit record (type 1326) for every refused call, which the edge turns into audit events (kernel_watch.py)."""
+    ioctls = [
+        {
+            "names": ["ioctl"],
+            "action": "SCMP_ACT_ERRNO",
+            "errnoRet": 1,
+            "args": [{"index": 1, "value": _IOCTL_CMD_MASK, "valueTwo": request, "op": "SCMP_CMP_MASKED_EQ"}],
+        }
+        for request in DENIED_IOCTLS.values()
+    ]
     return {
         "defaultAction": "SCMP_ACT_ALLOW",
         "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
+        **({"flags": ["SECCOMP_FILTER_FLAG_LOG"]} if log_denials else {}),
         "syscalls": [
             {"names": DENIED_SYSCALLS, "action": "SCMP_ACT_ERRNO", "errnoRet": 1},
             {"names": ENOSYS_SYSCALLS, "action": "SCMP_ACT_ERRNO", "errnoRet": 38},
+            *ioctls,
         ],
     }
 
@@ -179,6 +205,7 @@ def build_config(
     limits: ContainerLimits,
     cgroup_path: str,
     agent_binary: Path,
+    log_denials: bool = True,
 ) -> dict[str, Any]:
     """The config.json for one sandbox; ``root.path`` is ``rootfs`` in the bundle."""
     capabilities = {key: list(CAPABILITIES) for key in ("bounding", "effective", "permitted")}
@@ -205,7 +232,7 @@ def build_config(
                 "pids": {"limit": limits.pids_max},
                 "devices": [{"allow": False, "access": "rwm"}],
             },
-            "seccomp": _seccomp(),
+            "seccomp": _seccomp(log_denials),
             "maskedPaths": MASKED_PATHS,
             "readonlyPaths": READONLY_PATHS,
         },

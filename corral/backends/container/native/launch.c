@@ -9,7 +9,7 @@
  * if the edge crashes.
  *
  * usage: corral-launch [--overlay LOWERS UPPER WORK TARGET] [--ctl-fd N]
- *                      [--oom-score-adj N]
+ *                      [--oom-score-adj N] [--audit-session]
  *                      -- RUNTIME ARGS...
  *   LOWERS is a colon-separated lowerdir list, top first.
  *   --ctl-fd N makes fd N the runtime's fd 3 (for --preserve-fds 1).
@@ -18,6 +18,11 @@
  *   dropping capabilities, which the kernel refuses for negative values).
  *   Best effort: hosts without CAP_SYS_RESOURCE keep the default, and the
  *   OOM killer still picks the largest process, which is not the agent.
+ *   --audit-session starts a new kernel audit session (writing the login uid
+ *   gives the process a fresh session id) that the container inherits, so
+ *   every audit record of its processes (e.g. a syscall seccomp refused)
+ *   names the sandbox even after the process exited. The container lacks
+ *   CAP_AUDIT_CONTROL and cannot change it. Best effort, like the OOM score.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -38,6 +43,7 @@ int main(int argc, char **argv) {
     const char *lowers = NULL, *upper = NULL, *work = NULL, *target = NULL;
     int ctl_fd = -1, i = 1;
     const char *oom_score_adj = NULL;
+    int audit_session = 0;
     for (; i < argc; i++) {
         if (strcmp(argv[i], "--") == 0) {
             i++;
@@ -51,6 +57,8 @@ int main(int argc, char **argv) {
             ctl_fd = atoi(argv[++i]);
         } else if (strcmp(argv[i], "--oom-score-adj") == 0 && i + 1 < argc) {
             oom_score_adj = argv[++i];
+        } else if (strcmp(argv[i], "--audit-session") == 0) {
+            audit_session = 1;
         } else {
             errno = EINVAL;
             die("bad argument", argv[i]);
@@ -73,6 +81,13 @@ int main(int argc, char **argv) {
         int fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
         if (fd >= 0) {
             (void)!write(fd, oom_score_adj, strlen(oom_score_adj));
+            close(fd);
+        }
+    }
+    if (audit_session) {
+        int fd = open("/proc/self/loginuid", O_WRONLY | O_CLOEXEC);
+        if (fd >= 0) {
+            (void)!write(fd, "0", 1);
             close(fd);
         }
     }
