@@ -47,12 +47,12 @@ PROTECTED_PREFIXES = (
     "/etc/ld.so.preload", "/etc/profile", "/etc/bash.bashrc",
 )  # fmt: skip
 
-# Where package managers install (pip, dpkg/apt): a change here is a package installed or upgraded inside the
+# Where package managers install (dpkg/apt, pip, npm; directories, as the writable layer is walked under
+# them): a change here is a package installed or upgraded inside the
 # sandbox, which is how an agent pulls in a newer version that contains the fix. Checked before
 # PROTECTED_PREFIXES (dist-packages lies under /usr/lib/).
 PACKAGE_PREFIXES = (
-    "/usr/lib/python3/dist-packages/", "/usr/local/lib/python3", "/var/lib/dpkg/", "/usr/lib/node_modules/",
-    "/usr/local/lib/node_modules/",
+    "/usr/lib/python3/dist-packages/", "/usr/local/lib/", "/var/lib/dpkg/", "/usr/lib/node_modules/",
 )  # fmt: skip
 
 # Refused syscalls that only an escape or a kernel attack needs; other refusals are warnings.

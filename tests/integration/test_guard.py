@@ -215,3 +215,17 @@ def test_reading_a_sensitive_path_is_a_critical_event(client: corral.Client) -> 
         last = sandbox.audit_events()[-1].id
         sandbox.exec("cat /work/hidden/expected.txt")
         assert _events(sandbox, "sensitive_path_read", key="/work/hidden/expected.txt", after_id=last)
+
+
+def test_kernel_events_still_map_after_a_restart(fresh_server) -> None:  # type: ignore[no-untyped-def]
+    with fresh_server.client() as client:
+        sandbox = client.create("busybox", sensitive_paths=["/work/hidden/"])
+        sandbox.exec("mkdir -p /work/hidden && echo 42 > /work/hidden/expected")
+    fresh_server.stop()
+    fresh_server.start()
+    with fresh_server.client() as client:
+        handle = client.connect(sandbox)
+        handle.exec("unshare -m true; cat /work/hidden/expected")  # run by the agent the new edge attached
+        assert _events(handle, "syscall_denied", key="unshare")
+        assert _events(handle, "sensitive_path_read", key="/work/hidden/expected")
+        handle.kill()
