@@ -121,15 +121,25 @@ class EventThrottle:
     """Repeats of one kernel-reported event (a refused syscall, a read of a sensitive path) per sandbox, so a
     sandbox looping on one cannot flood the audit log: the first occurrence is reported at the next ``due``,
     later ones are counted and reported at most once per ``window_s`` (count since the last report, total,
-    and the first few occurrences)."""
+    and the first few occurrences). Keys are counted apart up to ``max_keys`` per sandbox and kind (a sandbox
+    opening thousands of new files under a sensitive directory); beyond that they share the key OTHER_KEY."""
 
-    def __init__(self, window_s: float = 30.0, samples: int = 5) -> None:
+    OTHER_KEY = "(other)"
+
+    def __init__(self, window_s: float = 30.0, samples: int = 5, max_keys: int = 64) -> None:
         self._window_s = window_s
         self._samples = samples
+        self._max_keys = max_keys
         # (sandbox_id, kind, key) -> [severity, pending count, total, last report time, samples]
         self._entries: dict[tuple[str, str, str], list[Any]] = {}
+        self._keys: dict[tuple[str, str], int] = {}  # distinct keys per (sandbox_id, kind)
 
     def add(self, sandbox_id: str, kind: str, severity: str, key: str, sample: dict[str, Any]) -> None:
+        if (sandbox_id, kind, key) not in self._entries:
+            if self._keys.get((sandbox_id, kind), 0) >= self._max_keys:
+                key = self.OTHER_KEY
+            if (sandbox_id, kind, key) not in self._entries:
+                self._keys[(sandbox_id, kind)] = self._keys.get((sandbox_id, kind), 0) + 1
         entry = self._entries.setdefault((sandbox_id, kind, key), [severity, 0, 0, None, []])
         entry[1] += 1
         entry[2] += 1
@@ -150,6 +160,8 @@ class EventThrottle:
     def forget(self, sandbox_id: str) -> None:
         for key in [k for k in self._entries if k[0] == sandbox_id]:
             del self._entries[key]
+        for pair in [k for k in self._keys if k[0] == sandbox_id]:
+            del self._keys[pair]
 
 
 class AuditLog:

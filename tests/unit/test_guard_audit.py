@@ -41,6 +41,15 @@ def test_throttle_keeps_sandboxes_and_keys_apart_and_forgets() -> None:
     assert throttle.due(now=100.0) == []
 
 
+def test_new_keys_past_the_limit_share_one_entry() -> None:
+    throttle = EventThrottle(window_s=10.0, max_keys=3)
+    for i in range(1000):  # a sandbox opening a thousand new files under a sensitive directory
+        throttle.add("sb-1", "sensitive_path_read", "critical", f"/work/hidden/{i}", {"path": f"/work/hidden/{i}"})
+    throttle.add("sb-1", "sensitive_path_read", "critical", "/work/hidden/0", {})
+    due = {d["key"]: d["count"] for _, _, _, d in throttle.due(now=1.0)}
+    assert due == {"/work/hidden/0": 2, "/work/hidden/1": 1, "/work/hidden/2": 1, EventThrottle.OTHER_KEY: 997}
+
+
 def test_changed_paths_are_classified() -> None:
     paths = ["/var/lib/dpkg/status", "/usr/lib/python3/dist-packages/x/__init__.py", "/usr/local/lib/python3.11/a",
              "/usr/bin/bash", "/work/tests/test_a.py"]  # fmt: skip

@@ -44,6 +44,9 @@ _RECEIVE_BUFFER_BYTES = 4 << 20
 _UNSET_SESSION = 4294967295
 _FIELD = re.compile(r'(\w+)=("[^"]*"|\S+)')
 _MAX_TEXT = 64
+# Per housekeeping round, so a sandbox spinning on a refused call cannot keep the edge's event loop reading;
+# what is left waits in the socket buffer, and what overflows it is counted as lost.
+_MAX_RECORDS_PER_READ = 20_000
 
 
 def session_of(pid: int) -> int | None:
@@ -117,21 +120,21 @@ class SeccompDenials:
         else:
             self._sock = sock
 
-    @property
-    def available(self) -> bool:
-        return self._sock is not None
-
     def read(self) -> list[SeccompRecord]:
-        """Every record received since the last call."""
+        """The records received since the last call (at most _MAX_RECORDS_PER_READ)."""
+        sock = self._sock
+        if sock is None:
+            return []
         records: list[SeccompRecord] = []
-        while self._sock is not None:
+        for _ in range(_MAX_RECORDS_PER_READ):
             try:
-                data = self._sock.recv(65536)
+                data = sock.recv(65536)
             except BlockingIOError:
                 break
             except OSError as exc:
                 if exc.errno == errno.ENOBUFS:  # the buffer overflowed: some records are lost, go on
                     self.lost += 1
+                    log.warning("kernel audit records were lost (receive buffer full, %d times)", self.lost)
                     continue
                 raise
             offset = 0
@@ -179,6 +182,7 @@ _FAN_ONDIR = 0x40000000
 _DIR_MASK = _FAN_OPEN | _FAN_EVENT_ON_CHILD | _FAN_ONDIR
 _EVENT = struct.Struct("=IBBHQii")
 _EVENT_BUFFER_BYTES = 1 << 16
+_MAX_BUFFERS_PER_READ = 8  # about 20,000 events per housekeeping round; the kernel queues the rest
 _MAX_MARKED_DIRS = 256  # per sandbox; a sensitive tree bigger than this is marked in part
 
 
@@ -220,7 +224,11 @@ class SensitiveReads:
         if self._fd < 0 or not paths:
             return
         self._paths[sandbox_id] = paths
-        with ConfinedTree(root) as tree:
+        try:
+            tree = ConfinedTree(root)
+        except CorralError:  # the sandbox's init is gone: nothing to mark
+            return
+        with tree:
             budget = [_MAX_MARKED_DIRS]
             for path in paths:
                 self._mark_path(sandbox_id, tree, path.rstrip("/") or "/", budget)
@@ -279,7 +287,7 @@ class SensitiveReads:
     def read(self) -> list[SensitiveRead]:
         """Opens of sensitive paths since the last call (the edge's own file API reads are left out)."""
         reads: list[SensitiveRead] = []
-        while self._fd >= 0:
+        for _ in range(_MAX_BUFFERS_PER_READ if self._fd >= 0 else 0):
             try:
                 data = os.read(self._fd, _EVENT_BUFFER_BYTES)
             except BlockingIOError:
