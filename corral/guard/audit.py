@@ -59,7 +59,7 @@ PACKAGE_PREFIXES = (
 _CRITICAL_SYSCALLS = frozenset({
     "bpf", "delete_module", "finit_module", "init_module", "kexec_file_load", "kexec_load", "open_by_handle_at",
     "perf_event_open", "process_vm_readv", "process_vm_writev", "reboot", "setns", "userfaultfd", "ioctl",
-    "io_uring_setup", "keyctl", "add_key", "request_key", "swapon", "swapoff", "iopl", "ioperm",
+    "io_uring_setup", "keyctl", "add_key", "request_key", "swapon", "swapoff", "iopl", "ioperm", "clone",
 })  # fmt: skip
 
 # Commands that try known escapes or reward hacks. A match is evidence to look at, not proof.

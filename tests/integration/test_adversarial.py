@@ -82,6 +82,42 @@ def test_extent_swap_ioctls_are_refused(client: corral.Client, bystander: corral
         assert ioctl and ioctl[0].severity == "critical" and ioctl[0].detail["first"][0]["comm"] == "python3"
 
 
+NEW_NAMESPACES = r"""
+import ctypes, os, threading
+libc = ctypes.CDLL(None, use_errno=True)
+def clone(flags):  # clone(2) like fork, plus the namespace flags; the child only exits
+    pid = libc.syscall(56, flags | 17, 0, 0, 0, 0)
+    if pid == 0:
+        os._exit(0)
+    if pid > 0:
+        os.waitpid(pid, 0)
+        return "ok"
+    return os.strerror(ctypes.get_errno())
+print("user", clone(0x10000000))
+print("user+mount+net", clone(0x10000000 | 0x00020000 | 0x40000000))
+print("clone3", "ok" if libc.syscall(435, 0, 0) >= 0 else os.strerror(ctypes.get_errno()))
+started = []
+threads = [threading.Thread(target=started.append, args=(i,)) for i in range(50)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print("threads", len(started))
+"""
+
+
+def test_new_namespaces_are_refused(client: corral.Client, bystander: corral.Sandbox) -> None:
+    with client.create("debian-12") as sandbox:
+        result = sandbox.exec(f"python3 -c {shlex.quote(NEW_NAMESPACES)}")
+        assert result.stdout.splitlines() == [
+            "user Operation not permitted",  # no user namespace, so no mount or network namespace of its own
+            "user+mount+net Operation not permitted",
+            "clone3 Function not implemented",  # flags in memory: refused whole, glibc falls back to clone
+            "threads 50",
+        ], result.stderr
+        clone = _events(sandbox, "syscall_denied", key="clone")
+        assert clone and clone[0].severity == "critical" and clone[0].detail["count"] >= 1
+        assert [e for e in sandbox.audit_events() if e.detail.get("key") == "clone3"] == []  # glibc's probe: quiet
+
+
 def test_recursive_read_of_proc_is_contained(client: corral.Client, bystander: corral.Sandbox) -> None:
     with client.create("busybox") as sandbox:
         # /proc lists kpage* first; the walk then reads every process's pagemap (sparse, huge): the timeout ends it

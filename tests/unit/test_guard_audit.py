@@ -95,3 +95,8 @@ def test_profile_logs_refusals_and_refuses_extent_swaps_on_32_bits() -> None:
     assert requests == set(oci.DENIED_IOCTLS.values())
     assert all(rule["args"][0]["op"] == "SCMP_CMP_MASKED_EQ" and rule["args"][0]["value"] == 0xFFFFFFFF
                for rule in ioctl_rules)  # fmt: skip
+    clone_rules = [rule for rule in oci._seccomp(log_denials=True)["syscalls"] if rule["names"] == ["clone"]]
+    assert {(r["args"][0]["value"], r["args"][0]["valueTwo"]) for r in clone_rules} == {
+        (flag, flag) for flag in oci.CLONE_NAMESPACE_FLAGS.values()
+    }  # any one namespace bit set is refused
+    assert not any("clone3" in rule["names"] for rule in oci._seccomp(log_denials=True)["syscalls"])  # launch's

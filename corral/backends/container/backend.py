@@ -39,7 +39,7 @@ from corral.backends.container.host import CgroupLayout, LayerMounts, NativeHelp
 from corral.backends.container.kernel_watch import SeccompDenials, SensitiveReads, session_of
 from corral.backends.container.memory import CgroupMemory, prefetch_swapped
 from corral.backends.container.network import AllowRule, DeniedCounts, NetworkFabric
-from corral.backends.container.oci import AGENT_PATH, ENOSYS_SYSCALLS, ContainerLimits, build_config
+from corral.backends.container.oci import AGENT_PATH, ContainerLimits, build_config
 from corral.backends.container.runtime import OciRuntime, Overlay
 from corral.guard.audit import PACKAGE_PREFIXES, PROTECTED_PREFIXES, EventThrottle, denied_syscall_severity
 from corral.images.erofs import build_erofs
@@ -609,7 +609,7 @@ class ContainerBackend:
     def kernel_events(self) -> list[tuple[str, str, str, dict[str, Any]]]:
         for record in self._denials.read():
             sandbox_id = self._sandbox_of_pid(record.session, record.pid)
-            if sandbox_id is None or record.syscall in ENOSYS_SYSCALLS:  # clone3: glibc's probe, answered ENOSYS
+            if sandbox_id is None:
                 continue
             sample = {"pid": record.pid, "comm": record.comm, "exe": record.exe}
             severity = denied_syscall_severity(record.syscall)

@@ -4,7 +4,7 @@ security profile lives here.
 Isolation: new mount, PID, UTS, IPC and network namespaces (the network one
 has only loopback); cgroup limits for CPU, memory and PIDs; a seccomp profile
 that refuses what sandboxed agents never need (and has the kernel log each refusal);
-extent-swapping ioctls refused; a reduced capability set;
+extent-swapping ioctls and new namespaces refused; a reduced capability set;
 no_new_privs; masked and read-only /proc and /sys paths. The agent binary is
 bind-mounted read-only at AGENT_PATH and runs as the container's init.
 """
@@ -15,7 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["AGENT_PATH", "ContainerLimits", "build_config", "CAPABILITIES", "DENIED_SYSCALLS", "DENIED_IOCTLS"]
+__all__ = [
+    "AGENT_PATH",
+    "CAPABILITIES",
+    "CLONE_NAMESPACE_FLAGS",
+    "DENIED_IOCTLS",
+    "DENIED_SYSCALLS",
+    "ContainerLimits",
+    "build_config",
+]
 
 AGENT_PATH = "/.corral/agent"
 CFS_PERIOD_US = 100_000
@@ -98,8 +106,21 @@ DENIED_SYSCALLS = [
     "afs_syscall",
     "fanotify_init",
 ]
-# Answered ENOSYS so that glibc falls back to clone(2) (EPERM would break threads).
-ENOSYS_SYSCALLS = ["clone3"]
+# clone3 is answered ENOSYS (glibc falls back to clone; EPERM would break threads) by corral-launch's own,
+# unlogged filter (--refuse-clone3): glibc tries it before every thread and spawn, and this filter logs.
+
+# clone(2) with any of these flags: a new namespace (a user namespace above all, which unprivileged processes
+# could otherwise make, and with it mount and network namespaces of their own). One rule per bit, because a
+# rule's argument checks must all hold. (CLONE_NEWTIME is left out: in clone(2) that bit is the exit signal.)
+CLONE_NAMESPACE_FLAGS = {
+    "CLONE_NEWNS": 0x00020000,
+    "CLONE_NEWCGROUP": 0x02000000,
+    "CLONE_NEWUTS": 0x04000000,
+    "CLONE_NEWIPC": 0x08000000,
+    "CLONE_NEWUSER": 0x10000000,
+    "CLONE_NEWPID": 0x20000000,
+    "CLONE_NEWNET": 0x40000000,
+}
 
 # ioctl requests refused with EPERM: swapping or moving extents between files (the documented way to read a
 # protected file, which corrupted the filesystem), swapping the boot loader inode, and dedupe (a content
@@ -145,23 +166,21 @@ class ContainerLimits:
 def _seccomp(log_denials: bool) -> dict[str, Any]:
     """With ``log_denials`` (SECCOMP_FILTER_FLAG_LOG; crun has it, runc 1.1 refuses flags) the kernel writes an
     audit record (type 1326) for every refused call, which the edge turns into audit events (kernel_watch.py)."""
-    ioctls = [
-        {
-            "names": ["ioctl"],
-            "action": "SCMP_ACT_ERRNO",
-            "errnoRet": 1,
-            "args": [{"index": 1, "value": _IOCTL_CMD_MASK, "valueTwo": request, "op": "SCMP_CMP_MASKED_EQ"}],
-        }
-        for request in DENIED_IOCTLS.values()
-    ]
+
+    def refused_when(name: str, index: int, mask: int, value: int) -> dict[str, Any]:
+        masked = {"index": index, "value": mask, "valueTwo": value, "op": "SCMP_CMP_MASKED_EQ"}
+        return {"names": [name], "action": "SCMP_ACT_ERRNO", "errnoRet": 1, "args": [masked]}
+
+    ioctls = [refused_when("ioctl", 1, _IOCTL_CMD_MASK, request) for request in DENIED_IOCTLS.values()]
+    clones = [refused_when("clone", 0, flag, flag) for flag in CLONE_NAMESPACE_FLAGS.values()]
     return {
         "defaultAction": "SCMP_ACT_ALLOW",
         "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
         **({"flags": ["SECCOMP_FILTER_FLAG_LOG"]} if log_denials else {}),
         "syscalls": [
             {"names": DENIED_SYSCALLS, "action": "SCMP_ACT_ERRNO", "errnoRet": 1},
-            {"names": ENOSYS_SYSCALLS, "action": "SCMP_ACT_ERRNO", "errnoRet": 38},
             *ioctls,
+            *clones,
         ],
     }
 
