@@ -210,8 +210,11 @@ def test_reading_a_sensitive_path_is_a_critical_event(client: corral.Client) -> 
         sandbox.exec("grep -r 4 /etc/ >/dev/null; ls /work/hidden")
         assert _events(sandbox, "sensitive_path_read", key="/etc/answer.txt")
         assert _events(sandbox, "sensitive_path_read", key="/work/hidden")
-        # Replacing the directory does not shake the watch off: it is marked again after each command.
-        sandbox.exec("mv /work/hidden /work/old && mkdir /work/hidden && cp /work/old/* /work/hidden/")
+        # Moving a file out first does not shake the watch off: the mark follows the file.
+        sandbox.exec("mv /etc/answer.txt /work/moved && cat /work/moved >/dev/null")
+        assert _events(sandbox, "sensitive_path_read", key="/work/moved")
+        # Nor does replacing the directory: it is marked again after each command.
+        sandbox.exec("mv /work/hidden /work/old && mkdir /work/hidden && echo 43 > /work/hidden/expected.txt")
         last = sandbox.audit_events()[-1].id
         sandbox.exec("cat /work/hidden/expected.txt")
         assert _events(sandbox, "sensitive_path_read", key="/work/hidden/expected.txt", after_id=last)

@@ -175,15 +175,15 @@ _FAN_CLASS_NOTIF = 0x0
 _FAN_CLOEXEC = 0x1
 _FAN_NONBLOCK = 0x2
 _FAN_MARK_ADD = 0x1
+_FAN_MARK_DONT_FOLLOW = 0x4
 _FAN_OPEN = 0x20
 _FAN_Q_OVERFLOW = 0x4000
 _FAN_EVENT_ON_CHILD = 0x08000000
 _FAN_ONDIR = 0x40000000
-_DIR_MASK = _FAN_OPEN | _FAN_EVENT_ON_CHILD | _FAN_ONDIR
 _EVENT = struct.Struct("=IBBHQii")
 _EVENT_BUFFER_BYTES = 1 << 16
 _MAX_BUFFERS_PER_READ = 8  # about 20,000 events per housekeeping round; the kernel queues the rest
-_MAX_MARKED_DIRS = 256  # per sandbox; a sensitive tree bigger than this is marked in part
+_MAX_MARKS = 1024  # per sandbox and refresh; a sensitive tree bigger than this is marked in part
 
 
 def _mount_id(fd: int) -> int:
@@ -191,6 +191,51 @@ def _mount_id(fd: int) -> int:
         if line.startswith("mnt_id:"):
             return int(line.split()[1])
     return -1
+
+
+class _Group:
+    """One fanotify notification group: each event comes with an fd on the opened file."""
+
+    def __init__(self, libc: ctypes.CDLL) -> None:
+        self._libc = libc
+        self.overflows = 0
+        self.fd = libc.fanotify_init(
+            _FAN_CLASS_NOTIF | _FAN_CLOEXEC | _FAN_NONBLOCK, os.O_RDONLY | os.O_LARGEFILE | os.O_CLOEXEC
+        )
+        if self.fd < 0:
+            log.warning("reads of sensitive paths will not be audit events: fanotify_init: %s",
+                        os.strerror(ctypes.get_errno()))  # fmt: skip
+
+    def mark(self, dir_fd: int, name: str | None, mask: int) -> bool:
+        """Mark ``dir_fd`` itself, or its entry ``name`` (never following a symlink)."""
+        encoded = os.fsencode(name) if name is not None else None
+        if self._libc.fanotify_mark(self.fd, _FAN_MARK_ADD | _FAN_MARK_DONT_FOLLOW, mask, dir_fd, encoded) == 0:
+            return True
+        log.debug("fanotify_mark %s: %s", name, os.strerror(ctypes.get_errno()))
+        return False
+
+    def events(self) -> list[tuple[int, int]]:
+        """(fd, pid) of the events queued (bounded per call); the caller closes each fd."""
+        found: list[tuple[int, int]] = []
+        for _ in range(_MAX_BUFFERS_PER_READ if self.fd >= 0 else 0):
+            try:
+                data = os.read(self.fd, _EVENT_BUFFER_BYTES)
+            except BlockingIOError:
+                break
+            offset = 0
+            while offset + _EVENT.size <= len(data):
+                length, _, _, _, mask, fd, pid = _EVENT.unpack_from(data, offset)
+                offset += max(length, _EVENT.size)
+                if mask & _FAN_Q_OVERFLOW:
+                    self.overflows += 1
+                if fd >= 0:
+                    found.append((fd, pid))
+        return found
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 @dataclass(frozen=True)
@@ -201,27 +246,30 @@ class SensitiveRead:
 
 
 class SensitiveReads:
-    """fanotify marks on the sensitive paths of each sandbox, and the opens they report."""
+    """fanotify marks on the sensitive paths of each sandbox, and the opens they report.
+
+    Two groups: ``exact`` marks the sensitive files and directories themselves, so any open of them counts
+    wherever the sandbox moved them since (the mark follows the inode); ``near`` marks the directories that
+    hold them for their children, which catches files that appeared since the last refresh and paths not
+    there yet, and counts an open only when its path is sensitive."""
 
     def __init__(self) -> None:
-        self._libc = ctypes.CDLL(None, use_errno=True)
-        self._libc.fanotify_mark.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint64, ctypes.c_int,
-                                             ctypes.c_char_p]  # fmt: skip
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.fanotify_mark.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint64, ctypes.c_int, ctypes.c_char_p]
+        self._exact = _Group(libc)
+        self._near = _Group(libc)
         self._sandbox_of_mount: dict[int, str] = {}
         self._paths: dict[str, tuple[str, ...]] = {}
-        self.overflows = 0
-        self._fd = self._libc.fanotify_init(
-            _FAN_CLASS_NOTIF | _FAN_CLOEXEC | _FAN_NONBLOCK, os.O_RDONLY | os.O_LARGEFILE | os.O_CLOEXEC
-        )
-        if self._fd < 0:
-            log.warning("reads of sensitive paths will not be audit events: fanotify_init: %s",
-                        os.strerror(ctypes.get_errno()))  # fmt: skip
+
+    @property
+    def overflows(self) -> int:
+        return self._exact.overflows + self._near.overflows
 
     def mark(self, sandbox_id: str, root: str, paths: tuple[str, ...]) -> None:
         """Watch opens of ``paths`` (files or directory trees) in the sandbox whose root is ``root``
         (``/proc/<pid>/root``). Idempotent: called again after commands, it marks what appeared since (a
         sensitive file written later, a directory replaced)."""
-        if self._fd < 0 or not paths:
+        if self._exact.fd < 0 or not paths:
             return
         self._paths[sandbox_id] = paths
         try:
@@ -229,54 +277,58 @@ class SensitiveReads:
         except CorralError:  # the sandbox's init is gone: nothing to mark
             return
         with tree:
-            budget = [_MAX_MARKED_DIRS]
+            budget = [_MAX_MARKS]
             for path in paths:
                 self._mark_path(sandbox_id, tree, path.rstrip("/") or "/", budget)
 
-    def _mark_path(self, sandbox_id: str, tree: ConfinedTree, path: str, budget: list[int]) -> None:
-        """A directory is marked with its subdirectories; a file (or a path not there yet) by its parent."""
+    def _open(self, tree: ConfinedTree, path: str, flags: int) -> int:
         try:
-            fd = tree.open_fd(path, os.O_PATH)
-        except (OSError, CorralError):  # missing, or refused (procfs): mark the parent instead
-            fd = -1
-        if fd >= 0 and stat.S_ISDIR(os.fstat(fd).st_mode):
-            os.close(fd)
-            self._mark_tree(sandbox_id, tree, path, budget)
-            return
+            return tree.open_fd(path, flags)
+        except (OSError, CorralError):  # missing, or refused (procfs)
+            return -1
+
+    def _mark_path(self, sandbox_id: str, tree: ConfinedTree, path: str, budget: list[int]) -> None:
+        """A directory is marked with everything in it; a file by itself and through its parent; a path not
+        there yet through its parent."""
+        fd = self._open(tree, path, os.O_PATH)
+        is_dir = fd >= 0 and stat.S_ISDIR(os.fstat(fd).st_mode)
         if fd >= 0:
             os.close(fd)
-        parent = os.path.dirname(path)
-        try:
-            fd = tree.open_fd(parent, os.O_RDONLY | os.O_DIRECTORY)  # fanotify_mark refuses O_PATH fds
-        except (OSError, CorralError):
+        if is_dir:
+            self._mark_tree(sandbox_id, tree, path, budget)
+            return
+        parent = self._open(tree, os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)  # not O_PATH: fanotify
+        if parent < 0:
             return
         try:
-            self._mark_fd(sandbox_id, fd, budget)
+            self._sandbox_of_mount[_mount_id(parent)] = sandbox_id
+            self._near.mark(parent, None, _FAN_OPEN | _FAN_EVENT_ON_CHILD)
+            if fd >= 0:
+                self._exact.mark(parent, os.path.basename(path), _FAN_OPEN)
+            budget[0] -= 2
         finally:
-            os.close(fd)
+            os.close(parent)
 
     def _mark_tree(self, sandbox_id: str, tree: ConfinedTree, top: str, budget: list[int]) -> None:
         stack = [top]
         while stack and budget[0] > 0:
             directory = stack.pop()
-            try:
-                fd = tree.open_fd(directory, os.O_RDONLY | os.O_DIRECTORY)
-            except (OSError, CorralError):
+            fd = self._open(tree, directory, os.O_RDONLY | os.O_DIRECTORY)
+            if fd < 0:
                 continue
             try:
-                self._mark_fd(sandbox_id, fd, budget)
+                self._sandbox_of_mount[_mount_id(fd)] = sandbox_id
+                self._exact.mark(fd, None, _FAN_OPEN | _FAN_ONDIR)  # listing it
+                self._near.mark(fd, None, _FAN_OPEN | _FAN_EVENT_ON_CHILD)
+                budget[0] -= 2
                 for entry in os.scandir(fd):
                     if entry.is_dir(follow_symlinks=False):
                         stack.append(f"{directory.rstrip('/')}/{entry.name}")
+                    elif entry.is_file(follow_symlinks=False) and budget[0] > 0:
+                        self._exact.mark(fd, entry.name, _FAN_OPEN)
+                        budget[0] -= 1
             finally:
                 os.close(fd)
-
-    def _mark_fd(self, sandbox_id: str, fd: int, budget: list[int]) -> None:
-        if self._libc.fanotify_mark(self._fd, _FAN_MARK_ADD, _DIR_MASK, fd, None) != 0:
-            log.warning("fanotify_mark in sandbox %s: %s", sandbox_id, os.strerror(ctypes.get_errno()))
-            return
-        budget[0] -= 1
-        self._sandbox_of_mount[_mount_id(fd)] = sandbox_id
 
     def forget(self, sandbox_id: str) -> None:
         """The sandbox ended (its marks went with its overlay)."""
@@ -286,40 +338,25 @@ class SensitiveReads:
 
     def read(self) -> list[SensitiveRead]:
         """Opens of sensitive paths since the last call (the edge's own file API reads are left out)."""
-        reads: list[SensitiveRead] = []
-        for _ in range(_MAX_BUFFERS_PER_READ if self._fd >= 0 else 0):
-            try:
-                data = os.read(self._fd, _EVENT_BUFFER_BYTES)
-            except BlockingIOError:
-                break
-            offset = 0
-            while offset + _EVENT.size <= len(data):
-                length, _, _, _, mask, fd, pid = _EVENT.unpack_from(data, offset)
-                offset += max(length, _EVENT.size)
-                if mask & _FAN_Q_OVERFLOW:
-                    self.overflows += 1
-                if fd < 0:
-                    continue
-                try:
-                    found = self._match(fd, pid)
-                finally:
-                    os.close(fd)
-                if found is not None:
-                    reads.append(found)
-        return reads
+        exact = [read for fd, pid in self._exact.events() if (read := self._match(fd, pid, anywhere=True))]
+        seen = {(read.sandbox_id, read.pid, read.path) for read in exact}
+        near = [read for fd, pid in self._near.events() if (read := self._match(fd, pid, anywhere=False))]
+        return exact + [read for read in near if (read.sandbox_id, read.pid, read.path) not in seen]
 
-    def _match(self, fd: int, pid: int) -> SensitiveRead | None:
-        if pid == os.getpid():
-            return None
-        sandbox_id = self._sandbox_of_mount.get(_mount_id(fd))
-        if sandbox_id is None:
-            return None
-        path = os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)")
-        if not under(path, self._paths.get(sandbox_id, ())):
+    def _match(self, fd: int, pid: int, *, anywhere: bool) -> SensitiveRead | None:
+        try:
+            if pid == os.getpid():
+                return None
+            sandbox_id = self._sandbox_of_mount.get(_mount_id(fd))
+            if sandbox_id is None:
+                return None
+            path = os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)")
+        finally:
+            os.close(fd)
+        if not anywhere and not under(path, self._paths.get(sandbox_id, ())):
             return None
         return SensitiveRead(sandbox_id, path, pid)
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._exact.close()
+        self._near.close()
