@@ -7,9 +7,11 @@
   for the whole node (printk rate limit). A record names the process's audit session: corral-launch starts
   a new one per container (``--audit-session``), so a record maps to its sandbox even after the process
   exited; a live process is also found by its cgroup.
-- ``SensitiveReads``: opens of paths a sandbox spec marks sensitive, through fanotify marks on the
-  directories holding them, as the sandbox's own overlay mount sees them (one group for the node; the
-  event's mount names the sandbox, so the same layer shared by other sandboxes reports nothing).
+  Only records of that type are read, which only the kernel writes (messages user space may send have
+  types of their own).
+- ``SensitiveReads``: opens of paths a sandbox spec marks sensitive, through fanotify marks on the paths
+  and the directories holding them, as the sandbox's own overlay mount sees them (groups shared by the
+  node; the event's mount names the sandbox, so the same layer shared by other sandboxes reports nothing).
 
 Needs root (CAP_AUDIT_READ, CAP_SYS_ADMIN); on a kernel without either facility the watcher reports nothing
 and says so once in the log.
