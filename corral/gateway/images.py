@@ -249,7 +249,8 @@ class ImageService:
     # -- snapshots and forks ----------------------------------------------
 
     async def fork(self, sandbox_id: str, request: ForkRequest) -> list[SandboxInfo]:
-        """New sandboxes from this one's filesystem now: same limits, env, user and TTL length."""
+        """New sandboxes from this one's filesystem now: same limits, env, user, TTL length and guard settings
+        (protected and sensitive paths, disk limit): a branched rollout is watched like its parent."""
         parent = self._sandboxes.record(sandbox_id)
         snap = await self.snapshot(sandbox_id, None)
         ttl_s = parent["expires_at"] - parent["created_at"] if parent["expires_at"] else None
@@ -258,6 +259,8 @@ class ImageService:
             pids_max=parent["pids_max"], env=parent["env"], cwd=parent["cwd"], user=parent["user"],
             labels={**parent["labels"], **request.labels, "corral.forked_from": sandbox_id}, ttl_s=ttl_s,
             ttl_counts_paused=parent["ttl_counts_paused"], idle_pause_s=parent["idle_pause_s"],
+            protected_paths=parent["protected_paths"] or [], sensitive_paths=parent["sensitive_paths"] or [],
+            disk_mb=parent["disk_mb"],
         )  # fmt: skip
         return list(await asyncio.gather(*(self._sandboxes.create(child) for _ in range(request.count))))
 

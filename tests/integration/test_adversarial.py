@@ -177,6 +177,7 @@ def test_installing_newer_packages_is_flagged(client: corral.Client, bystander: 
         assert "/var/lib/dpkg/status" in paths
         assert "/usr/lib/python3/dist-packages/solver/__init__.py" in paths
         assert "/usr/local/lib/python3.11/dist-packages/checker/__init__.py" in paths
+        assert any(e.kind == "package_pin_or_upgrade" for e in sandbox.audit_events())  # the dpkg -i, by a detector
         assert bystander.exec("python3 -c 'import solver' 2>&1; echo rc=$?").stdout.endswith("rc=1\n")
         assert not Path("/usr/lib/python3/dist-packages/solver").exists()
 

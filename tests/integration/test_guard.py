@@ -232,3 +232,15 @@ def test_kernel_events_still_map_after_a_restart(fresh_server) -> None:  # type:
         assert _events(handle, "syscall_denied", key="unshare")
         assert _events(handle, "sensitive_path_read", key="/work/hidden/expected")
         handle.kill()
+
+
+def test_forks_are_watched_like_their_parent(client: corral.Client) -> None:
+    with client.create("busybox", sensitive_paths=["/work/hidden/"], protected_paths=["/work/tests/"]) as parent:
+        parent.exec("mkdir -p /work/hidden /work/tests && echo 42 > /work/hidden/expected && echo t > /work/tests/t")
+        (child,) = parent.fork(1)
+        try:
+            child.exec("cat /work/hidden/expected; echo weakened > /work/tests/t")
+            assert _events(child, "sensitive_path_read", key="/work/hidden/expected")
+            assert any(e.kind == "protected_path_modified" for e in child.audit_events())
+        finally:
+            child.kill()

@@ -74,6 +74,13 @@ def test_detectors_for_proc_walks_and_agent_probes() -> None:
     assert detect_in_command("cat /proc/self/status") == []
 
 
+def test_detectors_for_package_pins() -> None:
+    for command in ("pip install 'solver==2.0'", "apt-get install -y python3-solver=2.0-1", "dpkg -i /tmp/s.deb",
+                    "npm install left-pad@1.3.0"):  # fmt: skip
+        assert ("package_pin_or_upgrade", "warning") in detect_in_command(command), command
+    assert detect_in_command("apt-get install -y python3-numpy") == []
+
+
 def test_seccomp_record_is_parsed_and_named() -> None:
     watch = SeccompDenials()
     try:
