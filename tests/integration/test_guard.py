@@ -170,6 +170,7 @@ def _events(
 
 
 def test_refused_syscalls_are_events(client: corral.Client) -> None:
+    last = max([e.id for e in client.audit_events()], default=0)
     with client.create("busybox") as sandbox, client.create("busybox") as bystander:
         result = sandbox.exec("unshare -m true; echo rc=$?; mount -t tmpfs none /mnt; echo rc=$?")
         assert result.stdout == "rc=1\nrc=1\n"  # EPERM from seccomp
@@ -178,6 +179,8 @@ def test_refused_syscalls_are_events(client: corral.Client) -> None:
         assert unshare[0].detail["first"][0]["comm"] == "unshare"  # named after the process exited
         assert _events(sandbox, "syscall_denied", key="mount")
         assert _events(bystander, "syscall_denied", wait_s=0) == []
+        streamed = client.audit_events(after_id=last, wait_s=5)  # the node-wide stream has them too
+        assert any(e.kind == "syscall_denied" and e.sandbox_id == sandbox.id for e in streamed)
 
 
 def test_a_sandbox_looping_on_a_refused_syscall_cannot_flood_the_log(client: corral.Client) -> None:
