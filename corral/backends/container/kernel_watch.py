@@ -281,7 +281,10 @@ class SensitiveReads:
         with tree:
             budget = [_MAX_MARKS]
             for path in paths:
-                self._mark_path(sandbox_id, tree, path.rstrip("/") or "/", budget)
+                try:
+                    self._mark_path(sandbox_id, tree, path.rstrip("/") or "/", budget)
+                except OSError as exc:  # a tree changing under the walk: the next refresh tries again
+                    log.warning("sandbox %s: could not watch %s: %s", sandbox_id, path, exc)
 
     def _open(self, tree: ConfinedTree, path: str, flags: int) -> int:
         try:
