@@ -70,6 +70,12 @@ class Settings(BaseSettings):
         description="Compressed swap (zram) the node sets up at start, if it has no swap, so paused sandboxes "
         "can give back their anonymous memory; 0 = never touch the host's swap.",
     )
+    audit_repeat_window_s: float = Field(
+        30.0,
+        gt=0,
+        description="Repeats of a kernel-reported audit event (a refused syscall, a read of a sensitive path) "
+        "in one sandbox are counted and reported at most once per this many seconds.",
+    )
     layer_idle_unmount_s: float = Field(
         60.0, ge=0, description="A layer no sandbox has used for this long is unmounted (its sandboxes keep theirs)."
     )

@@ -108,6 +108,7 @@ def serve(settings: Settings) -> None:
             agent_start_timeout_s=settings.agent_start_timeout_s,
             layer_idle_unmount_s=settings.layer_idle_unmount_s,
             create_concurrency=settings.create_concurrency,
+            audit_repeat_window_s=settings.audit_repeat_window_s,
         )
         backend = BackendRouter(
             {

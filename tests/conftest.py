@@ -23,9 +23,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="session")
 def test_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Server settings for tests: their own node dir, and frequent TTL checks (tests wait for TTLs)."""
+    """Server settings for tests: their own node dir, frequent TTL checks (tests wait for TTLs), and a short
+    window for repeated kernel audit events (tests wait for the summary)."""
     node_dir = linked_node_dir(tmp_path_factory.mktemp("corral-node"))
-    return {"CORRAL_TTL_CHECK_INTERVAL_S": "0.2", "CORRAL_NODE_DIR": str(node_dir)}
+    return {
+        "CORRAL_TTL_CHECK_INTERVAL_S": "0.2",
+        "CORRAL_NODE_DIR": str(node_dir),
+        "CORRAL_AUDIT_REPEAT_WINDOW_S": "2",
+    }
 
 
 @pytest.fixture(scope="session")

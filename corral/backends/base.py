@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from corral.backends.container.files import ConfinedTree
 from corral.backends.container.network import AllowRule, DeniedCounts
@@ -53,6 +53,7 @@ class SandboxSpec:
     idle_pause_s: float | None = None
     network: tuple[AllowRule, ...] | None = None  # None: loopback only; else plugged in with this egress allowlist
     protected_paths: tuple[str, ...] = ()  # besides system binaries: changes raise audit events
+    sensitive_paths: tuple[str, ...] = ()  # opening these (reading a file, listing a directory) raises audit events
     disk_mb: int | None = None  # size limit of the writable layer; None: the host disk
     backend: str = "container"  # which backend runs it: container | microvm | vm
     restore_from: str | None = None  # VM backends: start from this checkpoint directory (memory, devices, disk)
@@ -177,6 +178,10 @@ class Backend(Protocol):
 
     def housekeeping(self) -> None:
         """Periodic upkeep the edge calls about once a second (e.g. reaping)."""
+
+    def kernel_events(self) -> list[tuple[str, str, str, dict[str, Any]]]:
+        """Audit events the kernel reported since the last call (syscalls the profile refused, reads of
+        sensitive paths), repeats aggregated: (sandbox_id, kind, severity, detail). Called with housekeeping."""
 
     async def close(self) -> None:
         """Release node resources; running sandboxes keep running."""

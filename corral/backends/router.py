@@ -140,6 +140,12 @@ class BackendRouter:
     async def network_status(self, sandbox_id: str) -> tuple[str | None, DeniedCounts | None]:
         return await self.owner(sandbox_id).network_status(sandbox_id)
 
+    def kernel_events(self) -> list[tuple[str, str, str, dict[str, Any]]]:
+        found: list[tuple[str, str, str, dict[str, Any]]] = []
+        for backend in self.backends.values():
+            found += backend.kernel_events()
+        return found
+
     def housekeeping(self) -> None:
         for backend in self.backends.values():
             backend.housekeeping()

@@ -324,6 +324,17 @@ def bench_vm(
     run_vm_benchmark(runs=runs, idle=idle, as_json=as_json, console=console)
 
 
+@app.command("bench-guard")
+def bench_guard(
+    runs: Annotated[int, typer.Option(help="One-second loops per side.")] = 6,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Measure what logging refused syscalls and watching sensitive paths cost, against same-run baselines."""
+    from corral.bench.guard import run_guard_benchmark
+
+    run_guard_benchmark(runs=runs, as_json=as_json, console=console)
+
+
 @app.command("bench-fncall")
 def bench_fncall(
     runs: Annotated[int, typer.Option(help="Sequential calls timed; throughput passes make 5× as many.")] = 200,

@@ -33,6 +33,7 @@ from corral.backends.container.files import ConfinedTree
 from corral.backends.container.network import AllowRule
 from corral.edge.host_readings import HostReadings, read_host
 from corral.edge.protocol import EdgeEvents
+from corral.guard.audit import classify_changes
 from corral.sdk._exceptions import CapacityExhausted, InvalidRequest, NotFound, SandboxGone
 from corral.sdk._models import (
     CommandInfo,
@@ -184,6 +185,8 @@ class LocalEdge:
             await asyncio.sleep(_HOUSEKEEPING_INTERVAL_S)
             try:
                 self._backend.housekeeping()
+                for sandbox_id, kind, severity, detail in self._backend.kernel_events():
+                    self._events.audit(sandbox_id, kind, severity, detail)
                 await self._pause_idle()
                 await self._relieve_pressure()
                 rounds += 1
@@ -534,9 +537,8 @@ class LocalEdge:
         changed, pid_limit_hits = await self._backend.findings(sandbox_id)
         found: list[tuple[str, str, dict[str, Any]]] = []
         new_paths = [path for path in changed if path not in sandbox.reported_paths]
-        if new_paths:
-            sandbox.reported_paths.update(new_paths)
-            found.append(("protected_path_modified", "critical", {"paths": new_paths[:100]}))
+        sandbox.reported_paths.update(new_paths)
+        found += classify_changes(new_paths, sandbox.spec.protected_paths)
         if pid_limit_hits > sandbox.pid_limit_hits:
             found.append(("pids_limit", "warning", {"hits": pid_limit_hits - sandbox.pid_limit_hits,
                                                     "pids_max": sandbox.spec.pids_max}))  # fmt: skip

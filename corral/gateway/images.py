@@ -249,8 +249,9 @@ class ImageService:
     # -- snapshots and forks ----------------------------------------------
 
     async def fork(self, sandbox_id: str, request: ForkRequest) -> list[SandboxInfo]:
-        """New sandboxes from this one now: same limits, env, user and TTL length. Containers get its
-        filesystem; VMs get its memory, processes and disks too (a checkpoint restored once per child)."""
+        """New sandboxes from this one now: same limits, env, user, TTL length and guard settings (protected and
+        sensitive paths, disk limit). Containers get its filesystem; VMs get its memory, processes and disks too
+        (a checkpoint restored once per child)."""
         parent = self._sandboxes.record(sandbox_id)
         if parent["backend"] in ("microvm", "vm"):
             return await self._fork_vm(sandbox_id, parent, request)
@@ -263,6 +264,8 @@ class ImageService:
             pids_max=parent["pids_max"], env=parent["env"], cwd=parent["cwd"], user=parent["user"],
             labels={**parent["labels"], **request.labels, "corral.forked_from": sandbox_id}, ttl_s=ttl_s,
             ttl_counts_paused=parent["ttl_counts_paused"], idle_pause_s=parent["idle_pause_s"],
+            protected_paths=parent["protected_paths"] or [], sensitive_paths=parent["sensitive_paths"] or [],
+            disk_mb=parent["disk_mb"],
         )  # fmt: skip
         return list(await asyncio.gather(*(self._sandboxes.create(child) for _ in range(request.count))))
 

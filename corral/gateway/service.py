@@ -218,6 +218,7 @@ class SandboxService:
             idle_pause_s=record["idle_pause_s"],
             network=_rules(record["network"]),
             protected_paths=tuple(record["protected_paths"] or ()),
+            sensitive_paths=tuple(record["sensitive_paths"] or ()),
             disk_mb=record["disk_mb"],
             backend=record["backend"],
         )
@@ -259,6 +260,7 @@ class SandboxService:
                 idle_pause_s=request.idle_pause_s,
                 network=to_allow_rules(request.network.allow) if request.network is not None else None,
                 protected_paths=tuple(request.protected_paths),
+                sensitive_paths=tuple(request.sensitive_paths),
                 disk_mb=request.disk_mb,
                 backend=request.backend,
                 restore_from=restore_from,
@@ -273,6 +275,7 @@ class SandboxService:
                     "ttl_counts_paused": request.ttl_counts_paused, "idle_pause_s": request.idle_pause_s,
                     "network": request.network.model_dump() if request.network is not None else None,
                     "protected_paths": request.protected_paths, "disk_mb": request.disk_mb,
+                    "sensitive_paths": request.sensitive_paths,
                 }
             )  # fmt: skip
             try:

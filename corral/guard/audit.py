@@ -17,7 +17,17 @@ from typing import Any
 from sqlalchemy import JSON, Column, Float, Integer, MetaData, String, Table, insert, select
 from sqlalchemy.engine import Engine
 
-__all__ = ["AuditLog", "detect_in_command", "is_protected", "PROTECTED_PREFIXES"]
+__all__ = [
+    "AuditLog",
+    "EventThrottle",
+    "PACKAGE_PREFIXES",
+    "PROTECTED_PREFIXES",
+    "classify_changes",
+    "denied_syscall_severity",
+    "detect_in_command",
+    "is_protected",
+    "under",
+]
 
 audit_metadata = MetaData()
 audit_events = Table(
@@ -37,11 +47,31 @@ PROTECTED_PREFIXES = (
     "/etc/ld.so.preload", "/etc/profile", "/etc/bash.bashrc",
 )  # fmt: skip
 
+# Where package managers install (dpkg/apt, pip, npm; directories, as the writable layer is walked under
+# them): a change here is a package installed or upgraded inside the
+# sandbox, which is how an agent pulls in a newer version that contains the fix. Checked before
+# PROTECTED_PREFIXES (dist-packages lies under /usr/lib/).
+PACKAGE_PREFIXES = (
+    "/usr/lib/python3/dist-packages/", "/usr/local/lib/", "/var/lib/dpkg/", "/usr/lib/node_modules/",
+)  # fmt: skip
+
+# Refused syscalls that only an escape or a kernel attack needs; other refusals are warnings.
+_CRITICAL_SYSCALLS = frozenset({
+    "bpf", "delete_module", "finit_module", "init_module", "kexec_file_load", "kexec_load", "open_by_handle_at",
+    "perf_event_open", "process_vm_readv", "process_vm_writev", "reboot", "setns", "userfaultfd", "ioctl",
+    "io_uring_setup", "keyctl", "add_key", "request_key", "swapon", "swapoff", "iopl", "ioperm", "clone",
+})  # fmt: skip
+
 # Commands that try known escapes or reward hacks. A match is evidence to look at, not proof.
 _SUSPICIOUS = [
     (re.compile(r"/proc/kpage(cgroup|count|flags)|/proc/kcore|sysrq-trigger"), "probe_kernel_memory", "critical"),
     (re.compile(r"\b(insmod|modprobe|kexec|swapon|mount)\b"), "privileged_tool", "warning"),
     (re.compile(r"\bpip3?\s+install\b[^|;&]*(==|>=|--upgrade|-U\b)"), "package_pin_or_upgrade", "warning"),
+    (
+        re.compile(r"\bapt(-get)?\s+install\b[^|;&]*=\S|\bdpkg\s+(-i|--install)\b|\bnpm\s+(install|i)\b[^|;&]*@\d"),
+        "package_pin_or_upgrade",
+        "warning",
+    ),
     (re.compile(r"\b(nmap|masscan)\b|/dev/tcp/"), "network_probe", "warning"),
     (
         re.compile(r"\b(reward|verifier|grader|expected_output|answers?)\b[^|;&]*>"),
@@ -49,6 +79,12 @@ _SUSPICIOUS = [
         "warning",
     ),
     (re.compile(r"\brm\b[^|;&]*\btests?\b|>\s*\S*tests?/"), "modifies_tests", "warning"),
+    (
+        re.compile(r"(\b(grep|ls|cp|chmod)\b[^|;&]*\s-\w*[rR]\w*\b|\b(find|du|tar)\b)[^|;&]*\s/proc/?(\s|$|[|;&])"),
+        "walks_proc",
+        "warning",
+    ),
+    (re.compile(r"/proc/1/(fd|fdinfo|mem|environ|root|map_files)\b|/\.corral/"), "probes_agent_channel", "warning"),
 ]
 
 
@@ -57,8 +93,80 @@ def detect_in_command(command: str) -> list[tuple[str, str]]:
     return [(kind, severity) for pattern, kind, severity in _SUSPICIOUS if pattern.search(command)]
 
 
+def under(path: str, prefixes: tuple[str, ...] | list[str]) -> bool:
+    """Whether ``path`` is one of the prefixes or lies below one (a prefix "/work/tests/" or "/work/tests")."""
+    for prefix in prefixes:
+        bare = prefix.rstrip("/")
+        if path == bare or path.startswith(bare + "/") or (not prefix.endswith("/") and path.startswith(prefix)):
+            return True
+    return False
+
+
 def is_protected(path: str, extra: tuple[str, ...] = ()) -> bool:
-    return any(path == p.rstrip("/") or path.startswith(p) for p in (*PROTECTED_PREFIXES, *extra))
+    return under(path, (*PROTECTED_PREFIXES, *extra))
+
+
+def classify_changes(paths: list[str], protected: tuple[str, ...] = ()) -> list[tuple[str, str, dict[str, Any]]]:
+    """Audit findings for paths a command changed: packages installed (warning), protected files (critical)."""
+    packages = [p for p in paths if under(p, PACKAGE_PREFIXES)]
+    rest = [p for p in paths if p not in set(packages) and is_protected(p, protected)]
+    found: list[tuple[str, str, dict[str, Any]]] = []
+    if packages:
+        found.append(("packages_modified", "warning", {"paths": packages[:100], "count": len(packages)}))
+    if rest:
+        found.append(("protected_path_modified", "critical", {"paths": rest[:100]}))
+    return found
+
+
+def denied_syscall_severity(syscall: str) -> str:
+    return "critical" if syscall in _CRITICAL_SYSCALLS else "warning"
+
+
+class EventThrottle:
+    """Repeats of one kernel-reported event (a refused syscall, a read of a sensitive path) per sandbox, so a
+    sandbox looping on one cannot flood the audit log: the first occurrence is reported at the next ``due``,
+    later ones are counted and reported at most once per ``window_s`` (count since the last report, total,
+    and the first few occurrences). Keys are counted apart up to ``max_keys`` per sandbox and kind (a sandbox
+    opening thousands of new files under a sensitive directory); beyond that they share the key OTHER_KEY."""
+
+    OTHER_KEY = "(other)"
+
+    def __init__(self, window_s: float = 30.0, samples: int = 5, max_keys: int = 64) -> None:
+        self._window_s = window_s
+        self._samples = samples
+        self._max_keys = max_keys
+        # (sandbox_id, kind, key) -> [severity, pending count, total, last report time, samples]
+        self._entries: dict[tuple[str, str, str], list[Any]] = {}
+        self._keys: dict[tuple[str, str], int] = {}  # distinct keys per (sandbox_id, kind)
+
+    def add(self, sandbox_id: str, kind: str, severity: str, key: str, sample: dict[str, Any]) -> None:
+        if (sandbox_id, kind, key) not in self._entries:
+            if self._keys.get((sandbox_id, kind), 0) >= self._max_keys:
+                key = self.OTHER_KEY
+            if (sandbox_id, kind, key) not in self._entries:
+                self._keys[(sandbox_id, kind)] = self._keys.get((sandbox_id, kind), 0) + 1
+        entry = self._entries.setdefault((sandbox_id, kind, key), [severity, 0, 0, None, []])
+        entry[1] += 1
+        entry[2] += 1
+        if len(entry[4]) < self._samples:
+            entry[4].append(sample)
+
+    def due(self, now: float) -> list[tuple[str, str, str, dict[str, Any]]]:
+        """(sandbox_id, kind, severity, detail) to record now."""
+        out = []
+        for (sandbox_id, kind, key), entry in self._entries.items():
+            severity, pending, total, last, samples = entry
+            if pending and (last is None or now - last >= self._window_s):
+                detail = {"key": key, "count": pending, "total": total, "first": samples}
+                out.append((sandbox_id, kind, severity, detail))
+                entry[1], entry[3], entry[4] = 0, now, []
+        return out
+
+    def forget(self, sandbox_id: str) -> None:
+        for key in [k for k in self._entries if k[0] == sandbox_id]:
+            del self._entries[key]
+        for pair in [k for k in self._keys if k[0] == sandbox_id]:
+            del self._keys[pair]
 
 
 class AuditLog:

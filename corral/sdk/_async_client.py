@@ -65,6 +65,7 @@ from corral.sdk._models import (
 __all__ = ["AsyncClient", "AsyncSandbox", "AsyncFiles", "AsyncImages"]
 
 DEFAULT_TIMEOUT_S = 60.0
+VM_CREATE_TIMEOUT_S = 600.0
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -591,6 +592,7 @@ class AsyncClient:
         network: NetworkPolicy | dict[str, Any] | None = None,
         protected_paths: list[str] | None = None,
         disk_mb: int | None = None,
+        sensitive_paths: list[str] | None = None,
     ) -> AsyncSandbox:
         """Create a sandbox from ``image``, an ``environment`` ({base, workspace, tools}), or ``layers``."""
         fields = {
@@ -598,10 +600,14 @@ class AsyncClient:
             "cpu": cpu, "memory_mb": memory_mb, "pids_max": pids_max, "env": env or {}, "cwd": cwd, "user": user,
             "labels": labels or {}, "ttl_s": ttl_s, "idle_pause_s": idle_pause_s,
             "ttl_counts_paused": ttl_counts_paused, "network": network, "protected_paths": protected_paths or [],
-            "disk_mb": disk_mb,
+            "disk_mb": disk_mb, "sensitive_paths": sensitive_paths or [],
         }  # fmt: skip
         body = _validated(CreateSandboxRequest, fields)
-        response = await self._transport.request("POST", "/v1/sandboxes", json=body.model_dump(mode="json"))
+        # A VM boots (and its first create on a node may build its disk): give it the server's own bound.
+        wait_s = None if body.backend == "container" else VM_CREATE_TIMEOUT_S
+        response = await self._transport.request(
+            "POST", "/v1/sandboxes", json=body.model_dump(mode="json"), timeout_s=wait_s
+        )
         return self._handle(SandboxInfo.model_validate(response.json()))
 
     async def get(self, sandbox_id: str) -> AsyncSandbox:

@@ -154,6 +154,12 @@ class CreateSandboxRequest(_Model):
         description="Paths (prefixes) whose modification raises a critical audit event, e.g. the task's tests; "
         "system binaries and libraries are always protected.",
     )
+    sensitive_paths: list[str] = Field(
+        default_factory=list,
+        description="Paths (files or directory trees) whose reading raises a critical audit event "
+        "(sensitive_path_read), e.g. where hidden answers or logs of past runs could be; opening a file or "
+        "listing a directory there counts.",
+    )
 
 
 class SandboxInfo(_Model):
@@ -372,7 +378,8 @@ class AuditEvent(_Model):
     at: float
     kind: str = Field(
         description="e.g. oom_kill, pids_limit, timeout, output_capped, protected_path_modified, "
-        "network_denied, and detector findings such as probe_kernel_memory or modifies_tests"
+        "packages_modified, network_denied, syscall_denied, sensitive_path_read, and detector findings such as "
+        "probe_kernel_memory or modifies_tests"
     )
     severity: Literal["info", "warning", "critical"]
     detail: dict[str, Any]

@@ -26,8 +26,10 @@ from sqlalchemy import (
     and_,
     create_engine,
     event,
+    inspect,
     or_,
     select,
+    text,
     update,
 )
 from sqlalchemy.engine import Engine
@@ -62,6 +64,7 @@ sandboxes = Table(
     Column("paused_at", Float, nullable=True),
     Column("network", JSON, nullable=True),  # NetworkPolicy as JSON; null = loopback only
     Column("protected_paths", JSON, nullable=True),
+    Column("sensitive_paths", JSON, nullable=True),
     Column("disk_mb", Integer, nullable=True),
     Column("ended_at", Float, nullable=True),
     Column("end_reason", String(32), nullable=True),
@@ -119,6 +122,21 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
+def _add_missing_columns(engine: Engine) -> None:
+    """A database made by an older version lacks the nullable columns added since (protected_paths, disk_mb,
+    sensitive_paths, ...): add them, empty. create_all makes missing tables, never missing columns."""
+    existing = inspect(engine)
+    for table in metadata.sorted_tables:
+        if not existing.has_table(table.name):
+            continue
+        present = {column["name"] for column in existing.get_columns(table.name)}
+        for column in table.columns:
+            if column.name not in present and column.nullable:
+                kind = column.type.compile(dialect=engine.dialect)
+                with engine.begin() as conn:
+                    conn.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {kind}'))
+
+
 class StateStore:
     def __init__(self, url: str) -> None:
         if url.startswith("sqlite:///"):
@@ -127,6 +145,7 @@ class StateStore:
         if self._engine.dialect.name == "sqlite":
             event.listen(self._engine, "connect", _sqlite_pragmas)
         metadata.create_all(self._engine)
+        _add_missing_columns(self._engine)
 
     @property
     def engine(self) -> Engine:

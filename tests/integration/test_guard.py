@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 
 import corral
+from corral.sdk._models import AuditEvent
 
 GRADER = (
     'if [ "$(cat /work/answer)" = "$(cat /hidden/expected)" ]; then echo 1 > /reward; else echo 0 > /reward; fi; '
@@ -151,3 +153,97 @@ def test_disk_limit_survives_a_restart(fresh_server) -> None:  # type: ignore[no
         assert handle.exec("cat /kept").stdout == "kept\n"
         assert handle.snapshot().diff.size_bytes > 0  # the edge sees the writable layer again
         handle.kill()
+
+
+def _events(
+    sandbox: corral.Sandbox, kind: str, wait_s: float = 10.0, key: str | None = None, after_id: int = 0
+) -> list[AuditEvent]:
+    """The sandbox's events of one kind (and key), waiting for the first: kernel-reported ones arrive with
+    the edge's housekeeping, about once a second."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        events = sandbox.audit_events(after_id=after_id)
+        found = [e for e in events if e.kind == kind and (key is None or e.detail["key"] == key)]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
+def test_refused_syscalls_are_events(client: corral.Client) -> None:
+    last = max([e.id for e in client.audit_events()], default=0)
+    with client.create("busybox") as sandbox, client.create("busybox") as bystander:
+        result = sandbox.exec("unshare -m true; echo rc=$?; mount -t tmpfs none /mnt; echo rc=$?")
+        assert result.stdout == "rc=1\nrc=1\n"  # EPERM from seccomp
+        unshare = _events(sandbox, "syscall_denied", key="unshare")
+        assert unshare and unshare[0].severity == "warning"
+        assert unshare[0].detail["first"][0]["comm"] == "unshare"  # named after the process exited
+        assert _events(sandbox, "syscall_denied", key="mount")
+        assert _events(bystander, "syscall_denied", wait_s=0) == []
+        streamed = client.audit_events(after_id=last, wait_s=5)  # the node-wide stream has them too
+        assert any(e.kind == "syscall_denied" and e.sandbox_id == sandbox.id for e in streamed)
+
+
+def test_a_sandbox_looping_on_a_refused_syscall_cannot_flood_the_log(client: corral.Client) -> None:
+    with client.create("busybox") as sandbox:
+        loop = sandbox.exec("i=0; while [ $i -lt 1000 ]; do unshare -m true 2>/dev/null; i=$((i+1)); done; echo $i")
+        assert loop.stdout == "1000\n"
+        time.sleep(4.5)  # two repeat windows (CORRAL_AUDIT_REPEAT_WINDOW_S=2 in tests)
+        events = _events(sandbox, "syscall_denied", key="unshare")
+        assert 1 <= len(events) <= 8  # first occurrence, then one summary per window
+        assert max(e.detail["total"] for e in events) == sum(e.detail["count"] for e in events) == 1000
+        assert all(len(e.detail["first"]) <= 5 for e in events)
+        assert sandbox.exec("echo alive").stdout == "alive\n"
+
+
+def test_reading_a_sensitive_path_is_a_critical_event(client: corral.Client) -> None:
+    sensitive = ["/work/hidden/", "/etc/answer.txt"]
+    with client.create("busybox", sensitive_paths=sensitive) as sandbox, client.create("busybox") as other:
+        sandbox.files.write("/work/hidden/expected.txt", "42\n")  # the task's setup; it did not exist at create
+        sandbox.files.write("/etc/answer.txt", "42\n")
+        assert sandbox.files.read_text("/work/hidden/expected.txt") == "42\n"  # the trainer's own reads don't count
+        sandbox.exec("cat /etc/passwd /work/notes 2>/dev/null; ls /work")  # near, but not sensitive
+        other.exec("mkdir -p /work/hidden && echo 1 > /work/hidden/expected.txt && cat /work/hidden/expected.txt")
+        time.sleep(2.5)
+        assert _events(sandbox, "sensitive_path_read", wait_s=0) == []
+        assert _events(other, "sensitive_path_read", wait_s=0) == []
+
+        assert sandbox.exec("cat /work/hidden/expected.txt").stdout == "42\n"  # reading is not prevented...
+        read = _events(sandbox, "sensitive_path_read", key="/work/hidden/expected.txt")  # ...but it is seen
+        assert read and read[0].severity == "critical" and read[0].detail["first"][0]["path"] == read[0].detail["key"]
+        sandbox.exec("grep -r 4 /etc/ >/dev/null; ls /work/hidden")
+        assert _events(sandbox, "sensitive_path_read", key="/etc/answer.txt")
+        assert _events(sandbox, "sensitive_path_read", key="/work/hidden")
+        # Moving a file out first does not shake the watch off: the mark follows the file.
+        sandbox.exec("mv /etc/answer.txt /work/moved && cat /work/moved >/dev/null")
+        assert _events(sandbox, "sensitive_path_read", key="/work/moved")
+        # Nor does replacing the directory: it is marked again after each command.
+        sandbox.exec("mv /work/hidden /work/old && mkdir /work/hidden && echo 43 > /work/hidden/expected.txt")
+        last = sandbox.audit_events()[-1].id
+        sandbox.exec("cat /work/hidden/expected.txt")
+        assert _events(sandbox, "sensitive_path_read", key="/work/hidden/expected.txt", after_id=last)
+
+
+def test_kernel_events_still_map_after_a_restart(fresh_server) -> None:  # type: ignore[no-untyped-def]
+    with fresh_server.client() as client:
+        sandbox = client.create("busybox", sensitive_paths=["/work/hidden/"])
+        sandbox.exec("mkdir -p /work/hidden && echo 42 > /work/hidden/expected")
+    fresh_server.stop()
+    fresh_server.start()
+    with fresh_server.client() as client:
+        handle = client.connect(sandbox)
+        handle.exec("unshare -m true; cat /work/hidden/expected")  # run by the agent the new edge attached
+        assert _events(handle, "syscall_denied", key="unshare")
+        assert _events(handle, "sensitive_path_read", key="/work/hidden/expected")
+        handle.kill()
+
+
+def test_forks_are_watched_like_their_parent(client: corral.Client) -> None:
+    with client.create("busybox", sensitive_paths=["/work/hidden/"], protected_paths=["/work/tests/"]) as parent:
+        parent.exec("mkdir -p /work/hidden /work/tests && echo 42 > /work/hidden/expected && echo t > /work/tests/t")
+        (child,) = parent.fork(1)
+        try:
+            child.exec("cat /work/hidden/expected; echo weakened > /work/tests/t")
+            assert _events(child, "sensitive_path_read", key="/work/hidden/expected")
+            assert any(e.kind == "protected_path_modified" for e in child.audit_events())
+        finally:
+            child.kill()

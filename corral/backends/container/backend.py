@@ -22,6 +22,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from corral.backends.base import (
     CommandEvent,
@@ -35,11 +36,12 @@ from corral.backends.base import (
 from corral.backends.container.agent_protocol import AgentConnection, AgentExit, AgentOutput, AgentStarted, ExecOrder
 from corral.backends.container.files import ConfinedTree
 from corral.backends.container.host import CgroupLayout, LayerMounts, NativeHelpers, orphans
+from corral.backends.container.kernel_watch import SeccompDenials, SensitiveReads, session_of
 from corral.backends.container.memory import CgroupMemory, prefetch_swapped
 from corral.backends.container.network import AllowRule, DeniedCounts, NetworkFabric
 from corral.backends.container.oci import AGENT_PATH, ContainerLimits, build_config
 from corral.backends.container.runtime import OciRuntime, Overlay
-from corral.guard.audit import PROTECTED_PREFIXES
+from corral.guard.audit import PACKAGE_PREFIXES, PROTECTED_PREFIXES, EventThrottle, denied_syscall_severity
 from corral.images.erofs import build_erofs
 from corral.images.store import check_layer_file
 from corral.sdk._exceptions import Conflict, InternalError, NotFound, SandboxGone
@@ -233,6 +235,7 @@ class ContainerBackend:
         agent_start_timeout_s: float,
         layer_idle_unmount_s: float,
         create_concurrency: int,
+        audit_repeat_window_s: float,
     ) -> None:
         self._dir = data_dir / "sandboxes"
         self._dir.mkdir(parents=True, exist_ok=True)
@@ -249,6 +252,11 @@ class ContainerBackend:
         # One router namespace per server (its data dir), created when the first sandbox needs a network.
         self._fabric = NetworkFabric("n" + hashlib.sha256(str(data_dir).encode()).hexdigest()[:10])
         self._fabric_started = False
+        self._denials = SeccompDenials()
+        self._reads = SensitiveReads()
+        self._kernel_events = EventThrottle(window_s=audit_repeat_window_s)
+        self._sandbox_of_session: dict[int, str] = {}
+        self._own_session = session_of(os.getpid())
 
     def runtime(self, name: str | None) -> OciRuntime:
         name = name or self._default_runtime
@@ -304,6 +312,7 @@ class ContainerBackend:
             limits=ContainerLimits(cpu=spec.cpu, memory_mb=spec.memory_mb, pids_max=spec.pids_max),
             cgroup_path=self._cgroup_path(spec.sandbox_id),
             agent_binary=self._helpers.agent,
+            log_denials=runtime.name == "crun",
         )
         (bundle / "config.json").write_text(json.dumps(config))
         edge_end, agent_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -326,6 +335,7 @@ class ContainerBackend:
         container = _Container(spec, runtime, agent, init_pid, self._memory(spec.sandbox_id))
         container.baseline = await asyncio.to_thread(_pristine_state, upper, init_pid)
         self._containers[spec.sandbox_id] = container
+        self._watch_kernel(container)
         if spec.network is not None:
             try:
                 await self._plug(container, spec.network)
@@ -381,6 +391,7 @@ class ContainerBackend:
             return None
         container = _Container(spec, runtime, agent, state.pid, self._memory(spec.sandbox_id), paused=paused)
         self._containers[spec.sandbox_id] = container
+        self._watch_kernel(container)
         if spec.network is not None:  # the router namespace died with the old server: plug in again
             await self._plug(container, spec.network)
         return "paused" if paused else "running"
@@ -418,6 +429,7 @@ class ContainerBackend:
 
     async def destroy(self, sandbox_id: str) -> None:
         container = self._containers.pop(sandbox_id, None)
+        self._forget_kernel(sandbox_id)
         if self._fabric.address_of(sandbox_id) is not None:
             await asyncio.to_thread(self._fabric.detach, sandbox_id)
         if container is not None:
@@ -500,8 +512,10 @@ class ContainerBackend:
     async def findings(self, sandbox_id: str) -> tuple[list[str], int]:
         container = self._get(sandbox_id)
         upper = self._upper(sandbox_id)
-        prefixes = (*PROTECTED_PREFIXES, *container.spec.protected_paths)
+        prefixes = (*PACKAGE_PREFIXES, *PROTECTED_PREFIXES, *container.spec.protected_paths)
         changed = _changed_under(upper, prefixes)  # a dozen stats in the usual case: no thread hop
+        if container.spec.sensitive_paths:  # files written or directories replaced since get marks too
+            await asyncio.to_thread(self._reads.mark, sandbox_id, self._root(container), container.spec.sensitive_paths)
         try:
             events = self._cgroup_file(sandbox_id, "pids", "pids.events").read_text().split()
             pid_limit_hits = int(events[events.index("max") + 1]) if "max" in events else 0
@@ -588,10 +602,59 @@ class ContainerBackend:
         orphans.reap()
         self._mounts.unmount_idle(self._layer_idle_unmount_s)
 
+    def _root(self, container: _Container) -> str:
+        return f"/proc/{container.init_pid}/root"
+
+    def _watch_kernel(self, container: _Container) -> None:
+        """Map the container's audit sessions (its init's, and an adopted agent's) to it, and mark its
+        sensitive paths."""
+        sandbox_id = container.spec.sandbox_id
+        for pid in {container.init_pid, *container.memory.pids()}:
+            session = session_of(pid)
+            if session is not None and session != self._own_session:
+                self._sandbox_of_session[session] = sandbox_id
+        self._reads.mark(sandbox_id, self._root(container), container.spec.sensitive_paths)
+
+    def _forget_kernel(self, sandbox_id: str) -> None:
+        for session in [k for k, v in self._sandbox_of_session.items() if v == sandbox_id]:
+            del self._sandbox_of_session[session]
+        self._reads.forget(sandbox_id)
+        self._kernel_events.forget(sandbox_id)
+
+    def _sandbox_of_pid(self, session: int | None, pid: int) -> str | None:
+        """By the audit session (works after the process exited), else by a live process's cgroup."""
+        if session is not None and session in self._sandbox_of_session:
+            return self._sandbox_of_session[session]
+        try:
+            lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+        except OSError:
+            return None
+        for line in lines:
+            parts = line.split(":", 2)[-1].split("/")
+            if len(parts) > 2 and parts[1] == "corral" and parts[2] in self._containers:
+                return parts[2]
+        return None
+
+    def kernel_events(self) -> list[tuple[str, str, str, dict[str, Any]]]:
+        for record in self._denials.read():
+            sandbox_id = self._sandbox_of_pid(record.session, record.pid)
+            if sandbox_id is None:
+                continue
+            sample = {"pid": record.pid, "comm": record.comm, "exe": record.exe}
+            severity = denied_syscall_severity(record.syscall)
+            self._kernel_events.add(sandbox_id, "syscall_denied", severity, record.syscall, sample)
+        for read in self._reads.read():
+            if read.sandbox_id in self._containers:
+                sample = {"pid": read.pid, "path": read.path}
+                self._kernel_events.add(read.sandbox_id, "sensitive_path_read", "critical", read.path, sample)
+        return self._kernel_events.due(time.monotonic())
+
     async def close(self) -> None:
         for container in self._containers.values():
             container.agent.close()
         self._containers.clear()
+        self._denials.close()
+        self._reads.close()
         self._mounts.unmount_all()
         if self._fabric_started:
             await asyncio.to_thread(self._fabric.close)

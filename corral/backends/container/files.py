@@ -421,6 +421,11 @@ class ConfinedTree:
                     os.utime(dir_fd, ns=times)
         return created
 
+    def open_fd(self, path: str, flags: int) -> int:
+        """A raw fd for ``path``, resolved by the kernel inside the root (procfs and sysfs refused); the caller
+        closes it. Raises OSError."""
+        return self._open(_normalise(path), flags)
+
     # -- helpers ------------------------------------------------------------
 
     def _root(self) -> int:

@@ -3,7 +3,8 @@ security profile lives here.
 
 Isolation: new mount, PID, UTS, IPC and network namespaces (the network one
 has only loopback); cgroup limits for CPU, memory and PIDs; a seccomp profile
-that refuses what sandboxed agents never need; a reduced capability set;
+that refuses what sandboxed agents never need (and has the kernel log each refusal);
+extent-swapping ioctls and new namespaces refused; a reduced capability set;
 no_new_privs; masked and read-only /proc and /sys paths. The agent binary is
 bind-mounted read-only at AGENT_PATH and runs as the container's init.
 """
@@ -14,7 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["AGENT_PATH", "ContainerLimits", "build_config", "CAPABILITIES", "DENIED_SYSCALLS"]
+__all__ = [
+    "AGENT_PATH",
+    "CAPABILITIES",
+    "CLONE_NAMESPACE_FLAGS",
+    "DENIED_IOCTLS",
+    "DENIED_SYSCALLS",
+    "ContainerLimits",
+    "build_config",
+]
 
 AGENT_PATH = "/.corral/agent"
 CFS_PERIOD_US = 100_000
@@ -97,8 +106,33 @@ DENIED_SYSCALLS = [
     "afs_syscall",
     "fanotify_init",
 ]
-# Answered ENOSYS so that glibc falls back to clone(2) (EPERM would break threads).
-ENOSYS_SYSCALLS = ["clone3"]
+# clone3 is answered ENOSYS (glibc falls back to clone; EPERM would break threads) by corral-launch's own,
+# unlogged filter (--refuse-clone3): glibc tries it before every thread and spawn, and this filter logs.
+
+# clone(2) with any of these flags: a new namespace (a user namespace above all, which unprivileged processes
+# could otherwise make, and with it mount and network namespaces of their own). One rule per bit, because a
+# rule's argument checks must all hold. (CLONE_NEWTIME is left out: in clone(2) that bit is the exit signal.)
+CLONE_NAMESPACE_FLAGS = {
+    "CLONE_NEWNS": 0x00020000,
+    "CLONE_NEWCGROUP": 0x02000000,
+    "CLONE_NEWUTS": 0x04000000,
+    "CLONE_NEWIPC": 0x08000000,
+    "CLONE_NEWUSER": 0x10000000,
+    "CLONE_NEWPID": 0x20000000,
+    "CLONE_NEWNET": 0x40000000,
+}
+
+# ioctl requests refused with EPERM: swapping or moving extents between files (the documented way to read a
+# protected file, which corrupted the filesystem), swapping the boot loader inode, and dedupe (a content
+# oracle). Clone/reflink (FICLONE) stays: cp tries it and falls back, and it shares no data you cannot read.
+DENIED_IOCTLS = {
+    "EXT4_IOC_MOVE_EXT": 0xC028660F,
+    "EXT4_IOC_SWAP_BOOT": 0x00006611,
+    "XFS_IOC_SWAPEXT": 0xC0C0586D,
+    "XFS_IOC_EXCHANGE_RANGE": 0x40285881,
+    "FIDEDUPERANGE": 0xC0189436,
+}
+_IOCTL_CMD_MASK = 0xFFFFFFFF  # the kernel truncates the request to 32 bits: compare only those
 
 MASKED_PATHS = [
     "/proc/acpi",
@@ -129,13 +163,24 @@ class ContainerLimits:
     pids_max: int
 
 
-def _seccomp() -> dict[str, Any]:
+def _seccomp(log_denials: bool) -> dict[str, Any]:
+    """With ``log_denials`` (SECCOMP_FILTER_FLAG_LOG; crun has it, runc 1.1 refuses flags) the kernel writes an
+    audit record (type 1326) for every refused call, which the edge turns into audit events (kernel_watch.py)."""
+
+    def refused_when(name: str, index: int, mask: int, value: int) -> dict[str, Any]:
+        masked = {"index": index, "value": mask, "valueTwo": value, "op": "SCMP_CMP_MASKED_EQ"}
+        return {"names": [name], "action": "SCMP_ACT_ERRNO", "errnoRet": 1, "args": [masked]}
+
+    ioctls = [refused_when("ioctl", 1, _IOCTL_CMD_MASK, request) for request in DENIED_IOCTLS.values()]
+    clones = [refused_when("clone", 0, flag, flag) for flag in CLONE_NAMESPACE_FLAGS.values()]
     return {
         "defaultAction": "SCMP_ACT_ALLOW",
         "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
+        **({"flags": ["SECCOMP_FILTER_FLAG_LOG"]} if log_denials else {}),
         "syscalls": [
             {"names": DENIED_SYSCALLS, "action": "SCMP_ACT_ERRNO", "errnoRet": 1},
-            {"names": ENOSYS_SYSCALLS, "action": "SCMP_ACT_ERRNO", "errnoRet": 38},
+            *ioctls,
+            *clones,
         ],
     }
 
@@ -179,6 +224,7 @@ def build_config(
     limits: ContainerLimits,
     cgroup_path: str,
     agent_binary: Path,
+    log_denials: bool = True,
 ) -> dict[str, Any]:
     """The config.json for one sandbox; ``root.path`` is ``rootfs`` in the bundle."""
     capabilities = {key: list(CAPABILITIES) for key in ("bounding", "effective", "permitted")}
@@ -205,7 +251,7 @@ def build_config(
                 "pids": {"limit": limits.pids_max},
                 "devices": [{"allow": False, "access": "rwm"}],
             },
-            "seccomp": _seccomp(),
+            "seccomp": _seccomp(log_denials),
             "maskedPaths": MASKED_PATHS,
             "readonlyPaths": READONLY_PATHS,
         },

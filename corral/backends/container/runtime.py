@@ -107,8 +107,9 @@ class OciRuntime:
         pid_file = bundle.parent / "init.pid"
         args = [
             str(self._launch), "--overlay", lowers, str(overlay.upper), str(overlay.work), str(bundle / "rootfs"),
-            "--ctl-fd", str(ctl.fileno()), "--oom-score-adj", str(AGENT_OOM_SCORE_ADJ), "--",
-            *self._base(), "run", "--detach", "--preserve-fds", "1", "--pid-file", str(pid_file),
+            "--ctl-fd", str(ctl.fileno()), "--oom-score-adj", str(AGENT_OOM_SCORE_ADJ),
+            "--audit-session", "--refuse-clone3",
+            "--", *self._base(), "run", "--detach", "--preserve-fds", "1", "--pid-file", str(pid_file),
             "--bundle", str(bundle), container_id,
         ]  # fmt: skip
         await self._run(args, pass_fds=(ctl.fileno(),), log_file=bundle.parent / "runtime.log")
@@ -117,7 +118,7 @@ class OciRuntime:
     async def exec_attached(self, container_id: str, ctl: socket.socket, agent_path: str, log_file: Path) -> None:
         """Start a second agent in a running container (re-attach after an edge restart)."""
         args = [
-            str(self._launch), "--ctl-fd", str(ctl.fileno()), "--",
+            str(self._launch), "--ctl-fd", str(ctl.fileno()), "--audit-session", "--refuse-clone3", "--",
             *self._base(), "exec", "--detach", "--preserve-fds", "1", container_id, agent_path,
         ]  # fmt: skip
         await self._run(args, pass_fds=(ctl.fileno(),), log_file=log_file)

@@ -32,6 +32,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from corral.backends.base import (
     CommandEvent,
@@ -54,7 +55,7 @@ from corral.guard.audit import PROTECTED_PREFIXES
 from corral.images.erofs import build_erofs
 from corral.sdk._exceptions import Conflict, InternalError, InvalidRequest, NotFound, SandboxGone, ServerUnavailable
 
-__all__ = ["VmBackend", "MIN_GUEST_MEMORY_MB"]
+__all__ = ["VmBackend", "MIN_GUEST_MEMORY_MB", "DEFAULT_DISK_MB", "root_disk_image"]
 
 log = logging.getLogger("corral.vm")
 
@@ -129,7 +130,7 @@ def _scratch_template(vm_dir: Path, size_mb: int) -> Path:
     return path
 
 
-def _root_disk_image(vm_dir: Path, layers: tuple[Path, ...], size_mb: int) -> Path:
+def root_disk_image(vm_dir: Path, layers: tuple[Path, ...], size_mb: int) -> Path:
     """A full ext4 disk of the stacked layers (what a q35 guest boots as its root), once per node per stack."""
     key = hashlib.sha256("|".join([str(size_mb), *(p.name for p in layers)]).encode()).hexdigest()[:16]
     path = vm_dir / "disks" / f"root-{key}.ext4"
@@ -235,7 +236,7 @@ class VmBackend:
             backing = await asyncio.to_thread(_scratch_template, self._vm_dir, size_mb)
             machine_layers = tuple(str(path) for path in layer_files)
         else:
-            backing = await asyncio.to_thread(_root_disk_image, self._vm_dir, layer_files, size_mb)
+            backing = await asyncio.to_thread(root_disk_image, self._vm_dir, layer_files, size_mb)
             machine_layers = ()
         await asyncio.to_thread(
             _run, ["qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b", str(backing), str(disk)]
@@ -275,6 +276,11 @@ class VmBackend:
         raise ServerUnavailable(f"the guest did not boot ({what}); console:\n{console_tail(machine.directory)}")
 
     async def create(self, spec: SandboxSpec) -> str | None:
+        if spec.sensitive_paths:
+            raise InvalidRequest(
+                f"sensitive_paths are watched from the host's kernel, which cannot see into a {self._kind}: "
+                "use a container for sandboxes with sensitive paths"
+            )
         directory = self._machine_dir(spec.sandbox_id)
         directory.mkdir(parents=True, exist_ok=True)
         machine: Machine | None = None
@@ -682,6 +688,9 @@ class VmBackend:
         fabric = await self._network_fabric()
         denied = await asyncio.to_thread(fabric.denied, f"/run/netns/{vm.machine.config.netns}")
         return fabric.address_of(sandbox_id), denied
+
+    def kernel_events(self) -> list[tuple[str, str, str, dict[str, Any]]]:
+        return []  # a guest's syscalls go to its own kernel: the host's audit log never sees them
 
     def housekeeping(self) -> None:
         return None

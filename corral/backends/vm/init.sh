@@ -91,7 +91,24 @@ case "$init_link" in
     *) init_file="/sysroot/sbin/$init_link" ;;
 esac
 if [ "$(arg corral.init)" = 1 ] && [ -x "$init_file" ]; then
-    /agent --dev "$port" --root /sysroot --enter-root --tool /bin/busybox &
+    # The image's init system takes PID 1; the agent becomes one of its services, started early and
+    # restarted if it dies. Its binaries live in /run (a tmpfs handed over to the new root), never on disk.
+    mkdir -p /sysroot/run
+    mount -t tmpfs -o mode=755,nosuid,nodev run /sysroot/run
+    mkdir -p /sysroot/run/corral /sysroot/run/systemd/system/sysinit.target.wants
+    cp /agent /bin/busybox /sysroot/run/corral/
+    cat >/sysroot/run/systemd/system/corral-agent.service <<UNIT
+[Unit]
+Description=Corral guest agent
+DefaultDependencies=no
+
+[Service]
+ExecStart=/run/corral/agent --dev $port --tool /run/corral/busybox
+Restart=always
+RestartSec=100ms
+KillMode=process
+UNIT
+    ln -s ../corral-agent.service /sysroot/run/systemd/system/sysinit.target.wants/corral-agent.service
     exec switch_root /sysroot /sbin/init
 fi
 exec /agent --dev "$port" --root /sysroot --tool /bin/busybox

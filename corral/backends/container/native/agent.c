@@ -15,9 +15,6 @@
  *                so file operations need nothing from the sandbox's image.
  *                Flag 4 runs it without the chroot (e.g. to pack the
  *                writable layer, which only the guest's own root shows).
- *   --enter-root the agent itself moves into --root at start (when the guest
- *                hands PID 1 to its own init with switch_root, which empties
- *                the initramfs the agent would otherwise be left in).
  *
  * Wire format (little endian), both directions:
  *   u32 length (of what follows) | u8 type | u32 job id | payload
@@ -491,15 +488,7 @@ static void reconnect_dev(void) {
 
 int main(int argc, char **argv) {
     const char *tool = NULL;
-    int enter_root = 0;
     ctl = 3;
-    for (int i = 1; i < argc; i++)
-        if (strcmp(argv[i], "--enter-root") == 0) {
-            enter_root = 1;
-            for (int k = i; k + 1 < argc; k++) argv[k] = argv[k + 1];
-            argc--;
-            break;
-        }
     for (int i = 1; i + 1 < argc; i += 2) {
         if (strcmp(argv[i], "--fd") == 0) ctl = atoi(argv[i + 1]);
         else if (strcmp(argv[i], "--dev") == 0) ctl_dev = argv[i + 1];
@@ -507,13 +496,6 @@ int main(int argc, char **argv) {
         else if (strcmp(argv[i], "--tool") == 0) tool = argv[i + 1];
     }
     if (tool) tool_fd = open(tool, O_RDONLY | O_CLOEXEC);
-    if (enter_root && sandbox_root) {
-        if (chroot(sandbox_root) < 0 || chdir("/") < 0) {
-            perror("corral-agent: cannot enter the sandbox root");
-            return 1;
-        }
-        sandbox_root = NULL;  /* already inside: commands need no chroot of their own */
-    }
     if (ctl_dev) ctl = -1;
     prctl(PR_SET_DUMPABLE, 0);
     /* `crun exec` (a re-attached agent) does not set no_new_privs; every command must inherit it. */

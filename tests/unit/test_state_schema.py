@@ -1,0 +1,28 @@
+"""A database made by an older version opens: the nullable columns added since are added, empty."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy import create_engine, text
+
+from corral.state.db import StateStore
+
+
+def test_columns_added_since_are_added_to_an_old_database(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'corral.db'}"
+    StateStore(url).engine.dispose()
+    old = create_engine(url)
+    with old.begin() as conn:  # what the sandboxes table looked like before these columns existed
+        for column in ("sensitive_paths", "disk_mb", "protected_paths"):
+            conn.execute(text(f"ALTER TABLE sandboxes DROP COLUMN {column}"))
+        conn.execute(text("INSERT INTO sandboxes (id, edge_id, state, image, backend, runtime, cpu, memory_mb, "
+                          "pids_max, user, cwd, env, layers, labels, created_at, ttl_counts_paused) VALUES "
+                          "('sb-e0-old', 'e0', 'running', 'busybox', 'container', 'crun', 1, 512, 256, 'root', "
+                          "'/', '{}', '[]', '{}', 0, 0)"))  # fmt: skip
+    old.dispose()
+    store = StateStore(url)
+    record = store.get("sb-e0-old")
+    assert record["sensitive_paths"] is None and record["disk_mb"] is None and record["protected_paths"] is None
+    store.insert({**record, "id": "sb-e0-new", "sensitive_paths": ["/work/hidden/"]})
+    assert store.get("sb-e0-new")["sensitive_paths"] == ["/work/hidden/"]
