@@ -36,6 +36,43 @@ def test_background_processes_do_not_survive_the_call(client: corral.Client) -> 
         assert "sleep 30" not in client.fncall("ps -o args").stdout
 
 
+def _pool(client: corral.Client, image: str, memory_mb: int = 256) -> corral.PoolStats:
+    return next(p for p in client.fncall_pools() if p.image == image and p.memory_mb == memory_mb and not p.network)
+
+
+def _settled(client: corral.Client, image: str, memory_mb: int = 256) -> corral.PoolStats:
+    """The pool once every call has handed its sandbox back (that happens just after the answer)."""
+    deadline = time.monotonic() + 10
+    while _pool(client, image, memory_mb).in_use and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    return _pool(client, image, memory_mb)
+
+
+def test_sysv_ipc_objects_are_not_seen_by_the_next_call(client: corral.Client) -> None:
+    """Only the sandbox's own IPC namespace holds them (the host's /proc/sysvipc does not show them)."""
+    made = client.fncall("(ipcmk -M 4096 && ipcmk -Q && ipcmk -S 1) >/dev/null && ipcs | grep -c 0x", image="debian-12")
+    assert made.stdout.strip() == "3", made.stderr
+    replaced = _settled(client, "debian-12").replaced
+    for _ in range(6):  # whichever pooled sandbox serves it
+        assert client.fncall("ipcs | grep -c 0x; true", image="debian-12").stdout.strip() == "0"
+    assert _settled(client, "debian-12").replaced == replaced  # the sandbox that held them was not reused
+
+
+def test_a_call_that_wrote_is_replaced_and_the_pool_recovers(client: corral.Client) -> None:
+    client.fncall("true")
+    before = _settled(client, "busybox")
+    for i in range(4):
+        assert client.fncall(f"echo {i} > /tmp/mine; cat /tmp/mine").stdout == f"{i}\n"
+    after = _settled(client, "busybox")
+    assert after.replaced >= before.replaced + 4  # a sandbox with a written file never serves again
+    deadline = time.monotonic() + 10
+    while (after := _pool(client, "busybox")).warm < after.target and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert after.warm >= after.target  # ... and the pool refilled
+    assert client.fncall("ls /tmp").stdout == ""
+
+
 def test_hostile_calls_leave_the_pool_healthy(client: corral.Client) -> None:
     oom = client.fncall("tail /dev/zero", memory_mb=32, timeout_s=30)
     assert oom.oom_killed and oom.exit_code == -9
@@ -50,8 +87,7 @@ def test_hostile_calls_leave_the_pool_healthy(client: corral.Client) -> None:
 def test_pure_calls_reuse_warm_sandboxes(client: corral.Client) -> None:
     for _ in range(10):
         client.fncall("echo reuse-me")
-    time.sleep(0.3)
-    pool = next(p for p in client.fncall_pools() if p.image == "busybox" and p.memory_mb == 256 and not p.network)
+    pool = _settled(client, "busybox")
     assert pool.recycled >= 5 and pool.hits >= 5
     assert pool.warm >= 1 and pool.hits + pool.misses >= 10
 
