@@ -75,7 +75,7 @@ _ERROR_RESPONSES = {
 }  # fmt: skip
 
 
-def _authenticate(
+async def _authenticate(
     request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> Caller:
     """The caller, checked against the sandbox in the path (a job token reaches only its job's sandboxes)."""
@@ -87,19 +87,19 @@ def _authenticate(
     return caller
 
 
-def _service(request: Request) -> SandboxService:
+async def _service(request: Request) -> SandboxService:
     return request.app.state.service.sandboxes  # type: ignore[no-any-return]
 
 
-def _image_service(request: Request) -> ImageService:
+async def _image_service(request: Request) -> ImageService:
     return request.app.state.service.images  # type: ignore[no-any-return]
 
 
-def _fncall(request: Request) -> FnCallService:
+async def _fncall(request: Request) -> FnCallService:
     return request.app.state.service.fncall  # type: ignore[no-any-return]
 
 
-def _trajectories(request: Request) -> Trajectories:
+async def _trajectories(request: Request) -> Trajectories:
     return request.app.state.service.trajectories  # type: ignore[no-any-return]
 
 
