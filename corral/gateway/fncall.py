@@ -63,6 +63,8 @@ _BATCH_CONCURRENCY = 16
 class _Pool:
     template: CreateSandboxRequest
     idle: collections.deque[str] = field(default_factory=collections.deque)
+    # Calls that found no warm sandbox wait here for the next one (returned or started), in order.
+    waiters: collections.deque[asyncio.Future[tuple[str, bool] | None]] = field(default_factory=collections.deque)
     target: int = 1  # the pool's size: warm + starting + in use
     in_use: int = 0
     starting: int = 0
@@ -134,14 +136,36 @@ class FnCallService:
             self._spawn(self._start_one(pool))
 
     async def _start_one(self, pool: _Pool) -> None:
+        sandbox_id = None
         try:
-            pool.idle.append((await self._sandboxes.create(pool.template)).id)
+            sandbox_id = (await self._sandboxes.create(pool.template)).id
         except CorralError as exc:
             log.warning("fncall pool could not start a sandbox: %s", exc.message)
         finally:
             pool.starting -= 1
+        if sandbox_id is None:
+            self._release_stranded(pool)
+        else:
+            self._offer(pool, sandbox_id, warm=False)
+
+    def _offer(self, pool: _Pool, sandbox_id: str, *, warm: bool) -> None:
+        """A ready sandbox goes to the longest-waiting call, else to the warm pool."""
+        while pool.waiters:
+            waiter = pool.waiters.popleft()
+            if not waiter.done():  # a waiting request that went away left a cancelled future
+                waiter.set_result((sandbox_id, warm))
+                return
+        pool.idle.append(sandbox_id)
+
+    def _release_stranded(self, pool: _Pool) -> None:
+        """With nothing starting, waiting calls start their own sandbox (the node budget stopped the refill)."""
+        while pool.waiters and not pool.starting:
+            waiter = pool.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def _take(self, pool: _Pool) -> tuple[str, bool]:
+        """A warm sandbox (a hit); else the next one returned or started, waiting in line; else a new one."""
         pool.in_use += 1
         pool.last_call = time.monotonic()
         pool.target = min(self._max_per_pool, max(pool.target, pool.in_use + self._min_warm))
@@ -150,9 +174,35 @@ class FnCallService:
             sandbox_id = pool.idle.popleft()
             self._refill(pool)
             return sandbox_id, True
-        pool.misses += 1
         self._refill(pool)
-        return (await self._sandboxes.create(pool.template)).id, False
+        taken: tuple[str, bool] | None = None
+        running_calls = pool.in_use - len(pool.waiters) - 1
+        if pool.starting or running_calls > 0:  # one is on its way (a call ends within ms): wait in line for it
+            waiter: asyncio.Future[tuple[str, bool] | None] = asyncio.get_running_loop().create_future()
+            pool.waiters.append(waiter)
+            try:
+                taken = await waiter
+            except BaseException:  # the request went away; a sandbox handed over meanwhile goes to the next
+                pool.in_use -= 1
+                if waiter.done() and not waiter.cancelled() and (handed := waiter.result()) is not None:
+                    self._offer(pool, handed[0], warm=handed[1])
+                elif waiter in pool.waiters:
+                    pool.waiters.remove(waiter)
+                raise
+        if taken is None:
+            taken = (await self._create_for_call(pool)), False
+        if taken[1]:
+            pool.hits += 1
+        else:
+            pool.misses += 1
+        return taken
+
+    async def _create_for_call(self, pool: _Pool) -> str:
+        try:
+            return (await self._sandboxes.create(pool.template)).id
+        except BaseException:
+            pool.in_use -= 1
+            raise
 
     async def _give_back(self, pool: _Pool, sandbox_id: str) -> None:
         """Reuse the sandbox only if the call left nothing behind; else replace it."""
@@ -160,14 +210,15 @@ class FnCallService:
         reusable = False
         with contextlib.suppress(CorralError):
             reusable = await self._sandboxes.call(sandbox_id, lambda edge: edge.recycle(sandbox_id))
-        if reusable and len(pool.idle) < self._max_per_pool:  # housekeeping trims idle pools later
+        if reusable and (pool.waiters or len(pool.idle) < self._max_per_pool):  # housekeeping trims idle pools
             pool.recycled += 1
-            pool.idle.append(sandbox_id)
+            self._offer(pool, sandbox_id, warm=True)
             return
         pool.replaced += int(not reusable)
         with contextlib.suppress(CorralError):
             await self._sandboxes.kill(sandbox_id)
         self._refill(pool)
+        self._release_stranded(pool)
 
     def housekeeping(self) -> None:
         """Shrink pools nobody called for a while back to their minimum."""
