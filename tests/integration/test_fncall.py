@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import time
 
+import httpx
+
 import corral
+from corral.embedded import EmbeddedServer
 
 
 def test_command_call(client: corral.Client) -> None:
@@ -118,3 +121,14 @@ def test_pool_sandboxes_are_hidden_from_listings(client: corral.Client) -> None:
     client.fncall("true")
     assert all("corral.fncall" not in s.labels for s in client.list())
     assert client.list(labels={"corral.fncall": "1"})
+
+
+def test_malformed_calls_are_refused_with_the_field_named(server: EmbeddedServer) -> None:
+    """The route parses its body itself (the hot path): the errors are still the API's 400s."""
+    headers = {"Authorization": f"Bearer {server.api_key}"}
+    bad_limit = httpx.post(f"{server.url}/v1/fncall", json={"cmd": "true", "timeout_s": 0}, headers=headers)
+    assert bad_limit.status_code == 400 and "timeout_s" in bad_limit.json()["error"]["message"]
+    not_json = httpx.post(f"{server.url}/v1/fncall", content=b"{not json", headers=headers)
+    assert not_json.status_code == 400 and not_json.json()["error"]["code"] == "invalid_request"
+    no_key = httpx.post(f"{server.url}/v1/fncall", json={"cmd": "true"})
+    assert no_key.status_code == 401
