@@ -67,6 +67,7 @@ class _Pool:
     waiters: collections.deque[asyncio.Future[tuple[str, bool] | None]] = field(default_factory=collections.deque)
     target: int = 1  # the pool's size: warm + starting + in use
     in_use: int = 0
+    recycling: int = 0  # given back, being checked: counted so that a refill does not replace them
     starting: int = 0
     hits: int = 0
     misses: int = 0
@@ -130,8 +131,12 @@ class FnCallService:
         return sum(len(pool.idle) + pool.starting for pool in self._pools.values())
 
     def _refill(self, pool: _Pool) -> None:
-        """Start sandboxes until the pool (warm, starting and in use) has its target size, within the node budget."""
-        while len(pool.idle) + pool.starting + pool.in_use < pool.target and self._warm_total() < self._warm_budget:
+        """Start sandboxes until the pool (warm, starting, in use, being recycled) has its target size, within the
+        node budget."""
+        while (
+            len(pool.idle) + pool.starting + pool.in_use + pool.recycling < pool.target
+            and self._warm_total() < self._warm_budget
+        ):
             pool.starting += 1
             self._spawn(self._start_one(pool))
 
@@ -157,9 +162,15 @@ class FnCallService:
                 return
         pool.idle.append(sandbox_id)
 
+    @staticmethod
+    def _one_on_its_way(pool: _Pool, waiting: int) -> bool:
+        """Whether a sandbox will become free for the calls waiting: one is starting, being checked, or in use
+        by a call (which ends within milliseconds)."""
+        return bool(pool.starting or pool.recycling or pool.in_use > waiting)
+
     def _release_stranded(self, pool: _Pool) -> None:
-        """With nothing starting, waiting calls start their own sandbox (the node budget stopped the refill)."""
-        while pool.waiters and not pool.starting:
+        """With nothing on its way, waiting calls start their own sandbox (the node budget stopped the refill)."""
+        while pool.waiters and not self._one_on_its_way(pool, len(pool.waiters)):
             waiter = pool.waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
@@ -176,8 +187,7 @@ class FnCallService:
             return sandbox_id, True
         self._refill(pool)
         taken: tuple[str, bool] | None = None
-        running_calls = pool.in_use - len(pool.waiters) - 1
-        if pool.starting or running_calls > 0:  # one is on its way (a call ends within ms): wait in line for it
+        if self._one_on_its_way(pool, len(pool.waiters) + 1):
             waiter: asyncio.Future[tuple[str, bool] | None] = asyncio.get_running_loop().create_future()
             pool.waiters.append(waiter)
             try:
@@ -207,9 +217,13 @@ class FnCallService:
     async def _give_back(self, pool: _Pool, sandbox_id: str) -> None:
         """Reuse the sandbox only if the call left nothing behind; else replace it."""
         pool.in_use -= 1
+        pool.recycling += 1
         reusable = False
-        with contextlib.suppress(CorralError):
-            reusable = await self._sandboxes.call(sandbox_id, lambda edge: edge.recycle(sandbox_id))
+        try:
+            with contextlib.suppress(CorralError):
+                reusable = await self._sandboxes.call(sandbox_id, lambda edge: edge.recycle(sandbox_id))
+        finally:
+            pool.recycling -= 1
         if reusable and (pool.waiters or len(pool.idle) < self._max_per_pool):  # housekeeping trims idle pools
             pool.recycled += 1
             self._offer(pool, sandbox_id, warm=True)
