@@ -132,3 +132,24 @@ def test_malformed_calls_are_refused_with_the_field_named(server: EmbeddedServer
     assert not_json.status_code == 400 and not_json.json()["error"]["code"] == "invalid_request"
     no_key = httpx.post(f"{server.url}/v1/fncall", json={"cmd": "true"})
     assert no_key.status_code == 401
+
+
+async def test_a_burst_waits_for_returned_sandboxes_instead_of_overgrowing_the_pool(
+    aclient: corral.AsyncClient, client: corral.Client
+) -> None:
+    """Concurrent calls into a new pool: calls that find no warm sandbox wait for one given back or started;
+    the pool grows to the concurrency plus its warm minimum (2), not to its cap (32)."""
+    import asyncio
+
+    concurrency, rounds, memory_mb = 12, 6, 96  # a pool of its own
+
+    async def one(i: int) -> str:
+        return (await aclient.fncall(f"echo {i}", memory_mb=memory_mb)).stdout
+
+    for _ in range(rounds):
+        outputs = await asyncio.gather(*(one(i) for i in range(concurrency)))
+        assert outputs == [f"{i}\n" for i in range(concurrency)]
+    pool = _settled(client, "busybox", memory_mb)
+    assert pool.hits + pool.misses == concurrency * rounds
+    assert pool.misses <= concurrency + 2  # only while the pool was growing
+    assert pool.warm <= concurrency + 2 and pool.replaced == 0
