@@ -11,7 +11,7 @@
    sandboxes share this machine's cores, so the rate is a floor, not a ceiling.
    Beside it, the CPU each call cost, split into the client (this process),
    the server process and the pool's sandboxes (their cgroups' CPU usage):
-   unlike the rate, that does not depend on what else runs on the machine.
+   unlike the rate, that depends little on what else runs on the machine.
 3. Cold pool: a call whose limits match no pool yet (a new `memory_mb` per
    sample), which starts its sandbox on demand; baseline: the warm call of (1).
 4. Isolation while measuring: every 10th call of (1) appends to /tmp/leak and
