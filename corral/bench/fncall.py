@@ -9,6 +9,9 @@
    calls/s, latency and pool hit rate. Baseline: `sh -c true` from a thread pool
    of as many workers, same number of calls. The client, the server and the
    sandboxes share this machine's cores, so the rate is a floor, not a ceiling.
+   Beside it, the CPU each call cost, split into the client (this process),
+   the server process and the pool's sandboxes (their cgroups' CPU usage):
+   unlike the rate, that depends little on what else runs on the machine.
 3. Cold pool: a call whose limits match no pool yet (a new `memory_mb` per
    sample), which starts its sandbox on demand; baseline: the warm call of (1).
 4. Isolation while measuring: every 10th call of (1) appends to /tmp/leak and
@@ -26,6 +29,7 @@ import asyncio
 import functools
 import os
 import platform
+import resource
 import subprocess
 import time
 from collections.abc import Callable
@@ -41,6 +45,7 @@ from corral.backends.container import host
 from corral.bench.containers import summarize
 from corral.bench.harness import ResultTable, bench_session, emit
 from corral.embedded import EmbeddedServer
+from corral.gateway.fncall import POOL_LABEL
 from corral.sdk import AsyncClient, Client, FnCallResult, InvalidRequest
 
 __all__ = ["run_fncall_benchmark"]
@@ -75,6 +80,51 @@ def _shell_true_ms() -> float:
     started = time.perf_counter()
     subprocess.run(SHELL_TRUE, stdin=subprocess.DEVNULL, check=True)
     return _ms_since(started)
+
+
+def _process_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _sandboxes_cpu_s(server: EmbeddedServer) -> dict[str, float]:
+    """CPU used so far by each of the pools' sandboxes (its cgroup's usage, since it started)."""
+    with server.client() as client:
+        sandbox_ids = [sandbox.id for sandbox in client.list(labels={POOL_LABEL: "1"})]
+    layout, used = host.detect_cgroup_layout(), {}
+    for sandbox_id in sandbox_ids:
+        try:
+            if layout is host.CgroupLayout.UNIFIED:
+                stat = Path(f"/sys/fs/cgroup/corral/{sandbox_id}/cpu.stat").read_text().split()
+                used[sandbox_id] = int(stat[stat.index("usage_usec") + 1]) / 1e6
+            else:
+                used[sandbox_id] = (
+                    int(Path(f"/sys/fs/cgroup/cpuacct/corral/{sandbox_id}/cpuacct.usage").read_text()) / 1e9
+                )
+        except (OSError, ValueError):
+            continue
+    return used
+
+
+def _cpu_used(server: EmbeddedServer) -> tuple[float, float, dict[str, float]]:
+    """CPU used so far by this process (the client), the server process and each pool sandbox."""
+    assert server.process is not None
+    return _own_cpu_s(), _process_cpu_s(server.process.pid), _sandboxes_cpu_s(server)
+
+
+def _cpu_per_call_ms(
+    before: tuple[float, float, dict[str, float]], after: tuple[float, float, dict[str, float]], calls: int
+) -> dict[str, float]:
+    """A sandbox started in between counts from its start; one removed in between is missed (pools keep
+    theirs, so that is rare)."""
+    sandboxes_s = sum(used - before[2].get(sandbox_id, 0.0) for sandbox_id, used in after[2].items())
+    return {"client": (after[0] - before[0]) * 1000 / calls, "server": (after[1] - before[1]) * 1000 / calls,
+            "sandboxes": sandboxes_s * 1000 / calls}  # fmt: skip
 
 
 def _settle(client: Client) -> None:
@@ -164,7 +214,9 @@ def _throughput(server: EmbeddedServer, runs: int, clients: int, progress: Progr
     for level in sorted({clients, 1}, reverse=True):
         task = progress.add_task(f"throughput ×{level} (fncall, sh -c true threads)", total=2 * calls)
         advance = functools.partial(progress.advance, task)
+        before = _cpu_used(server)
         fncall = asyncio.run(_fncall_rate(server.url, server.api_key, calls, level, advance))
+        fncall["cpu_ms_per_call"] = _cpu_per_call_ms(before, _cpu_used(server), calls)
         shell = _shell_rate(calls, level, advance)
         out[str(level)] = {"fncall": fncall, "shell": shell}
     return out
@@ -257,6 +309,12 @@ def _table(report: dict[str, Any]) -> Table:
                       f"sh -c true ×{level} threads: {base['calls_per_s']:.0f}/s",
                       f"{ours['calls_per_s'] / base['calls_per_s']:.2f}× rate",
                       target, outcome)  # fmt: skip
+    for level, side in throughput.items():
+        cpu = side["fncall"]["cpu_ms_per_call"]
+        total = sum(cpu.values())
+        table.add_row(f"  CPU per call ×{level}: {total:.2f} ms", f"({info['cpu_count'] * 1000 / total:.0f}/s per "
+                      f"{info['cpu_count']} cpus)", "-", f"client {cpu['client']:.2f}, server {cpu['server']:.2f}, "
+                      f"sandboxes {cpu['sandboxes']:.2f} ms", "-", "-", "-")  # fmt: skip
     batched, singles = report["batched"], throughput[str(params["clients"])]["fncall"]
     table.add_row(f"throughput, batches of {BATCH_SIZE}, 1 client", f"({batched['calls_per_s']:.0f}/s)", "-",
                   f"×{params['clients']} single calls: {singles['calls_per_s']:.0f}/s", "-", "-", "-")  # fmt: skip

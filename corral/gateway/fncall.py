@@ -63,8 +63,11 @@ _BATCH_CONCURRENCY = 16
 class _Pool:
     template: CreateSandboxRequest
     idle: collections.deque[str] = field(default_factory=collections.deque)
+    # Calls that found no warm sandbox wait here for the next one (returned or started), in order.
+    waiters: collections.deque[asyncio.Future[tuple[str, bool] | None]] = field(default_factory=collections.deque)
     target: int = 1  # the pool's size: warm + starting + in use
     in_use: int = 0
+    recycling: int = 0  # given back, being checked: counted so that a refill does not replace them
     starting: int = 0
     hits: int = 0
     misses: int = 0
@@ -128,20 +131,52 @@ class FnCallService:
         return sum(len(pool.idle) + pool.starting for pool in self._pools.values())
 
     def _refill(self, pool: _Pool) -> None:
-        """Start sandboxes until the pool (warm, starting and in use) has its target size, within the node budget."""
-        while len(pool.idle) + pool.starting + pool.in_use < pool.target and self._warm_total() < self._warm_budget:
+        """Start sandboxes until the pool (warm, starting, in use, being recycled) has its target size, within the
+        node budget."""
+        while (
+            len(pool.idle) + pool.starting + pool.in_use + pool.recycling < pool.target
+            and self._warm_total() < self._warm_budget
+        ):
             pool.starting += 1
             self._spawn(self._start_one(pool))
 
     async def _start_one(self, pool: _Pool) -> None:
+        sandbox_id = None
         try:
-            pool.idle.append((await self._sandboxes.create(pool.template)).id)
+            sandbox_id = (await self._sandboxes.create(pool.template)).id
         except CorralError as exc:
             log.warning("fncall pool could not start a sandbox: %s", exc.message)
         finally:
             pool.starting -= 1
+        if sandbox_id is None:
+            self._release_stranded(pool)
+        else:
+            self._offer(pool, sandbox_id, warm=False)
+
+    def _offer(self, pool: _Pool, sandbox_id: str, *, warm: bool) -> None:
+        """A ready sandbox goes to the longest-waiting call, else to the warm pool."""
+        while pool.waiters:
+            waiter = pool.waiters.popleft()
+            if not waiter.done():  # a waiting request that went away left a cancelled future
+                waiter.set_result((sandbox_id, warm))
+                return
+        pool.idle.append(sandbox_id)
+
+    @staticmethod
+    def _one_on_its_way(pool: _Pool, waiting: int) -> bool:
+        """Whether a sandbox will become free for the calls waiting: one is starting, being checked, or in use
+        by a call (which ends within milliseconds)."""
+        return bool(pool.starting or pool.recycling or pool.in_use > waiting)
+
+    def _release_stranded(self, pool: _Pool) -> None:
+        """With nothing on its way, waiting calls start their own sandbox (the node budget stopped the refill)."""
+        while pool.waiters and not self._one_on_its_way(pool, len(pool.waiters)):
+            waiter = pool.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def _take(self, pool: _Pool) -> tuple[str, bool]:
+        """A warm sandbox (a hit); else the next one returned or started, waiting in line; else a new one."""
         pool.in_use += 1
         pool.last_call = time.monotonic()
         pool.target = min(self._max_per_pool, max(pool.target, pool.in_use + self._min_warm))
@@ -150,24 +185,54 @@ class FnCallService:
             sandbox_id = pool.idle.popleft()
             self._refill(pool)
             return sandbox_id, True
-        pool.misses += 1
         self._refill(pool)
-        return (await self._sandboxes.create(pool.template)).id, False
+        taken: tuple[str, bool] | None = None
+        if self._one_on_its_way(pool, len(pool.waiters) + 1):
+            waiter: asyncio.Future[tuple[str, bool] | None] = asyncio.get_running_loop().create_future()
+            pool.waiters.append(waiter)
+            try:
+                taken = await waiter
+            except BaseException:  # the request went away; a sandbox handed over meanwhile goes to the next
+                pool.in_use -= 1
+                if waiter.done() and not waiter.cancelled() and (handed := waiter.result()) is not None:
+                    self._offer(pool, handed[0], warm=handed[1])
+                elif waiter in pool.waiters:
+                    pool.waiters.remove(waiter)
+                raise
+        if taken is None:
+            taken = (await self._create_for_call(pool)), False
+        if taken[1]:
+            pool.hits += 1
+        else:
+            pool.misses += 1
+        return taken
+
+    async def _create_for_call(self, pool: _Pool) -> str:
+        try:
+            return (await self._sandboxes.create(pool.template)).id
+        except BaseException:
+            pool.in_use -= 1
+            raise
 
     async def _give_back(self, pool: _Pool, sandbox_id: str) -> None:
         """Reuse the sandbox only if the call left nothing behind; else replace it."""
         pool.in_use -= 1
+        pool.recycling += 1
         reusable = False
-        with contextlib.suppress(CorralError):
-            reusable = await self._sandboxes.call(sandbox_id, lambda edge: edge.recycle(sandbox_id))
-        if reusable and len(pool.idle) < self._max_per_pool:  # housekeeping trims idle pools later
+        try:
+            with contextlib.suppress(CorralError):
+                reusable = await self._sandboxes.call(sandbox_id, lambda edge: edge.recycle(sandbox_id))
+        finally:
+            pool.recycling -= 1
+        if reusable and (pool.waiters or len(pool.idle) < self._max_per_pool):  # housekeeping trims idle pools
             pool.recycled += 1
-            pool.idle.append(sandbox_id)
+            self._offer(pool, sandbox_id, warm=True)
             return
         pool.replaced += int(not reusable)
         with contextlib.suppress(CorralError):
             await self._sandboxes.kill(sandbox_id)
         self._refill(pool)
+        self._release_stranded(pool)
 
     def housekeeping(self) -> None:
         """Shrink pools nobody called for a while back to their minimum."""

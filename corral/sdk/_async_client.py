@@ -61,6 +61,7 @@ from corral.sdk._models import (
     TagRequest,
     TrajectoryStep,
 )
+from corral.sdk._transport import async_http_transport
 
 __all__ = ["AsyncClient", "AsyncSandbox", "AsyncFiles", "AsyncImages"]
 
@@ -80,7 +81,7 @@ class _AsyncTransport:
             base_url=url,
             headers={"Authorization": f"Bearer {api_key}"},
             timeout=httpx.Timeout(timeout_s),
-            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100),
+            transport=async_http_transport(httpx.Limits(max_connections=1000, max_keepalive_connections=100)),
         )
 
     @staticmethod

@@ -59,6 +59,7 @@ from corral.sdk._models import (
     TagRequest,
     TrajectoryStep,
 )
+from corral.sdk._transport import sync_http_transport
 
 __all__ = ["Client", "Sandbox", "Files", "Images"]
 
@@ -78,7 +79,7 @@ class _SyncTransport:
             base_url=url,
             headers={"Authorization": f"Bearer {api_key}"},
             timeout=httpx.Timeout(timeout_s),
-            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100),
+            transport=sync_http_transport(httpx.Limits(max_connections=1000, max_keepalive_connections=100)),
         )
 
     @staticmethod

@@ -16,6 +16,7 @@ from corral.backends.container.agent_protocol import (
     AgentOutput,
     AgentStarted,
     ExecOrder,
+    IpcCounts,
 )
 from corral.backends.container.host import build_native_helpers
 
@@ -79,3 +80,25 @@ async def test_parallel_jobs(agent: AgentConnection) -> None:
         *(collect(agent, order(["/bin/sh", "-c", f"sleep 0.2; echo {i}"])) for i in range(10))
     )
     assert [r[0] for r in results] == [f"{i}\n".encode() for i in range(10)]
+
+
+async def test_ipc_counts_see_the_agents_own_ipc_namespace(tmp_path: Path) -> None:
+    """The agent reports the SysV objects of its IPC namespace (a fresh one here), which the host cannot see."""
+    helpers = build_native_helpers(tmp_path)
+    edge_end, agent_end = socket.socketpair()
+    argv = ["unshare", "--ipc", str(helpers.agent), "--fd", str(agent_end.fileno())]
+    process = subprocess.Popen(argv, pass_fds=(agent_end.fileno(),))
+    agent_end.close()
+    agent = AgentConnection(edge_end)
+    try:
+        await agent.start(hello_timeout_s=5)
+        assert await agent.ipc_counts() == IpcCounts(0, 0, 0)
+        _, err, end = await collect(agent, order(["/bin/sh", "-c", "ipcmk -M 4096 && ipcmk -Q && ipcmk -S 2"]))
+        assert end.exit_code == 0, err
+        assert await agent.ipc_counts() == IpcCounts(1, 1, 1)
+        host = subprocess.run(["ipcs", "-m"], capture_output=True, text=True, check=True).stdout
+        out, _, _ = await collect(agent, order(["ipcs", "-m"]))
+        assert out.decode() != host  # the same command in the host's namespace sees other objects
+    finally:
+        agent.close()
+        await asyncio.to_thread(process.wait, 5)

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 
 from corral.sdk._exceptions import Conflict, ServerUnavailable
 
-__all__ = ["AgentConnection", "AgentExit", "AgentOutput", "AgentStarted", "ExecOrder"]
+__all__ = ["AgentConnection", "AgentExit", "AgentOutput", "AgentStarted", "ExecOrder", "IpcCounts"]
 
 T_EXEC, T_STDIN, T_SIGNAL, T_PING, T_KILL_ALL = 1, 2, 3, 4, 5
 T_STARTED, T_STDOUT, T_STDERR, T_EXIT, T_ERROR, T_PONG, T_HELLO = 10, 11, 12, 13, 14, 15, 20
+T_IPC_QUERY, T_IPC_COUNTS = 31, 32
 F_TIMED_OUT, F_OUT_TRUNC, F_ERR_TRUNC = 1, 2, 4
 _TOOL_FLAGS = {"": 0, "sandbox": 2, "guest": 2 | 4}  # EXEC flags: run the tool binary by fd; skip the chroot
 AGENT_VERSION = 1
@@ -76,12 +77,22 @@ class AgentExit:
     stderr_truncated: bool
 
 
+@dataclass(frozen=True)
+class IpcCounts:
+    """SysV IPC objects in the sandbox's IPC namespace (0xFFFFFFFF: the agent could not tell)."""
+
+    shm_segments: int
+    message_queues: int
+    semaphore_sets: int
+
+
 AgentEvent = AgentStarted | AgentOutput | AgentExit
+_Answer = AgentEvent | IpcCounts
 
 
 @dataclass
 class _Job:
-    queue: asyncio.Queue[AgentEvent | Exception] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[_Answer | Exception] = field(default_factory=asyncio.Queue)
 
 
 class AgentConnection:
@@ -141,7 +152,7 @@ class AgentConnection:
                 if job is None:
                     continue
                 job.queue.put_nowait(self._decode(kind, payload))
-                if kind in (T_EXIT, T_ERROR, T_PONG):
+                if kind in (T_EXIT, T_ERROR, T_PONG, T_IPC_COUNTS):
                     self._jobs.pop(job_id, None)
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             pass
@@ -149,7 +160,7 @@ class AgentConnection:
             self._fail_all(ServerUnavailable("lost the connection to the sandbox agent (the sandbox stopped?)"))
 
     @staticmethod
-    def _decode(kind: int, payload: bytes) -> AgentEvent | Exception:
+    def _decode(kind: int, payload: bytes) -> _Answer | Exception:
         if kind == T_STARTED:
             return AgentStarted(pid=struct.unpack_from("<I", payload)[0])
         if kind == T_STDOUT:
@@ -163,6 +174,8 @@ class AgentConnection:
             return Conflict(payload.decode(errors="replace"))
         if kind == T_PONG:
             return AgentExit(0, False, False, False)
+        if kind == T_IPC_COUNTS and len(payload) >= 12:
+            return IpcCounts(*struct.unpack_from("<III", payload))
         return ServerUnavailable(f"unexpected frame type {kind} from the sandbox agent")
 
     def _fail_all(self, error: Exception) -> None:
@@ -196,6 +209,7 @@ class AgentConnection:
                 event = await job.queue.get()
                 if isinstance(event, Exception):
                     raise event
+                assert not isinstance(event, IpcCounts)
                 yield event
                 if isinstance(event, AgentExit):
                     return
@@ -209,18 +223,30 @@ class AgentConnection:
     def signal(self, job_id: int, signo: int) -> None:
         self._send(T_SIGNAL, job_id, struct.pack("<I", signo))
 
-    async def kill_all(self) -> None:
-        """SIGKILL every process in the sandbox except the agent; returns once the agent has sent the signal."""
+    async def _ask(self, kind: int) -> _Answer:
+        """Send a request that the agent answers with one frame; return that answer."""
         job_id = self.new_job_id()
         job = _Job()
         self._jobs[job_id] = job
         try:
-            self._send(T_KILL_ALL, job_id)
+            self._send(kind, job_id)
             event = await job.queue.get()
             if isinstance(event, Exception):
                 raise event
+            return event
         finally:
             self._jobs.pop(job_id, None)
+
+    async def kill_all(self) -> None:
+        """SIGKILL every process in the sandbox except the agent; returns once the agent has sent the signal."""
+        await self._ask(T_KILL_ALL)
+
+    async def ipc_counts(self) -> IpcCounts:
+        """The SysV IPC objects of the sandbox (only the agent, inside its IPC namespace, can see them)."""
+        answer = await self._ask(T_IPC_QUERY)
+        if not isinstance(answer, IpcCounts):
+            raise ServerUnavailable(f"the sandbox agent answered an IPC query with {answer!r}")
+        return answer
 
     def close(self) -> None:
         if self._read_task is not None:

@@ -33,7 +33,14 @@ from corral.backends.base import (
     ReclaimResult,
     SandboxSpec,
 )
-from corral.backends.container.agent_protocol import AgentConnection, AgentExit, AgentOutput, AgentStarted, ExecOrder
+from corral.backends.container.agent_protocol import (
+    AgentConnection,
+    AgentExit,
+    AgentOutput,
+    AgentStarted,
+    ExecOrder,
+    IpcCounts,
+)
 from corral.backends.container.files import ConfinedTree
 from corral.backends.container.host import CgroupLayout, LayerMounts, NativeHelpers, orphans
 from corral.backends.container.kernel_watch import SeccompDenials, SensitiveReads, session_of
@@ -44,7 +51,7 @@ from corral.backends.container.runtime import OciRuntime, Overlay
 from corral.guard.audit import PACKAGE_PREFIXES, PROTECTED_PREFIXES, EventThrottle, denied_syscall_severity
 from corral.images.erofs import build_erofs
 from corral.images.store import check_layer_file
-from corral.sdk._exceptions import Conflict, InternalError, NotFound, SandboxGone
+from corral.sdk._exceptions import Conflict, CorralError, InternalError, NotFound, SandboxGone
 
 __all__ = ["ContainerBackend"]
 
@@ -106,6 +113,14 @@ class _AgentCommand:
 
 _CHANGED_PATHS_MAX = 10_000
 _DISK_IMAGE = "disk.img"
+
+
+def _read_int(path: str) -> int:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return int(os.read(fd, 64))
+    finally:
+        os.close(fd)
 
 
 def _run_quietly(argv: list[str]) -> subprocess.CompletedProcess[str]:
@@ -174,7 +189,8 @@ _RECYCLE_POLLS = 50
 _PRISTINE_MAX_ENTRIES = 256  # bounds the walk, which runs on the event loop
 _TOO_MANY = "upper:too-many-entries"
 _VOLATILE_DIRS = ("dev", "dev/shm", "dev/mqueue")  # tmpfs mounts: writes there are not in the upper dir
-_SYSV_IPC = ("shm", "msg", "sem")
+_AGENT_QUERY_TIMEOUT_S = 2.0
+_NO_IPC_OBJECTS = IpcCounts(0, 0, 0)
 
 
 def _changed_under(upper: Path, prefixes: tuple[str, ...]) -> list[str]:
@@ -196,27 +212,32 @@ def _changed_under(upper: Path, prefixes: tuple[str, ...]) -> list[str]:
 
 
 def _pristine_state(upper: Path, init_pid: int) -> frozenset[str]:
-    """What a call could leave behind outside its processes: every entry of the writable layer (with its
-    metadata), the tmpfs mounts' listings and the SysV IPC objects."""
+    """What a call could leave behind in files: every entry of the writable layer (with its metadata) and the
+    tmpfs mounts' listings. (SysV IPC objects are only visible from inside: see ``AgentConnection.ipc_counts``.)"""
     state: set[str] = set()
-    for count, entry in enumerate(upper.rglob("*")):
-        if count >= _PRISTINE_MAX_ENTRIES:  # a call that wrote this much is not reused: stop looking
-            state.add(_TOO_MANY)
+    stack, count = [str(upper)], 0
+    prefix = len(str(upper)) + 1
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except OSError:
+            state.add(_TOO_MANY)  # unreadable: do not reuse
             break
-        st = entry.lstat()
-        state.add(f"upper:{entry.relative_to(upper)}:{st.st_mode}:{st.st_size}:{st.st_mtime_ns}")
-    root = Path(f"/proc/{init_pid}/root")
+        for entry in entries:
+            count += 1
+            if count > _PRISTINE_MAX_ENTRIES:  # a call that wrote this much is not reused: stop looking
+                state.add(_TOO_MANY)
+                return frozenset(state)
+            st = entry.stat(follow_symlinks=False)
+            state.add(f"upper:{entry.path[prefix:]}:{st.st_mode}:{st.st_size}:{st.st_mtime_ns}")
+            if entry.is_dir(follow_symlinks=False):
+                stack.append(entry.path)
+    root = f"/proc/{init_pid}/root/"
     for directory in _VOLATILE_DIRS:
         try:
-            state.update(f"{directory}:{name}" for name in os.listdir(root / directory))
+            state.update(f"{directory}:{name}" for name in os.listdir(root + directory))
         except OSError:
             continue
-    for kind in _SYSV_IPC:
-        try:
-            lines = (root / "proc" / "sysvipc" / kind).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        state.update(f"ipc:{kind}:{line}" for line in lines)
     return frozenset(state)
 
 
@@ -523,21 +544,32 @@ class ContainerBackend:
             pid_limit_hits = 0
         return changed, pid_limit_hits
 
+    async def _no_ipc_objects(self, container: _Container) -> bool:
+        """A new IPC namespace starts empty, so any SysV object was left by a call. False when the agent does
+        not answer in time."""
+        try:
+            counts = await asyncio.wait_for(container.agent.ipc_counts(), _AGENT_QUERY_TIMEOUT_S)
+        except (TimeoutError, CorralError):
+            return False
+        return counts == _NO_IPC_OBJECTS
+
     async def recycle(self, sandbox_id: str) -> bool:
         """Kill every process but the agent; True if nothing of the last use is left (no process, no file,
         no IPC object differs from right after start), so the sandbox can serve another caller as new."""
         container = self._get(sandbox_id)
-        pids = self._cgroup_file(sandbox_id, "pids", "pids.current")
-        if int(pids.read_text()) > 1:  # something outlived the call
+        pids = str(self._cgroup_file(sandbox_id, "pids", "pids.current"))
+        if _read_int(pids) > 1:  # something outlived the call
             await container.agent.kill_all()
         for _ in range(_RECYCLE_POLLS):
-            if int(pids.read_text()) <= 1:
+            if _read_int(pids) <= 1:
                 break
             await asyncio.sleep(0.002)
         else:
             return False
         state = _pristine_state(self._upper(sandbox_id), container.init_pid)  # small: cheaper than a thread hop
-        return state == container.baseline and _TOO_MANY not in state
+        if state != container.baseline or _TOO_MANY in state:
+            return False
+        return await self._no_ipc_objects(container)
 
     def _cgroup_file(self, sandbox_id: str, controller: str, name: str) -> Path:
         relative = self._cgroup_path(sandbox_id).lstrip("/")

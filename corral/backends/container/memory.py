@@ -71,7 +71,15 @@ class CgroupMemory:
         self._dir = _CGROUP_ROOT / relative if layout is CgroupLayout.UNIFIED else _CGROUP_ROOT / "memory" / relative
 
     def _read(self, name: str) -> str:
-        return (self._dir / name).read_text()
+        # os-level: read before every command (oom_kills), where pathlib's and TextIOWrapper's overhead showed.
+        fd = os.open(f"{self._dir}/{name}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            chunks = [os.read(fd, 65536)]
+            while chunks[-1]:
+                chunks.append(os.read(fd, 65536))
+            return b"".join(chunks).decode()
+        finally:
+            os.close(fd)
 
     def _write(self, name: str, value: str) -> None:
         (self._dir / name).write_text(value)

@@ -19,8 +19,10 @@
  * Wire format (little endian), both directions:
  *   u32 length (of what follows) | u8 type | u32 job id | payload
  * Edge -> agent: EXEC, STDIN (empty payload closes stdin), SIGNAL, PING,
- *   KILL_ALL (SIGKILL every other process in the sandbox; answered with PONG).
- * Agent -> edge: HELLO, STARTED, STDOUT, STDERR, EXIT, ERROR, PONG.
+ *   KILL_ALL (SIGKILL every other process in the sandbox; answered with PONG),
+ *   IPC_QUERY (how many SysV IPC objects the sandbox's IPC namespace holds).
+ * Agent -> edge: HELLO, STARTED, STDOUT, STDERR, EXIT, ERROR, PONG,
+ *   IPC_COUNTS (u32 shared memory segments, message queues, semaphore sets).
  * Keep in sync with corral/backends/container/agent_protocol.py.
  */
 #define _GNU_SOURCE
@@ -33,7 +35,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ipc.h>
+#include <sys/msg.h>
 #include <sys/prctl.h>
+#include <sys/sem.h>
+#include <sys/shm.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -44,6 +50,7 @@ enum {
     T_EXEC = 1, T_STDIN = 2, T_SIGNAL = 3, T_PING = 4, T_KILL_ALL = 5,
     T_STARTED = 10, T_STDOUT = 11, T_STDERR = 12, T_EXIT = 13, T_ERROR = 14,
     T_PONG = 15, T_HELLO = 20,
+    T_IPC_QUERY = 31, T_IPC_COUNTS = 32,
 };
 enum { F_TIMED_OUT = 1, F_OUT_TRUNC = 2, F_ERR_TRUNC = 4 };
 #define AGENT_VERSION 1
@@ -182,8 +189,12 @@ static void run_child(int in_fd, int out_w, int err_w, const char *user, const c
     dup2(in_fd, 0);
     dup2(out_w, 1);
     dup2(err_w, 2);
-    for (int fd = 3; fd < 1024; fd++)
-        if (!(use_tool && fd == tool_fd)) close(fd);
+    int keep = use_tool ? tool_fd : -1;  /* the tool stays open for fexecve (it is close-on-exec) */
+    if (keep < 3 ? close_range(3, ~0u, 0) < 0
+                 : ((keep > 3 && close_range(3, (unsigned)keep - 1, 0) < 0) ||
+                    close_range((unsigned)keep + 1, ~0u, 0) < 0))
+        for (int fd = 3; fd < 1024; fd++)
+            if (fd != keep) close(fd);
     int adj = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
     if (adj >= 0) {
         (void)!write(adj, "0", 1);
@@ -408,6 +419,19 @@ static void reap(void) {
     }
 }
 
+/* Only a process inside the sandbox's IPC namespace sees its SysV objects (/proc/sysvipc read from the host
+ * shows the host's): the edge asks here whether a call left any behind. UINT32_MAX = could not tell. */
+static void send_ipc_counts(uint32_t id) {
+    uint32_t counts[3] = {UINT32_MAX, UINT32_MAX, UINT32_MAX};
+    struct shm_info shm;
+    struct msginfo msg;
+    struct seminfo sem;
+    if (shmctl(0, SHM_INFO, (struct shmid_ds *)(void *)&shm) >= 0) counts[0] = (uint32_t)shm.used_ids;
+    if (msgctl(0, MSG_INFO, (struct msqid_ds *)(void *)&msg) >= 0) counts[1] = (uint32_t)msg.msgpool;
+    if (semctl(0, 0, SEM_INFO, &sem) >= 0) counts[2] = (uint32_t)sem.semusz;
+    send_frame(T_IPC_COUNTS, id, counts, sizeof counts);
+}
+
 static void handle_frame(uint8_t type, uint32_t id, const char *p, size_t len) {
     struct job *j;
     switch (type) {
@@ -432,6 +456,9 @@ static void handle_frame(uint8_t type, uint32_t id, const char *p, size_t len) {
         /* In its own PID namespace, kill(-1) reaches every process but the caller and init. */
         kill(-1, SIGKILL);
         send_frame(T_PONG, id, NULL, 0);
+        break;
+    case T_IPC_QUERY:
+        send_ipc_counts(id);
         break;
     default:
         break;

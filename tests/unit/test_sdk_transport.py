@@ -1,0 +1,41 @@
+"""The async SDK's transport: its cheap readability check sees a connection the server closed."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from corral.sdk._transport import async_http_transport
+
+_RESPONSE = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+
+async def test_a_connection_the_server_closed_is_replaced_not_reused() -> None:
+    connections: list[asyncio.StreamWriter] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(writer)
+        try:
+            while await reader.readuntil(b"\r\n\r\n"):
+                writer.write(_RESPONSE)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/"
+    try:
+        transport = async_http_transport(httpx.Limits(max_connections=4, max_keepalive_connections=4))
+        async with httpx.AsyncClient(transport=transport) as client:
+            assert (await client.get(url)).text == "ok"
+            pooled = transport._pool.connections[0]
+            assert not pooled.has_expired()  # idle and open: poll says nothing to read
+            connections[0].close()  # the server drops the idle keep-alive connection
+            await asyncio.sleep(0.05)
+            assert pooled.has_expired()  # EOF waiting: seen by the check
+            assert (await client.get(url)).text == "ok"  # on a new connection, no ReadError
+            assert len(connections) == 2
+    finally:
+        server.close()
+        await server.wait_closed()
