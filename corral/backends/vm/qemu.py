@@ -117,6 +117,9 @@ def machine_argv(config: MachineConfig, directory: Path, *, incoming: bool = Fal
         "-m", f"{config.memory_mb}M",
         "-object", f"memory-backend-file,id=mem,size={config.memory_mb}M,mem-path={memory_file},share=on",
         "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+        # QEMU's own seccomp filter: no obsolete syscalls, no scheduler/affinity changes (denying setuid breaks
+        # -daemonize). Spawning stays allowed: checkpoints write their device state through `exec:cat`.
+        "-sandbox", "on,obsolete=deny,resourcecontrol=deny",
         "-kernel", config.kernel,
         "-initrd", config.initramfs,
         "-append", kernel_command_line(config),
