@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,8 +19,21 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 from corral.backends.container import host
+from corral.sdk import ExecResult
 
-__all__ = ["bench_session", "emit"]
+__all__ = ["bench_session", "emit", "ms_since", "require_success"]
+
+
+def ms_since(started: float) -> float:
+    """Milliseconds since a ``time.perf_counter()`` reading."""
+    return (time.perf_counter() - started) * 1000
+
+
+def require_success(result: ExecResult, what: str) -> ExecResult:
+    """The result, or an error naming the command, if it did not exit 0 (a bench must not time failures)."""
+    if result.exit_code != 0:
+        raise RuntimeError(f"`{what}` in the sandbox exited {result.exit_code}: {result.stderr[-300:]}")
+    return result
 
 
 @contextmanager

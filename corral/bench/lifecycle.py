@@ -40,7 +40,7 @@ from rich.table import Table
 
 from corral.backends.container import host
 from corral.bench.containers import summarize
-from corral.bench.harness import ResultTable, bench_session, emit
+from corral.bench.harness import ResultTable, bench_session, emit, ms_since, require_success
 from corral.embedded import EmbeddedServer
 from corral.sdk import AsyncClient, Client, CorralError, ExecResult, InvalidRequest, Sandbox
 
@@ -59,22 +59,12 @@ FORK_TARGET_MS = 100.0
 CRUN_TIMEOUT_S = 30.0
 
 
-def _ms_since(started: float) -> float:
-    return (time.perf_counter() - started) * 1000
-
-
-def _require_success(result: ExecResult, what: str) -> ExecResult:
-    if result.exit_code != 0:
-        raise RuntimeError(f"`{what}` in the sandbox exited {result.exit_code}: {result.stderr[-300:]}")
-    return result
-
-
 def _crun(state_root: Path, action: str, container_id: str) -> float:
     """Wall ms of one `crun pause|resume`, the freezer alone."""
     started = time.perf_counter()
     subprocess.run(["crun", "--root", str(state_root), action, container_id], stdin=subprocess.DEVNULL,
                    capture_output=True, check=True, timeout=CRUN_TIMEOUT_S)  # fmt: skip
-    return _ms_since(started)
+    return ms_since(started)
 
 
 def _wait_for_held_memory(sandbox: Sandbox) -> None:
@@ -96,25 +86,25 @@ def _pause_samples(client: Client, crun_root: Path, runs: int, progress: Progres
             sandbox.start(HOLD_MEMORY)
             _wait_for_held_memory(sandbox)
             started = time.perf_counter()
-            _require_success(sandbox.exec("true"), "true")
-            samples["warm_exec"].append(_ms_since(started))
+            require_success(sandbox.exec("true"), "true")
+            samples["warm_exec"].append(ms_since(started))
             samples["crun_pause"].append(_crun(crun_root, "pause", sandbox.id))
             samples["crun_resume"].append(_crun(crun_root, "resume", sandbox.id))
             started = time.perf_counter()
             paused = sandbox.pause()  # returns once frozen; the memory goes out in the background
-            samples["pause"].append(_ms_since(started))
+            samples["pause"].append(ms_since(started))
             samples["pause_server"].append(paused.duration_ms)
             reclaimed = sandbox.pause(wait_reclaim=True)  # already paused: waits for the reclaim to finish
-            samples["reclaim_done"].append(_ms_since(started))
+            samples["reclaim_done"].append(ms_since(started))
             samples["reclaimed"].append(1 - reclaimed.memory_after_bytes / max(paused.memory_before_bytes, 1))
             samples["before_mib"].append(paused.memory_before_bytes / (1 << 20))
             samples["after_mib"].append(reclaimed.memory_after_bytes / (1 << 20))
             started = time.perf_counter()
             sandbox.resume()
-            samples["resume"].append(_ms_since(started))
+            samples["resume"].append(ms_since(started))
             started = time.perf_counter()
-            _require_success(sandbox.exec("true"), "true")
-            samples["first_exec"].append(_ms_since(started))
+            require_success(sandbox.exec("true"), "true")
+            samples["first_exec"].append(ms_since(started))
         progress.advance(task)
     return {key: summarize(values) for key, values in samples.items()}
 
@@ -126,18 +116,18 @@ def _fork_samples(client: Client, runs: int, parents: set[str], progress: Progre
     with client.create(FORK_IMAGE, ttl_s=SANDBOX_TTL_S) as parent:
         parents.add(parent.id)
         script = f"mkdir -p /data && for i in $(seq {FORK_FILES}); do echo file $i > /data/f$i; done"
-        _require_success(parent.exec(script), "write files")
+        require_success(parent.exec(script), "write files")
         for round_no in range(runs + FORK_BURST_SAMPLES):
             count = 1 if round_no < runs else FORK_BURST
             started = time.perf_counter()
             children = parent.fork(count)
-            samples["fork" if count == 1 else f"fork_{FORK_BURST}"].append(_ms_since(started))
+            samples["fork" if count == 1 else f"fork_{FORK_BURST}"].append(ms_since(started))
             for child in children:
                 child.kill()
             if count == 1:
                 started = time.perf_counter()
                 fresh = client.create(FORK_IMAGE, ttl_s=SANDBOX_TTL_S)
-                samples["create"].append(_ms_since(started))
+                samples["create"].append(ms_since(started))
                 fresh.kill()
             progress.advance(task)
     return {key: summarize(values) for key, values in samples.items()}
@@ -154,7 +144,7 @@ def _sequential_pass(sandbox: Sandbox, step_ids: list[str] | None) -> tuple[list
     for k, step_id in enumerate(step_ids or [None] * REPLAY_STEPS):
         step_started = time.perf_counter()
         results.append(sandbox.exec(_append_line(k) if step_id else "true", step_id=step_id))
-        latencies.append(_ms_since(step_started))
+        latencies.append(ms_since(step_started))
     wall_s = time.perf_counter() - started
     return results, {**summarize(latencies), "steps_per_s": len(results) / wall_s}
 
@@ -172,7 +162,7 @@ async def _concurrent_pass(
             async with gate:
                 step_started = time.perf_counter()
                 result = await sandbox.exec(_append_line(k) if step_id else "true", step_id=step_id)
-                latencies.append(_ms_since(step_started))
+                latencies.append(ms_since(step_started))
                 return result
 
         started = time.perf_counter()
@@ -196,7 +186,7 @@ def _replay(client: Client, url: str, api_key: str, progress: Progress) -> dict[
         progress.advance(task)
         concurrent, out["replay_async"] = asyncio.run(_concurrent_pass(url, api_key, sandbox.id, steps))
         progress.advance(task)
-        lines = int(_require_success(sandbox.exec("wc -l < /log"), "wc -l").stdout.strip())
+        lines = int(require_success(sandbox.exec("wc -l < /log"), "wc -l").stdout.strip())
         progress.advance(task)
     out["check"] = {
         "first_pass_executed": sum(not r.replayed and r.exit_code == 0 for r in first),

@@ -38,10 +38,10 @@ from corral.backends.container import host
 from corral.backends.vm.accel import probe_boot
 from corral.backends.vm.guest import GuestKit, ensure_guest_kit
 from corral.bench.containers import summarize
-from corral.bench.harness import ResultTable, bench_session, emit
+from corral.bench.harness import ResultTable, bench_session, emit, ms_since, require_success
 from corral.config import Settings
 from corral.embedded import EmbeddedServer
-from corral.sdk import Client, ExecResult, InvalidRequest, Sandbox
+from corral.sdk import Client, InvalidRequest, Sandbox
 
 __all__ = ["run_vm_benchmark"]
 
@@ -55,23 +55,13 @@ KVM_NOTE = ("On a host with VT-x/AMD-V, CORRAL_VM_ACCEL=auto picks KVM after its
             "there to measure KVM (expect boot well under 1 s and exec RTT near the container's).")  # fmt: skip
 
 
-def _ms_since(started: float) -> float:
-    return (time.perf_counter() - started) * 1000
-
-
-def _require_success(result: ExecResult, what: str) -> ExecResult:
-    if result.exit_code != 0:
-        raise RuntimeError(f"`{what}` in the sandbox exited {result.exit_code}: {result.stderr[-300:]}")
-    return result
-
-
 def _boot(client: Client, image: str, backend: str, tracked: list[Sandbox]) -> tuple[Sandbox, float]:
     """A sandbox answering its first exec, and the wall ms from the create call to that answer."""
     started = time.perf_counter()
     sandbox = client.create(image, backend=backend, ttl_s=SANDBOX_TTL_S)
     tracked.append(sandbox)
-    _require_success(sandbox.exec("true"), "true")
-    return sandbox, _ms_since(started)
+    require_success(sandbox.exec("true"), "true")
+    return sandbox, ms_since(started)
 
 
 def _kill(sandbox: Sandbox, tracked: list[Sandbox]) -> None:
@@ -101,7 +91,7 @@ def _boot_samples(client: Client, kit: GuestKit, runs: int, tracked: list[Sandbo
             started = time.perf_counter()
             ok, what = probe_boot(kit, "tcg", PROBE_TIMEOUT_S)
             if ok:
-                samples["probe_boot"].append(_ms_since(started))
+                samples["probe_boot"].append(ms_since(started))
             else:
                 failures.append(what)
             progress.advance(task)
@@ -123,7 +113,7 @@ def _boot_samples(client: Client, kit: GuestKit, runs: int, tracked: list[Sandbo
 def _timed(action: Callable[[], object]) -> float:
     started = time.perf_counter()
     action()
-    return _ms_since(started)
+    return ms_since(started)
 
 
 def _exec_and_lifecycle(client: Client, runs: int, tracked: list[Sandbox], progress: Progress) -> dict[str, Any]:
@@ -135,8 +125,8 @@ def _exec_and_lifecycle(client: Client, runs: int, tracked: list[Sandbox], progr
     vm, _ = _boot(client, MICROVM_IMAGE, "microvm", tracked)
     box, _ = _boot(client, CONTAINER_IMAGE, "container", tracked)
     for _ in range(EXEC_SAMPLES):
-        samples["exec_microvm"].append(_timed(lambda: _require_success(vm.exec("true"), "true")))
-        samples["exec_container"].append(_timed(lambda: _require_success(box.exec("true"), "true")))
+        samples["exec_microvm"].append(_timed(lambda: require_success(vm.exec("true"), "true")))
+        samples["exec_container"].append(_timed(lambda: require_success(box.exec("true"), "true")))
         progress.advance(task)
     _kill(box, tracked)
     # A process the children must inherit: fork carries memory and processes, not only the disk.
@@ -145,15 +135,15 @@ def _exec_and_lifecycle(client: Client, runs: int, tracked: list[Sandbox], progr
         started = time.perf_counter()
         children = vm.fork(1)
         tracked.extend(children)
-        _require_success(children[0].exec("true"), "true")
-        samples["fork"].append(_ms_since(started))
+        require_success(children[0].exec("true"), "true")
+        samples["fork"].append(ms_since(started))
         for child in children:
             _kill(child, tracked)
         progress.advance(task)
     for _ in range(runs):
         samples["pause"].append(_timed(vm.pause))
         samples["resume"].append(_timed(vm.resume))
-        samples["first_exec_after_resume"].append(_timed(lambda: _require_success(vm.exec("true"), "true")))
+        samples["first_exec_after_resume"].append(_timed(lambda: require_success(vm.exec("true"), "true")))
         progress.advance(task)
     _kill(vm, tracked)
     return {key: summarize(values) for key, values in samples.items()}

@@ -14,19 +14,9 @@ from collections.abc import Iterator
 import pytest
 
 import corral
+from tests.tcp_mirror import SERVER as MIRROR_SERVER
 
 MIRROR = "10.88.200.2"
-MIRROR_SERVER = """
-import socket
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("0.0.0.0", 8080))
-s.listen()
-while True:
-    conn, _ = s.accept()
-    conn.sendall(b"ok from mirror\\n")
-    conn.close()
-"""
 FETCH = f"echo hi | nc -w 2 {MIRROR} 8080"
 
 

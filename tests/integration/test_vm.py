@@ -26,6 +26,7 @@ from corral.backends.vm.guest import ensure_guest_kit
 from corral.backends.vm.network import namespace_name
 from corral.embedded import EmbeddedServer
 from corral.sdk import NotFound
+from tests.tcp_mirror import SERVER as MIRROR_SERVER
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -226,17 +227,6 @@ async def test_the_kvm_probe_is_bounded_and_tcg_boots(test_env: dict[str, str]) 
 
 
 VM_MIRROR = "10.88.200.3"
-_MIRROR_SERVER = """
-import socket
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("0.0.0.0", 8080))
-s.listen()
-while True:
-    conn, _ = s.accept()
-    conn.sendall(b"ok from mirror\\n")
-    conn.close()
-"""
 
 
 def test_microvm_network_goes_through_its_own_namespace_and_allowlist(server: EmbeddedServer) -> None:
@@ -244,7 +234,7 @@ def test_microvm_network_goes_through_its_own_namespace_and_allowlist(server: Em
     import subprocess
     import sys
 
-    mirror = subprocess.Popen(["unshare", "--net", sys.executable, "-c", _MIRROR_SERVER])
+    mirror = subprocess.Popen(["unshare", "--net", sys.executable, "-c", MIRROR_SERVER])
     fetch = f"echo hi | nc -w 3 {VM_MIRROR} 8080"
     try:
         time.sleep(0.3)

@@ -19,26 +19,18 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from corral.backends.agent_command import AgentCommand
 from corral.backends.base import (
-    CommandEvent,
-    CommandExit,
-    CommandOutput,
     CommandSpec,
-    CommandStarted,
     ReclaimResult,
     SandboxSpec,
 )
 from corral.backends.container.agent_protocol import (
     AgentConnection,
-    AgentExit,
-    AgentOutput,
-    AgentStarted,
-    ExecOrder,
     IpcCounts,
 )
 from corral.backends.container.files import ConfinedTree
@@ -70,45 +62,6 @@ class _Container:
     reclaim: asyncio.Future[ReclaimResult] | None = None  # pushing memory out while paused
     stop_reclaim: threading.Event = field(default_factory=threading.Event)
     prefetch: asyncio.Future[int] | None = None  # swap-in after a resume
-
-
-class _AgentCommand:
-    """A command running through the agent, as the backend-neutral RunningCommand."""
-
-    def __init__(self, container: _Container, command: CommandSpec) -> None:
-        self._container = container
-        self._command = command
-        self._agent = container.agent
-        self._job_id = self._agent.new_job_id()
-
-    async def events(self) -> AsyncIterator[CommandEvent]:
-        cmd = self._command
-        order = ExecOrder(
-            argv=cmd.argv,
-            env=cmd.env,
-            cwd=cmd.cwd,
-            user=cmd.user,
-            timeout_ms=max(1, int(cmd.timeout_s * 1000)),
-            output_cap_bytes=cmd.output_cap_bytes,
-            has_stdin=cmd.stdin is not None,
-        )
-        ooms_before = self._container.memory.oom_kills()
-        stdin = cmd.stdin if cmd.stdin else None
-        async for event in self._agent.run(self._job_id, order, stdin):
-            if isinstance(event, AgentStarted):
-                yield CommandStarted(pid=event.pid)
-            elif isinstance(event, AgentOutput):
-                yield CommandOutput(event.stream, event.data)
-            elif isinstance(event, AgentExit):
-                killed = event.exit_code == -9 and not event.timed_out
-                oom = killed and self._container.memory.oom_kills() > ooms_before
-                yield CommandExit(event.exit_code, event.timed_out, oom, event.stdout_truncated, event.stderr_truncated)
-
-    def write_stdin(self, data: bytes) -> None:
-        self._agent.write_stdin(self._job_id, data)
-
-    def signal(self, signo: int) -> None:
-        self._agent.signal(self._job_id, signo)
 
 
 _CHANGED_PATHS_MAX = 10_000
@@ -433,8 +386,9 @@ class ContainerBackend:
             raise SandboxGone(f"sandbox {sandbox_id} stopped: its init process exited")
         return container
 
-    def run(self, sandbox_id: str, command: CommandSpec) -> _AgentCommand:
-        return _AgentCommand(self._get(sandbox_id), command)
+    def run(self, sandbox_id: str, command: CommandSpec) -> AgentCommand:
+        container = self._get(sandbox_id)
+        return AgentCommand(container.agent, command, container.memory.oom_kills)
 
     def files(self, sandbox_id: str) -> ConfinedTree:
         container = self._get(sandbox_id)

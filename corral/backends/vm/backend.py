@@ -29,21 +29,18 @@ import subprocess
 import tarfile
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from corral.backends.agent_command import AgentCommand
 from corral.backends.base import (
-    CommandEvent,
-    CommandExit,
-    CommandOutput,
     CommandSpec,
-    CommandStarted,
     ReclaimResult,
     SandboxSpec,
 )
-from corral.backends.container.agent_protocol import AgentConnection, AgentExit, AgentOutput, AgentStarted, ExecOrder
+from corral.backends.container.agent_protocol import AgentConnection, AgentExit, AgentOutput, ExecOrder
 from corral.backends.container.host import orphans
 from corral.backends.container.network import GUEST_LINK_IFNAME, AllowRule, DeniedCounts, NetworkFabric
 from corral.backends.vm.accel import choose_accelerator
@@ -73,42 +70,6 @@ class _Vm:
     agent: AgentConnection
     paused: bool = False
     replacing: bool = False  # being restored from a checkpoint: its QEMU's exit is not the sandbox's end
-
-
-class _GuestCommand:
-    """A command running through the guest agent, as the backend-neutral RunningCommand."""
-
-    def __init__(self, vm: _Vm, command: CommandSpec) -> None:
-        self._vm = vm
-        self._command = command
-        self._agent = vm.agent
-        self._job_id = self._agent.new_job_id()
-
-    async def events(self) -> AsyncIterator[CommandEvent]:
-        cmd = self._command
-        order = ExecOrder(
-            argv=cmd.argv,
-            env=cmd.env,
-            cwd=cmd.cwd,
-            user=cmd.user,
-            timeout_ms=max(1, int(cmd.timeout_s * 1000)),
-            output_cap_bytes=cmd.output_cap_bytes,
-            has_stdin=cmd.stdin is not None,
-        )
-        async for event in self._agent.run(self._job_id, order, cmd.stdin if cmd.stdin else None):
-            if isinstance(event, AgentStarted):
-                yield CommandStarted(pid=event.pid)
-            elif isinstance(event, AgentOutput):
-                yield CommandOutput(event.stream, event.data)
-            elif isinstance(event, AgentExit):
-                yield CommandExit(event.exit_code, event.timed_out, False, event.stdout_truncated,
-                                  event.stderr_truncated)  # fmt: skip
-
-    def write_stdin(self, data: bytes) -> None:
-        self._agent.write_stdin(self._job_id, data)
-
-    def signal(self, signo: int) -> None:
-        self._agent.signal(self._job_id, signo)
 
 
 def _run(argv: list[str]) -> None:
@@ -431,8 +392,8 @@ class VmBackend:
             )
         return vm
 
-    def run(self, sandbox_id: str, command: CommandSpec) -> _GuestCommand:
-        return _GuestCommand(self._get(sandbox_id), command)
+    def run(self, sandbox_id: str, command: CommandSpec) -> AgentCommand:
+        return AgentCommand(self._get(sandbox_id).agent, command)
 
     def files(self, sandbox_id: str) -> GuestTree:
         return GuestTree(self._get(sandbox_id).agent, asyncio.get_running_loop())

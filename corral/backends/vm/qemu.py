@@ -250,12 +250,7 @@ class Machine:
 
     async def kill(self) -> None:
         """Forced stop: SIGKILL, then wait for the process to go."""
-        if self._qmp is not None:
-            try:
-                await self._qmp.disconnect()
-            except Exception:  # noqa: BLE001 - the monitor may already be gone with the process
-                pass
-            self._qmp = None
+        await self.close_monitor()
         if self.pid is not None and self.alive():
             try:
                 os.kill(self.pid, signal.SIGKILL)
@@ -270,26 +265,23 @@ class Machine:
         if self._qmp is not None:
             try:
                 await self._qmp.disconnect()
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - the monitor may already be gone with the process
                 pass
             self._qmp = None
 
-    def pss_bytes(self) -> int:
-        """Host memory the QEMU process accounts for, shared pages split among their users."""
+    def _proc_kib(self, name: str, field: str) -> int:
         try:
-            for line in Path(f"/proc/{self.pid}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
+            for line in Path(f"/proc/{self.pid}/{name}").read_text().splitlines():
+                if line.startswith(field):
                     return int(line.split()[1]) * 1024
         except OSError:
             pass
         return 0
 
+    def pss_bytes(self) -> int:
+        """Host memory the QEMU process accounts for, shared pages split among their users."""
+        return self._proc_kib("smaps_rollup", "Pss:")
+
     def rss_bytes(self) -> int:
         """Host memory the QEMU process holds (its RSS, shared guest memory included)."""
-        try:
-            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return 0
+        return self._proc_kib("status", "VmRSS:")
