@@ -99,6 +99,12 @@ class Settings(BaseSettings):
         "auto",
         description="microvm/vm accelerator: auto boots a probe guest under KVM (bounded) and falls back to TCG.",
     )
+    vm_memory: Literal["shared", "mergeable"] = Field(
+        "shared",
+        description="microvm/vm guest RAM: shared (a /dev/shm file: snapshots and forks copy it, fast) or mergeable "
+        "(anonymous memory KSM dedupes across guests: denser, but a snapshot streams all of it). mergeable turns "
+        "the host's KSM on.",
+    )
     vm_boot_timeout_s: float = Field(
         90.0, gt=0, description="How long a microvm/vm guest may take to boot before its create fails."
     )

@@ -28,6 +28,7 @@ from corral.backends.container.host import (
 from corral.backends.container.memory import ensure_zram_swap
 from corral.backends.router import BackendRouter
 from corral.backends.vm.backend import VmBackend
+from corral.backends.vm.memory import ensure_ksm
 from corral.config import Settings
 from corral.edge.local import LocalEdge, node_capacity
 from corral.gateway.app import create_app
@@ -90,6 +91,8 @@ def serve(settings: Settings) -> None:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     helpers = build_native_helpers(settings.node_dir)
     log.info(ensure_zram_swap(settings.pause_swap_mb))
+    if settings.vm_memory == "mergeable":
+        log.info(ensure_ksm())
     api_key = load_or_create_api_key(settings)
     url = f"http://{settings.host}:{settings.port}"
     _write_private(settings.config_file, json.dumps({"url": url, "api_key": api_key}, indent=2) + "\n")
@@ -120,6 +123,7 @@ def serve(settings: Settings) -> None:
                         node_dir=settings.node_dir,
                         guest_agent=helpers.agent,
                         accel=settings.vm_accel,
+                        memory=settings.vm_memory,
                         boot_timeout_s=settings.vm_boot_timeout_s,
                         network_fabric=containers.network_fabric,
                     )

@@ -37,6 +37,7 @@ from rich.table import Table
 from corral.backends.container import host
 from corral.backends.vm.accel import probe_boot
 from corral.backends.vm.guest import GuestKit, ensure_guest_kit
+from corral.backends.vm.memory import KSM_DIR, ksm_merged_bytes
 from corral.bench.containers import summarize
 from corral.bench.harness import ResultTable, bench_session, emit, ms_since, require_success
 from corral.config import Settings
@@ -48,6 +49,7 @@ __all__ = ["run_vm_benchmark"]
 MICROVM_IMAGE, VM_IMAGE, CONTAINER_IMAGE = "busybox", "debian-12", "busybox"
 EXEC_SAMPLES = 50
 IDLE_SETTLE_S = 5.0
+KSM_SETTLE_MAX_S, KSM_SETTLE_STEP_S = 90.0, 3.0
 SANDBOX_TTL_S = 900.0  # a sandbox leaked by a crashed bench still goes away
 PROBE_TIMEOUT_S = 30.0  # the noisy shared host: give the bare boot room, it is a baseline, not the accel probe
 CRUN_TIMEOUT_S = 30.0
@@ -223,6 +225,48 @@ def _idle_memory(client: Client, data_dir: Path, idle: int, tracked: list[Sandbo
     }
 
 
+def _merged_memory(data_dir: Path, idle: int, progress: Progress) -> dict[str, Any]:
+    """The same idle microvms on a server with CORRAL_VM_MEMORY=mergeable, once KSM has merged them.
+
+    KSM is a host-wide switch: whatever state it was in is put back afterwards."""
+    run_file, scan_file = KSM_DIR / "run", KSM_DIR / "pages_to_scan"
+    was_run, was_scan = run_file.read_text().strip(), scan_file.read_text().strip()
+    task = progress.add_task(f"mergeable memory: {idle} idle microvms, until KSM settles", total=idle + 1)
+    server = EmbeddedServer(data_dir, env={"CORRAL_VM_MEMORY": "mergeable"})
+    tracked: list[Sandbox] = []
+    try:
+        server.start()
+        with server.client() as client:
+            vms = []
+            for _ in range(idle):
+                vms.append(_boot(client, MICROVM_IMAGE, "microvm", tracked)[0])
+                progress.advance(task)
+            started, last, merged = time.monotonic(), -1.0, 0.0
+            while time.monotonic() - started < KSM_SETTLE_MAX_S:  # until a few seconds pass with no new merges
+                time.sleep(KSM_SETTLE_STEP_S)
+                merged = ksm_merged_bytes() / (1 << 20)
+                if merged > 0 and merged - last < 1:
+                    break
+                last = merged
+            settle_s = time.monotonic() - started
+            pss = [_memory_kib(int((data_dir / "vms" / vm.id / "qemu.pid").read_text()))["Pss"] / 1024 for vm in vms]
+            progress.advance(task)
+            for sandbox in vms:
+                _kill(sandbox, tracked)
+    finally:
+        for sandbox in tracked:
+            try:
+                sandbox.kill()
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+        server.shutdown()
+        host.orphans.reap()
+        run_file.write_text(was_run)
+        scan_file.write_text(was_scan)
+    return {"count": idle, "pss_mib": summarize(pss), "per_vm_pss_mib": pss, "ksm_merged_mib": merged,
+            "ksm_settle_s": settle_s}  # fmt: skip
+
+
 def _measure(data_dir: Path, runs: int, idle: int, progress: Progress) -> dict[str, Any]:
     node_dir = Settings().node_dir
     kit = ensure_guest_kit(node_dir, host.build_native_helpers(node_dir).agent)
@@ -246,7 +290,8 @@ def _measure(data_dir: Path, runs: int, idle: int, progress: Progress) -> dict[s
         server.shutdown()
         host.orphans.reap()
     progress.update(task, completed=1)
-    return {"status_message": status, "boot": boot, "lifecycle": lifecycle, "memory": memory}
+    merged = _merged_memory(data_dir.with_name("server-mergeable"), idle, progress)
+    return {"status_message": status, "boot": boot, "lifecycle": lifecycle, "memory": memory, "mergeable": merged}
 
 
 def _table(report: dict[str, Any]) -> Table:
@@ -284,6 +329,13 @@ def _table(report: dict[str, Any]) -> Table:
     table.add_row("  RSS per idle microvm", f"{rss['p50']:.1f} MiB", f"max {rss['max']:.1f} MiB", "-", "-", "-", "-")
     table.add_row("  host memory in use, growth per VM", f"{mem['host_used_growth_mib_per_vm']:.1f} MiB", "-",
                   "-", "-", "-", "-")  # fmt: skip
+    merged = report["mergeable"]
+    mpss = merged["pss_mib"]
+    table.add_row(f"idle microvm, mergeable memory + KSM (PSS, {merged['count']} VMs)", f"{mpss['p50']:.1f} MiB",
+                  f"max {mpss['max']:.1f} MiB", f"shared-file memory {pss['p50']:.1f} MiB",
+                  f"{mpss['p50'] / pss['p50']:.2f}×", "-", "-")  # fmt: skip
+    table.add_row("  merged by KSM across those VMs", f"{merged['ksm_merged_mib']:.1f} MiB",
+                  f"after {merged['ksm_settle_s']:.0f} s", "-", "-", "-", "-")  # fmt: skip
     return table
 
 

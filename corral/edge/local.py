@@ -31,6 +31,7 @@ from corral.backends.base import (
 )
 from corral.backends.container.files import ConfinedTree
 from corral.backends.container.network import AllowRule
+from corral.backends.vm.memory import ksm_merged_bytes
 from corral.edge.host_readings import HostReadings, read_host
 from corral.edge.protocol import EdgeEvents
 from corral.guard.audit import classify_changes
@@ -233,6 +234,7 @@ class LocalEdge:
             memory_capacity_mb=int(cap.memory_mb * cap.memory_overcommit),
             memory_resident_mb=resident / (1 << 20),
             memory_reclaimed_mb=host.swap_used_mb,
+            memory_merged_mb=ksm_merged_bytes() / (1 << 20),
             swap_total_mb=host.swap_total_mb,
             pressure={
                 "cpu_some": host.cpu_some_avg10,

@@ -551,6 +551,7 @@ class NodeStats(_Model):
     memory_capacity_mb: int = Field(description="What admission allows: RAM × the memory overcommit factor.")
     memory_resident_mb: float = Field(description="What the sandboxes hold now (cgroup usage; VMs: QEMU PSS).")
     memory_reclaimed_mb: float = Field(description="Node swap in use: mostly paused sandboxes' memory (zram).")
+    memory_merged_mb: float = Field(0.0, description="Memory KSM saves by merging identical pages (mergeable VMs).")
     swap_total_mb: int
     pressure: dict[str, float] = Field(description="PSI avg10 in percent: cpu_some, memory_some, memory_full, io_some.")
     refusing: str | None = Field(None, description="Why the node refuses new sandboxes right now, if it does.")

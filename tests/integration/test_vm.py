@@ -290,3 +290,29 @@ def test_checkpoints_rewind_the_same_sandbox_and_seed_forks(client: corral.Clien
             vm.restore("ck-000000000000")
     with client.create("busybox", ttl_s=60) as container, pytest.raises(corral.InvalidRequest, match="checkpoints"):
         container.checkpoint()
+
+
+def test_mergeable_guest_memory_is_merged_by_ksm_and_still_forks(tmp_path: Path, test_env: dict[str, str]) -> None:
+    from corral.backends.vm.memory import KSM_DIR
+
+    was_on = (KSM_DIR / "run").read_text().strip() == "1"
+    scan_rate = (KSM_DIR / "pages_to_scan").read_text().strip()
+    try:
+        env = {**test_env, "CORRAL_VM_MEMORY": "mergeable"}
+        with EmbeddedServer(tmp_path / "server", env=env) as server, server.client() as client:
+            first = client.create("busybox", backend="microvm", ttl_s=300)
+            second = client.create("busybox", backend="microvm", ttl_s=300)
+            assert (KSM_DIR / "run").read_text().strip() == "1"  # the server turned KSM on
+            deadline = time.monotonic() + 60
+            while client.nodes()[0].memory_merged_mb < 8 and time.monotonic() < deadline:
+                time.sleep(1)
+            assert client.nodes()[0].memory_merged_mb >= 8  # two guests from one kernel share pages
+            first.exec("sleep 600 >/dev/null 2>&1 & echo $! > /root/pid")
+            (child,) = first.fork(1)  # the memory travels in the migration stream instead of a copied file
+            assert child.exec("kill -0 $(cat /root/pid) && echo alive").stdout == "alive\n"
+            for sandbox in (child, first, second):
+                sandbox.kill()
+    finally:
+        if not was_on:
+            (KSM_DIR / "run").write_text("0")
+        (KSM_DIR / "pages_to_scan").write_text(scan_rate)

@@ -149,6 +149,7 @@ class VmBackend:
         node_dir: Path,
         guest_agent: Path,
         accel: str = "auto",
+        memory: str = "shared",
         boot_timeout_s: float = 90.0,
         network_fabric: Callable[[], Awaitable[NetworkFabric]] | None = None,
     ) -> None:
@@ -162,6 +163,7 @@ class VmBackend:
         self._accel_setting = accel
         self._boot_timeout_s = boot_timeout_s
         self._network_fabric = network_fabric
+        self._memory = memory
         self._vms: dict[str, _Vm] = {}
         self._ready_lock = asyncio.Lock()
         self._kit: GuestKit | None = None
@@ -214,6 +216,7 @@ class VmBackend:
             disk=str(disk),
             hostname=spec.sandbox_id[-12:],
             tsc_khz=host_tsc_khz() if accel.name == "tcg" else None,
+            memory=self._memory,
         )
 
     async def _connect_agent(self, machine: Machine, timeout_s: float) -> AgentConnection:
@@ -310,11 +313,13 @@ class VmBackend:
             }
         )
         machine = Machine(config, directory)
-        await asyncio.to_thread(_copy_sparse, source / "memory", machine.memory_file)
+        shared = config.memory == "shared"
+        if shared:
+            await asyncio.to_thread(_copy_sparse, source / "memory", machine.memory_file)
         with orphans.spawned():
             await machine.launch(incoming=True)
         await machine.execute("migrate-set-capabilities",
-                              {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})  # fmt: skip
+                              {"capabilities": [{"capability": "x-ignore-shared", "state": shared}]})  # fmt: skip
         await machine.execute("migrate-incoming", {"uri": f"exec:cat {source / 'state'}"})
         await self._wait_migration(machine, incoming=True)
         await machine.execute("cont")
@@ -495,11 +500,13 @@ class VmBackend:
         if not was_paused:
             await machine.execute("stop")
         try:
+            shared = machine.config.memory == "shared"  # else the guest's memory goes into the stream
             await machine.execute("migrate-set-capabilities",
-                                  {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})  # fmt: skip
+                                  {"capabilities": [{"capability": "x-ignore-shared", "state": shared}]})  # fmt: skip
             await machine.execute("migrate", {"uri": f"exec:cat > {dest / 'state'}"})
             await self._wait_migration(machine, incoming=False)
-            await asyncio.to_thread(_copy_sparse, machine.memory_file, dest / "memory")
+            if shared:
+                await asyncio.to_thread(_copy_sparse, machine.memory_file, dest / "memory")
             await asyncio.to_thread(_copy_sparse, Path(machine.config.disk), dest / "disk.qcow2")
             machine.config.save(dest)
         finally:

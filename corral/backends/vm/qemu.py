@@ -50,6 +50,7 @@ class MachineConfig:
     disk: str  # the writable disk: scratch (microvm) or root (vm), qcow2
     hostname: str
     tsc_khz: int | None = None  # TCG: the host's TSC rate, given to the guest (see timing_arguments)
+    memory: str = "shared"  # "shared": a file in /dev/shm (cheap snapshots); "mergeable": anonymous, KSM merges it
     tap: str | None = None  # a tap device name, inside the machine's network namespace
     netns: str | None = None
 
@@ -115,7 +116,7 @@ def machine_argv(config: MachineConfig, directory: Path, *, incoming: bool = Fal
         "-cpu", cpu,
         "-smp", str(config.vcpus),
         "-m", f"{config.memory_mb}M",
-        "-object", f"memory-backend-file,id=mem,size={config.memory_mb}M,mem-path={memory_file},share=on",
+        "-object", memory_backend(config, memory_file),
         "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
         # QEMU's own seccomp filter: no obsolete syscalls, no scheduler/affinity changes (denying setuid breaks
         # -daemonize). Spawning stays allowed: checkpoints write their device state through `exec:cat`.
@@ -148,6 +149,14 @@ def machine_argv(config: MachineConfig, directory: Path, *, incoming: bool = Fal
     if incoming:
         argv += ["-incoming", "defer"]
     return argv
+
+
+def memory_backend(config: MachineConfig, memory_file: Path) -> str:
+    """Guest RAM: a shared file (a snapshot writes device state only and copies the file) or anonymous
+    memory QEMU marks mergeable, which KSM dedupes across guests (a snapshot then streams all of it)."""
+    if config.memory == "mergeable":
+        return f"memory-backend-ram,id=mem,size={config.memory_mb}M,merge=on"
+    return f"memory-backend-file,id=mem,size={config.memory_mb}M,mem-path={memory_file},share=on"
 
 
 def console_tail(directory: Path, lines: int = 15) -> str:
