@@ -95,6 +95,14 @@ class Settings(BaseSettings):
     pressure_pause_idle_s: float = Field(
         30.0, ge=0, description="While memory is short, sandboxes idle this long are paused (their memory reclaimed)."
     )
+    layer_source_url: str | None = Field(
+        None,
+        description="The shared layer store: a Corral gateway (URL) this node fetches the layers it lacks from, "
+        "once per layer, verified by sha256. Unset: layers must be on this node.",
+    )
+    layer_source_key: str | None = Field(
+        None, description="API key for the layer store; default: this server's own key (one cluster, one key)."
+    )
     vm_accel: Literal["auto", "kvm", "tcg"] = Field(
         "auto",
         description="microvm/vm accelerator: auto boots a probe guest under KVM (bounded) and falls back to TCG.",

@@ -41,6 +41,7 @@ from corral.gateway.trajectory import Trajectories
 from corral.guard.audit import AuditLog
 from corral.images.builders import LayerBuilder
 from corral.images.catalogue import Catalogue
+from corral.images.fetch import LayerFetcher
 from corral.images.store import LayerStore
 from corral.state.db import StateStore
 from corral.trajectory import TrajectoryLog
@@ -145,6 +146,9 @@ def serve(settings: Settings) -> None:
             ttl_check_interval_s=settings.ttl_check_interval_s,
             default_idle_pause_s=settings.idle_pause_s,
             audit_log=AuditLog(store.engine),
+            layer_fetcher=LayerFetcher(catalogue.store, settings.layer_source_url, settings.layer_source_key or api_key)
+            if settings.layer_source_url
+            else None,
         )
         edges[settings.edge_id] = LocalEdge(settings.edge_id, backend, capacity, service)
         await service.start()

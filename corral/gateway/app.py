@@ -17,7 +17,7 @@ from typing import IO, Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field, ValidationError
 
@@ -243,6 +243,12 @@ def create_app(service_factory, max_file_bytes: int, upload_dir: Path) -> FastAP
     @app.get("/v1/layers", dependencies=[Auth])
     async def list_layers(images: Images) -> list[LayerInfo]:
         return images.layers()
+
+    @app.get("/v1/layers/{digest}/blob", dependencies=[Auth], response_class=FileResponse)
+    async def layer_blob(digest: str, images: Images) -> FileResponse:
+        """The layer's EROFS file, for nodes that lack it (they check its sha256 against the digest)."""
+        path, kind = images.layer_file(digest)
+        return FileResponse(path, media_type="application/octet-stream", headers={"X-Corral-Layer-Kind": kind})
 
     @app.delete("/v1/layers/{digest}", status_code=204)
     async def remove_layer(digest: str, images: Images, caller: CallerDep) -> Response:

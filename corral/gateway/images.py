@@ -93,6 +93,11 @@ class ImageService:
             created_at=image.created_at,
         )
 
+    def layer_file(self, digest: str) -> tuple[Path, str]:
+        """The stored file of a layer and its kind (NotFound if this store does not have it)."""
+        layer = self._catalogue.layer(digest)
+        return self._catalogue.store.layer_path(layer.digest), layer.kind
+
     def layers(self) -> list[LayerInfo]:
         return [layer_info(layer) for layer in self._catalogue.layers()]
 

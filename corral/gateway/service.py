@@ -22,6 +22,7 @@ from corral.edge.local import to_allow_rules
 from corral.edge.protocol import Edge, edge_of, new_sandbox_id
 from corral.guard.audit import AuditLog
 from corral.images.catalogue import Catalogue
+from corral.images.fetch import LayerFetcher
 from corral.scheduler.placement import place
 from corral.sdk._exceptions import CapacityExhausted, InvalidRequest, NotFound, SandboxGone
 from corral.sdk._models import (
@@ -62,8 +63,10 @@ class SandboxService:
         ttl_check_interval_s: float,
         default_idle_pause_s: float | None = None,
         audit_log: AuditLog | None = None,
+        layer_fetcher: LayerFetcher | None = None,
     ) -> None:
         self._store = store
+        self._layer_fetcher = layer_fetcher
         self.audit_log = audit_log
         self._default_idle_pause_s = default_idle_pause_s
         self._catalogue = catalogue
@@ -233,6 +236,9 @@ class SandboxService:
         if request.idle_pause_s is None and self._default_idle_pause_s is not None:
             request = request.model_copy(update={"idle_pause_s": self._default_idle_pause_s})
         digests, image_name = self._resolve_root(request)
+        if self._layer_fetcher is not None:  # layers this node lacks come from the shared layer store, once
+            for entry in digests:
+                await self._layer_fetcher.ensure(entry.partition("#")[0])
         layers = self._layer_refs(digests)
         self._catalogue.touch([d.partition("#")[0] for d in digests])
         refused: dict[str, str] = {}  # edge id -> why it refused

@@ -1,0 +1,87 @@
+"""The shared layer store: a node fetches the layers it lacks from a gateway, once, verified by sha256."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import http.server
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import corral
+from corral.embedded import EmbeddedServer, free_port
+from corral.images.fetch import LayerFetcher
+from corral.images.store import LayerStore
+from corral.sdk import InternalError, NotFound
+
+
+def _busybox_digest(client: corral.Client) -> str:
+    return client.images.inspect("busybox").layers[-1].digest
+
+
+async def test_a_missing_layer_is_fetched_once_and_verified(server: EmbeddedServer, tmp_path: Path) -> None:
+    with server.client() as client:
+        digest = _busybox_digest(client)
+    store = LayerStore(tmp_path / "node-layers")
+    fetcher = LayerFetcher(store, server.url, server.api_key)
+    paths = await asyncio.gather(*(fetcher.ensure(digest) for _ in range(4)))  # four sandboxes want it at once
+    assert len(set(paths)) == 1 and fetcher.downloads == 1
+    assert "sha256:" + hashlib.sha256(paths[0].read_bytes()).hexdigest() == digest
+    assert store.layer(digest).kind == "base"
+    assert await fetcher.ensure(digest) == paths[0] and fetcher.downloads == 1  # once per node
+    with pytest.raises(NotFound, match="neither on this node nor in the layer store"):
+        await fetcher.ensure("sha256:" + "0" * 64)
+
+
+@pytest.fixture
+def lying_store() -> Iterator[str]:
+    """A layer store on loopback that answers every blob request with bytes that do not match the digest."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            body = b"not the layer you asked for" * 100
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        thread.join()
+
+
+async def test_a_layer_that_does_not_hash_to_its_digest_is_refused(lying_store: str, tmp_path: Path) -> None:
+    store = LayerStore(tmp_path / "node-layers")
+    digest = "sha256:" + "ab" * 32
+    with pytest.raises(InternalError, match="refused"):
+        await LayerFetcher(store, lying_store, "key").ensure(digest)
+    assert store.layers() == [] and not list(store.root.glob(".fetch-*"))  # nothing kept, no leftovers
+
+
+def test_a_second_node_runs_sandboxes_from_layers_it_fetches(
+    server: EmbeddedServer, postgres_url: str, tmp_path: Path, test_env: dict[str, str]
+) -> None:
+    """Two servers share PostgreSQL; the second has an empty layer store and fetches from the first."""
+    shared = {**test_env, "CORRAL_DATABASE_URL": postgres_url}
+    with EmbeddedServer(tmp_path / "a", env=shared) as first:
+        with first.client() as client:
+            digest = _busybox_digest(client)
+        second_env = {**shared, "CORRAL_NODE_DIR": str(tmp_path / "node-b"), "CORRAL_EDGE_ID": "e1",
+                      "CORRAL_LAYER_SOURCE_URL": first.url, "CORRAL_LAYER_SOURCE_KEY": first.api_key}  # fmt: skip
+        with EmbeddedServer(tmp_path / "b", env=second_env) as second, second.client() as client:
+            with client.create("busybox", ttl_s=120) as sandbox:
+                assert sandbox.info.edge_id == "e1"
+                assert sandbox.exec("echo from node b").stdout == "from node b\n"
+            fetched = tmp_path / "node-b" / "layers" / "layers" / f"{digest.split(':')[1]}.erofs"
+            assert fetched.exists()
