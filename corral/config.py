@@ -95,6 +95,10 @@ class Settings(BaseSettings):
     pressure_pause_idle_s: float = Field(
         30.0, ge=0, description="While memory is short, sandboxes idle this long are paused (their memory reclaimed)."
     )
+    node_heartbeat_s: float = Field(1.0, gt=0, description="How often this server's edges report to the shared state.")
+    node_lost_after_s: float = Field(
+        15.0, gt=0, description="A node silent this long is marked lost, and every sandbox on it with it."
+    )
     layer_source_url: str | None = Field(
         None,
         description="The shared layer store: a Corral gateway (URL) this node fetches the layers it lacks from, "

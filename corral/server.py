@@ -146,6 +146,8 @@ def serve(settings: Settings) -> None:
             ttl_check_interval_s=settings.ttl_check_interval_s,
             default_idle_pause_s=settings.idle_pause_s,
             audit_log=AuditLog(store.engine),
+            heartbeat_s=settings.node_heartbeat_s,
+            node_lost_after_s=settings.node_lost_after_s,
             layer_fetcher=LayerFetcher(catalogue.store, settings.layer_source_url, settings.layer_source_key or api_key)
             if settings.layer_source_url
             else None,

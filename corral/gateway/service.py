@@ -64,7 +64,12 @@ class SandboxService:
         default_idle_pause_s: float | None = None,
         audit_log: AuditLog | None = None,
         layer_fetcher: LayerFetcher | None = None,
+        heartbeat_s: float = 1.0,
+        node_lost_after_s: float = 15.0,
     ) -> None:
+        self._heartbeat_s = heartbeat_s
+        self._node_lost_after_s = node_lost_after_s
+        self._watcher: asyncio.Task[None] | None = None
         self._store = store
         self._layer_fetcher = layer_fetcher
         self.audit_log = audit_log
@@ -100,12 +105,33 @@ class SandboxService:
             adopted = sum(state is not None for state in states.values())
             log.info("edge %s: re-adopted %d of %d sandboxes", edge_id, adopted, len(states))
         self._reaper = asyncio.get_running_loop().create_task(self._reap_expired())
+        self._watcher = asyncio.get_running_loop().create_task(self._watch_nodes())
+
+    async def _watch_nodes(self) -> None:
+        """Heartbeat this gateway's edges into the shared store, and mark nodes that went silent lost,
+        with their sandboxes: a node is lost after ``node_lost_after_s`` without a heartbeat."""
+        while True:
+            try:
+                now = time.time()
+                for edge_id, edge in self._edges.items():
+                    self._store.heartbeat(edge_id, (await edge.load()).model_dump(), now)
+                before = now - self._node_lost_after_s
+                for edge_id in self._store.silent_nodes(before, exclude=set(self._edges)):
+                    message = (f"its node {edge_id} went silent: no heartbeat for {self._node_lost_after_s:g}s "
+                               "(the machine or its server stopped)")  # fmt: skip
+                    lost = self._store.mark_node_lost(edge_id, before, message)
+                    log.warning("node %s marked lost after %.0fs of silence; %d sandboxes lost", edge_id,
+                                self._node_lost_after_s, lost)  # fmt: skip
+            except Exception:
+                log.exception("node watcher failed; retrying")
+            await asyncio.sleep(self._heartbeat_s)
 
     async def close(self) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
+        for task in (self._reaper, self._watcher):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for edge in self._edges.values():
             await edge.close()
 

@@ -36,7 +36,7 @@ from sqlalchemy.engine import Engine
 
 from corral.sdk._models import SandboxInfo, SandboxState
 
-__all__ = ["SandboxRecord", "StateStore", "layers", "image_tags", "build_cache", "job_tokens"]
+__all__ = ["SandboxRecord", "StateStore", "layers", "image_tags", "build_cache", "job_tokens", "nodes"]
 
 metadata = MetaData()
 
@@ -100,6 +100,16 @@ build_cache = Table(
     Column("input_key", String(80), primary_key=True),  # sha256 of the builder's canonical inputs
     Column("layers", JSON, nullable=False),
     Column("created_at", Float, nullable=False),
+)
+
+nodes = Table(
+    "nodes",
+    metadata,
+    Column("edge_id", String(32), primary_key=True),
+    Column("state", String(16), nullable=False),  # up | lost
+    Column("last_seen", Float, nullable=False),  # the edge's last heartbeat, Unix time
+    Column("load", JSON, nullable=False),  # EdgeLoad at that heartbeat
+    Column("lost_at", Float, nullable=True),
 )
 
 job_tokens = Table(
@@ -178,6 +188,45 @@ class StateStore:
                 .values(state=state.value, end_reason=reason, ended_at=time.time(), status_message=message)
             )
             return result.rowcount > 0
+
+    # -- nodes (the watcher) ----------------------------------------------
+
+    def heartbeat(self, edge_id: str, load: dict[str, Any], now: float) -> None:
+        """An edge is alive: record when, and its load; a node marked lost comes back up."""
+        with self._engine.begin() as conn:
+            done = conn.execute(
+                update(nodes).where(nodes.c.edge_id == edge_id).values(state="up", last_seen=now, load=load)
+            )
+            if done.rowcount == 0:
+                conn.execute(nodes.insert().values(edge_id=edge_id, state="up", last_seen=now, load=load))
+
+    def silent_nodes(self, before: float, exclude: set[str]) -> list[str]:
+        """Nodes still up whose last heartbeat is older than ``before``."""
+        query = select(nodes.c.edge_id).where(nodes.c.state == "up", nodes.c.last_seen < before)
+        with self._engine.connect() as conn:
+            return [row.edge_id for row in conn.execute(query) if row.edge_id not in exclude]
+
+    def mark_node_lost(self, edge_id: str, before: float, message: str) -> int:
+        """Mark a silent node lost (unless it spoke since ``before``) and every active sandbox on it; how many."""
+        now = time.time()
+        with self._engine.begin() as conn:
+            done = conn.execute(
+                update(nodes)
+                .where(nodes.c.edge_id == edge_id, nodes.c.state == "up", nodes.c.last_seen < before)
+                .values(state="lost", lost_at=now)
+            )
+            if done.rowcount == 0:
+                return 0
+            ended = conn.execute(
+                update(sandboxes)
+                .where(sandboxes.c.edge_id == edge_id, sandboxes.c.state.in_(_ACTIVE))
+                .values(state=SandboxState.LOST.value, end_reason="lost", ended_at=now, status_message=message)
+            )
+            return ended.rowcount
+
+    def nodes(self) -> list[dict[str, Any]]:
+        with self._engine.connect() as conn:
+            return [dict(row) for row in conn.execute(select(nodes).order_by(nodes.c.edge_id)).mappings()]
 
     def get(self, sandbox_id: str) -> SandboxRecord | None:
         with self._engine.connect() as conn:

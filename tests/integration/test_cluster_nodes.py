@@ -1,4 +1,4 @@
-"""The shared layer store: a node fetches the layers it lacks from a gateway, once, verified by sha256."""
+"""Several servers on one shared state: the layer store (layers fetched once, verified) and the node watcher."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import http.server
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -85,3 +86,30 @@ def test_a_second_node_runs_sandboxes_from_layers_it_fetches(
                 assert sandbox.exec("echo from node b").stdout == "from node b\n"
             fetched = tmp_path / "node-b" / "layers" / "layers" / f"{digest.split(':')[1]}.erofs"
             assert fetched.exists()
+
+
+def test_a_node_that_goes_silent_is_marked_lost_with_its_sandboxes(
+    postgres_url: str, tmp_path: Path, test_env: dict[str, str]
+) -> None:
+    """The watcher: a second server is killed without a word; the first marks its node and sandboxes lost."""
+    shared = {**test_env, "CORRAL_DATABASE_URL": postgres_url, "CORRAL_NODE_LOST_AFTER_S": "3"}
+    with EmbeddedServer(tmp_path / "a", env=shared) as first:
+        second = EmbeddedServer(tmp_path / "b", env={**shared, "CORRAL_EDGE_ID": "e2"})
+        second.start()
+        try:
+            with second.client() as client:
+                sandbox = client.create("busybox", ttl_s=300)
+            assert second.process is not None
+            second.process.kill()  # SIGKILL: no goodbye, its containers keep running
+            second.process.wait()
+            with first.client() as client:
+                deadline = time.monotonic() + 30
+                while client.get(sandbox.id).info.state != "lost" and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                info = client.get(sandbox.id).info
+                assert info.state == "lost" and "node e2 went silent" in (info.status_message or "")
+                with pytest.raises(corral.SandboxGone):
+                    client.connect(sandbox).exec("true")  # requests to it get a clear error
+        finally:
+            second.start()  # back up: it finds its containers unowned (lost) and removes them
+            second.shutdown()
