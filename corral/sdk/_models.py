@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "DEFAULT_CPU",
+    "DEFAULT_QOS",
     "DEFAULT_MEMORY_MB",
     "DEFAULT_PIDS_MAX",
     "DEFAULT_TTL_S",
@@ -64,6 +65,7 @@ __all__ = [
 ]
 
 DEFAULT_CPU = 1.0
+DEFAULT_QOS = "latency"  # CPU class of a sandbox that names none: the high weight, as every sandbox had before
 DEFAULT_MEMORY_MB = 512
 DEFAULT_PIDS_MAX = 256
 DEFAULT_TTL_S = 3600
@@ -129,6 +131,11 @@ class CreateSandboxRequest(_Model):
     )
     runtime: Literal["crun", "runc"] | None = Field(None, description="OCI runtime; the server's default when unset.")
     cpu: float = Field(DEFAULT_CPU, gt=0, description="CPU cores (CFS quota).")
+    qos: Literal["latency", "batch"] = Field(
+        DEFAULT_QOS,
+        description="CPU class. latency (the default): a high CPU weight, ahead of batch work when the node is busy. "
+        "batch: a low weight, so it runs on what latency sandboxes leave idle (its `cpu` quota still caps it).",
+    )
     memory_mb: int = Field(DEFAULT_MEMORY_MB, gt=0, description="Memory limit in MiB; exceeding it OOM-kills.")
     pids_max: int = Field(DEFAULT_PIDS_MAX, ge=8, le=65536, description="Maximum processes inside the sandbox.")
     env: dict[str, str] = Field(default_factory=dict)
@@ -163,6 +170,7 @@ class SandboxInfo(_Model):
     backend: str
     runtime: str
     cpu: float
+    qos: str = DEFAULT_QOS
     memory_mb: int
     pids_max: int
     user: str

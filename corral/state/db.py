@@ -48,6 +48,7 @@ sandboxes = Table(
     Column("backend", String(32), nullable=False),
     Column("runtime", String(32), nullable=False),
     Column("cpu", Float, nullable=False),
+    Column("qos", String(16), nullable=False, default="latency"),  # CPU class: latency | batch
     Column("memory_mb", Integer, nullable=False),
     Column("pids_max", Integer, nullable=False),
     Column("user", String(256), nullable=False),

@@ -32,6 +32,7 @@ from corral.backends.base import (
     ReclaimResult,
     SandboxSpec,
 )
+from corral.backends.container import qos
 from corral.backends.container.agent_protocol import AgentConnection, AgentExit, AgentOutput, AgentStarted, ExecOrder
 from corral.backends.container.files import ConfinedTree
 from corral.backends.container.host import CgroupLayout, LayerMounts, NativeHelpers, orphans
@@ -294,7 +295,12 @@ class ContainerBackend:
             raise
         config = build_config(
             hostname=spec.sandbox_id[-12:],
-            limits=ContainerLimits(cpu=spec.cpu, memory_mb=spec.memory_mb, pids_max=spec.pids_max),
+            limits=ContainerLimits(
+                cpu=spec.cpu,
+                memory_mb=spec.memory_mb,
+                pids_max=spec.pids_max,
+                cpu_shares=qos.weight_to_shares(qos.weight_of(spec.qos)),
+            ),
             cgroup_path=self._cgroup_path(spec.sandbox_id),
             agent_binary=self._helpers.agent,
         )
@@ -309,6 +315,8 @@ class ContainerBackend:
                     )
                 finally:
                     agent_end.close()
+                if self._layout is CgroupLayout.UNIFIED:  # the runtime's own shares → weight map differs by version
+                    self.set_cpu_weight(spec.sandbox_id, qos.weight_of(spec.qos))
                 await agent.start(self._agent_start_timeout_s)
         except BaseException:
             agent.close()
@@ -523,6 +531,13 @@ class ContainerBackend:
         if self._layout is CgroupLayout.UNIFIED:
             return Path("/sys/fs/cgroup") / relative / name
         return Path("/sys/fs/cgroup") / controller / relative / name
+
+    def set_cpu_weight(self, sandbox_id: str, weight: int) -> None:
+        """Its CPU weight in v2 units (``cpu.weight``; ``cpu.shares`` through the same map on v1)."""
+        if self._layout is CgroupLayout.UNIFIED:
+            self._cgroup_file(sandbox_id, "cpu", "cpu.weight").write_text(str(weight))
+        else:
+            self._cgroup_file(sandbox_id, "cpu", "cpu.shares").write_text(str(qos.weight_to_shares(weight)))
 
     async def changed_paths(self, sandbox_id: str, since: float) -> list[str]:
         """Paths in the sandbox's writable layer changed (written, created or deleted) at or after ``since``."""
