@@ -312,6 +312,21 @@ def bench_lifecycle(
     run_lifecycle_benchmark(runs=runs, as_json=as_json, console=console)
 
 
+@app.command("bench-qos")
+def bench_qos(
+    rounds: Annotated[int, typer.Option(help="Rounds of idle / QoS on / QoS off, interleaved.")] = 4,
+    samples: Annotated[int, typer.Option(help="Execs of each kind per phase per round.")] = 25,
+    batch: Annotated[
+        int | None, typer.Option(help="Batch sandboxes with a busy loop each; default 2 per core.")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Measure a latency sandbox's exec latency idle and with busy batch sandboxes, with QoS on and off."""
+    from corral.bench.qos import run_qos_benchmark
+
+    run_qos_benchmark(rounds=rounds, samples=samples, batch=batch, as_json=as_json, console=console)
+
+
 @app.command("bench-vm")
 def bench_vm(
     runs: Annotated[int, typer.Option(help="Samples per boot, fork and pause timing (vm: half, min 2).")] = 5,

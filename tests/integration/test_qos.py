@@ -1,7 +1,7 @@
 """CPU QoS classes: the weights land in the sandbox's cgroup, and on a busy node latency work gets the CPU.
 
-Cgroup files are read from the host: v1 controllers under /sys/fs/cgroup/<controller>/corral/<id>,
-or the unified tree under /sys/fs/cgroup/corral/<id> on a pure v2 host."""
+Cgroup files are read from the host: v1 controllers under /sys/fs/cgroup/<controller>/<tier>/<id>, or the
+unified tree under /sys/fs/cgroup/<tier>/<id> on a pure v2 host; the tier is corral (latency) or corral-batch."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def _unified() -> bool:
 
 
 def _cgroup_dir(sandbox: corral.Sandbox, controller: str) -> Path:
-    relative = Path("corral") / sandbox.id
+    relative = Path("corral-batch" if sandbox.info.qos == "batch" else "corral") / sandbox.id
     return Path("/sys/fs/cgroup") / relative if _unified() else Path("/sys/fs/cgroup") / controller / relative
 
 
@@ -53,6 +53,11 @@ def test_classes_set_weight_and_keep_quota(client: corral.Client) -> None:
             else:
                 assert int((cpu / "cpu.shares").read_text()) == shares
                 assert int((cpu / "cpu.cfs_quota_us").read_text()) == 50_000
+        tier = _cgroup_dir(batch, "cpu").parent
+        assert tier.name == "corral-batch"
+        if (tier / "cpu.idle").exists():
+            assert (tier / "cpu.idle").read_text().strip() == "1"
+        assert not (_cgroup_dir(latency, "cpu").parent / "cpu.idle").read_text().strip() == "1"
 
 
 def test_batch_class_is_only_for_containers(client: corral.Client) -> None:

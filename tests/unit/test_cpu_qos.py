@@ -34,6 +34,14 @@ def test_map_clamps_to_each_versions_range() -> None:
 def test_unknown_class_is_refused() -> None:
     with pytest.raises(ValueError, match="latency, batch"):
         qos.weight_of("realtime")
+    with pytest.raises(ValueError, match="latency, batch"):
+        qos.cgroup_path("sb-x", "realtime")
+
+
+def test_batch_sandboxes_live_in_an_idle_tier_of_their_own() -> None:
+    assert qos.cgroup_path("sb-x", "latency") == "/corral/sb-x"
+    assert qos.cgroup_path("sb-x", "batch") == "/corral-batch/sb-x"
+    assert qos.IDLE_TIERS == {qos.TIERS["batch"]}
 
 
 def test_config_carries_shares_and_quota() -> None:

@@ -272,11 +272,8 @@ class ContainerBackend:
         st = os.statvfs(self._layer_root(sandbox_id))
         return (st.f_blocks - st.f_bfree) * st.f_frsize, st.f_blocks * st.f_frsize
 
-    def _memory(self, sandbox_id: str) -> CgroupMemory:
-        return CgroupMemory(self._layout, self._cgroup_path(sandbox_id))
-
-    def _cgroup_path(self, sandbox_id: str) -> str:
-        return f"/corral/{sandbox_id}"
+    def _memory(self, spec: SandboxSpec) -> CgroupMemory:
+        return CgroupMemory(self._layout, qos.cgroup_path(spec.sandbox_id, spec.qos))
 
     async def create(self, spec: SandboxSpec) -> str | None:
         runtime = self.runtime(spec.runtime)
@@ -301,7 +298,7 @@ class ContainerBackend:
                 pids_max=spec.pids_max,
                 cpu_shares=qos.weight_to_shares(qos.weight_of(spec.qos)),
             ),
-            cgroup_path=self._cgroup_path(spec.sandbox_id),
+            cgroup_path=qos.cgroup_path(spec.sandbox_id, spec.qos),
             agent_binary=self._helpers.agent,
         )
         (bundle / "config.json").write_text(json.dumps(config))
@@ -315,8 +312,7 @@ class ContainerBackend:
                     )
                 finally:
                     agent_end.close()
-                if self._layout is CgroupLayout.UNIFIED:  # the runtime's own shares → weight map differs by version
-                    self.set_cpu_weight(spec.sandbox_id, qos.weight_of(spec.qos))
+                self._apply_qos(spec)
                 await agent.start(self._agent_start_timeout_s)
         except BaseException:
             agent.close()
@@ -324,7 +320,7 @@ class ContainerBackend:
             self._release_layers(spec)
             await asyncio.to_thread(_remove_sandbox_dir, root)
             raise
-        container = _Container(spec, runtime, agent, init_pid, self._memory(spec.sandbox_id))
+        container = _Container(spec, runtime, agent, init_pid, self._memory(spec))
         container.baseline = await asyncio.to_thread(_pristine_state, upper, init_pid)
         self._containers[spec.sandbox_id] = container
         if spec.network is not None:
@@ -380,7 +376,7 @@ class ContainerBackend:
             self._release_layers(spec)
             await self.destroy(spec.sandbox_id)
             return None
-        container = _Container(spec, runtime, agent, state.pid, self._memory(spec.sandbox_id), paused=paused)
+        container = _Container(spec, runtime, agent, state.pid, self._memory(spec), paused=paused)
         self._containers[spec.sandbox_id] = container
         if spec.network is not None:  # the router namespace died with the old server: plug in again
             await self._plug(container, spec.network)
@@ -527,17 +523,34 @@ class ContainerBackend:
         return state == container.baseline and _TOO_MANY not in state
 
     def _cgroup_file(self, sandbox_id: str, controller: str, name: str) -> Path:
-        relative = self._cgroup_path(sandbox_id).lstrip("/")
-        if self._layout is CgroupLayout.UNIFIED:
-            return Path("/sys/fs/cgroup") / relative / name
-        return Path("/sys/fs/cgroup") / controller / relative / name
+        return self._cgroup_dir(qos.cgroup_path(sandbox_id, self._get(sandbox_id).spec.qos), controller) / name
 
-    def set_cpu_weight(self, sandbox_id: str, weight: int) -> None:
-        """Its CPU weight in v2 units (``cpu.weight``; ``cpu.shares`` through the same map on v1)."""
+    def _cgroup_dir(self, cgroup_path: str, controller: str) -> Path:
+        relative = cgroup_path.lstrip("/")
         if self._layout is CgroupLayout.UNIFIED:
-            self._cgroup_file(sandbox_id, "cpu", "cpu.weight").write_text(str(weight))
+            return Path("/sys/fs/cgroup") / relative
+        return Path("/sys/fs/cgroup") / controller / relative
+
+    def _apply_qos(self, spec: SandboxSpec) -> None:
+        """What config.json cannot say about its CPU class: on v2 the weight itself (the runtime's own
+        shares → weight map differs by version), and the batch tier's cpu.idle and lowest weight (the
+        runtime made the tier as the sandbox's parent; setting it again is harmless)."""
+        sandbox_dir = self._cgroup_dir(qos.cgroup_path(spec.sandbox_id, spec.qos), "cpu")
+        weight = qos.weight_of(spec.qos)
+        self._write_weight(sandbox_dir, weight)
+        tier = sandbox_dir.parent
+        if qos.TIERS[spec.qos] in qos.IDLE_TIERS:
+            if (tier / "cpu.idle").exists():  # an idle cgroup has the lowest weight and refuses another
+                (tier / "cpu.idle").write_text("1")
+            else:  # kernels before 5.15
+                self._write_weight(tier, weight)
+
+    def _write_weight(self, cgroup_dir: Path, weight: int) -> None:
+        """A cgroup's CPU weight in v2 units (``cpu.weight``; ``cpu.shares`` through the same map on v1)."""
+        if self._layout is CgroupLayout.UNIFIED:
+            (cgroup_dir / "cpu.weight").write_text(str(weight))
         else:
-            self._cgroup_file(sandbox_id, "cpu", "cpu.shares").write_text(str(qos.weight_to_shares(weight)))
+            (cgroup_dir / "cpu.shares").write_text(str(qos.weight_to_shares(weight)))
 
     async def changed_paths(self, sandbox_id: str, since: float) -> list[str]:
         """Paths in the sandbox's writable layer changed (written, created or deleted) at or after ``since``."""
