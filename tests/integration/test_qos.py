@@ -80,3 +80,11 @@ def test_latency_work_gets_the_cpu_ahead_of_batch_work(client: corral.Client) ->
         latency_used, batch_used = _cpu_used_s(latency) - latency_before, _cpu_used_s(batch) - batch_before
     assert latency_used > 0.2 * WINDOW_S, (latency_used, batch_used)  # it ran at all on a loaded machine
     assert latency_used > 4 * batch_used, (latency_used, batch_used)
+
+
+def test_a_fork_keeps_its_parents_class(client: corral.Client) -> None:
+    with client.create("busybox", qos="batch", ttl_s=600) as parent:
+        (child,) = parent.fork(1)
+        with child:
+            assert child.info.qos == "batch"
+            assert _cgroup_dir(child, "cpu").is_dir()
