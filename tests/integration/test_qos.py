@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import corral
+from corral.embedded import EmbeddedServer
 
 V1_CPU = Path("/sys/fs/cgroup/cpu")
 BURN = ["taskset", "-c", "0", "sh", "-c", "while :; do :; done"]  # all on one CPU: the load balancer cannot part them
@@ -88,3 +89,20 @@ def test_a_fork_keeps_its_parents_class(client: corral.Client) -> None:
         with child:
             assert child.info.qos == "batch"
             assert _cgroup_dir(child, "cpu").is_dir()
+
+
+def test_a_batch_sandbox_is_readopted_in_its_tier_after_a_restart(fresh_server: EmbeddedServer) -> None:
+    """The class comes back from the state store, and the re-attached sandbox still lives in the batch tier."""
+    with fresh_server.client() as client:
+        sandbox = client.create("busybox", qos="batch", ttl_s=600)
+        sandbox.start("sleep 600")
+    fresh_server.stop()
+    fresh_server.start()
+    with fresh_server.client() as client:
+        handle = client.connect(sandbox)
+        assert handle.refresh().qos == "batch"
+        assert "sleep 600" in handle.exec("ps").stdout
+        assert _cgroup_dir(sandbox, "cpu").is_dir()
+        ended = handle.shutdown(timeout_s=10)
+        assert ended.end_reason == "shutdown"
+    assert not _cgroup_dir(sandbox, "cpu").exists()
