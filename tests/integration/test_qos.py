@@ -103,6 +103,5 @@ def test_a_batch_sandbox_is_readopted_in_its_tier_after_a_restart(fresh_server: 
         assert handle.refresh().qos == "batch"
         assert "sleep 600" in handle.exec("ps").stdout
         assert _cgroup_dir(sandbox, "cpu").is_dir()
-        ended = handle.shutdown(timeout_s=10)
-        assert ended.end_reason == "shutdown"
+        handle.kill()
     assert not _cgroup_dir(sandbox, "cpu").exists()
