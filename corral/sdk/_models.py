@@ -65,7 +65,7 @@ __all__ = [
 ]
 
 DEFAULT_CPU = 1.0
-DEFAULT_QOS = "latency"  # CPU class of a sandbox that names none: the high weight, as every sandbox had before
+DEFAULT_QOS = "latency"  # CPU class of a sandbox that names none: the normal weight every sandbox had before
 DEFAULT_MEMORY_MB = 512
 DEFAULT_PIDS_MAX = 256
 DEFAULT_TTL_S = 3600
@@ -133,8 +133,8 @@ class CreateSandboxRequest(_Model):
     cpu: float = Field(DEFAULT_CPU, gt=0, description="CPU cores (CFS quota).")
     qos: Literal["latency", "batch"] = Field(
         DEFAULT_QOS,
-        description="CPU class. latency (the default): a high CPU weight, ahead of batch work when the node is busy. "
-        "batch: a low weight, so it runs on what latency sandboxes leave idle (its `cpu` quota still caps it).",
+        description="CPU class. latency (the default): the normal CPU weight, ahead of batch work when the node is "
+        "busy. batch: an idle-priority tier that gets only the CPU nothing else wants (its `cpu` quota still caps it).",
     )
     memory_mb: int = Field(DEFAULT_MEMORY_MB, gt=0, description="Memory limit in MiB; exceeding it OOM-kills.")
     pids_max: int = Field(DEFAULT_PIDS_MAX, ge=8, le=65536, description="Maximum processes inside the sandbox.")
