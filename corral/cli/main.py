@@ -317,7 +317,7 @@ def bench_lifecycle(
 
 @app.command("bench-qos")
 def bench_qos(
-    rounds: Annotated[int, typer.Option(help="Rounds of idle / QoS on / QoS off, interleaved.")] = 4,
+    rounds: Annotated[int, typer.Option(help="Rounds of idle / QoS on / QoS off, interleaved.")] = 6,
     samples: Annotated[int, typer.Option(help="Execs of each kind per phase per round.")] = 25,
     batch: Annotated[
         int | None, typer.Option(help="Batch sandboxes with a busy loop each; default 2 per core.")
