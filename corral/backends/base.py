@@ -47,6 +47,7 @@ class SandboxSpec:
     cpu: float
     memory_mb: int
     pids_max: int
+    qos: str = "latency"  # CPU class: latency (normal weight) | batch (idle tier, lowest weight)
     env: dict[str, str] = field(default_factory=dict)
     cwd: str = "/"
     user: str = "root"

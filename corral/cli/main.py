@@ -72,6 +72,9 @@ def serve(
 def create(
     image: Annotated[str, typer.Argument(help="Image name, see `corral images`.")] = "busybox",
     cpu: float = 1.0,
+    qos: Annotated[str, typer.Option(help="CPU class: latency (default) or batch (runs on what others leave).")] = (
+        "latency"
+    ),
     memory_mb: int = 512,
     ttl_s: Annotated[float | None, typer.Option(help="Seconds until it is destroyed.")] = 3600,
     label: Annotated[list[str] | None, typer.Option("--label", "-l", help="key=value, repeatable.")] = None,
@@ -83,7 +86,7 @@ def create(
 ) -> None:
     """Create a sandbox and print its id (IMAGE is the base when --workspace/--tools compose an environment)."""
     environment = {"base": image, "workspace": workspace, "tools": tools} if workspace or tools else None
-    sandbox = _client().create(image, cpu=cpu, memory_mb=memory_mb, ttl_s=ttl_s, labels=_labels(label),
+    sandbox = _client().create(image, cpu=cpu, qos=qos, memory_mb=memory_mb, ttl_s=ttl_s, labels=_labels(label),
                                env=_labels(env), user=user, cwd=cwd, environment=environment)  # fmt: skip
     console.print(sandbox.id)
 
@@ -310,6 +313,21 @@ def bench_lifecycle(
     from corral.bench.lifecycle import run_lifecycle_benchmark
 
     run_lifecycle_benchmark(runs=runs, as_json=as_json, console=console)
+
+
+@app.command("bench-qos")
+def bench_qos(
+    rounds: Annotated[int, typer.Option(help="Rounds of idle / QoS on / QoS off, interleaved.")] = 6,
+    samples: Annotated[int, typer.Option(help="Execs of each kind per phase per round.")] = 25,
+    batch: Annotated[
+        int | None, typer.Option(help="Batch sandboxes with a busy loop each; default 2 per core.")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Measure a latency sandbox's exec latency idle and with busy batch sandboxes, with QoS on and off."""
+    from corral.bench.qos import run_qos_benchmark
+
+    run_qos_benchmark(rounds=rounds, samples=samples, batch=batch, as_json=as_json, console=console)
 
 
 @app.command("bench-vm")

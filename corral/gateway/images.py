@@ -265,8 +265,9 @@ class ImageService:
         snap = await self.snapshot(sandbox_id, None)
         ttl_s = parent["expires_at"] - parent["created_at"] if parent["expires_at"] else None
         child = CreateSandboxRequest(
-            layers=snap.layers, runtime=parent["runtime"], cpu=parent["cpu"], memory_mb=parent["memory_mb"],
-            pids_max=parent["pids_max"], env=parent["env"], cwd=parent["cwd"], user=parent["user"],
+            layers=snap.layers, runtime=parent["runtime"], cpu=parent["cpu"], qos=parent["qos"],
+            memory_mb=parent["memory_mb"], pids_max=parent["pids_max"], env=parent["env"], cwd=parent["cwd"],
+            user=parent["user"],
             labels={**parent["labels"], **request.labels, "corral.forked_from": sandbox_id}, ttl_s=ttl_s,
             ttl_counts_paused=parent["ttl_counts_paused"], idle_pause_s=parent["idle_pause_s"],
             protected_paths=parent["protected_paths"] or [], sensitive_paths=parent["sensitive_paths"] or [],
@@ -278,6 +279,7 @@ class ImageService:
         ttl_s = parent["expires_at"] - parent["created_at"] if parent["expires_at"] else None
         child = CreateSandboxRequest(
             layers=self._sandboxes.layers_of(sandbox_id), backend=parent["backend"], cpu=parent["cpu"],
+            qos=parent["qos"],
             memory_mb=parent["memory_mb"], pids_max=parent["pids_max"], env=parent["env"], cwd=parent["cwd"],
             user=parent["user"], labels={**parent["labels"], **request.labels, "corral.forked_from": sandbox_id},
             ttl_s=ttl_s, ttl_counts_paused=parent["ttl_counts_paused"], idle_pause_s=parent["idle_pause_s"],

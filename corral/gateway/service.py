@@ -239,6 +239,7 @@ class SandboxService:
             layers=self._layer_refs(record["layers"]),
             runtime=record["runtime"],
             cpu=record["cpu"],
+            qos=record["qos"],
             memory_mb=record["memory_mb"],
             pids_max=record["pids_max"],
             env=record["env"],
@@ -259,6 +260,8 @@ class SandboxService:
         for key in request.env:
             if not key or "=" in key or "\0" in key:
                 raise InvalidRequest(f"invalid environment variable name {key!r}")
+        if request.qos != "latency" and request.backend != "container":
+            raise InvalidRequest(f"qos {request.qos!r} needs backend container: VM sandboxes have no CPU classes yet")
         if request.idle_pause_s is None and self._default_idle_pause_s is not None:
             request = request.model_copy(update={"idle_pause_s": self._default_idle_pause_s})
         digests, image_name = self._resolve_root(request)
@@ -286,6 +289,7 @@ class SandboxService:
                 cpu=request.cpu,
                 memory_mb=request.memory_mb,
                 pids_max=request.pids_max,
+                qos=request.qos,
                 env=request.env,
                 cwd=request.cwd,
                 user=request.user,
@@ -301,6 +305,7 @@ class SandboxService:
                 {
                     "id": spec.sandbox_id, "edge_id": edge_id, "state": SandboxState.CREATING.value,
                     "image": spec.image, "backend": request.backend, "runtime": spec.runtime, "cpu": spec.cpu,
+                    "qos": spec.qos,
                     "memory_mb": spec.memory_mb, "pids_max": spec.pids_max, "user": spec.user, "cwd": spec.cwd,
                     "env": spec.env, "layers": [layer.digest for layer in layers], "labels": request.labels,
                     "created_at": now, "expires_at": now + request.ttl_s if request.ttl_s else None,

@@ -294,6 +294,7 @@ class Trajectories:
                 layers=original["layers"],
                 runtime=original["runtime"],
                 cpu=original["cpu"],
+                qos=original["qos"],
                 memory_mb=original["memory_mb"],
                 pids_max=original["pids_max"],
                 env=original["env"],

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "DEFAULT_CPU",
+    "DEFAULT_QOS",
     "DEFAULT_MEMORY_MB",
     "DEFAULT_PIDS_MAX",
     "DEFAULT_TTL_S",
@@ -65,6 +66,7 @@ __all__ = [
 ]
 
 DEFAULT_CPU = 1.0
+DEFAULT_QOS = "latency"  # CPU class of a sandbox that names none: the normal weight every sandbox had before
 DEFAULT_MEMORY_MB = 512
 DEFAULT_PIDS_MAX = 256
 DEFAULT_TTL_S = 3600
@@ -130,6 +132,11 @@ class CreateSandboxRequest(_Model):
     )
     runtime: Literal["crun", "runc"] | None = Field(None, description="OCI runtime; the server's default when unset.")
     cpu: float = Field(DEFAULT_CPU, gt=0, description="CPU cores (CFS quota).")
+    qos: Literal["latency", "batch"] = Field(
+        DEFAULT_QOS,
+        description="CPU class. latency (the default): the normal CPU weight, ahead of batch work when the node is "
+        "busy. batch: an idle-priority tier that gets only the CPU nothing else wants (its `cpu` quota still caps it).",
+    )
     memory_mb: int = Field(DEFAULT_MEMORY_MB, gt=0, description="Memory limit in MiB; exceeding it OOM-kills.")
     pids_max: int = Field(DEFAULT_PIDS_MAX, ge=8, le=65536, description="Maximum processes inside the sandbox.")
     env: dict[str, str] = Field(default_factory=dict)
@@ -170,6 +177,7 @@ class SandboxInfo(_Model):
     backend: str
     runtime: str
     cpu: float
+    qos: str = DEFAULT_QOS
     memory_mb: int
     pids_max: int
     user: str

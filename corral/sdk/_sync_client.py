@@ -20,6 +20,7 @@ from corral.sdk._models import (
     DEFAULT_MEMORY_MB,
     DEFAULT_OUTPUT_CAP_BYTES,
     DEFAULT_PIDS_MAX,
+    DEFAULT_QOS,
     DEFAULT_TTL_S,
     AuditEvent,
     BuildEvent,
@@ -575,6 +576,7 @@ class Client:
         image: str = "busybox",
         *,
         cpu: float = DEFAULT_CPU,
+        qos: str = DEFAULT_QOS,
         memory_mb: int = DEFAULT_MEMORY_MB,
         pids_max: int = DEFAULT_PIDS_MAX,
         env: dict[str, str] | None = None,
@@ -596,7 +598,8 @@ class Client:
         """Create a sandbox from ``image``, an ``environment`` ({base, workspace, tools}), or ``layers``."""
         fields = {
             "image": image, "environment": environment, "layers": layers, "backend": backend, "runtime": runtime,
-            "cpu": cpu, "memory_mb": memory_mb, "pids_max": pids_max, "env": env or {}, "cwd": cwd, "user": user,
+            "cpu": cpu, "qos": qos, "memory_mb": memory_mb, "pids_max": pids_max, "env": env or {}, "cwd": cwd,
+            "user": user,
             "labels": labels or {}, "ttl_s": ttl_s, "idle_pause_s": idle_pause_s,
             "ttl_counts_paused": ttl_counts_paused, "network": network, "protected_paths": protected_paths or [],
             "disk_mb": disk_mb, "sensitive_paths": sensitive_paths or [],

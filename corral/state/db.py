@@ -50,6 +50,7 @@ sandboxes = Table(
     Column("backend", String(32), nullable=False),
     Column("runtime", String(32), nullable=False),
     Column("cpu", Float, nullable=False),
+    Column("qos", String(16), nullable=False, server_default="latency"),  # CPU class: latency | batch
     Column("memory_mb", Integer, nullable=False),
     Column("pids_max", Integer, nullable=False),
     Column("user", String(256), nullable=False),
@@ -133,18 +134,27 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
 
 
 def _add_missing_columns(engine: Engine) -> None:
-    """A database made by an older version lacks the nullable columns added since (protected_paths, disk_mb,
-    sensitive_paths, ...): add them, empty. create_all makes missing tables, never missing columns."""
+    """A database made by an older version lacks the columns added since (protected_paths, disk_mb,
+    sensitive_paths, qos, ...): add them, empty or with their default. create_all makes missing tables,
+    never missing columns."""
     existing = inspect(engine)
     for table in metadata.sorted_tables:
         if not existing.has_table(table.name):
             continue
         present = {column["name"] for column in existing.get_columns(table.name)}
         for column in table.columns:
-            if column.name not in present and column.nullable:
-                kind = column.type.compile(dialect=engine.dialect)
-                with engine.begin() as conn:
-                    conn.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {kind}'))
+            if column.name in present:
+                continue
+            kind = column.type.compile(dialect=engine.dialect)
+            if column.nullable:
+                ddl = f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {kind}'
+            elif column.server_default is not None:  # e.g. qos: old rows get the default
+                default = str(column.server_default.arg).replace("'", "''")
+                ddl = f"ALTER TABLE {table.name} ADD COLUMN \"{column.name}\" {kind} NOT NULL DEFAULT '{default}'"
+            else:
+                continue
+            with engine.begin() as conn:
+                conn.execute(text(ddl))
 
 
 class StateStore:

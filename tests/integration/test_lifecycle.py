@@ -211,3 +211,14 @@ def test_clean_shutdown_sends_term_then_ends_the_container(client: corral.Client
     stubborn.start("trap '' TERM; while :; do sleep 0.1; done")
     info = stubborn.shutdown(timeout_s=1)
     assert (info.end_reason, info.status_message) == ("shutdown", "still running after 1s: killed")
+
+
+def test_clean_shutdown_of_a_sandbox_readopted_after_a_restart(fresh_server: EmbeddedServer) -> None:
+    with fresh_server.client() as client:
+        sandbox = client.create("busybox", ttl_s=300)
+        sandbox.start("trap 'exit 0' TERM; while :; do sleep 0.1; done")
+    fresh_server.stop()
+    fresh_server.start()
+    with fresh_server.client() as client:
+        info = client.connect(sandbox).shutdown(timeout_s=20)  # the re-attached agent outlives the SIGTERM
+        assert (info.state, info.end_reason, info.status_message) == ("ended", "shutdown", "stopped cleanly")

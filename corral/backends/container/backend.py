@@ -29,6 +29,7 @@ from corral.backends.base import (
     ReclaimResult,
     SandboxSpec,
 )
+from corral.backends.container import qos
 from corral.backends.container.agent_protocol import (
     AgentConnection,
     IpcCounts,
@@ -74,6 +75,13 @@ def _read_int(path: str) -> int:
         return int(os.read(fd, 64))
     finally:
         os.close(fd)
+
+
+def _comm(pid: str) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None  # gone meanwhile
 
 
 def _run_quietly(argv: list[str]) -> subprocess.CompletedProcess[str]:
@@ -260,11 +268,8 @@ class ContainerBackend:
         st = os.statvfs(self._layer_root(sandbox_id))
         return (st.f_blocks - st.f_bfree) * st.f_frsize, st.f_blocks * st.f_frsize
 
-    def _memory(self, sandbox_id: str) -> CgroupMemory:
-        return CgroupMemory(self._layout, self._cgroup_path(sandbox_id))
-
-    def _cgroup_path(self, sandbox_id: str) -> str:
-        return f"/corral/{sandbox_id}"
+    def _memory(self, spec: SandboxSpec) -> CgroupMemory:
+        return CgroupMemory(self._layout, qos.cgroup_path(spec.sandbox_id, spec.qos))
 
     async def create(self, spec: SandboxSpec) -> str | None:
         runtime = self.runtime(spec.runtime)
@@ -283,8 +288,13 @@ class ContainerBackend:
             raise
         config = build_config(
             hostname=spec.sandbox_id[-12:],
-            limits=ContainerLimits(cpu=spec.cpu, memory_mb=spec.memory_mb, pids_max=spec.pids_max),
-            cgroup_path=self._cgroup_path(spec.sandbox_id),
+            limits=ContainerLimits(
+                cpu=spec.cpu,
+                memory_mb=spec.memory_mb,
+                pids_max=spec.pids_max,
+                cpu_shares=qos.weight_to_shares(qos.weight_of(spec.qos)),
+            ),
+            cgroup_path=qos.cgroup_path(spec.sandbox_id, spec.qos),
             agent_binary=self._helpers.agent,
             log_denials=runtime.name == "crun",
         )
@@ -299,6 +309,7 @@ class ContainerBackend:
                     )
                 finally:
                     agent_end.close()
+                self._apply_qos(spec)
                 await agent.start(self._agent_start_timeout_s)
         except BaseException:
             agent.close()
@@ -306,7 +317,7 @@ class ContainerBackend:
             self._release_layers(spec)
             await asyncio.to_thread(_remove_sandbox_dir, root)
             raise
-        container = _Container(spec, runtime, agent, init_pid, self._memory(spec.sandbox_id))
+        container = _Container(spec, runtime, agent, init_pid, self._memory(spec))
         container.baseline = await asyncio.to_thread(_pristine_state, upper, init_pid)
         self._containers[spec.sandbox_id] = container
         self._watch_kernel(container)
@@ -363,7 +374,7 @@ class ContainerBackend:
             self._release_layers(spec)
             await self.destroy(spec.sandbox_id)
             return None
-        container = _Container(spec, runtime, agent, state.pid, self._memory(spec.sandbox_id), paused=paused)
+        container = _Container(spec, runtime, agent, state.pid, self._memory(spec), paused=paused)
         self._containers[spec.sandbox_id] = container
         self._watch_kernel(container)
         if spec.network is not None:  # the router namespace died with the old server: plug in again
@@ -526,10 +537,34 @@ class ContainerBackend:
         return await self._no_ipc_objects(container)
 
     def _cgroup_file(self, sandbox_id: str, controller: str, name: str) -> Path:
-        relative = self._cgroup_path(sandbox_id).lstrip("/")
+        return self._cgroup_dir(qos.cgroup_path(sandbox_id, self._get(sandbox_id).spec.qos), controller) / name
+
+    def _cgroup_dir(self, cgroup_path: str, controller: str) -> Path:
+        relative = cgroup_path.lstrip("/")
         if self._layout is CgroupLayout.UNIFIED:
-            return Path("/sys/fs/cgroup") / relative / name
-        return Path("/sys/fs/cgroup") / controller / relative / name
+            return Path("/sys/fs/cgroup") / relative
+        return Path("/sys/fs/cgroup") / controller / relative
+
+    def _apply_qos(self, spec: SandboxSpec) -> None:
+        """What config.json cannot say about its CPU class: on v2 the weight itself (the runtime's own
+        shares → weight map differs by version), and the batch tier's cpu.idle and lowest weight (the
+        runtime made the tier as the sandbox's parent; setting it again is harmless)."""
+        sandbox_dir = self._cgroup_dir(qos.cgroup_path(spec.sandbox_id, spec.qos), "cpu")
+        weight = qos.weight_of(spec.qos)
+        self._write_weight(sandbox_dir, weight)
+        tier = sandbox_dir.parent
+        if qos.TIERS[spec.qos] in qos.IDLE_TIERS:
+            if (tier / "cpu.idle").exists():  # an idle cgroup has the lowest weight and refuses another
+                (tier / "cpu.idle").write_text("1")
+            else:  # kernels before 5.15
+                self._write_weight(tier, weight)
+
+    def _write_weight(self, cgroup_dir: Path, weight: int) -> None:
+        """A cgroup's CPU weight in v2 units (``cpu.weight``; ``cpu.shares`` through the same map on v1)."""
+        if self._layout is CgroupLayout.UNIFIED:
+            (cgroup_dir / "cpu.weight").write_text(str(weight))
+        else:
+            (cgroup_dir / "cpu.shares").write_text(str(qos.weight_to_shares(weight)))
 
     async def changed_paths(self, sandbox_id: str, since: float) -> list[str]:
         """Paths in the sandbox's writable layer changed (written, created or deleted) at or after ``since``."""
@@ -538,18 +573,20 @@ class ContainerBackend:
         return await asyncio.to_thread(_changed_since, upper, since)
 
     async def shutdown(self, sandbox_id: str, timeout_s: float) -> bool:
-        """SIGTERM to every process but the agent (PID 1 ignores it), then wait until only the agent is left."""
+        """SIGTERM to every process (the agents ignore it), then wait until only agents are left."""
         container = self._get(sandbox_id)
         if container.paused:
             await self.resume(sandbox_id)
         await container.runtime.signal_all(sandbox_id, "TERM")
         procs = self._cgroup_file(sandbox_id, "pids", "cgroup.procs")
         deadline = time.monotonic() + timeout_s
+        agent_name = Path(AGENT_PATH).name  # the init agent, and a second one re-attached after a restart
         while time.monotonic() < deadline:
             try:
-                if len(procs.read_text().split()) <= 1:
-                    return True
+                pids = procs.read_text().split()
             except OSError:
+                return True
+            if all(_comm(pid) in (agent_name, None) for pid in pids):
                 return True
             await asyncio.sleep(0.05)
         return False

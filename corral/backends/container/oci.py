@@ -161,6 +161,7 @@ class ContainerLimits:
     cpu: float
     memory_mb: int
     pids_max: int
+    cpu_shares: int = 1024  # v1 weight (the kernel's default); corral.backends.container.qos sets it per class
 
 
 def _seccomp(log_denials: bool) -> dict[str, Any]:
@@ -247,7 +248,11 @@ def build_config(
             "cgroupsPath": cgroup_path,
             "resources": {
                 "memory": {"limit": limits.memory_mb << 20, "swap": limits.memory_mb << 20},
-                "cpu": {"quota": max(1000, int(limits.cpu * CFS_PERIOD_US)), "period": CFS_PERIOD_US},
+                "cpu": {
+                    "shares": limits.cpu_shares,
+                    "quota": max(1000, int(limits.cpu * CFS_PERIOD_US)),
+                    "period": CFS_PERIOD_US,
+                },
                 "pids": {"limit": limits.pids_max},
                 "devices": [{"allow": False, "access": "rwm"}],
             },

@@ -185,6 +185,9 @@ static void run_child(int in_fd, int out_w, int err_w, const char *user, const c
     sigemptyset(&all);
     sigprocmask(SIG_SETMASK, &all, NULL);
     signal(SIGPIPE, SIG_DFL);
+    signal(SIGTERM, SIG_DFL);
+    signal(SIGINT, SIG_DFL);
+    signal(SIGHUP, SIG_DFL);
     setsid();
     dup2(in_fd, 0);
     dup2(out_w, 1);
@@ -529,6 +532,11 @@ int main(int argc, char **argv) {
     prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
     if (ctl >= 0) fcntl(ctl, F_SETFD, FD_CLOEXEC);
     signal(SIGPIPE, SIG_IGN);
+    /* A clean shutdown signals every process of the sandbox; a re-attached agent (not PID 1, which the
+       kernel already shields) must outlive it to report the end. Commands get the defaults back. */
+    signal(SIGTERM, SIG_IGN);
+    signal(SIGINT, SIG_IGN);
+    signal(SIGHUP, SIG_IGN);
     sigset_t mask;
     sigemptyset(&mask);
     sigaddset(&mask, SIGCHLD);
