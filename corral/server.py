@@ -127,6 +127,7 @@ def serve(settings: Settings) -> None:
                         memory=settings.vm_memory,
                         boot_timeout_s=settings.vm_boot_timeout_s,
                         network_fabric=containers.network_fabric,
+                        cgroup_layout=layout,
                     )
                     for kind in ("microvm", "vm")
                 },

@@ -316,3 +316,21 @@ def test_mergeable_guest_memory_is_merged_by_ksm_and_still_forks(tmp_path: Path,
         if not was_on:
             (KSM_DIR / "run").write_text("0")
         (KSM_DIR / "pages_to_scan").write_text(scan_rate)
+
+
+def test_qemu_runs_in_a_cgroup_capped_at_the_sandboxes_cpu_and_memory(server: EmbeddedServer) -> None:
+    from corral.backends.container.host import CgroupLayout, detect_cgroup_layout
+    from corral.backends.vm.cgroup import QEMU_OVERHEAD_MB, VmCgroup
+
+    with server.client() as client:
+        sb = client.create("busybox", backend="microvm", cpu=0.5, memory_mb=256, ttl_s=300)
+        pid = _qemu_pid(server, sb.id)
+        # The server hides cgroup2 in its own mount namespace on hybrid hosts: look at the v1 hierarchy there too.
+        layout = detect_cgroup_layout()
+        cgroup = VmCgroup(CgroupLayout.LEGACY if layout is CgroupLayout.HYBRID else layout, sb.id)
+        assert pid in cgroup.pids()
+        assert cgroup.cpu_quota() == pytest.approx(0.5)
+        limit_file = "memory.max" if layout is CgroupLayout.UNIFIED else "memory.limit_in_bytes"
+        assert int((cgroup.memory_dir / limit_file).read_text()) == (256 + QEMU_OVERHEAD_MB) << 20
+        sb.kill()
+        assert not cgroup.memory_dir.exists()

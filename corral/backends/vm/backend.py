@@ -41,9 +41,10 @@ from corral.backends.base import (
     SandboxSpec,
 )
 from corral.backends.container.agent_protocol import AgentConnection, AgentExit, AgentOutput, ExecOrder
-from corral.backends.container.host import orphans
+from corral.backends.container.host import CgroupLayout, orphans
 from corral.backends.container.network import GUEST_LINK_IFNAME, AllowRule, DeniedCounts, NetworkFabric
 from corral.backends.vm.accel import choose_accelerator
+from corral.backends.vm.cgroup import VmCgroup
 from corral.backends.vm.files import GuestTree
 from corral.backends.vm.guest import GuestKit, ensure_guest_kit
 from corral.backends.vm.network import create_guest_link, delete_namespace, namespace_name
@@ -152,6 +153,7 @@ class VmBackend:
         memory: str = "shared",
         boot_timeout_s: float = 90.0,
         network_fabric: Callable[[], Awaitable[NetworkFabric]] | None = None,
+        cgroup_layout: CgroupLayout | None = None,
     ) -> None:
         if kind not in ("microvm", "vm"):
             raise ValueError(f"unknown VM kind {kind!r}")
@@ -164,6 +166,7 @@ class VmBackend:
         self._boot_timeout_s = boot_timeout_s
         self._network_fabric = network_fabric
         self._memory = memory
+        self._cgroup_layout = cgroup_layout  # None: QEMU runs in the server's cgroup (backend-level tests)
         self._vms: dict[str, _Vm] = {}
         self._ready_lock = asyncio.Lock()
         self._kit: GuestKit | None = None
@@ -257,13 +260,15 @@ class VmBackend:
                 if netns is not None:
                     config = MachineConfig(**{**config.__dict__, "tap": GUEST_LINK_IFNAME, "netns": netns})
                 machine = Machine(config, directory)
-                with orphans.spawned():
-                    await machine.launch()
+                await self._launch(machine, spec)
             agent = await self._connect_agent(machine, self._boot_timeout_s)
         except BaseException:
             if machine is not None:
                 await machine.kill()
                 machine.memory_file.unlink(missing_ok=True)
+            cgroup = self._cgroup(spec.sandbox_id)
+            if cgroup is not None:
+                cgroup.remove()
             await self._unplug(spec.sandbox_id)
             await asyncio.to_thread(shutil.rmtree, directory, True)
             raise
@@ -272,6 +277,19 @@ class VmBackend:
         note = f"{self._kind} on {accel.name.upper()}: {accel.reason}" if accel is not None else None
         log.info("sandbox %s: %s", spec.sandbox_id, note)
         return note
+
+    def _cgroup(self, sandbox_id: str) -> VmCgroup | None:
+        return VmCgroup(self._cgroup_layout, sandbox_id) if self._cgroup_layout is not None else None
+
+    async def _launch(self, machine: Machine, spec: SandboxSpec, *, incoming: bool = False) -> None:
+        """Start QEMU and put it (all its threads) in the sandbox's cgroup: CPU and memory capped."""
+        cgroup = self._cgroup(spec.sandbox_id)
+        if cgroup is not None:
+            cgroup.create(spec.cpu, machine.config.memory_mb)
+        with orphans.spawned():
+            await machine.launch(incoming=incoming)
+        if cgroup is not None and machine.pid is not None:
+            cgroup.add(machine.pid)
 
     async def _plug(self, spec: SandboxSpec) -> str:
         """The sandbox's own namespace, plugged into the edge's network with its allowlist; its name."""
@@ -316,8 +334,7 @@ class VmBackend:
         shared = config.memory == "shared"
         if shared:
             await asyncio.to_thread(_copy_sparse, source / "memory", machine.memory_file)
-        with orphans.spawned():
-            await machine.launch(incoming=True)
+        await self._launch(machine, spec, incoming=True)
         await machine.execute("migrate-set-capabilities",
                               {"capabilities": [{"capability": "x-ignore-shared", "state": shared}]})  # fmt: skip
         await machine.execute("migrate-incoming", {"uri": f"exec:cat {source / 'state'}"})
@@ -431,6 +448,9 @@ class VmBackend:
         if machine is not None:
             await machine.kill()
             machine.memory_file.unlink(missing_ok=True)
+        cgroup = self._cgroup(sandbox_id)
+        if cgroup is not None:
+            cgroup.remove()
         await self._unplug(sandbox_id)
         await asyncio.to_thread(shutil.rmtree, directory, True)
 
