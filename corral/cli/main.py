@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -131,6 +132,29 @@ def list_sandboxes(
         print(json.dumps([r.model_dump(mode="json") for r in rows], indent=2))
     else:
         console.print(_sandbox_table(rows))
+
+
+@app.command("nodes")
+def nodes(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """Nodes: this server's own stats, and every node the shared state knows (up or lost)."""
+    client = _client()
+    own, known = client.nodes(), client.cluster_nodes()
+    if as_json:
+        print(json.dumps({"stats": [n.model_dump(mode="json") for n in own],
+                          "cluster": [n.model_dump(mode="json") for n in known]}, indent=2))  # fmt: skip
+        return
+    table = Table("node", "state", "last seen", "sandboxes", "cpu committed", "memory committed", "refusing")
+    stats = {n.edge_id: n for n in own}
+    for node in known:
+        mine = stats.get(node.edge_id)
+        count = sum(sum(states.values()) for states in mine.sandboxes.values()) if mine else node.load.sandboxes
+        table.add_row(
+            node.edge_id, node.state, f"{time.time() - node.last_seen:.0f} s ago", str(count),
+            f"{node.load.cpu_committed:g}/{node.load.cpu_capacity:g}",
+            f"{node.load.memory_committed_mb}/{node.load.memory_capacity_mb} MiB",
+            (mine.refusing or "-") if mine else "-",
+        )  # fmt: skip
+    console.print(table)
 
 
 @app.command("rm")

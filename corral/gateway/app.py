@@ -34,6 +34,7 @@ from corral.sdk._models import (
     BulkRequest,
     BulkResult,
     CheckpointInfo,
+    ClusterNode,
     CommandInfo,
     CreateSandboxRequest,
     ExecRequest,
@@ -322,6 +323,11 @@ def create_app(service_factory, max_file_bytes: int, upload_dir: Path) -> FastAP
     @app.delete("/v1/sandboxes/{sandbox_id}", dependencies=[Auth])
     async def kill_sandbox(sandbox_id: str, svc: Service) -> SandboxInfo:
         return await svc.kill(sandbox_id)
+
+    @app.get("/v1/cluster/nodes", dependencies=[Auth])
+    async def cluster_nodes(svc: Service) -> list[ClusterNode]:
+        """Every node the shared state knows (all gateways' edges): up or lost, last heartbeat, load."""
+        return svc.cluster_nodes()
 
     @app.get("/v1/nodes", dependencies=[Auth])
     async def node_stats(svc: Service) -> list[NodeStats]:

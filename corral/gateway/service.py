@@ -29,6 +29,7 @@ from corral.sdk._models import (
     BulkRequest,
     BulkResult,
     CheckpointInfo,
+    ClusterNode,
     CreateSandboxRequest,
     NetworkPolicy,
     NetworkStatus,
@@ -348,6 +349,9 @@ class SandboxService:
         if info.state in _LIVE:
             await self._destroy(sandbox_id, "killed")
         return self.get(sandbox_id)
+
+    def cluster_nodes(self) -> list[ClusterNode]:
+        return [ClusterNode.model_validate(row) for row in self._store.nodes()]
 
     async def node_stats(self) -> list[NodeStats]:
         return [await edge.stats() for edge in self._edges.values()]

@@ -30,6 +30,7 @@ from corral.sdk._models import (
     BulkRequest,
     BulkResult,
     CheckpointInfo,
+    ClusterNode,
     CommandInfo,
     CreateSandboxRequest,
     Environment,
@@ -630,6 +631,11 @@ class AsyncClient:
     async def kill(self, sandbox_id: str) -> SandboxInfo:
         response = await self._transport.request("DELETE", f"/v1/sandboxes/{sandbox_id}")
         return SandboxInfo.model_validate(response.json())
+
+    async def cluster_nodes(self) -> list[ClusterNode]:
+        """Every node in the shared state (several servers on one PostgreSQL): up or lost, last heartbeat, load."""
+        response = await self._transport.request("GET", "/v1/cluster/nodes")
+        return [ClusterNode.model_validate(item) for item in response.json()]
 
     async def nodes(self) -> list[NodeStats]:
         """Each node's sandboxes per backend and state, CPU and memory committed vs used vs reclaimed, pressure."""

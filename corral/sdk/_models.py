@@ -63,6 +63,7 @@ __all__ = [
     "BuildEvent",
     "EdgeLoad",
     "NodeStats",
+    "ClusterNode",
 ]
 
 DEFAULT_CPU = 1.0
@@ -563,6 +564,16 @@ class NodeStats(_Model):
     swap_total_mb: int
     pressure: dict[str, float] = Field(description="PSI avg10 in percent: cpu_some, memory_some, memory_full, io_some.")
     refusing: str | None = Field(None, description="Why the node refuses new sandboxes right now, if it does.")
+
+
+class ClusterNode(_Model):
+    """A node as the shared state knows it: what the watcher decided and the load its last heartbeat carried."""
+
+    edge_id: str
+    state: Literal["up", "lost"]
+    last_seen: float = Field(description="Unix time of its last heartbeat.")
+    lost_at: float | None = None
+    load: EdgeLoad
 
 
 class EdgeLoad(_Model):

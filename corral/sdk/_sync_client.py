@@ -28,6 +28,7 @@ from corral.sdk._models import (
     BulkRequest,
     BulkResult,
     CheckpointInfo,
+    ClusterNode,
     CommandInfo,
     CreateSandboxRequest,
     Environment,
@@ -628,6 +629,11 @@ class Client:
     def kill(self, sandbox_id: str) -> SandboxInfo:
         response = self._transport.request("DELETE", f"/v1/sandboxes/{sandbox_id}")
         return SandboxInfo.model_validate(response.json())
+
+    def cluster_nodes(self) -> list[ClusterNode]:
+        """Every node in the shared state (several servers on one PostgreSQL): up or lost, last heartbeat, load."""
+        response = self._transport.request("GET", "/v1/cluster/nodes")
+        return [ClusterNode.model_validate(item) for item in response.json()]
 
     def nodes(self) -> list[NodeStats]:
         """Each node's sandboxes per backend and state, CPU and memory committed vs used vs reclaimed, pressure."""

@@ -157,6 +157,8 @@ def test_cli_against_running_server(server: EmbeddedServer) -> None:
     assert "busybox" in corral_cli("images").stdout
     assert "base" in corral_cli("images", "ls", "--layers").stdout
     assert "busybox:latest: 1 layers" in corral_cli("images", "inspect", "busybox").stdout
+    nodes = corral_cli("nodes")
+    assert nodes.returncode == 0 and "e0" in nodes.stdout and "up" in nodes.stdout, nodes.stderr
     assert corral_cli("rm", sandbox_id).returncode == 0
     missing = corral_cli("exec", sandbox_id, "true")
     assert missing.returncode == 1 and "sandbox_gone" in missing.stderr
