@@ -43,7 +43,7 @@ from rich.table import Table
 
 from corral.backends.container import host
 from corral.bench.containers import summarize
-from corral.bench.harness import ResultTable, bench_session, emit
+from corral.bench.harness import ResultTable, bench_session, emit, ms_since
 from corral.embedded import EmbeddedServer
 from corral.gateway.fncall import POOL_LABEL
 from corral.sdk import AsyncClient, Client, FnCallResult, InvalidRequest
@@ -66,10 +66,6 @@ THROUGHPUT_TARGET_PER_S = 500.0
 SETTLE_POLL_S, SETTLE_QUIET_POLLS, SETTLE_TIMEOUT_S = 0.025, 3, 5.0
 
 
-def _ms_since(started: float) -> float:
-    return (time.perf_counter() - started) * 1000
-
-
 def _require_success(result: FnCallResult, what: str) -> FnCallResult:
     if result.exit_code != 0:
         raise RuntimeError(f"`{what}` through fncall exited {result.exit_code}: {result.stderr[-300:]}")
@@ -79,7 +75,7 @@ def _require_success(result: FnCallResult, what: str) -> FnCallResult:
 def _shell_true_ms() -> float:
     started = time.perf_counter()
     subprocess.run(SHELL_TRUE, stdin=subprocess.DEVNULL, check=True)
-    return _ms_since(started)
+    return ms_since(started)
 
 
 def _process_cpu_s(pid: int) -> float:
@@ -150,21 +146,21 @@ def _roundtrip(client: Client, runs: int, progress: Progress) -> dict[str, Any]:
         if i % PROBE_EVERY == PROBE_EVERY - 1:
             started = time.perf_counter()
             probe = _require_success(client.fncall(LEAK_PROBE), LEAK_PROBE)
-            samples["probe"].append(_ms_since(started))
+            samples["probe"].append(ms_since(started))
             if probe.stdout.strip() != "1":
                 raise RuntimeError(f"ISOLATION FAILURE: call {i} found {probe.stdout.strip()!r} lines in /tmp/leak, "
                                    "not 1: a file written by an earlier call was still there")  # fmt: skip
         else:
             started = time.perf_counter()
             _require_success(client.fncall("true"), "true")
-            samples["fncall"].append(_ms_since(started))
+            samples["fncall"].append(ms_since(started))
         samples["shell"].append(_shell_true_ms())
         if i % CONTAINER_EVERY == CONTAINER_EVERY // 2:
             started = time.perf_counter()
             with client.create(IMAGE, ttl_s=SANDBOX_TTL_S) as sandbox:
                 if sandbox.exec("true").exit_code != 0:
                     raise RuntimeError("`true` in a fresh container failed")
-                samples["container"].append(_ms_since(started))
+                samples["container"].append(ms_since(started))
         progress.advance(task)
     return {key: summarize(values) for key, values in samples.items() if values}
 
@@ -181,7 +177,7 @@ async def _fncall_rate(url: str, api_key: str, calls: int, clients: int, advance
             async with gate:
                 started = time.perf_counter()
                 result = _require_success(await client.fncall("true"), "true")
-                latencies.append(_ms_since(started))
+                latencies.append(ms_since(started))
             hits += result.pool_hit
             advance()
 
@@ -245,7 +241,7 @@ def _cold(client: Client, samples: int, progress: Progress) -> dict[str, Any]:
         _settle(client)
         started = time.perf_counter()
         result = _require_success(client.fncall("true", memory_mb=COLD_MEMORY_MB_BASE + i), "true")
-        latencies.append(_ms_since(started))
+        latencies.append(ms_since(started))
         hits += result.pool_hit
         progress.advance(task)
     return {**summarize(latencies), "pool_hits": hits}

@@ -17,7 +17,14 @@ import tarfile
 from typing import BinaryIO
 
 from corral.backends.container.agent_protocol import AgentConnection, AgentExit, AgentOutput, ExecOrder
-from corral.sdk._exceptions import Conflict, InvalidRequest, NotFound, PayloadTooLarge, ServerUnavailable
+from corral.sdk._exceptions import (
+    Conflict,
+    CorralError,
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+    ServerUnavailable,
+)
 from corral.sdk._models import FileInfo
 
 __all__ = ["GuestTree"]
@@ -25,6 +32,14 @@ __all__ = ["GuestTree"]
 _OP_TIMEOUT_S = 120.0
 # Script exit codes that mean a caller's mistake, not a failure of the guest.
 _E_MISSING, _E_NOT_DIR, _E_IS_DIR, _E_EXISTS, _E_NOT_EMPTY, _E_TOO_BIG = 40, 41, 42, 43, 44, 45
+_CALLER_ERRORS: dict[int, tuple[type[CorralError], str]] = {
+    _E_MISSING: (NotFound, "no such file or directory in sandbox: {path}"),
+    _E_NOT_DIR: (InvalidRequest, "not a directory: {path}"),
+    _E_IS_DIR: (InvalidRequest, "is a directory: {path}"),
+    _E_EXISTS: (Conflict, "already exists in sandbox: {path}; remove it first"),
+    _E_NOT_EMPTY: (Conflict, "directory not empty: {path}; pass recursive=true"),
+    _E_TOO_BIG: (PayloadTooLarge, "file is larger than {limit} bytes: {path}; download it as a stream"),
+}
 _KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "symlink"}
 _STAT_FORMAT = "%f|%s|%Y|%u|%g|%n"
 
@@ -162,18 +177,9 @@ class GuestTree:
         code, out, err = future.result(_OP_TIMEOUT_S + 10)
         if code == 0:
             return out
-        if code == _E_MISSING:
-            raise NotFound(f"no such file or directory in sandbox: {path}")
-        if code == _E_NOT_DIR:
-            raise InvalidRequest(f"not a directory: {path}")
-        if code == _E_IS_DIR:
-            raise InvalidRequest(f"is a directory: {path}")
-        if code == _E_EXISTS:
-            raise Conflict(f"already exists in sandbox: {path}; remove it first")
-        if code == _E_NOT_EMPTY:
-            raise Conflict(f"directory not empty: {path}; pass recursive=true")
-        if code == _E_TOO_BIG:
-            raise PayloadTooLarge(f"file is larger than {args[1]} bytes: {path}; download it as a stream")
+        if code in _CALLER_ERRORS:
+            error, template = _CALLER_ERRORS[code]
+            raise error(template.format(path=path, limit=args[1] if len(args) > 1 else ""))
         message = err.decode(errors="replace").strip()[-500:] or f"exit {code}"
         raise InvalidRequest(f"file operation on {path} failed in the guest: {message}")
 
