@@ -5,8 +5,9 @@ data dir. Through the async SDK over real HTTP, it creates N debian-12 sandboxes
 concurrently. In each one, an "agent" writes a buggy `calc.py` and a test for its
 episode number, sees the test fail, reads the file back and fixes it, sees the
 test pass, and commits with git. Every step is checked, and every figure printed
-is measured in this run. Then it kills the sandboxes, checks that none is still
-running, and stops the server. It must run as root, because the server creates
+is measured in this run. Then one microVM sandbox (its own kernel) runs a
+process and is forked with it (`--no-vm` skips it). Then it kills the sandboxes,
+checks that none is still running, and stops the server. It must run as root, because the server creates
 namespaces, cgroups and mounts. It exits with status 1 if any episode went wrong.
 """
 
@@ -34,6 +35,7 @@ from corral.embedded import EmbeddedServer
 from corral.sdk import AsyncClient, AsyncSandbox, CorralError, ExecResult
 
 IMAGE = "debian-12"
+VM_IMAGE = "busybox"
 DEFAULT_SANDBOXES = 8
 SANDBOX_CPU = 0.5
 SANDBOX_MEMORY_MB = 256
@@ -204,7 +206,28 @@ def _report(console: Console, episodes: list[Episode], create_wall_s: float, wal
                   highlight=False)  # fmt: skip
 
 
-async def _demo(url: str, api_key: str, count: int, console: Console) -> bool:
+async def _vm_episode(client: AsyncClient, console: Console) -> bool:
+    """The same SDK on a VM sandbox: its own kernel, and a fork that carries a running process."""
+    try:
+        with console.status("booting a microVM sandbox (its own kernel; a few seconds under TCG)"):
+            vm, boot_ms = await _timed(client.create(VM_IMAGE, backend="microvm", labels=JOB_LABELS, ttl_s=300))
+            kernel = (await vm.exec("uname -r")).stdout.strip()
+            await vm.exec("sleep 600 >/dev/null 2>&1 & echo $! > /root/pid")
+            kids, fork_ms = await _timed(vm.fork(1, labels=JOB_LABELS))
+            alive = await kids[0].exec("kill -0 $(cat /root/pid) && echo alive")
+            _, rtt_ms = await _timed(vm.exec("true"))
+    except CorralError as exc:
+        console.print(f"[red]microVM episode FAILED:[/red] {exc}", highlight=False)
+        return False
+    ok = alive.stdout == "alive\n"
+    console.print(f"microVM: guest kernel {kernel} (host {os.uname().release}); booted to first exec in "
+                  f"{boot_ms:.0f} ms, exec round trip {rtt_ms:.0f} ms; fork with its running process in "
+                  f"{fork_ms:.0f} ms ({'the process came along' if ok else '[red]the process is missing[/red]'})\n"
+                  f"  {vm.info.status_message}", highlight=False)  # fmt: skip
+    return ok
+
+
+async def _demo(url: str, api_key: str, count: int, console: Console, *, with_vm: bool = True) -> bool:
     episodes = [Episode(number) for number in range(count)]
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())  # fmt: skip
@@ -216,15 +239,17 @@ async def _demo(url: str, api_key: str, count: int, console: Console) -> bool:
                 playing = [_play(e, e.sandbox) for e in episodes if e.sandbox is not None]
                 episodes_wall_s = await _each(progress, "running the agent episodes", playing)
             _report(console, episodes, create_wall_s, create_wall_s + episodes_wall_s)
+            vm_ok = await _vm_episode(client, console) if with_vm else True
         finally:
             all_killed = await _kill_all(client, episodes, console)
-    return all_killed and all(e.failure is None for e in episodes)
+    return all_killed and vm_ok and all(e.failure is None for e in episodes)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m corral.demo", description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--sandboxes", type=int, default=DEFAULT_SANDBOXES, metavar="N",
                         help=f"sandboxes to create at once (default {DEFAULT_SANDBOXES})")  # fmt: skip
+    parser.add_argument("--no-vm", action="store_true", help="skip the microVM episode")
     args = parser.parse_args(argv)
     if args.sandboxes < 1:
         parser.error("--sandboxes must be at least 1")
@@ -236,7 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with EmbeddedServer(data_dir) as server:
             console.print(f"corral server at {server.url}, data in {data_dir}", style="dim")
-            return 0 if asyncio.run(_demo(server.url, server.api_key, args.sandboxes, console)) else 1
+            return (
+                0
+                if asyncio.run(_demo(server.url, server.api_key, args.sandboxes, console, with_vm=not args.no_vm))
+                else 1
+            )
     except KeyboardInterrupt:
         console.print("[yellow]Interrupted.[/yellow]")
         return 130
