@@ -335,18 +335,18 @@ def create_app(service_factory, max_file_bytes: int, upload_dir: Path) -> FastAP
         return await svc.node_stats()
 
     @app.post("/v1/sandboxes/{sandbox_id}/checkpoints", status_code=201, dependencies=[Auth])
-    async def save_checkpoint(sandbox_id: str, svc: Service) -> CheckpointInfo:
+    async def save_checkpoint(sandbox_id: str, logged: Logged) -> CheckpointInfo:
         """VM sandboxes: keep the whole state (memory, processes, disk) on its node until the sandbox ends."""
-        return await svc.save_checkpoint(sandbox_id)
+        return await logged.checkpoint(sandbox_id)
 
     @app.get("/v1/sandboxes/{sandbox_id}/checkpoints", dependencies=[Auth])
     async def list_checkpoints(sandbox_id: str, svc: Service) -> list[CheckpointInfo]:
         return await svc.list_checkpoints(sandbox_id)
 
     @app.post("/v1/sandboxes/{sandbox_id}/checkpoints/{checkpoint_id}/restore", dependencies=[Auth])
-    async def restore_checkpoint(sandbox_id: str, checkpoint_id: str, svc: Service) -> SandboxInfo:
+    async def restore_checkpoint(sandbox_id: str, checkpoint_id: str, logged: Logged) -> SandboxInfo:
         """Rewind this sandbox to one of its checkpoints; fork with ``checkpoint`` for new sandboxes from it."""
-        return await svc.restore_checkpoint(sandbox_id, checkpoint_id)
+        return await logged.restore(sandbox_id, checkpoint_id)
 
     @app.post("/v1/sandboxes/{sandbox_id}/shutdown", dependencies=[Auth])
     async def shutdown_sandbox(sandbox_id: str, svc: Service, timeout_s: float = 10.0) -> SandboxInfo:

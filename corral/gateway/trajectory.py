@@ -28,6 +28,7 @@ from corral.gateway.service import SandboxService
 from corral.guard.audit import detect_in_command
 from corral.sdk._exceptions import CorralError, InvalidRequest, NotFound, SandboxGone, error_from_response
 from corral.sdk._models import (
+    CheckpointInfo,
     CommandInfo,
     CreateSandboxRequest,
     ExecEvent,
@@ -37,6 +38,7 @@ from corral.sdk._models import (
     ReplayMismatch,
     ReplayRequest,
     ReplayResult,
+    SandboxInfo,
     TrajectoryStep,
 )
 from corral.trajectory import LOG_CAP_KEY, Replay, Step, TrajectoryLog
@@ -79,6 +81,22 @@ def _to_model(step: Step) -> TrajectoryStep:
     )
 
 
+def _effective_steps(steps: list[Step]) -> list[Step]:
+    """The done steps whose effects the sandbox still has: a restore drops what came after its checkpoint."""
+    kept: list[Step] = []
+    marks: dict[str, int] = {}  # checkpoint id -> how many steps were kept when it was taken
+    for step in steps:
+        if step.state != "done" or "error" in (step.result or {}):
+            continue
+        if step.kind == "checkpoint":
+            marks[str((step.result or {}).get("checkpoint"))] = len(kept)
+        elif step.kind == "restore":
+            kept = kept[: marks.get(str(step.request.get("checkpoint")), len(kept))]
+        else:
+            kept.append(step)
+    return kept
+
+
 class Trajectories:
     def __init__(self, log: TrajectoryLog, sandboxes: SandboxService, *, max_logged_file_bytes: int) -> None:
         self._log = log
@@ -102,6 +120,20 @@ class Trajectories:
         pending, self._pending = self._pending, []
         for sandbox_id, kind, request, result in pending:
             self._log.append(sandbox_id, _auto_id(), kind, request, result)
+
+    async def checkpoint(self, sandbox_id: str) -> CheckpointInfo:
+        """A VM checkpoint, marked in the log: a later restore rewinds the log's meaning to this point."""
+        self.flush()
+        info = await self._sandboxes.save_checkpoint(sandbox_id)
+        self._log.append(sandbox_id, _auto_id(), "checkpoint", {}, {"checkpoint": info.id})
+        return info
+
+    async def restore(self, sandbox_id: str, checkpoint_id: str) -> SandboxInfo:
+        """Rewind to a checkpoint; the log records it, so replay skips what the rewind undid."""
+        self.flush()
+        info = await self._sandboxes.restore_checkpoint(sandbox_id, checkpoint_id)
+        self._log.append(sandbox_id, _auto_id(), "restore", {"checkpoint": checkpoint_id}, {"state": info.state.value})
+        return info
 
     def mark_lost(self) -> int:
         """At start: steps that were running when the server died have no known outcome."""
@@ -288,10 +320,12 @@ class Trajectories:
         """Re-run a sandbox's logged steps, in order, in a fresh sandbox from the same layers and settings."""
         self.flush()
         original = self._sandboxes.record(sandbox_id)
-        steps = [s for s in self._log.steps(sandbox_id) if s.state == "done" and "error" not in (s.result or {})]
+        steps = _effective_steps(self._log.steps(sandbox_id))
         fresh = await self._sandboxes.create(
             CreateSandboxRequest(
                 layers=original["layers"],
+                backend=original["backend"],
+                disk_mb=original["disk_mb"],
                 runtime=original["runtime"],
                 cpu=original["cpu"],
                 qos=original["qos"],

@@ -269,7 +269,7 @@ class TrajectoryStep(_Model):
 
     seq: int = Field(description="Position in the sandbox's log, from 1, gap-free.")
     step_id: str
-    kind: str = Field(description="exec, exec_stream, start or write_file")
+    kind: str = Field(description="exec, exec_stream, start, write_file; checkpoint and restore (VMs, gVisor)")
     request: dict[str, Any]
     state: Literal["started", "done", "lost"] = Field(description="lost: the server died while it ran")
     result: dict[str, Any] | None

@@ -334,3 +334,23 @@ def test_qemu_runs_in_a_cgroup_capped_at_the_sandboxes_cpu_and_memory(server: Em
         assert int((cgroup.memory_dir / limit_file).read_text()) == (256 + QEMU_OVERHEAD_MB) << 20
         sb.kill()
         assert not cgroup.memory_dir.exists()
+
+
+def test_a_restore_is_in_the_trajectory_log_and_replay_skips_what_it_undid(client: corral.Client) -> None:
+    with client.create("busybox", backend="microvm", ttl_s=300) as vm:
+        vm.exec("echo a >> /root/log", step_id="s1")
+        saved = vm.checkpoint()
+        vm.exec("echo b >> /root/log", step_id="s2")  # undone by the restore below
+        vm.restore(saved.id)
+        vm.exec("echo c >> /root/log", step_id="s3")
+        assert vm.exec("cat /root/log").stdout == "a\nc\n"
+        kinds = [step.kind for step in vm.trajectory()]
+        assert kinds[:5] == ["exec", "checkpoint", "exec", "restore", "exec"]
+        replay = vm.replay(ttl_s=120)
+        try:
+            assert replay.sandbox.backend == "microvm"  # replayed on the same kind of machine
+            assert "s2" not in {m.step_id for m in replay.mismatches}
+            again = client.get(replay.sandbox.id)
+            assert again.exec("cat /root/log").stdout == "a\nc\n"  # what the rewound sandbox holds, reproduced
+        finally:
+            client.kill(replay.sandbox.id)
