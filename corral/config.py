@@ -117,6 +117,11 @@ class Settings(BaseSettings):
         "(anonymous memory KSM dedupes across guests: denser, but a snapshot streams all of it). mergeable turns "
         "the host's KSM on.",
     )
+    vm_templates: bool = Field(
+        True,
+        description="microvm/vm creates without network restore a booted machine of the same shape (kept per node) "
+        "instead of booting, then get their own hostname and fresh entropy; the first create of a shape boots.",
+    )
     vm_boot_timeout_s: float = Field(
         90.0, gt=0, description="How long a microvm/vm guest may take to boot before its create fails."
     )

@@ -151,6 +151,21 @@ class EmbeddedServer:
         finally:
             self.stop()
             self._delete_leftover_containers()
+            self._kill_leftover_vms()
+
+    def _kill_leftover_vms(self) -> None:
+        """QEMU processes of this server's VM sandboxes that outlived it (a create still booting when it
+        stopped): by their pid files, checked against the process's name, with their guest memory files."""
+        for pid_file in sorted((self.data_dir / "vms").glob("*/qemu.pid")):
+            sandbox_id = pid_file.parent.name
+            try:
+                pid = int(pid_file.read_text().strip())
+                if f"corral-{sandbox_id}".encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    print(f"killing VM {sandbox_id} (QEMU pid {pid}), which outlived its server", file=sys.stderr)
+                    os.kill(pid, signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+            Path(f"/dev/shm/corral-{sandbox_id}.mem").unlink(missing_ok=True)
 
     def _delete_leftover_containers(self) -> None:
         for runtime in ("crun", "runc"):

@@ -125,6 +125,7 @@ def serve(settings: Settings) -> None:
                         guest_agent=helpers.agent,
                         accel=settings.vm_accel,
                         memory=settings.vm_memory,
+                        templates=settings.vm_templates,
                         boot_timeout_s=settings.vm_boot_timeout_s,
                         network_fabric=containers.network_fabric,
                         cgroup_layout=layout,

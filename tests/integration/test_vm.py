@@ -354,3 +354,23 @@ def test_a_restore_is_in_the_trajectory_log_and_replay_skips_what_it_undid(clien
             assert again.exec("cat /root/log").stdout == "a\nc\n"  # what the rewound sandbox holds, reproduced
         finally:
             client.kill(replay.sandbox.id)
+
+
+def test_later_creates_restore_a_booted_template_and_diverge(server: EmbeddedServer, client: corral.Client) -> None:
+    """The first microvm of a shape boots and is kept as a template; the next ones restore it (much faster)."""
+    first = client.create("busybox", backend="microvm", memory_mb=320, ttl_s=300)  # a shape no other test uses
+    try:
+        started = time.monotonic()
+        second = client.create("busybox", backend="microvm", memory_mb=320, ttl_s=300)
+        restore_s = time.monotonic() - started
+        try:
+            assert restore_s < 2.0, restore_s  # a TCG boot takes 2-5 s here; a restore a few hundred ms
+            assert second.exec("hostname").stdout.strip() == second.id[-12:]  # its own identity
+            assert first.exec("hostname").stdout.strip() == first.id[-12:]
+            read = "head -c 16 /dev/urandom | od -An -tx1"
+            assert first.exec(read).stdout != second.exec(read).stdout  # RNGs no longer in step
+            assert second.exec("ls /root").stdout == ""  # nothing of the first sandbox's user is in it
+        finally:
+            second.kill()
+    finally:
+        first.kill()

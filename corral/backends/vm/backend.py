@@ -60,6 +60,7 @@ log = logging.getLogger("corral.vm")
 MIN_GUEST_MEMORY_MB = 192  # Debian's kernel and the initramfs need this much to boot
 DEFAULT_DISK_MB = 2048
 _CHANGED_MAX = 10_000
+_TEMPLATES_KEPT = 8  # boot templates per node (each holds a copy of a booted guest's memory)
 _BALLOON_HEADROOM_MB = 32  # left above what the guest uses when a pause squeezes it
 _BALLOON_WAIT_S = 2.0  # how long a pause waits for the balloon to inflate
 
@@ -135,6 +136,22 @@ def _parse_stamp(text: str) -> float:
     return float(f"{seconds}.{fraction}") if seconds.isdigit() else 0.0
 
 
+def _backing_file(disk: Path) -> str:
+    """The backing file a qcow2 was made over (its node-wide template), from qemu-img."""
+    out = subprocess.run(["qemu-img", "info", "--output=json", str(disk)], capture_output=True, text=True)
+    try:
+        return str(json.loads(out.stdout).get("backing-filename", ""))
+    except ValueError:
+        return ""
+
+
+def _prune_templates(directory: Path, keep: int) -> None:
+    """Keep the ``keep`` most recently made boot templates."""
+    found = sorted((p for p in directory.iterdir() if not p.name.startswith(".")), key=lambda p: p.stat().st_mtime)
+    for old in found[:-keep] if keep else found:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def _copy_sparse(source: Path, dest: Path) -> None:
     _run(["cp", "--sparse=always", "--reflink=auto", str(source), str(dest)])
 
@@ -151,6 +168,7 @@ class VmBackend:
         guest_agent: Path,
         accel: str = "auto",
         memory: str = "shared",
+        templates: bool = True,
         boot_timeout_s: float = 90.0,
         network_fabric: Callable[[], Awaitable[NetworkFabric]] | None = None,
         cgroup_layout: CgroupLayout | None = None,
@@ -166,6 +184,7 @@ class VmBackend:
         self._boot_timeout_s = boot_timeout_s
         self._network_fabric = network_fabric
         self._memory = memory
+        self._templates = templates
         self._cgroup_layout = cgroup_layout  # None: QEMU runs in the server's cgroup (backend-level tests)
         self._vms: dict[str, _Vm] = {}
         self._ready_lock = asyncio.Lock()
@@ -251,16 +270,25 @@ class VmBackend:
         directory = self._machine_dir(spec.sandbox_id)
         directory.mkdir(parents=True, exist_ok=True)
         machine: Machine | None = None
+        template: Path | None = None  # a booted machine like this one, to restore instead of booting
+        restored = False
         try:
             netns = await self._plug(spec) if spec.network is not None else None
             if spec.restore_from is not None:
                 machine = await self._restore(spec, Path(spec.restore_from), directory, netns)
+                restored = True
             else:
                 config = await self._config(spec, directory)
                 if netns is not None:
                     config = MachineConfig(**{**config.__dict__, "tap": GUEST_LINK_IFNAME, "netns": netns})
-                machine = Machine(config, directory)
-                await self._launch(machine, spec)
+                elif self._templates:
+                    template = self._template_dir(config)
+                if template is not None and (template / "checkpoint.json").exists():
+                    machine = await self._restore(spec, template, directory, None)
+                    restored = True
+                else:
+                    machine = Machine(config, directory)
+                    await self._launch(machine, spec)
             agent = await self._connect_agent(machine, self._boot_timeout_s)
         except BaseException:
             if machine is not None:
@@ -272,7 +300,11 @@ class VmBackend:
             await self._unplug(spec.sandbox_id)
             await asyncio.to_thread(shutil.rmtree, directory, True)
             raise
-        self._vms[spec.sandbox_id] = _Vm(spec, machine, agent)
+        vm = self._vms[spec.sandbox_id] = _Vm(spec, machine, agent)
+        if restored:
+            await self._diverge(vm)
+        elif template is not None:
+            await self._save_template(spec.sandbox_id, template)
         accel = self.accelerator
         note = f"{self._kind} on {accel.name.upper()}: {accel.reason}" if accel is not None else None
         log.info("sandbox %s: %s", spec.sandbox_id, note)
@@ -290,6 +322,37 @@ class VmBackend:
             await machine.launch(incoming=incoming)
         if cgroup is not None and machine.pid is not None:
             cgroup.add(machine.pid)
+
+    def _template_dir(self, config: MachineConfig) -> Path:
+        """Where a booted machine with this exact configuration (but its identity) is kept."""
+        shape = {k: v for k, v in config.__dict__.items() if k not in ("name", "disk", "hostname", "tap", "netns")}
+        key = hashlib.sha256(json.dumps({**shape, "disk_backing": _backing_file(Path(config.disk))},
+                                        sort_keys=True).encode()).hexdigest()[:20]  # fmt: skip
+        return self._vm_dir / "templates" / key
+
+    async def _save_template(self, sandbox_id: str, template: Path) -> None:
+        """Checkpoint a just-booted sandbox (nothing of its user has run yet) as the template for its shape."""
+        staging = template.with_name(f".{template.name}.{secrets.token_hex(4)}")
+        try:
+            await self.checkpoint(sandbox_id, staging)
+            (staging / "checkpoint.json").write_text(json.dumps({"id": template.name, "created_at": time.time()}))
+            try:
+                staging.rename(template)  # the first one wins; a concurrent twin is dropped
+            except OSError:
+                pass
+            await asyncio.to_thread(_prune_templates, template.parent, _TEMPLATES_KEPT)
+        except Exception:  # noqa: BLE001 - a template is an optimisation: the sandbox itself is fine
+            log.warning("could not keep a boot template for %s", sandbox_id, exc_info=True)
+        finally:
+            await asyncio.to_thread(shutil.rmtree, staging, True)
+
+    async def _diverge(self, vm: _Vm) -> None:
+        """A restored guest is a copy: give it its own hostname and stir fresh host entropy into its RNG."""
+        hostname = vm.spec.sandbox_id[-12:]
+        order = ExecOrder(["sh", "-c", 'hostname "$1" && cat > /dev/urandom', "sh", hostname], {}, "/", "root",
+                          10_000, 4096, True, tool="guest")  # fmt: skip
+        async for _ in vm.agent.run(vm.agent.new_job_id(), order, os.urandom(512)):
+            pass
 
     async def _plug(self, spec: SandboxSpec) -> str:
         """The sandbox's own namespace, plugged into the edge's network with its allowlist; its name."""
@@ -328,6 +391,7 @@ class VmBackend:
                 "accel": accel.name,
                 "layers": tuple(str(layer.path) for layer in spec.layers) if saved.layers else (),
                 "netns": netns,
+                "hostname": spec.sandbox_id[-12:],
             }
         )
         machine = Machine(config, directory)
