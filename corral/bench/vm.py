@@ -225,6 +225,35 @@ def _idle_memory(client: Client, data_dir: Path, idle: int, tracked: list[Sandbo
     }
 
 
+def _template_boots(data_dir: Path, runs: int, progress: Progress) -> dict[str, Any]:
+    """Create → first exec on a server with boot templates on: one cold boot keeps the template, the rest
+    restore it (the main measurement runs with templates off, so its boots are cold)."""
+    task = progress.add_task("microvm creates restored from a boot template", total=runs + 1)
+    server = EmbeddedServer(data_dir)
+    tracked: list[Sandbox] = []
+    samples: list[float] = []
+    try:
+        server.start()
+        with server.client() as client:
+            first, first_ms = _boot(client, MICROVM_IMAGE, "microvm", tracked)  # boots, then keeps the template
+            progress.advance(task)
+            for _ in range(runs):
+                sandbox, ms = _boot(client, MICROVM_IMAGE, "microvm", tracked)
+                samples.append(ms)
+                _kill(sandbox, tracked)
+                progress.advance(task)
+            _kill(first, tracked)
+    finally:
+        for sandbox in tracked:
+            try:
+                sandbox.kill()
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+        server.shutdown()
+        host.orphans.reap()
+    return {"restored": summarize(samples), "first_with_template_save_ms": first_ms}
+
+
 def _merged_memory(data_dir: Path, idle: int, progress: Progress) -> dict[str, Any]:
     """The same idle microvms on a server with CORRAL_VM_MEMORY=mergeable, once KSM has merged them.
 
@@ -271,7 +300,7 @@ def _measure(data_dir: Path, runs: int, idle: int, progress: Progress) -> dict[s
     node_dir = Settings().node_dir
     kit = ensure_guest_kit(node_dir, host.build_native_helpers(node_dir).agent)
     task = progress.add_task("starting corral serve", total=1)
-    server = EmbeddedServer(data_dir)
+    server = EmbeddedServer(data_dir, env={"CORRAL_VM_TEMPLATES": "false"})  # cold boots, every time
     tracked: list[Sandbox] = []
     try:
         server.start()
@@ -290,8 +319,10 @@ def _measure(data_dir: Path, runs: int, idle: int, progress: Progress) -> dict[s
         server.shutdown()
         host.orphans.reap()
     progress.update(task, completed=1)
+    templates = _template_boots(data_dir.with_name("server-templates"), runs, progress)
     merged = _merged_memory(data_dir.with_name("server-mergeable"), idle, progress)
-    return {"status_message": status, "boot": boot, "lifecycle": lifecycle, "memory": memory, "mergeable": merged}
+    return {"status_message": status, "boot": boot, "lifecycle": lifecycle, "memory": memory, "mergeable": merged,
+            "templates": templates}  # fmt: skip
 
 
 def _table(report: dict[str, Any]) -> Table:
@@ -308,6 +339,8 @@ def _table(report: dict[str, Any]) -> Table:
     table, timing = rows.table, rows.timing
     timing("microvm create → first exec", boot["microvm"], "bare TCG boot to init", boot["probe_boot"])
     timing("  same, vs a container", boot["microvm"], "container create+exec", boot["container"])
+    timing("microvm create from its boot template → first exec", report["templates"]["restored"],
+           "cold microvm boot", boot["microvm"])  # fmt: skip
     timing("vm (q35) create → first exec", boot["vm"], "bare TCG boot to init", boot["probe_boot"])
     timing("  same, vs a container", boot["vm"], "container create+exec", boot["container"])
     timing("exec round trip (microvm)", life["exec_microvm"], "container exec", life["exec_container"])
