@@ -153,7 +153,7 @@ class EmbeddedServer:
             self._delete_leftover_containers()
 
     def _delete_leftover_containers(self) -> None:
-        for runtime in ("crun", "runc"):
+        for runtime in ("crun", "runc", "runsc"):
             state_root = self.data_dir / "run" / runtime
             binary = shutil.which(runtime)
             if binary is None or not state_root.is_dir():

@@ -42,12 +42,14 @@ from corral.backends.container.agent_protocol import (
     IpcCounts,
 )
 from corral.backends.container.files import ConfinedTree
+from corral.backends.container.gvisor import RUNSC, adapt_config
 from corral.backends.container.host import CgroupLayout, LayerMounts, NativeHelpers, orphans
 from corral.backends.container.kernel_watch import SeccompDenials, SensitiveReads, session_of
 from corral.backends.container.memory import CgroupMemory, prefetch_swapped
 from corral.backends.container.network import AllowRule, DeniedCounts, NetworkFabric
 from corral.backends.container.oci import AGENT_PATH, ContainerLimits, build_config
 from corral.backends.container.runtime import OciRuntime, Overlay
+from corral.backends.vm.files import GuestTree
 from corral.guard.audit import PACKAGE_PREFIXES, PROTECTED_PREFIXES, EventThrottle, denied_syscall_severity
 from corral.images.erofs import build_erofs
 from corral.images.store import check_layer_file
@@ -335,6 +337,8 @@ class ContainerBackend:
             agent_binary=self._helpers.agent,
             log_denials=runtime.name == "crun",
         )
+        if runtime.gvisor:
+            config = adapt_config(config)
         (bundle / "config.json").write_text(json.dumps(config))
         edge_end, agent_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         agent = AgentConnection(edge_end)
@@ -420,7 +424,7 @@ class ContainerBackend:
     async def orphans(self, known_ids: set[str]) -> list[str]:
         """Containers in our runtime state that no sandbox record owns."""
         found: list[str] = []
-        for name in ("crun", "runc"):
+        for name in ("crun", "runc", RUNSC):
             if shutil.which(name) and (self._state_root / name).exists():
                 found += [cid for cid in await self.runtime(name).list_ids() if cid not in known_ids]
         return found
@@ -436,8 +440,10 @@ class ContainerBackend:
     def run(self, sandbox_id: str, command: CommandSpec) -> _AgentCommand:
         return _AgentCommand(self._get(sandbox_id), command)
 
-    def files(self, sandbox_id: str) -> ConfinedTree:
+    def files(self, sandbox_id: str) -> ConfinedTree | GuestTree:
         container = self._get(sandbox_id)
+        if container.runtime.gvisor:  # the sentry serves its root: the host cannot open it
+            return GuestTree(container.agent, asyncio.get_running_loop())
         try:
             return ConfinedTree(f"/proc/{container.init_pid}/root")
         except NotFound as exc:
@@ -458,7 +464,7 @@ class ContainerBackend:
             await container.runtime.kill_and_delete(sandbox_id)
             self._release_layers(container.spec)
         else:
-            for name in ("crun", "runc"):
+            for name in ("crun", "runc", RUNSC):
                 if shutil.which(name):
                     await self.runtime(name).kill_and_delete(sandbox_id)
         shutil.rmtree(self._dir / sandbox_id, ignore_errors=True)

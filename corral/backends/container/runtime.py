@@ -1,4 +1,4 @@
-"""The OCI runtime command line (crun by default, runc selectable).
+"""The OCI runtime command line (crun by default, runc or gVisor's runsc selectable).
 
 Only this module runs the runtime binary. Containers are started detached
 through corral-launch, which mounts the sandbox's overlay in a mount namespace
@@ -16,6 +16,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from corral.backends.container.gvisor import RUNSC_FLAGS, is_gvisor
 from corral.backends.container.host import orphans
 from corral.sdk._exceptions import InternalError, InvalidRequest
 
@@ -58,8 +59,16 @@ class OciRuntime:
         self._launch = launch_binary
         state_root.mkdir(parents=True, exist_ok=True)
 
+    @property
+    def gvisor(self) -> bool:
+        return is_gvisor(self.name)
+
     def _base(self) -> list[str]:
-        return [self._binary, "--root", str(self._root)]
+        return [self._binary, "--root", str(self._root), *(RUNSC_FLAGS if self.gvisor else ())]
+
+    def _pass_ctl(self) -> list[str]:
+        """The agent's socket as the container's fd 3 (runsc has no --preserve-fds)."""
+        return ["--pass-fd", "3:3"] if self.gvisor else ["--preserve-fds", "1"]
 
     async def _run(
         self, args: list[str], *, pass_fds: tuple[int, ...] = (), check: bool = True, log_file: Path | None = None
@@ -109,7 +118,7 @@ class OciRuntime:
             str(self._launch), "--overlay", lowers, str(overlay.upper), str(overlay.work), str(bundle / "rootfs"),
             "--ctl-fd", str(ctl.fileno()), "--oom-score-adj", str(AGENT_OOM_SCORE_ADJ),
             "--audit-session", "--refuse-clone3",
-            "--", *self._base(), "run", "--detach", "--preserve-fds", "1", "--pid-file", str(pid_file),
+            "--", *self._base(), "run", "--detach", *self._pass_ctl(), "--pid-file", str(pid_file),
             "--bundle", str(bundle), container_id,
         ]  # fmt: skip
         await self._run(args, pass_fds=(ctl.fileno(),), log_file=bundle.parent / "runtime.log")
@@ -119,7 +128,7 @@ class OciRuntime:
         """Start a second agent in a running container (re-attach after an edge restart)."""
         args = [
             str(self._launch), "--ctl-fd", str(ctl.fileno()), "--audit-session", "--refuse-clone3", "--",
-            *self._base(), "exec", "--detach", "--preserve-fds", "1", container_id, agent_path,
+            *self._base(), "exec", "--detach", *self._pass_ctl(), container_id, agent_path,
         ]  # fmt: skip
         await self._run(args, pass_fds=(ctl.fileno(),), log_file=log_file)
 
