@@ -160,7 +160,7 @@ class EmbeddedServer:
                 continue
             command = [binary, "--root", str(state_root)]
             listing = subprocess.run(
-                [*command, "list", "-q"], capture_output=True, text=True, timeout=RUNTIME_TIMEOUT_S
+                [*command, "list", "--quiet"], capture_output=True, text=True, timeout=RUNTIME_TIMEOUT_S
             )
             for container_id in listing.stdout.split():
                 print(f"deleting container {container_id}, which outlived its server", file=sys.stderr)
