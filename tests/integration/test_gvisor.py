@@ -139,3 +139,10 @@ def test_runsc_sandbox_is_readopted_after_a_server_restart(fresh_server: Embedde
         assert again.exec("cat /root/k; kill -0 $(cat /root/pid) && echo alive").stdout == "kept\nalive\n"
         again.kill()
     assert sb.id not in _runsc_ids(fresh_server)
+
+
+def test_runsc_clean_shutdown_sends_term_and_counts_the_sentrys_processes(client: corral.Client) -> None:
+    sb = client.create("busybox", runtime="runsc", ttl_s=300)
+    sb.start("trap 'exit 0' TERM; while :; do sleep 0.1; done")
+    info = sb.shutdown(timeout_s=20)
+    assert (info.state, info.end_reason, info.status_message) == ("ended", "shutdown", "stopped cleanly")

@@ -674,7 +674,10 @@ class ContainerBackend(GvisorCheckpoints):
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                if len(procs.read_text().split()) <= 1:
+                if container.runtime.gvisor:  # the sentry's host processes are not the sandbox's
+                    if len(await container.runtime.process_ids(sandbox_id)) <= 1:
+                        return True
+                elif len(procs.read_text().split()) <= 1:
                     return True
             except OSError:
                 return True

@@ -163,13 +163,23 @@ class OciRuntime:
         data = json.loads(out)
         return ContainerState(id=data["id"], status=data["status"], pid=int(data.get("pid") or 0))
 
+    async def process_ids(self, container_id: str) -> set[int]:
+        """gVisor: the pids of the sandbox's processes, in its own pid namespace (the host cannot see them)."""
+        _, out, _ = await self._run([*self._base(), "ps", "--format", "json", container_id])
+        return {int(pid) for pid in json.loads(out or b"[]") or []}
+
     async def list_ids(self) -> list[str]:
         _, out, _ = await self._run([*self._base(), "list", "--format", "json"])
         return [entry["id"] for entry in json.loads(out or b"[]") or []]
 
     async def signal_all(self, container_id: str, signal_name: str) -> None:
-        """Send a signal to every process of the container (its init ignores what it does not handle)."""
-        await self._run([*self._base(), "kill", "--all", container_id, signal_name])
+        """Send a signal to every process of the container but its init (which ignores what it does not handle;
+        gVisor delivers it to init too, so there each other process gets it by pid)."""
+        if not self.gvisor:
+            await self._run([*self._base(), "kill", "--all", container_id, signal_name])
+            return
+        for pid in sorted(await self.process_ids(container_id) - {1}):
+            await self._run([*self._base(), "kill", "--pid", str(pid), container_id, signal_name], check=False)
 
     async def pause(self, container_id: str) -> None:
         """Freeze every process of the container (cgroup freezer)."""
