@@ -37,7 +37,9 @@ class Settings(BaseSettings):
     edge_id: str = Field(
         "e0", pattern=r"^[a-z0-9]{1,16}$", description="Id of this node's edge; part of every sandbox id."
     )
-    runtime: Literal["crun", "runc"] = Field("crun", description="Default OCI runtime for container sandboxes.")
+    runtime: Literal["crun", "runc", "runsc"] = Field(
+        "crun", description="Default OCI runtime for container sandboxes."
+    )
     cpu_overcommit: float = Field(64.0, gt=0, description="Admitted CPU may reach this multiple of the node's cores.")
     memory_overcommit: float = Field(
         4.0, gt=0, description="Admitted memory may reach this multiple of the node's RAM."

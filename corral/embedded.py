@@ -168,14 +168,14 @@ class EmbeddedServer:
             Path(f"/dev/shm/corral-{sandbox_id}.mem").unlink(missing_ok=True)
 
     def _delete_leftover_containers(self) -> None:
-        for runtime in ("crun", "runc"):
+        for runtime in ("crun", "runc", "runsc"):
             state_root = self.data_dir / "run" / runtime
             binary = shutil.which(runtime)
             if binary is None or not state_root.is_dir():
                 continue
             command = [binary, "--root", str(state_root)]
             listing = subprocess.run(
-                [*command, "list", "-q"], capture_output=True, text=True, timeout=RUNTIME_TIMEOUT_S
+                [*command, "list", "--quiet"], capture_output=True, text=True, timeout=RUNTIME_TIMEOUT_S
             )
             for container_id in listing.stdout.split():
                 print(f"deleting container {container_id}, which outlived its server", file=sys.stderr)

@@ -41,6 +41,7 @@ if ((${#missing[@]})); then
 fi
 log "apt packages ok"
 
+
 for fs in erofs overlay; do
     grep -qw "$fs" /proc/filesystems || modprobe "$fs" 2>/dev/null \
         || log "warning: kernel has no $fs filesystem (modprobe $fs failed)"
@@ -60,6 +61,24 @@ if [[ "$want" != "$have" ]]; then
     printf '%s\n' "$want" >"$STAMP"
 fi
 log "virtualenv ok ($VENV)"
+
+# gVisor (runtime="runsc"): bookworm's own runsc (2022) only has the slow ptrace platform; the
+# bookworm-backports one has systrap and checkpoint/restore. Its source goes on the host's Debian mirror.
+runsc_date="$(runsc --version 2>/dev/null | sed -n 's/^runsc version [^~]*~\([0-9]\{8\}\).*/\1/p')"
+if [[ "${runsc_date:-0}" -lt 20230101 ]]; then
+    BACKPORTS=/etc/apt/sources.list.d/corral-bookworm-backports.sources
+    if [[ ! -f "$BACKPORTS" ]]; then
+        mirror="$("$VENV/bin/python" -c 'from corral.images.bases import debian_mirror; print(debian_mirror())' \
+                  2>/dev/null || echo http://deb.debian.org/debian)"
+        printf 'Types: deb\nURIs: %s\nSuites: bookworm-backports\nComponents: main\nSigned-By: %s\n' \
+            "$mirror" /usr/share/keyrings/debian-archive-keyring.gpg >"$BACKPORTS"
+    fi
+    log "installing runsc from bookworm-backports"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends -t bookworm-backports runsc >/dev/null
+fi
+log "runsc ok ($(runsc --version 2>/dev/null | head -1))"
 
 # An E2B SDK from before the /v2 endpoints, for tests/e2b/test_e2b_old_sdk.py (kept apart from the venv's e2b).
 E2B_OLD_VERSION=2.30.0

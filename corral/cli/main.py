@@ -377,6 +377,17 @@ def bench_guard(
     run_guard_benchmark(runs=runs, as_json=as_json, console=console)
 
 
+@app.command("bench-gvisor")
+def bench_gvisor(
+    runs: Annotated[int, typer.Option(help="Runs; each creates one sandbox per runtime and snapshots once.")] = 10,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Measure gVisor (runsc) create and exec against crun in the same run, and its checkpoint, rewind and fork."""
+    from corral.bench.gvisor import run_gvisor_benchmark
+
+    run_gvisor_benchmark(runs=runs, as_json=as_json, console=console)
+
+
 @app.command("bench-fncall")
 def bench_fncall(
     runs: Annotated[int, typer.Option(help="Sequential calls timed; throughput passes make 5× as many.")] = 200,

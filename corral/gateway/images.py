@@ -255,13 +255,15 @@ class ImageService:
 
     async def fork(self, sandbox_id: str, request: ForkRequest) -> list[SandboxInfo]:
         """New sandboxes from this one now: same limits, env, user, TTL length and guard settings (protected and
-        sensitive paths, disk limit). Containers get its filesystem; VMs get its memory, processes and disks too
-        (a checkpoint restored once per child)."""
+        sensitive paths, disk limit). Containers get its filesystem; VMs and gVisor (runsc) containers get its memory,
+        processes and disks too (a checkpoint restored once per child)."""
         parent = self._sandboxes.record(sandbox_id)
-        if parent["backend"] in ("microvm", "vm"):
-            return await self._fork_vm(sandbox_id, parent, request)
+        if parent["backend"] in ("microvm", "vm") or parent["runtime"] == "runsc":
+            return await self._fork_checkpointed(sandbox_id, parent, request)
         if request.checkpoint is not None:
-            raise InvalidRequest("only VM sandboxes have checkpoints; a container forks from its files as they are")
+            raise InvalidRequest(
+                "only VM and runsc sandboxes have checkpoints; a crun or runc container forks from its files"
+            )
         snap = await self.snapshot(sandbox_id, None)
         ttl_s = parent["expires_at"] - parent["created_at"] if parent["expires_at"] else None
         child = CreateSandboxRequest(
@@ -275,11 +277,11 @@ class ImageService:
         )  # fmt: skip
         return list(await asyncio.gather(*(self._sandboxes.create(child) for _ in range(request.count))))
 
-    async def _fork_vm(self, sandbox_id: str, parent: dict, request: ForkRequest) -> list[SandboxInfo]:  # type: ignore[type-arg]
+    async def _fork_checkpointed(self, sandbox_id: str, parent: dict, request: ForkRequest) -> list[SandboxInfo]:  # type: ignore[type-arg]
         ttl_s = parent["expires_at"] - parent["created_at"] if parent["expires_at"] else None
         child = CreateSandboxRequest(
-            layers=self._sandboxes.layers_of(sandbox_id), backend=parent["backend"], cpu=parent["cpu"],
-            qos=parent["qos"],
+            layers=self._sandboxes.layers_of(sandbox_id), backend=parent["backend"], runtime=parent["runtime"],
+            cpu=parent["cpu"], qos=parent["qos"],
             memory_mb=parent["memory_mb"], pids_max=parent["pids_max"], env=parent["env"], cwd=parent["cwd"],
             user=parent["user"], labels={**parent["labels"], **request.labels, "corral.forked_from": sandbox_id},
             ttl_s=ttl_s, ttl_counts_paused=parent["ttl_counts_paused"], idle_pause_s=parent["idle_pause_s"],

@@ -131,7 +131,9 @@ class CreateSandboxRequest(_Model):
         description="container: an OCI container (crun/runc). microvm: QEMU -M microvm with its own kernel. "
         "vm: QEMU q35 booting a full disk built from the layers. The same exec, files, pause and fork for all.",
     )
-    runtime: Literal["crun", "runc"] | None = Field(None, description="OCI runtime; the server's default when unset.")
+    runtime: Literal["crun", "runc", "runsc"] | None = Field(
+        None, description="OCI runtime; the server's default when unset. runsc: gVisor (memory checkpoints too)."
+    )
     cpu: float = Field(DEFAULT_CPU, gt=0, description="CPU cores (CFS quota).")
     qos: Literal["latency", "batch"] = Field(
         DEFAULT_QOS,

@@ -109,7 +109,7 @@ def test_a_node_that_goes_silent_is_marked_lost_with_its_sandboxes(
                 info = client.get(sandbox.id).info
                 assert info.state == "lost" and "node e2 went silent" in (info.status_message or "")
                 states = {node.edge_id: node.state for node in client.cluster_nodes()}
-                assert states == {"e0": "up", "e2": "lost"}
+                assert (states["e0"], states["e2"]) == ("up", "lost")  # other tests' nodes may share this database
                 with pytest.raises(corral.SandboxGone):
                     client.connect(sandbox).exec("true")  # requests to it get a clear error
         finally:

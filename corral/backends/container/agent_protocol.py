@@ -248,6 +248,16 @@ class AgentConnection:
             raise ServerUnavailable(f"the sandbox agent answered an IPC query with {answer!r}")
         return answer
 
+    async def let_go(self, timeout_s: float) -> None:
+        """Close our sending side and wait until the agent has closed its end (gVisor: before a checkpoint, which
+        must hold no host socket)."""
+        if self._writer is not None:
+            self._writer.write_eof()
+        try:
+            await asyncio.wait_for(self.closed.wait(), timeout_s)
+        except TimeoutError:
+            raise ServerUnavailable(f"the sandbox agent did not let go of its socket within {timeout_s:.0f}s") from None
+
     def close(self) -> None:
         if self._read_task is not None:
             self._read_task.cancel()

@@ -10,6 +10,7 @@ namespace (see native/launch.c). Commands run through corral-agent.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
@@ -35,16 +36,18 @@ from corral.backends.container.agent_protocol import (
     IpcCounts,
 )
 from corral.backends.container.files import ConfinedTree
+from corral.backends.container.gvisor import RUNSC, GvisorCheckpoints, adapt_config
 from corral.backends.container.host import CgroupLayout, LayerMounts, NativeHelpers, orphans
 from corral.backends.container.kernel_watch import SeccompDenials, SensitiveReads, session_of
 from corral.backends.container.memory import CgroupMemory, prefetch_swapped
 from corral.backends.container.network import AllowRule, DeniedCounts, NetworkFabric
 from corral.backends.container.oci import AGENT_PATH, ContainerLimits, build_config
 from corral.backends.container.runtime import OciRuntime, Overlay
+from corral.backends.vm.files import GuestTree
 from corral.guard.audit import PACKAGE_PREFIXES, PROTECTED_PREFIXES, EventThrottle, denied_syscall_severity
 from corral.images.erofs import build_erofs
 from corral.images.store import check_layer_file
-from corral.sdk._exceptions import Conflict, CorralError, InternalError, NotFound, SandboxGone
+from corral.sdk._exceptions import Conflict, CorralError, InternalError, InvalidRequest, NotFound, SandboxGone
 
 __all__ = ["ContainerBackend"]
 
@@ -63,6 +66,7 @@ class _Container:
     reclaim: asyncio.Future[ReclaimResult] | None = None  # pushing memory out while paused
     stop_reclaim: threading.Event = field(default_factory=threading.Event)
     prefetch: asyncio.Future[int] | None = None  # swap-in after a resume
+    replacing: bool = False  # gVisor: being restored from a checkpoint, its agent's end is not the sandbox's
 
 
 _CHANGED_PATHS_MAX = 10_000
@@ -202,8 +206,8 @@ def _pristine_state(upper: Path, init_pid: int) -> frozenset[str]:
     return frozenset(state)
 
 
-class ContainerBackend:
-    """Runs container sandboxes on this node with crun (default) or runc."""
+class ContainerBackend(GvisorCheckpoints):
+    """Runs container sandboxes on this node with crun (default), runc or runsc (gVisor)."""
 
     name = "container"
 
@@ -273,6 +277,13 @@ class ContainerBackend:
 
     async def create(self, spec: SandboxSpec) -> str | None:
         runtime = self.runtime(spec.runtime)
+        if runtime.gvisor and spec.network is not None:
+            raise InvalidRequest(
+                "runsc sandboxes have loopback only: gVisor's netstack reads its interfaces at start and cannot be "
+                "plugged into the sandbox network afterwards; use crun or runc for a network"
+            )
+        if spec.restore_from is not None and not runtime.gvisor:
+            raise InvalidRequest("only runsc (gVisor) container sandboxes start from a memory checkpoint")
         root = self._dir / spec.sandbox_id
         bundle = root / "bundle"
         try:  # a disk that cannot be made or a layer that cannot be mounted leaves nothing behind
@@ -298,21 +309,20 @@ class ContainerBackend:
             agent_binary=self._helpers.agent,
             log_denials=runtime.name == "crun",
         )
+        if runtime.gvisor:
+            config = adapt_config(config, self._ctl_dir(spec.sandbox_id))
         (bundle / "config.json").write_text(json.dumps(config))
-        edge_end, agent_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        agent = AgentConnection(edge_end)
+        agent: AgentConnection | None = None
         try:
             async with self._create_slots:
-                try:
-                    init_pid = await runtime.run_detached(
-                        spec.sandbox_id, bundle, Overlay(lowers, upper, work), agent_end
-                    )
-                finally:
-                    agent_end.close()
-                self._apply_qos(spec)
-                await agent.start(self._agent_start_timeout_s)
+                overlay = Overlay(lowers, upper, work)
+                if runtime.gvisor:
+                    init_pid, agent = await self._start_gvisor(runtime, spec, bundle, overlay)
+                else:
+                    init_pid, agent = await self._start_oci(runtime, spec, bundle, overlay)
         except BaseException:
-            agent.close()
+            if agent is not None:
+                agent.close()
             await runtime.kill_and_delete(spec.sandbox_id)
             self._release_layers(spec)
             await asyncio.to_thread(_remove_sandbox_dir, root)
@@ -328,6 +338,24 @@ class ContainerBackend:
                 await self.destroy(spec.sandbox_id)
                 raise
         return None
+
+    async def _start_oci(
+        self, runtime: OciRuntime, spec: SandboxSpec, bundle: Path, overlay: Overlay
+    ) -> tuple[int, AgentConnection]:
+        """crun or runc: the agent is the container's init, on the socket it inherits as fd 3."""
+        edge_end, agent_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        agent = AgentConnection(edge_end)
+        try:
+            try:
+                init_pid = await runtime.run_detached(spec.sandbox_id, bundle, overlay, agent_end)
+            finally:
+                agent_end.close()
+            self._apply_qos(spec)
+            await agent.start(self._agent_start_timeout_s)
+        except BaseException:
+            agent.close()
+            raise
+        return init_pid, agent
 
     async def _acquire_layers(self, spec: SandboxSpec) -> list[Path]:
         """Mountpoints of the sandbox's layers, top first (overlayfs lowerdir order)."""
@@ -355,21 +383,13 @@ class ContainerBackend:
         if spec.disk_mb is not None:
             await asyncio.to_thread(_remount_disk, self._dir / spec.sandbox_id)
         paused = state.status == "paused"
-        edge_end, agent_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        agent = AgentConnection(edge_end)
         try:
             if paused:  # a new agent in a frozen cgroup would freeze before its hello
                 await runtime.resume(spec.sandbox_id)
-            await runtime.exec_attached(
-                spec.sandbox_id, agent_end, AGENT_PATH, self._dir / spec.sandbox_id / "runtime.log"
-            )
-            agent_end.close()
-            await agent.start(self._agent_start_timeout_s)
+            agent = await self._reattach(runtime, spec)
             if paused:
                 await runtime.pause(spec.sandbox_id)
         except Exception:
-            agent_end.close()
-            agent.close()
             log.exception("could not re-attach to sandbox %s", spec.sandbox_id)
             self._release_layers(spec)
             await self.destroy(spec.sandbox_id)
@@ -381,10 +401,29 @@ class ContainerBackend:
             await self._plug(container, spec.network)
         return "paused" if paused else "running"
 
+    async def _reattach(self, runtime: OciRuntime, spec: SandboxSpec) -> AgentConnection:
+        """An agent for a sandbox an earlier edge started: gVisor's init agent connects again by itself; crun and
+        runc get a second agent through exec."""
+        if runtime.gvisor:
+            return await self._accept_agent(spec.sandbox_id)
+        edge_end, agent_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        agent = AgentConnection(edge_end)
+        try:
+            try:
+                log_file = self._dir / spec.sandbox_id / "runtime.log"
+                await runtime.exec_attached(spec.sandbox_id, agent_end, AGENT_PATH, log_file)
+            finally:
+                agent_end.close()
+            await agent.start(self._agent_start_timeout_s)
+        except BaseException:
+            agent.close()
+            raise
+        return agent
+
     async def orphans(self, known_ids: set[str]) -> list[str]:
         """Containers in our runtime state that no sandbox record owns."""
         found: list[str] = []
-        for name in ("crun", "runc"):
+        for name in ("crun", "runc", RUNSC):
             if shutil.which(name) and (self._state_root / name).exists():
                 found += [cid for cid in await self.runtime(name).list_ids() if cid not in known_ids]
         return found
@@ -393,6 +432,8 @@ class ContainerBackend:
         container = self._containers.get(sandbox_id)
         if container is None:
             raise NotFound(f"no running container for sandbox {sandbox_id}")
+        if container.replacing:
+            raise Conflict(f"sandbox {sandbox_id} is being checkpointed or restored: retry in a moment")
         if container.agent.closed.is_set():
             raise SandboxGone(f"sandbox {sandbox_id} stopped: its init process exited")
         return container
@@ -401,8 +442,10 @@ class ContainerBackend:
         container = self._get(sandbox_id)
         return AgentCommand(container.agent, command, container.memory.oom_kills)
 
-    def files(self, sandbox_id: str) -> ConfinedTree:
+    def files(self, sandbox_id: str) -> ConfinedTree | GuestTree:
         container = self._get(sandbox_id)
+        if container.runtime.gvisor:  # the sentry serves its root: the host cannot open it
+            return GuestTree(container.agent, asyncio.get_running_loop())
         try:
             return ConfinedTree(f"/proc/{container.init_pid}/root")
         except NotFound as exc:
@@ -410,8 +453,18 @@ class ContainerBackend:
 
     async def wait_ended(self, sandbox_id: str) -> str:
         container = self._get(sandbox_id)
-        await container.agent.closed.wait()
-        return "exited"
+        while True:
+            agent = container.agent
+            await agent.closed.wait()
+            while container.replacing and self._containers.get(sandbox_id) is container:
+                await asyncio.sleep(0.05)  # gVisor: a checkpoint or rewind attaches a new agent: follow it
+            current = self._containers.get(sandbox_id)
+            if current is None:
+                return "exited"
+            if current is not container or current.agent is not agent:
+                container = current
+                continue
+            return "exited"
 
     async def destroy(self, sandbox_id: str) -> None:
         container = self._containers.pop(sandbox_id, None)
@@ -423,10 +476,34 @@ class ContainerBackend:
             await container.runtime.kill_and_delete(sandbox_id)
             self._release_layers(container.spec)
         else:
-            for name in ("crun", "runc"):
+            for name in ("crun", "runc", RUNSC):
                 if shutil.which(name):
                     await self.runtime(name).kill_and_delete(sandbox_id)
         shutil.rmtree(self._dir / sandbox_id, ignore_errors=True)
+
+    async def rewind(self, sandbox_id: str, checkpoint_id: str) -> None:
+        """gVisor: replace the running sandbox with the one saved in ``checkpoint_id`` (memory, processes, files)."""
+        container = self._gvisor(sandbox_id)
+        source = self.checkpoint_dir(sandbox_id, checkpoint_id)
+        spec = dataclasses.replace(container.spec, restore_from=str(source))
+        container.replacing = True
+        container.agent.close()
+        await container.runtime.kill_and_delete(sandbox_id)
+        upper, work = self._upper(sandbox_id), self._layer_root(sandbox_id) / "work"
+        for path in (upper, work):
+            await asyncio.to_thread(shutil.rmtree, path, True)
+            path.mkdir()
+        try:
+            lowers = await self._acquire_layers(spec)
+            self._release_layers(spec)  # the sandbox still holds its own reference
+            bundle = self._dir / sandbox_id / "bundle"
+            init_pid, agent = await self._start_gvisor(container.runtime, spec, bundle, Overlay(lowers, upper, work))
+        except BaseException:
+            self._containers.pop(sandbox_id, None)  # its watcher reports it ended
+            await container.runtime.kill_and_delete(sandbox_id)
+            self._release_layers(spec)
+            raise
+        self._containers[sandbox_id] = _Container(container.spec, container.runtime, agent, init_pid, container.memory)
 
     async def pack_diff(self, sandbox_id: str, dest: Path) -> None:
         """Pack the sandbox's writable layer (whiteouts and opaque dirs kept) into an EROFS file.
@@ -482,6 +559,8 @@ class ContainerBackend:
 
     async def set_network(self, sandbox_id: str, rules: tuple[AllowRule, ...]) -> str:
         container = self._get(sandbox_id)
+        if container.runtime.gvisor:
+            raise InvalidRequest("runsc sandboxes have loopback only: create a crun or runc sandbox for a network")
         address = self._fabric.address_of(sandbox_id)
         if address is None:
             return await self._plug(container, rules)
@@ -522,6 +601,8 @@ class ContainerBackend:
         """Kill every process but the agent; True if nothing of the last use is left (no process, no file,
         no IPC object differs from right after start), so the sandbox can serve another caller as new."""
         container = self._get(sandbox_id)
+        if container.runtime.gvisor:  # its processes live in the sentry: the host cannot count them
+            return False
         pids = str(self._cgroup_file(sandbox_id, "pids", "pids.current"))
         if _read_int(pids) > 1:  # something outlived the call
             await container.agent.kill_all()
@@ -583,10 +664,12 @@ class ContainerBackend:
         agent_name = Path(AGENT_PATH).name  # the init agent, and a second one re-attached after a restart
         while time.monotonic() < deadline:
             try:
-                pids = procs.read_text().split()
+                if container.runtime.gvisor:  # the sentry's host processes are not the sandbox's
+                    if len(await container.runtime.process_ids(sandbox_id)) <= 1:
+                        return True
+                elif all(_comm(pid) in (agent_name, None) for pid in procs.read_text().split()):
+                    return True
             except OSError:
-                return True
-            if all(_comm(pid) in (agent_name, None) for pid in pids):
                 return True
             await asyncio.sleep(0.05)
         return False

@@ -1,4 +1,4 @@
-"""The OCI runtime command line (crun by default, runc selectable).
+"""The OCI runtime command line (crun by default, runc or gVisor's runsc selectable).
 
 Only this module runs the runtime binary. Containers are started detached
 through corral-launch, which mounts the sandbox's overlay in a mount namespace
@@ -19,7 +19,13 @@ from pathlib import Path
 from corral.backends.container.host import orphans
 from corral.sdk._exceptions import InternalError, InvalidRequest
 
-__all__ = ["OciRuntime", "OciRuntimeFailed", "ContainerState", "Overlay"]
+__all__ = ["RUNSC", "RUNSC_FLAGS", "OciRuntime", "OciRuntimeFailed", "ContainerState", "Overlay"]
+
+RUNSC = "runsc"
+# gVisor's global flags, the same on every call (see gvisor.py): systrap (its kvm platform hangs on nested-PVM
+# hosts), the writable layer on the host overlay (the default medium leaves .gvisor.filestore.* files in the
+# rootfs after a forced delete), loopback only, and the agent may connect to the edge's socket.
+RUNSC_FLAGS = ["--platform=systrap", "--overlay2=none", "--network=none", "--host-uds=open"]
 
 _RUNTIME_TIMEOUT_S = 30.0
 # The agent must survive its sandbox's OOM; it resets its children to 0 so
@@ -58,8 +64,12 @@ class OciRuntime:
         self._launch = launch_binary
         state_root.mkdir(parents=True, exist_ok=True)
 
+    @property
+    def gvisor(self) -> bool:
+        return self.name == RUNSC
+
     def _base(self) -> list[str]:
-        return [self._binary, "--root", str(self._root)]
+        return [self._binary, "--root", str(self._root), *(RUNSC_FLAGS if self.gvisor else ())]
 
     async def _run(
         self, args: list[str], *, pass_fds: tuple[int, ...] = (), check: bool = True, log_file: Path | None = None
@@ -101,18 +111,41 @@ class OciRuntime:
             raise OciRuntimeFailed(f"{self.name} failed: {last}")
         return proc.returncode or 0, stdout or b"", message
 
-    async def run_detached(self, container_id: str, bundle: Path, overlay: Overlay, ctl: socket.socket) -> int:
-        """Mount the overlay at bundle/rootfs and start the container detached; returns its init's host pid."""
+    def _launch_args(self, overlay: Overlay, bundle: Path, ctl: socket.socket | None) -> list[str]:
+        """corral-launch: the overlay mounted at bundle/rootfs in a mount namespace of its own (and the agent's
+        socket as fd 3), then the runtime."""
         lowers = ":".join(str(p) for p in overlay.lowers)
+        args = [str(self._launch), "--overlay", lowers, str(overlay.upper), str(overlay.work), str(bundle / "rootfs")]
+        if ctl is not None:
+            args += ["--ctl-fd", str(ctl.fileno())]
+        return [*args, "--oom-score-adj", str(AGENT_OOM_SCORE_ADJ), "--audit-session", "--refuse-clone3", "--"]
+
+    async def run_detached(self, container_id: str, bundle: Path, overlay: Overlay, ctl: socket.socket | None) -> int:
+        """Mount the overlay at bundle/rootfs and start the container detached; returns its init's host pid.
+
+        ``ctl`` None: its init gets no socket (gVisor: the agent connects to the edge itself)."""
         pid_file = bundle.parent / "init.pid"
         args = [
-            str(self._launch), "--overlay", lowers, str(overlay.upper), str(overlay.work), str(bundle / "rootfs"),
-            "--ctl-fd", str(ctl.fileno()), "--oom-score-adj", str(AGENT_OOM_SCORE_ADJ),
-            "--audit-session", "--refuse-clone3",
-            "--", *self._base(), "run", "--detach", "--preserve-fds", "1", "--pid-file", str(pid_file),
-            "--bundle", str(bundle), container_id,
+            *self._launch_args(overlay, bundle, ctl), *self._base(), "run", "--detach",
+            *(("--preserve-fds", "1") if ctl is not None else ()), "--pid-file", str(pid_file), "--bundle", str(bundle),
+            container_id,
         ]  # fmt: skip
-        await self._run(args, pass_fds=(ctl.fileno(),), log_file=bundle.parent / "runtime.log")
+        pass_fds = (ctl.fileno(),) if ctl is not None else ()
+        await self._run(args, pass_fds=pass_fds, log_file=bundle.parent / "runtime.log")
+        return int(pid_file.read_text())
+
+    async def checkpoint(self, container_id: str, image_dir: Path) -> None:
+        """gVisor: the sandbox's memory and processes into ``image_dir``; the sandbox keeps running (or paused)."""
+        await self._run([*self._base(), "checkpoint", "--image-path", str(image_dir), "--leave-running", container_id])
+
+    async def restore_detached(self, container_id: str, bundle: Path, overlay: Overlay, image_dir: Path) -> int:
+        """gVisor: a new container from a checkpoint image, over this overlay; returns its sandbox's host pid."""
+        pid_file = bundle.parent / "init.pid"
+        args = [
+            *self._launch_args(overlay, bundle, None), *self._base(), "restore", "--detach",
+            "--image-path", str(image_dir), "--pid-file", str(pid_file), "--bundle", str(bundle), container_id,
+        ]  # fmt: skip
+        await self._run(args, log_file=bundle.parent / "runtime.log")
         return int(pid_file.read_text())
 
     async def exec_attached(self, container_id: str, ctl: socket.socket, agent_path: str, log_file: Path) -> None:
@@ -130,13 +163,23 @@ class OciRuntime:
         data = json.loads(out)
         return ContainerState(id=data["id"], status=data["status"], pid=int(data.get("pid") or 0))
 
+    async def process_ids(self, container_id: str) -> set[int]:
+        """gVisor: the pids of the sandbox's processes, in its own pid namespace (the host cannot see them)."""
+        _, out, _ = await self._run([*self._base(), "ps", "--format", "json", container_id])
+        return {int(pid) for pid in json.loads(out or b"[]") or []}
+
     async def list_ids(self) -> list[str]:
         _, out, _ = await self._run([*self._base(), "list", "--format", "json"])
         return [entry["id"] for entry in json.loads(out or b"[]") or []]
 
     async def signal_all(self, container_id: str, signal_name: str) -> None:
-        """Send a signal to every process of the container (its init ignores what it does not handle)."""
-        await self._run([*self._base(), "kill", "--all", container_id, signal_name])
+        """Send a signal to every process of the container but its init (which ignores what it does not handle;
+        gVisor delivers it to init too, so there each other process gets it by pid)."""
+        if not self.gvisor:
+            await self._run([*self._base(), "kill", "--all", container_id, signal_name])
+            return
+        for pid in sorted(await self.process_ids(container_id) - {1}):
+            await self._run([*self._base(), "kill", "--pid", str(pid), container_id, signal_name], check=False)
 
     async def pause(self, container_id: str) -> None:
         """Freeze every process of the container (cgroup freezer)."""

@@ -16,6 +16,11 @@
  *                Flag 4 runs it without the chroot (e.g. to pack the
  *                writable layer, which only the guest's own root shows).
  *
+ * gVisor mode (runsc sandboxes, as their init):
+ *   --connect PATH  the channel is a Unix socket the edge listens on; when the
+ *                edge closes it the agent connects again every 50 ms.
+ *   --tool PATH  as above (the sentry serves the root: the host cannot open it).
+ *
  * Wire format (little endian), both directions:
  *   u32 length (of what follows) | u8 type | u32 job id | payload
  * Edge -> agent: EXEC, STDIN (empty payload closes stdin), SIGNAL, PING,
@@ -42,6 +47,7 @@
 #include <sys/shm.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -73,6 +79,7 @@ struct job {
 
 static int ctl = -1;
 static const char *ctl_dev;       /* guest mode: the virtio-serial port to the host */
+static const char *ctl_path;      /* gVisor: the edge's Unix socket; reconnected after the edge lets go */
 static int tool_fd = -1;          /* guest mode: busybox, run by fd for EXEC flag 2 */
 static const char *sandbox_root;  /* guest mode: commands chroot here (unless flag 4) */
 static struct job *jobs[MAX_JOBS];
@@ -516,17 +523,34 @@ static void reconnect_dev(void) {
     greet();
 }
 
+/* gVisor mode: connect to the edge's listening socket when it is there (a checkpoint must hold no host socket,
+ * so the edge lets the agent go before one and listens again after it, or in the restored sandbox). */
+static void reconnect_path(void) {
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return;
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    strncpy(addr.sun_path, ctl_path, sizeof addr.sun_path - 1);
+    if (connect(fd, (struct sockaddr *)&addr, sizeof addr) < 0) {
+        close(fd);
+        return;
+    }
+    ctl = fd;
+    rlen = 0;
+    greet();
+}
+
 int main(int argc, char **argv) {
     const char *tool = NULL;
     ctl = 3;
     for (int i = 1; i + 1 < argc; i += 2) {
         if (strcmp(argv[i], "--fd") == 0) ctl = atoi(argv[i + 1]);
         else if (strcmp(argv[i], "--dev") == 0) ctl_dev = argv[i + 1];
+        else if (strcmp(argv[i], "--connect") == 0) ctl_path = argv[i + 1];
         else if (strcmp(argv[i], "--root") == 0) sandbox_root = argv[i + 1];
         else if (strcmp(argv[i], "--tool") == 0) tool = argv[i + 1];
     }
     if (tool) tool_fd = open(tool, O_RDONLY | O_CLOEXEC);
-    if (ctl_dev) ctl = -1;
+    if (ctl_dev || ctl_path) ctl = -1;
     prctl(PR_SET_DUMPABLE, 0);
     /* `crun exec` (a re-attached agent) does not set no_new_privs; every command must inherit it. */
     prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
@@ -544,13 +568,15 @@ int main(int argc, char **argv) {
     int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
     int is_init = getpid() == 1;
     if (ctl_dev) reconnect_dev();
+    else if (ctl_path) reconnect_path();
     else greet();
 
     struct pollfd pfds[2 + 3 * MAX_JOBS];
     struct job *owner[2 + 3 * MAX_JOBS];
     for (;;) {
-        if (ctl < 0 && !is_init && !ctl_dev) break;  /* an attached agent ends with its edge */
+        if (ctl < 0 && !is_init && !ctl_dev && !ctl_path) break;  /* an attached agent ends with its edge */
         if (ctl < 0 && ctl_dev) reconnect_dev();
+        if (ctl < 0 && ctl_path) reconnect_path();
         int n = 0;
         pfds[n] = (struct pollfd){.fd = sfd, .events = POLLIN};
         owner[n++] = NULL;
@@ -571,7 +597,7 @@ int main(int argc, char **argv) {
                 if (wait_ms < 0 || left < wait_ms) wait_ms = left;
             }
         }
-        if (ctl < 0 && ctl_dev && (wait_ms < 0 || wait_ms > 50)) wait_ms = 50;  /* look for the host again */
+        if (ctl < 0 && (ctl_dev || ctl_path) && (wait_ms < 0 || wait_ms > 50)) wait_ms = 50;  /* look for the host */
         int r = poll(pfds, (nfds_t)n, (int)wait_ms);
         if (r < 0 && errno != EINTR) break;
         if (r > 0) {
