@@ -3,12 +3,16 @@
 1. Sharing: a layer of incompressible files (os.urandom, `layer_mib` in all) is built once from a
    directory as a tools layer over busybox. One sandbox is created and reads all of it; then
    count - 1 more are created and each reads all of it too. Host memory is read before the first
-   create, after each phase's creates (sandboxes idle) and after its reads: the MemAvailable drop
-   and the Cached growth from /proc/meminfo (host-wide, so other tenants move them too), and the
-   sum of our sandboxes' cgroup usage from the node stats (ours alone). No host-wide drop_caches:
-   only our own layer file is evicted (fsync, then posix_fadvise DONTNEED) so the first reader
-   starts cold. Baselines in the same run: the one reader, the same sandboxes idle before they
-   read, and the naive count × layer_mib that a copy per sandbox would cost.
+   create, after each phase's creates (sandboxes idle) and after its reads. Ours: the sum of our
+   sandboxes' cgroup usage from the node stats (the layer's pages are charged to the first reader)
+   plus the page cache of the layer's EROFS image file, which the edge's sha256 check reads at the
+   first mount, charged outside the sandboxes; and, for the split, the page cache of the files in
+   the edge's one mount of the layer. Both page-cache figures come from fincore, which reads
+   nothing in. The MemAvailable drop and Cached growth are kept too, but they are host-wide and
+   other tenants move them. No host-wide drop_caches: only our image file is evicted (fsync, then
+   posix_fadvise DONTNEED) so the first reader starts cold. Baselines in the same run: the one
+   reader, the same sandboxes idle before they read, and the naive count × layer_mib that a copy
+   per sandbox would cost.
 2. Reclaim: count busybox sandboxes each write HELD_MIB of /dev/urandom to /dev/shm (tmpfs:
    swap-backed like anonymous memory, charged to the sandbox's cgroup), then each is paused with
    wait_reclaim, PAUSE_CONCURRENCY at a time (a bulk pause returns once frozen, before the reclaim
@@ -96,11 +100,14 @@ class _LayerCache:
     def __init__(self, server: EmbeddedServer, image: Path, digest: str) -> None:
         assert server.process is not None
         mount = server.data_dir / "mnt" / "layers" / digest.replace(":", "-")
-        self._files = Path(f"/proc/{server.process.pid}/root{mount}") / "data"
+        self.files = Path(f"/proc/{server.process.pid}/root{mount}") / "data"
         self._image = image
 
+    def mounted(self) -> bool:
+        return self.files.is_dir()
+
     def reading(self, client: Client) -> dict[str, Any]:
-        files = sorted(self._files.iterdir()) if self._files.is_dir() else []
+        files = sorted(self.files.iterdir()) if self.mounted() else []
         layer = {"layer_files_cached_mib": _cached_mib(files), "image_cached_mib": _cached_mib([self._image])}
         return {**_reading(client), **layer}
 
@@ -185,6 +192,8 @@ def _sharing(server: EmbeddedServer, client: Client, layer: _LayerCache, count: 
                              total=2 * count)  # fmt: skip
     readings = {"before": layer.reading(client)}
     first = asyncio.run(_create_many(url, key, 1, progress, task, **options))
+    if not layer.mounted():
+        raise RuntimeError(f"the layer's mount is not at {layer.files}: where does the edge mount layers now?")
     readings["one_idle"] = layer.reading(client)
     results = asyncio.run(_exec_all(url, key, first, read, progress, task))
     readings["one_read"] = layer.reading(client)

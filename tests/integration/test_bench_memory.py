@@ -31,6 +31,9 @@ def test_bench_memory_runs_at_a_tiny_size_and_reports_sharing_and_reclaim() -> N
     # The first reader's cgroup is charged the layer's pages; the others find them cached and pay nothing for them.
     assert sharing["one"]["resident_mib"] >= 0.9 * LAYER_MIB
     assert sharing["per_extra_reader"]["resident_mib"] < LAYER_MIB / 2
+    # The layer's files sit once in the page cache (the edge's one mount), however many sandboxes read them.
+    assert sharing["one"]["layer_files_cached_mib"] >= 0.9 * LAYER_MIB
+    assert sharing["all"]["layer_files_cached_mib"] <= 1.1 * LAYER_MIB
 
     reclaim = report["reclaim"]
     assert reclaim["sandboxes"] == COUNT and reclaim["held_mib"] == HELD_MIB
