@@ -421,6 +421,18 @@ def e2b_env() -> None:
     console.print(f"export E2B_API_URL={url} E2B_SANDBOX_URL={url} E2B_API_KEY={e2b_api_key(key)}", highlight=False)
 
 
+@app.command("bench-memory")
+def bench_memory(
+    count: Annotated[int, typer.Option(help="Sandboxes that read the shared layer, then idle ones paused.")] = 100,
+    layer_mib: Annotated[int, typer.Option(help="Size of the layer of random files they all read.")] = 200,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Measure host memory for sandboxes reading one shared layer (1 vs many) and what pausing idle ones reclaims."""
+    from corral.bench.memory import run_memory_benchmark
+
+    run_memory_benchmark(count=count, layer_mib=layer_mib, as_json=as_json, console=console)
+
+
 @app.command("bench-density")
 def bench_density(
     count: Annotated[int, typer.Option(help="Idle sandboxes to create in all.")] = 1000,
