@@ -48,7 +48,9 @@ class NodeView:
 
     def fits(self, cpu: float, memory_mb: int) -> bool:
         return (
-            self.cpu_committed + cpu <= self.cpu_capacity
+            cpu <= self.node_cpu
+            and memory_mb <= self.node_memory_mb
+            and self.cpu_committed + cpu <= self.cpu_capacity
             and self.memory_committed_mb + memory_mb <= self.memory_capacity_mb
         )
 
@@ -81,6 +83,7 @@ class Scheduler:
         self._ids: list[str] = []
         self._placed: dict[str, _Placed] = {}
         self._starting: set[str] = set()
+        self._largest = (0.0, 0)  # the most cores and memory of any node
         self._rng = rng or random.Random()
 
     def add_node(self, load: EdgeLoad) -> NodeView:
@@ -93,6 +96,7 @@ class Scheduler:
         if load.edge_id not in self.nodes:
             self._ids.append(load.edge_id)
         self.nodes[load.edge_id] = node
+        self._largest = (max(self._largest[0], node.node_cpu), max(self._largest[1], node.node_memory_mb))
         return node
 
     # -- placement -----------------------------------------------------------
@@ -111,6 +115,8 @@ class Scheduler:
         none can now, NodesBusy when the fitting ones all have ``max_in_flight`` creates running."""
         if not self.nodes:
             raise CapacityExhausted("no edges are registered with this gateway: retry later")
+        if cpu > self._largest[0] or memory_mb > self._largest[1]:
+            self._scan(lambda node: False, None, cpu=cpu, memory_mb=memory_mb, backend=backend, refused=0, busy=False)
 
         def eligible(node: NodeView) -> bool:
             return node.edge_id not in exclude and node.runs(backend) and node.fits(cpu, memory_mb)
