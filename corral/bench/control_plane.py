@@ -32,7 +32,7 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from corral.backends.router import BackendRouter
 from corral.backends.simulated import SimulatedBackend
 from corral.bench.harness import emit
 from corral.config import Settings
+from corral.edge.host_readings import HostReadings, read_host
 from corral.edge.local import LocalEdge, NodeCapacity
 from corral.gateway.service import SandboxService
 from corral.images.catalogue import Catalogue
@@ -59,6 +60,7 @@ WORKERS = 256  # concurrent single creates in the sustained phase
 TARGET_RATE, TARGET_BURST_S, TARGET_LIVE = 5_000.0, 5.0, 400_000
 LIVE_BATCH = 4_000  # sandboxes per job while filling to the live count
 LOOKUPS = 200
+SHARED_READING_MAX_AGE_S = 0.5
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -79,16 +81,32 @@ async def simulated_cluster(nodes: int, store: StateStore, layer_dir: Path) -> A
         memory_reserve_mb=settings.memory_reserve_mb, memory_full_pressure_pct=settings.memory_full_pressure_pct,
     )  # fmt: skip
     edges: dict[str, Any] = {}
+    host_reader = _shared_host_reader()
     service = SandboxService(store=store, catalogue=catalogue, edges=edges, default_runtime=settings.runtime,
                              ttl_check_interval_s=3600)  # fmt: skip
     for index in range(nodes):
         edge_id = f"n{index}"
-        edges[edge_id] = LocalEdge(edge_id, BackendRouter({"container": SimulatedBackend()}), capacity, service)
+        backend = BackendRouter({"container": SimulatedBackend()})
+        edges[edge_id] = LocalEdge(edge_id, backend, capacity, service, host_reader=host_reader)
     await service.start()
     try:
         yield service
     finally:
         await service.close()
+
+
+def _shared_host_reader() -> Callable[[], HostReadings]:
+    """The simulated nodes all live on this host: one reading of /proc serves them all for a while (each
+    real node reads its own; 160 edges each reading /proc here would measure this host's procfs)."""
+    cached: list[tuple[float, HostReadings]] = []
+
+    def reading() -> HostReadings:
+        now = time.monotonic()
+        if not cached or now - cached[0][0] > SHARED_READING_MAX_AGE_S:
+            cached[:] = [(now, read_host())]
+        return cached[0][1]
+
+    return reading
 
 
 def _request(job: str) -> CreateSandboxRequest:

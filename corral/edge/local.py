@@ -15,7 +15,7 @@ import io
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -166,8 +166,18 @@ def _lookup_owner(tree: ConfinedTree, user: str) -> tuple[int, int]:
 class LocalEdge:
     """An edge living in the gateway's process (the embedded single-node default)."""
 
-    def __init__(self, edge_id: str, backend: Backend, capacity: NodeCapacity, events: EdgeEvents) -> None:
+    def __init__(
+        self,
+        edge_id: str,
+        backend: Backend,
+        capacity: NodeCapacity,
+        events: EdgeEvents,
+        *,
+        host_reader: Callable[[], HostReadings] = read_host,
+    ) -> None:
+        """``host_reader``: the node's memory and pressure (simulated nodes sharing one host share one)."""
         self.edge_id = edge_id
+        self._read_host = host_reader
         self._backend = backend
         self._capacity = capacity
         self._events = events
@@ -213,7 +223,7 @@ class LocalEdge:
         )
 
     async def stats(self) -> NodeStats:
-        host = read_host()
+        host = self._read_host()
         counts: dict[str, dict[str, int]] = {}
         resident = 0
         for sandbox_id, sandbox in list(self._sandboxes.items()):
@@ -248,7 +258,7 @@ class LocalEdge:
 
     async def _relieve_pressure(self) -> None:
         """When memory runs short, pause (and so reclaim) the longest-idle sandboxes first."""
-        host = read_host()
+        host = self._read_host()
         cap = self._capacity
         if host.memory_available_mb >= 2 * cap.memory_reserve_mb and (
             host.memory_some_avg10 <= 2 * cap.memory_full_pressure_pct
@@ -297,7 +307,7 @@ class LocalEdge:
     def _recent_host_reading(self) -> HostReadings:
         now = time.monotonic()
         if self._host_reading is None or now - self._host_reading[0] > _ADMISSION_READING_MAX_AGE_S:
-            self._host_reading = (now, read_host())
+            self._host_reading = (now, self._read_host())
         return self._host_reading[1]
 
     async def create(self, spec: SandboxSpec) -> str | None:

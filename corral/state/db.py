@@ -24,7 +24,6 @@ from sqlalchemy import (
     Table,
     Text,
     and_,
-    bindparam,
     create_engine,
     event,
     inspect,
@@ -178,22 +177,25 @@ class StateStore:
 
     def mark_running_many(self, notes: dict[str, str | None]) -> set[str]:
         """creating → running for several sandboxes in one transaction (id → status note); returns the ids
-        that were marked (the others ended meanwhile)."""
-        statement = (
-            update(sandboxes)
-            .where(sandboxes.c.id == bindparam("sandbox_id"), sandboxes.c.state == SandboxState.CREATING.value)
-            .values(state=SandboxState.RUNNING.value, status_message=bindparam("note"))
-        )
-        ids = list(notes)
+        that were marked (the others ended meanwhile). One UPDATE ... RETURNING per chunk of ids that share
+        a note (a burst's notes are nearly all the same)."""
+        by_note: dict[str | None, list[str]] = {}
+        for sandbox_id, note in notes.items():
+            by_note.setdefault(note, []).append(sandbox_id)
         marked: set[str] = set()
         with self._engine.begin() as conn:
-            conn.execute(statement, [{"sandbox_id": i, "note": notes[i]} for i in ids])
-            for start in range(0, len(ids), _IN_CHUNK):
-                chunk = ids[start : start + _IN_CHUNK]
-                query = select(sandboxes.c.id).where(
-                    sandboxes.c.id.in_(chunk), sandboxes.c.state == SandboxState.RUNNING.value
-                )
-                marked.update(row[0] for row in conn.execute(query))
+            for note, ids in by_note.items():
+                for start in range(0, len(ids), _IN_CHUNK):
+                    statement = (
+                        update(sandboxes)
+                        .where(
+                            sandboxes.c.id.in_(ids[start : start + _IN_CHUNK]),
+                            sandboxes.c.state == SandboxState.CREATING.value,
+                        )
+                        .values(state=SandboxState.RUNNING.value, status_message=note)
+                        .returning(sandboxes.c.id)
+                    )
+                    marked.update(row[0] for row in conn.execute(statement))
         return marked
 
     def end(self, sandbox_id: str, state: SandboxState, reason: str, message: str | None = None) -> bool:
