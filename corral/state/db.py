@@ -69,6 +69,8 @@ sandboxes = Table(
     Column("ended_at", Float, nullable=True),
     Column("end_reason", String(32), nullable=True),
     Column("status_message", Text, nullable=True),
+    # labels["job"] copied out, so a job's sandboxes are found by index among hundreds of thousands
+    Column("job", String(128), nullable=True, index=True),
 )
 
 layers = Table(
@@ -111,6 +113,7 @@ job_tokens = Table(
 )
 
 SandboxRecord = dict[str, Any]
+JOB_LABEL = "job"
 _IN_CHUNK = 500  # ids per IN (...) list: SQLite caps the parameters of one statement
 _ACTIVE = (SandboxState.CREATING.value, SandboxState.RUNNING.value, SandboxState.PAUSED.value)
 
@@ -136,6 +139,10 @@ def _add_missing_columns(engine: Engine) -> None:
                 kind = column.type.compile(dialect=engine.dialect)
                 with engine.begin() as conn:
                     conn.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {kind}'))
+                    if table is sandboxes and column.name == "job":
+                        conn.execute(update(sandboxes).values(job=sandboxes.c.labels["job"].as_string()))
+        for index in table.indexes:
+            index.create(engine, checkfirst=True)
 
 
 class StateStore:
@@ -154,12 +161,12 @@ class StateStore:
 
     def insert(self, record: SandboxRecord) -> None:
         with self._engine.begin() as conn:
-            conn.execute(sandboxes.insert().values(**record))
+            conn.execute(sandboxes.insert().values(**{**record, "job": record["labels"].get(JOB_LABEL)}))
 
     def insert_many(self, records: list[SandboxRecord]) -> None:
         """Several records in one transaction (the creates of a burst commit together)."""
         with self._engine.begin() as conn:
-            conn.execute(sandboxes.insert(), records)
+            conn.execute(sandboxes.insert(), [{**record, "job": record["labels"].get(JOB_LABEL)} for record in records])
 
     def update(self, sandbox_id: str, **values: Any) -> None:
         with self._engine.begin() as conn:
@@ -222,7 +229,10 @@ class StateStore:
         if edge_id:
             query = query.where(sandboxes.c.edge_id == edge_id)
         for key, value in (labels or {}).items():  # in SQL: with 400,000 records, not every row into Python
-            query = query.where(sandboxes.c.labels[key].as_string() == value)
+            if key == JOB_LABEL:
+                query = query.where(sandboxes.c.job == value)
+            else:
+                query = query.where(sandboxes.c.labels[key].as_string() == value)
         with self._engine.connect() as conn:
             return [dict(r) for r in conn.execute(query).mappings()]
 
