@@ -49,7 +49,7 @@ _POOL_LABEL = "corral.fncall"  # the fncall pools' own sandboxes (corral/gateway
 MAX_BATCH = 32_000  # sandboxes per batch request (a training step's burst)
 DEFAULT_BATCH_CONCURRENCY = 512  # creates of one batch running at once
 DEFAULT_BATCH_PER_NODE = 32  # ... and at most this many on one node (containers: the backend's own limit applies)
-_ROOT_CACHE_S = 1.0  # an image's resolution is reused this long (a moved tag is seen within it)
+_ROOT_CACHE_S = 1.0  # an image's resolution is reused this long (a tag moved by another gateway: seen within it)
 _ROOTS_CACHED = 1024
 _TOUCH_EVERY_S = 60.0  # a layer's last use (LRU eviction order) is recorded at most this often
 _PROGRESS_EVERY = 1000  # a progress line per this many results
@@ -311,7 +311,7 @@ class SandboxService:
             request = request.model_copy(update={"idle_pause_s": self._default_idle_pause_s})
         now = time.monotonic()
         key = (request.image, request.environment.model_dump_json() if request.environment else None,
-               tuple(request.layers or ()))  # fmt: skip
+               tuple(request.layers or ()), self._catalogue.generation)  # fmt: skip
         cached = self._roots.get(key)
         if cached is not None and cached[0] > now:
             digests, image_name = cached[1], cached[2]
