@@ -13,6 +13,8 @@ cores, 768 GiB) with the configured overcommit. Measured:
    sandboxes over the nodes;
 2. a 32,000 burst as one batch (``create_many``, the path behind
    ``POST /v1/sandboxes/batch``): time until every sandbox is placed and running;
+   then the same burst through the real HTTP app (uvicorn in this process) and
+   the async SDK's ``create_many``, until the client holds every handle;
 3. 400,000 live sandboxes tracked: the cluster filled with batches (one job
    label each), then ``get`` of random ids and ``list`` of one job;
 4. the database write per create, as a same-run baseline: one transaction per
@@ -36,6 +38,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import uvicorn
 from rich.console import Console
 from rich.table import Table
 
@@ -45,11 +48,22 @@ from corral.bench.harness import emit
 from corral.config import Settings
 from corral.edge.host_readings import HostReadings, read_host
 from corral.edge.local import LocalEdge, NodeCapacity
+from corral.embedded import free_port
+from corral.gateway.app import create_app
+from corral.gateway.auth import JobTokens
+from corral.gateway.fncall import FnCallService
+from corral.gateway.grading import Grader
+from corral.gateway.images import ImageService
 from corral.gateway.service import SandboxService
+from corral.gateway.trajectory import Trajectories
+from corral.images.builders import LayerBuilder
 from corral.images.catalogue import Catalogue
 from corral.images.store import LayerStore
+from corral.sdk import AsyncClient
 from corral.sdk._models import CreateSandboxRequest
+from corral.server import Services
 from corral.state.db import StateStore
+from corral.trajectory import TrajectoryLog
 
 __all__ = ["run_control_plane_benchmark", "simulated_cluster"]
 
@@ -146,6 +160,46 @@ async def _batch(service: SandboxService, count: int, job: str) -> tuple[float, 
     return time.perf_counter() - started, created
 
 
+async def _http_burst(nodes: int, store: StateStore, scratch: Path, count: int) -> dict[str, Any]:
+    """The burst through the real HTTP app (FastAPI on uvicorn, in this process) and the async SDK's
+    ``create_many``: seconds until the last sandbox's line reached the client."""
+    api_key = "ck_bench"
+    port = free_port()
+
+    @contextlib.asynccontextmanager
+    async def services() -> AsyncIterator[Services]:
+        async with simulated_cluster(nodes, store, scratch / "layers") as service:
+            catalogue = service._catalogue  # noqa: SLF001 - the same catalogue the cluster resolves images in
+            images = ImageService(catalogue, LayerBuilder(catalogue, scratch / "build", 1 << 20), service,
+                                  disk_budget_mb=None)  # fmt: skip
+            yield Services(
+                sandboxes=service, images=images,
+                trajectories=Trajectories(TrajectoryLog(store.engine), service, max_logged_file_bytes=0),
+                tokens=JobTokens(store.engine, api_key), grader=Grader(images, service),
+                fncall=FnCallService(service, warm_budget=0, min_warm=0, max_per_pool=0),
+            )  # fmt: skip
+
+    app = create_app(services, 1 << 20, scratch / "uploads")
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, loop="asyncio", log_level="warning"))
+    async with asyncio.TaskGroup() as group:
+        serving = group.create_task(server.serve())
+        while not server.started:
+            if serving.done():
+                raise RuntimeError("the bench's HTTP server did not start")
+            await asyncio.sleep(0.05)
+        try:
+            async with AsyncClient(f"http://127.0.0.1:{port}", api_key) as client:
+                started = time.perf_counter()
+                created = 0
+                async for _ in client.create_many(count, IMAGE, cpu=SANDBOX_CPU, memory_mb=SANDBOX_MEMORY_MB,
+                                                  ttl_s=None, labels={"job": "http-burst"}):  # fmt: skip
+                    created += 1
+                elapsed_s = time.perf_counter() - started
+        finally:
+            server.should_exit = True
+    return {"nodes": nodes, "count": count, "created": created, "elapsed_s": elapsed_s}
+
+
 def _db_write_baseline(database_url: str, records: int) -> dict[str, float]:
     """Seconds per record: one transaction each (insert, then mark running) vs the batched writes."""
     store = StateStore(database_url)
@@ -193,7 +247,7 @@ def _store(database_url: str) -> Any:  # noqa: ANN401
 
 
 async def _measure(nodes: list[int], creates: int, burst: int, live: int, database_url: str, scratch: Path,
-                   log: Any) -> dict[str, Any]:  # fmt: skip
+                   log: Any, http: bool) -> dict[str, Any]:  # fmt: skip
     url = database_url or f"sqlite:///{scratch / 'state.db'}"
     report: dict[str, Any] = {"scaling": []}
     for count in nodes:
@@ -229,6 +283,10 @@ async def _measure(nodes: list[int], creates: int, burst: int, live: int, databa
                 "nodes": biggest, "tracked": len(ids), "fill_per_s": (len(ids) - burst) / fill_s if jobs else 0.0,
                 "get": _ms(gets), "list_job": _ms(lists or [0.0]), "list_job_size": len(listed),
             }  # fmt: skip
+    if http:
+        with _store(url) as store:
+            log(f"burst over HTTP: {burst:,} sandboxes through POST /v1/sandboxes/batch on {biggest} nodes")
+            report["burst_http"] = await _http_burst(biggest, store, scratch, burst)
     report["db_write"] = _db_write_baseline(database_url or f"sqlite:///{scratch / 'baseline.db'}", 2_000)
     return report
 
@@ -259,12 +317,12 @@ def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
     ]  # fmt: skip
 
 
-def run(*, nodes: list[int], creates: int, burst: int, live: int, postgres: bool, scratch: Path,
+def run(*, nodes: list[int], creates: int, burst: int, live: int, postgres: bool, scratch: Path, http: bool = True,
         log: Any = lambda message: None) -> dict[str, Any]:  # fmt: skip
     """The measurements as a report (also what the test runs, with small sizes)."""
     with contextlib.ExitStack() as stack:
         database_url = stack.enter_context(_postgres(scratch)) if postgres else ""
-        report = asyncio.run(_measure(nodes, creates, burst, live, database_url, scratch, log))
+        report = asyncio.run(_measure(nodes, creates, burst, live, database_url, scratch, log, http))
     report["database"] = "postgresql" if postgres else "sqlite"
     report["checks"] = checks(report)
     return report
@@ -290,6 +348,11 @@ def _table(report: dict[str, Any]) -> Table:
     table.add_row(f"burst of {burst['count']:,} as one batch, {burst['nodes']} nodes",
                   f"{burst['elapsed_s']:.2f} s ({burst['created']:,} placed and running)",
                   verdicts["burst"]["target"], verdict("burst"))  # fmt: skip
+    if "burst_http" in report:
+        over_http = report["burst_http"]
+        table.add_row(f"the same burst through the HTTP API and SDK create_many, {over_http['nodes']} nodes",
+                      f"{over_http['elapsed_s']:.2f} s ({over_http['created']:,} handed to the client)",
+                      "-", "-")  # fmt: skip
     live = report["live"]
     table.add_row("live sandboxes tracked", f"{live['tracked']:,} (filled at {live['fill_per_s']:,.0f}/s)",
                   verdicts["live"]["target"], verdict("live"))  # fmt: skip
@@ -303,10 +366,10 @@ def _table(report: dict[str, Any]) -> Table:
     return table
 
 
-def run_control_plane_benchmark(*, nodes: list[int], creates: int, burst: int, live: int, postgres: bool,
+def run_control_plane_benchmark(*, nodes: list[int], creates: int, burst: int, live: int, postgres: bool, http: bool,
                                 as_json: bool, console: Console) -> None:  # fmt: skip
     status = Console(stderr=True) if as_json else console
     with tempfile.TemporaryDirectory(prefix="corral-bench-cp.") as scratch:
         report = run(nodes=nodes, creates=creates, burst=burst, live=live, postgres=postgres, scratch=Path(scratch),
-                     log=lambda message: status.log(message))  # fmt: skip
+                     http=http, log=lambda message: status.log(message))  # fmt: skip
     emit(report, _table, as_json=as_json, console=console)

@@ -323,13 +323,14 @@ def bench_control_plane(
     postgres: Annotated[
         bool, typer.Option("--postgres", help="State in a throwaway PostgreSQL (scripts/postgres.sh), not SQLite.")
     ] = False,
+    http: Annotated[bool, typer.Option(help="Also send the burst through the HTTP API and the SDK.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """Measure the control plane alone (service, scheduler, state store, edges) against simulated nodes."""
     from corral.bench.control_plane import run_control_plane_benchmark
 
     counts = [int(item) for item in nodes.split(",") if item.strip()]
-    run_control_plane_benchmark(nodes=counts, creates=creates, burst=burst, live=live, postgres=postgres,
+    run_control_plane_benchmark(nodes=counts, creates=creates, burst=burst, live=live, postgres=postgres, http=http,
                                 as_json=as_json, console=console)  # fmt: skip
 
 
