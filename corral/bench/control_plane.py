@@ -61,7 +61,7 @@ from corral.images.catalogue import Catalogue
 from corral.images.store import LayerStore
 from corral.sdk import AsyncClient
 from corral.sdk._models import CreateSandboxRequest
-from corral.server import Services
+from corral.server import Services, tune_gc
 from corral.state.db import StateStore
 from corral.trajectory import TrajectoryLog
 
@@ -320,6 +320,7 @@ def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
 def run(*, nodes: list[int], creates: int, burst: int, live: int, postgres: bool, scratch: Path, http: bool = True,
         log: Any = lambda message: None) -> dict[str, Any]:  # fmt: skip
     """The measurements as a report (also what the test runs, with small sizes)."""
+    tune_gc()  # as the server does
     with contextlib.ExitStack() as stack:
         database_url = stack.enter_context(_postgres(scratch)) if postgres else ""
         report = asyncio.run(_measure(nodes, creates, burst, live, database_url, scratch, log, http))
