@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from corral.sdk._exceptions import CapacityExhausted, InvalidRequest
 from corral.sdk._models import EdgeLoad
 
-__all__ = ["NodeView", "NodesBusy", "Scheduler", "utilisation"]
+__all__ = ["NodeView", "NodesBusy", "Scheduler"]
 
 DEFAULT_CANDIDATES = 2
 LAYER_MISS_PENALTY = 0.1  # a node missing all the layers counts as busier by a tenth of its real size
@@ -57,12 +57,10 @@ class NodeView:
     def runs(self, backend: str | None) -> bool:
         return backend is None or not self.backends or backend in self.backends
 
-
-def utilisation(node: NodeView | EdgeLoad) -> float:
-    """The tighter of CPU and memory commitment, 0 (idle) to 1 (full)."""
-    cpu = node.cpu_committed / node.cpu_capacity if node.cpu_capacity else 1.0
-    memory = node.memory_committed_mb / node.memory_capacity_mb if node.memory_capacity_mb else 1.0
-    return max(cpu, memory)
+    def committed_share(self) -> float:
+        """The tighter of CPU and memory committed, relative to the node's real cores and memory (not the
+        overcommitted capacity, so a share means the same on every node); 1.0 is as much as it has."""
+        return max(self.cpu_committed / self.node_cpu, self.memory_committed_mb / self.node_memory_mb)
 
 
 class NodesBusy(Exception):  # noqa: N818 - a signal to wait, not an error a user sees
@@ -165,11 +163,9 @@ class Scheduler:
 
     @staticmethod
     def _score(node: NodeView, wanted: set[str]) -> float:
-        """Commitment relative to the node's real cores and memory (not the overcommitted capacity, so a
-        quarter node means the same on every node), plus the penalty for missing layers."""
+        """Lower is better: the committed share, plus the penalty for missing layers."""
         missing = len(wanted - node.layers) / len(wanted) if wanted else 0.0
-        committed = max(node.cpu_committed / node.node_cpu, node.memory_committed_mb / node.node_memory_mb)
-        return committed + LAYER_MISS_PENALTY * missing
+        return node.committed_share() + LAYER_MISS_PENALTY * missing
 
     # -- bookkeeping -----------------------------------------------------------
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from corral.scheduler.placement import NodesBusy, Scheduler, utilisation
+from corral.scheduler.placement import NodesBusy, Scheduler
 from corral.sdk import CapacityExhausted, EdgeLoad, InvalidRequest
 
 LAYER = "sha256:" + "a" * 64
@@ -32,13 +32,13 @@ def fill(sched: Scheduler, edge_id: str, cpu: float, memory_mb: int = 0, count: 
         sched.reserve(f"{edge_id}-{index}-{cpu}", edge_id, cpu=cpu, memory_mb=memory_mb, starting=False)
 
 
-def test_utilisation_is_the_tighter_resource() -> None:
-    sched = scheduler(load("a"))
-    fill(sched, "a", 64)
-    assert utilisation(sched.nodes["a"]) == 0.5
-    sched.release("a-0-64")
-    fill(sched, "a", 0, memory_mb=98304 * 3 // 4)
-    assert utilisation(sched.nodes["a"]) == 0.75
+def test_committed_share_is_the_tighter_resource_of_the_real_node() -> None:
+    sched = scheduler(load("a"))  # 2 cores, 24 GiB (overcommitted: 128 cores, 96 GiB)
+    fill(sched, "a", 1)
+    assert sched.nodes["a"].committed_share() == 0.5
+    sched.release("a-0-1")
+    fill(sched, "a", 0, memory_mb=24576 * 3 // 2)
+    assert sched.nodes["a"].committed_share() == 1.5
 
 
 def test_full_nodes_are_filtered_out() -> None:
