@@ -354,6 +354,28 @@ def bench_qos(
     run_qos_benchmark(rounds=rounds, samples=samples, batch=batch, as_json=as_json, console=console)
 
 
+@app.command("bench-control-plane")
+def bench_control_plane(
+    nodes: Annotated[str, typer.Option(help="Node counts to measure sustained creates on, comma-separated.")] = (
+        "10,40,160"
+    ),
+    creates: Annotated[int, typer.Option(help="Single creates per node count (sustained rate).")] = 20_000,
+    burst: Annotated[int, typer.Option(help="Sandboxes in the one-batch burst (on the largest node count).")] = 32_000,
+    live: Annotated[int, typer.Option(help="Live sandboxes to track for get/list latency.")] = 400_000,
+    postgres: Annotated[
+        bool, typer.Option("--postgres", help="State in a throwaway PostgreSQL (scripts/postgres.sh), not SQLite.")
+    ] = False,
+    http: Annotated[bool, typer.Option(help="Also send the burst through the HTTP API and the SDK.")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Measure the control plane alone (service, scheduler, state store, edges) against simulated nodes."""
+    from corral.bench.control_plane import run_control_plane_benchmark
+
+    counts = [int(item) for item in nodes.split(",") if item.strip()]
+    run_control_plane_benchmark(nodes=counts, creates=creates, burst=burst, live=live, postgres=postgres, http=http,
+                                as_json=as_json, console=console)  # fmt: skip
+
+
 @app.command("bench-vm")
 def bench_vm(
     runs: Annotated[int, typer.Option(help="Samples per boot, fork and pause timing (vm: half, min 2).")] = 5,

@@ -15,7 +15,7 @@ import io
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +56,7 @@ _HOUSEKEEPING_INTERVAL_S = 1.0
 _PRESSURE_PAUSES_PER_ROUND = 8  # sandboxes paused per housekeeping round while memory is short
 _NETWORK_AUDIT_EVERY = 5
 _DISK_FULL_FRACTION = 0.95
+_ADMISSION_READING_MAX_AGE_S = 0.5  # reading /proc costs ~0.2 ms: a burst's admissions share one reading
 
 
 @dataclass(frozen=True)
@@ -166,8 +167,18 @@ def _lookup_owner(tree: ConfinedTree, user: str) -> tuple[int, int]:
 class LocalEdge:
     """An edge living in the gateway's process (the embedded single-node default)."""
 
-    def __init__(self, edge_id: str, backend: Backend, capacity: NodeCapacity, events: EdgeEvents) -> None:
+    def __init__(
+        self,
+        edge_id: str,
+        backend: Backend,
+        capacity: NodeCapacity,
+        events: EdgeEvents,
+        *,
+        host_reader: Callable[[], HostReadings] = read_host,
+    ) -> None:
+        """``host_reader``: the node's memory and pressure (simulated nodes sharing one host share one)."""
         self.edge_id = edge_id
+        self._read_host = host_reader
         self._backend = backend
         self._capacity = capacity
         self._events = events
@@ -176,6 +187,7 @@ class LocalEdge:
         self._committed = _Commitments()
         self._cancelled: set[str] = set()  # killed while starting: destroyed once the start returns
         self._housekeeping: asyncio.Task[None] | None = None
+        self._host_reading: tuple[float, HostReadings] | None = None  # (monotonic time read, reading)
 
     async def start(self) -> None:
         self._housekeeping = asyncio.get_running_loop().create_task(self._keep_house())
@@ -208,10 +220,11 @@ class LocalEdge:
             cpu_capacity=self._capacity.cpu * self._capacity.cpu_overcommit,
             memory_committed_mb=self._committed.memory_mb,
             memory_capacity_mb=int(self._capacity.memory_mb * self._capacity.memory_overcommit),
+            backends=sorted(getattr(self._backend, "backends", None) or [self._backend.name]),
         )
 
     async def stats(self) -> NodeStats:
-        host = read_host()
+        host = self._read_host()
         counts: dict[str, dict[str, int]] = {}
         resident = 0
         for sandbox_id, sandbox in list(self._sandboxes.items()):
@@ -247,7 +260,7 @@ class LocalEdge:
 
     async def _relieve_pressure(self) -> None:
         """When memory runs short, pause (and so reclaim) the longest-idle sandboxes first."""
-        host = read_host()
+        host = self._read_host()
         cap = self._capacity
         if host.memory_available_mb >= 2 * cap.memory_reserve_mb and (
             host.memory_some_avg10 <= 2 * cap.memory_full_pressure_pct
@@ -271,7 +284,7 @@ class LocalEdge:
             self._events.paused(sandbox_id, time.time())
 
     async def _admit(self, spec: SandboxSpec) -> None:
-        refusal = pressure_refusal(self._capacity, read_host())
+        refusal = pressure_refusal(self._capacity, self._recent_host_reading())
         if refusal is not None:
             raise CapacityExhausted(
                 f"node {self.edge_id} refuses new sandboxes: {refusal}; retry later, or pause or kill idle ones"
@@ -292,6 +305,12 @@ class LocalEdge:
                 f"{load.memory_committed_mb}/{load.memory_capacity_mb} MiB committed): retry later or kill sandboxes"
             )
         self._committed.add(spec)
+
+    def _recent_host_reading(self) -> HostReadings:
+        now = time.monotonic()
+        if self._host_reading is None or now - self._host_reading[0] > _ADMISSION_READING_MAX_AGE_S:
+            self._host_reading = (now, self._read_host())
+        return self._host_reading[1]
 
     async def create(self, spec: SandboxSpec) -> str | None:
         await self._admit(spec)

@@ -30,6 +30,7 @@ from corral.gateway.trajectory import Trajectories
 from corral.sdk._exceptions import CorralError, InvalidRequest, PayloadTooLarge
 from corral.sdk._models import (
     AuditEvent,
+    BatchCreateRequest,
     BuildRequest,
     BulkRequest,
     BulkResult,
@@ -378,6 +379,25 @@ def create_app(service_factory, max_file_bytes: int, upload_dir: Path) -> FastAP
     async def fork_sandbox(sandbox_id: str, body: ForkRequest, images: Images) -> list[SandboxInfo]:
         """``count`` new sandboxes starting from this one's filesystem as it is now."""
         return await images.fork(sandbox_id, body)
+
+    @app.post(
+        "/v1/sandboxes/batch",
+        response_class=StreamingResponse,
+        responses={200: {"content": {"application/x-ndjson": {}}, "description": "One BatchEvent per line."}},
+    )
+    async def create_batch(body: BatchCreateRequest, svc: Service, caller: CallerDep) -> StreamingResponse:
+        """``count`` sandboxes alike; each line says one is ready (or failed), with progress and a final done."""
+        fields = body.model_dump(exclude={"count", "concurrency", "per_node"}, exclude_unset=True)
+        request = CreateSandboxRequest.model_validate({**fields, "labels": caller.check_labels(body.labels)})
+        events = svc.create_many(request, body.count, concurrency=body.concurrency, per_node=body.per_node)
+        first = await anext(events)  # a request that cannot start (unknown image, bad limits) gets its status
+
+        async def lines() -> AsyncIterator[bytes]:
+            yield first.model_dump_json(exclude_none=True).encode() + b"\n"
+            async for event in events:
+                yield event.model_dump_json(exclude_none=True).encode() + b"\n"
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     @app.post("/v1/sandboxes/bulk")
     async def bulk_action(body: BulkRequest, svc: Service, caller: CallerDep) -> BulkResult:

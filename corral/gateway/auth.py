@@ -19,11 +19,10 @@ from sqlalchemy import delete, insert, select
 from sqlalchemy.engine import Engine
 
 from corral.sdk._exceptions import AuthenticationError, InvalidRequest, PermissionDenied
-from corral.state.db import job_tokens
+from corral.state.db import JOB_LABEL, job_tokens
 
 __all__ = ["Caller", "JobTokens", "JOB_LABEL"]
 
-JOB_LABEL = "job"
 _JOB_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 

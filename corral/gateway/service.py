@@ -23,9 +23,10 @@ from corral.edge.protocol import Edge, edge_of, new_sandbox_id
 from corral.guard.audit import AuditLog
 from corral.images.catalogue import Catalogue
 from corral.images.fetch import LayerFetcher
-from corral.scheduler.placement import place
-from corral.sdk._exceptions import CapacityExhausted, InvalidRequest, NotFound, SandboxGone
+from corral.scheduler.placement import NodesBusy, Scheduler
+from corral.sdk._exceptions import CapacityExhausted, CorralError, InternalError, InvalidRequest, NotFound, SandboxGone
 from corral.sdk._models import (
+    BatchEvent,
     BulkRequest,
     BulkResult,
     CheckpointInfo,
@@ -47,6 +48,71 @@ T = TypeVar("T")
 _ACTIVE = [SandboxState.CREATING.value, SandboxState.RUNNING.value, SandboxState.PAUSED.value]
 _LIVE = (SandboxState.CREATING, SandboxState.RUNNING, SandboxState.PAUSED)
 _POOL_LABEL = "corral.fncall"  # the fncall pools' own sandboxes (corral/gateway/fncall.py)
+MAX_BATCH = 32_000  # sandboxes per batch request (a training step's burst)
+DEFAULT_BATCH_CONCURRENCY = 512  # creates of one batch running at once
+DEFAULT_BATCH_PER_NODE = 32  # ... and at most this many on one node (containers: the backend's own limit applies)
+_ROOT_CACHE_S = 1.0  # an image's resolution is reused this long (a tag moved by another gateway: seen within it)
+_ROOTS_CACHED = 1024
+_TOUCH_EVERY_S = 60.0  # a layer's last use (LRU eviction order) is recorded at most this often
+_PROGRESS_EVERY = 1000  # a progress line per this many results
+
+
+class _GroupCommit:
+    """The record writes of concurrent creates, committed together: one transaction per event-loop turn.
+
+    A create still awaits its own record being written before its edge acts (and its running mark before it
+    answers); a burst of creates just shares the transactions, so the database is not the bottleneck.
+    """
+
+    def __init__(self, store: StateStore) -> None:
+        self._store = store
+        self._inserts: list[tuple[dict[str, Any], asyncio.Future[None]]] = []
+        self._running: list[tuple[str, str | None, asyncio.Future[bool]]] = []
+        self._scheduled = False
+
+    async def insert(self, record: dict[str, Any]) -> None:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._inserts.append((record, future))
+        self._schedule()
+        await future
+
+    async def mark_running(self, sandbox_id: str, note: str | None) -> bool:
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._running.append((sandbox_id, note, future))
+        self._schedule()
+        return await future
+
+    def _schedule(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._scheduled = False
+        inserts, self._inserts = self._inserts, []
+        running, self._running = self._running, []
+        if inserts:
+            try:
+                self._store.insert_many([record for record, _ in inserts])
+            except Exception as exc:
+                _settle([future for _, future in inserts], error=exc)
+            else:
+                _settle([future for _, future in inserts])
+        if running:
+            try:
+                marked = self._store.mark_running_many({sandbox_id: note for sandbox_id, note, _ in running})
+            except Exception as exc:
+                _settle([future for _, _, future in running], error=exc)
+            else:
+                for sandbox_id, _, future in running:
+                    if not future.done():
+                        future.set_result(sandbox_id in marked)
+
+
+def _settle(futures: list[asyncio.Future[Any]], error: Exception | None = None) -> None:
+    for future in futures:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(None)
 
 
 def _rules(network: dict[str, Any] | None) -> tuple[AllowRule, ...] | None:
@@ -80,12 +146,18 @@ class SandboxService:
         self._default_runtime = default_runtime
         self._ttl_interval_s = ttl_check_interval_s
         self._reaper: asyncio.Task[None] | None = None
+        self.scheduler = Scheduler()
+        self._writes = _GroupCommit(store)
+        self._roots: dict[tuple[Any, ...], tuple[float, list[str], str]] = {}  # create's root → (until, stack, name)
+        self._touched: dict[str, float] = {}  # layer digest → when its last use was recorded (monotonic)
+        self._create_finished = asyncio.Event()  # a create returned: a node may have a slot for a batch
 
     # -- startup and shutdown -----------------------------------------------
 
     async def start(self) -> None:
         for edge_id, edge in self._edges.items():
             await edge.start()
+            self.scheduler.add_node(await edge.load())
             records = self._store.list(states=_ACTIVE, edge_id=edge_id)
             specs = []
             for record in records:
@@ -94,6 +166,10 @@ class SandboxService:
                 except NotFound:
                     self._store.end(record["id"], SandboxState.LOST, "lost", "its image layers are gone from this node")
             states = await edge.adopt(specs)
+            for record in records:
+                if states.get(record["id"]) is not None:
+                    self.scheduler.reserve(record["id"], edge_id, cpu=record["cpu"], memory_mb=record["memory_mb"],
+                                           layers=record["layers"], starting=False)  # fmt: skip
             for sandbox_id, state in states.items():
                 if state == SandboxState.PAUSED.value:
                     self._store.update(sandbox_id, state=state)
@@ -139,6 +215,7 @@ class SandboxService:
     # -- what edges report (EdgeEvents) -------------------------------------
 
     def ended(self, sandbox_id: str, reason: str, message: str) -> None:
+        self.scheduler.release(sandbox_id)
         self._store.end(sandbox_id, SandboxState.ENDED, reason, message)
 
     def paused(self, sandbox_id: str, at: float) -> None:
@@ -254,8 +331,8 @@ class SandboxService:
             backend=record["backend"],
         )
 
-    async def create(self, request: CreateSandboxRequest, *, restore_from: str | None = None) -> SandboxInfo:
-        """``restore_from``: a VM checkpoint directory on the edges (fork of a VM: memory, processes, disk)."""
+    def _prepare(self, request: CreateSandboxRequest) -> tuple[CreateSandboxRequest, str, tuple[LayerRef, ...]]:
+        """Validate a create and resolve its layers: (request with defaults, listed image name, layers)."""
         if not request.cwd.startswith("/"):
             raise InvalidRequest(f"cwd must be an absolute path, got {request.cwd!r}")
         for key in request.env:
@@ -265,17 +342,61 @@ class SandboxService:
             raise InvalidRequest(f"qos {request.qos!r} needs backend container: VM sandboxes have no CPU classes yet")
         if request.idle_pause_s is None and self._default_idle_pause_s is not None:
             request = request.model_copy(update={"idle_pause_s": self._default_idle_pause_s})
-        digests, image_name = self._resolve_root(request)
-        if self._layer_fetcher is not None:  # layers this node lacks come from the shared layer store, once
-            for entry in digests:
-                await self._layer_fetcher.ensure(entry.partition("#")[0])
-        layers = self._layer_refs(digests)
-        self._catalogue.touch([d.partition("#")[0] for d in digests])
+        now = time.monotonic()
+        key = (request.image, request.environment.model_dump_json() if request.environment else None,
+               tuple(request.layers or ()), self._catalogue.generation)  # fmt: skip
+        cached = self._roots.get(key)
+        if cached is not None and cached[0] > now:
+            digests, image_name = cached[1], cached[2]
+        else:
+            digests, image_name = self._resolve_root(request)
+            if len(self._roots) >= _ROOTS_CACHED:
+                self._roots.clear()
+            self._roots[key] = (now + _ROOT_CACHE_S, digests, image_name)
+        layers = self._layer_refs(digests)  # a stat per layer file: a layer removed since is still noticed
+        stale = [d.partition("#")[0] for d in digests if self._touched.get(d, -_TOUCH_EVERY_S) < now - _TOUCH_EVERY_S]
+        if stale:
+            self._catalogue.touch(stale)
+            self._touched.update((digest, now) for digest in stale)
+        return request, image_name, layers
+
+    async def create(self, request: CreateSandboxRequest, *, restore_from: str | None = None) -> SandboxInfo:
+        """``restore_from``: a VM checkpoint directory on the edges (fork of a VM: memory, processes, disk)."""
+        await self._fetch_layers(request)
+        request, image_name, layers = self._prepare(request)
+        return await self._create_placed(request, image_name, layers, restore_from=restore_from)
+
+    async def _fetch_layers(self, request: CreateSandboxRequest) -> None:
+        """Layers this node lacks come from the shared layer store, once (when one is configured)."""
+        if self._layer_fetcher is None:
+            return
+        digests, _ = self._resolve_root(request)
+        for entry in digests:
+            await self._layer_fetcher.ensure(entry.partition("#")[0])
+
+    async def _create_placed(
+        self,
+        request: CreateSandboxRequest,
+        image_name: str,
+        layers: tuple[LayerRef, ...],
+        *,
+        restore_from: str | None = None,
+        max_in_flight: int | None = None,
+    ) -> SandboxInfo:
+        """Place, record, start; a node that refuses is excluded and the next choice tried.
+        ``max_in_flight``: wait while every fitting node already has that many creates running (batches)."""
+        digests = [layer.digest for layer in layers]
         refused: dict[str, str] = {}  # edge id -> why it refused
         while True:
-            loads = [await edge.load() for edge_id, edge in self._edges.items() if edge_id not in refused]
             try:
-                edge_id = place(loads, cpu=request.cpu, memory_mb=request.memory_mb, exclude=frozenset(refused))
+                edge_id = self.scheduler.place(
+                    cpu=request.cpu, memory_mb=request.memory_mb, backend=request.backend, layers=digests,
+                    exclude=frozenset(refused), max_in_flight=max_in_flight,
+                )  # fmt: skip
+            except NodesBusy:
+                self._create_finished.clear()
+                await self._create_finished.wait()
+                continue
             except CapacityExhausted as exc:
                 if not refused:
                     raise
@@ -302,33 +423,90 @@ class SandboxService:
                 backend=request.backend,
                 restore_from=restore_from,
             )
-            self._store.insert(
-                {
-                    "id": spec.sandbox_id, "edge_id": edge_id, "state": SandboxState.CREATING.value,
-                    "image": spec.image, "backend": request.backend, "runtime": spec.runtime, "cpu": spec.cpu,
-                    "qos": spec.qos,
-                    "memory_mb": spec.memory_mb, "pids_max": spec.pids_max, "user": spec.user, "cwd": spec.cwd,
-                    "env": spec.env, "layers": [layer.digest for layer in layers], "labels": request.labels,
-                    "created_at": now, "expires_at": now + request.ttl_s if request.ttl_s else None,
-                    "ttl_counts_paused": request.ttl_counts_paused, "idle_pause_s": request.idle_pause_s,
-                    "network": request.network.model_dump() if request.network is not None else None,
-                    "protected_paths": request.protected_paths, "disk_mb": request.disk_mb,
-                    "sensitive_paths": request.sensitive_paths,
-                }
-            )  # fmt: skip
+            self.scheduler.reserve(spec.sandbox_id, edge_id, cpu=spec.cpu, memory_mb=spec.memory_mb, layers=digests)
+            record = {
+                "id": spec.sandbox_id, "edge_id": edge_id, "state": SandboxState.CREATING.value,
+                "image": spec.image, "backend": request.backend, "runtime": spec.runtime, "cpu": spec.cpu,
+                "qos": spec.qos,
+                "memory_mb": spec.memory_mb, "pids_max": spec.pids_max, "user": spec.user, "cwd": spec.cwd,
+                "env": spec.env, "layers": digests, "labels": request.labels,
+                "created_at": now, "expires_at": now + request.ttl_s if request.ttl_s else None,
+                "ttl_counts_paused": request.ttl_counts_paused, "idle_pause_s": request.idle_pause_s,
+                "network": request.network.model_dump() if request.network is not None else None,
+                "protected_paths": request.protected_paths, "disk_mb": request.disk_mb,
+                "sensitive_paths": request.sensitive_paths,
+            }  # fmt: skip
             try:
-                note = await self._edges[edge_id].create(spec)
+                await self._writes.insert(record)
+                try:
+                    note = await self._edges[edge_id].create(spec)
+                finally:
+                    self.scheduler.started(spec.sandbox_id)
+                    self._create_finished.set()
             except CapacityExhausted as exc:
+                self.scheduler.release(spec.sandbox_id)
                 self._store.end(spec.sandbox_id, SandboxState.ENDED, "refused", exc.message)
                 refused[edge_id] = exc.message
                 continue
             except BaseException as exc:
+                self.scheduler.release(spec.sandbox_id)
                 self._store.end(spec.sandbox_id, SandboxState.ENDED, "error", str(exc) or type(exc).__name__)
                 raise
-            if not self._store.mark_running(spec.sandbox_id, status_message=note):
+            if not await self._writes.mark_running(spec.sandbox_id, note):
                 await self._edges[edge_id].destroy(spec.sandbox_id)  # killed while it was starting
+                self.scheduler.release(spec.sandbox_id)
                 self._raise_if_ended(self.get(spec.sandbox_id))
-            return self.get(spec.sandbox_id)
+            return StateStore.to_info({**record, "state": SandboxState.RUNNING.value, "status_message": note})
+
+    async def create_many(
+        self,
+        request: CreateSandboxRequest,
+        count: int,
+        *,
+        concurrency: int = DEFAULT_BATCH_CONCURRENCY,
+        per_node: int = DEFAULT_BATCH_PER_NODE,
+    ) -> AsyncIterator[BatchEvent]:
+        """``count`` sandboxes like ``request``, each reported as it becomes ready (or fails), with progress.
+
+        Back-pressure: at most ``concurrency`` creates run at once, and at most ``per_node`` on any one node
+        (a node at its limit is skipped; when every fitting node is, the batch waits for a create to finish).
+        The request is validated and its layers resolved once, before anything starts.
+        """
+        if not 1 <= count <= MAX_BATCH:
+            raise InvalidRequest(f"count must be between 1 and {MAX_BATCH}, got {count}")
+        await self._fetch_layers(request)
+        request, image_name, layers = self._prepare(request)
+        started = time.perf_counter()
+        queue: asyncio.Queue[BatchEvent] = asyncio.Queue()
+        next_index = iter(range(count))
+
+        async def worker() -> None:
+            for index in next_index:
+                try:
+                    info = await self._create_placed(request, image_name, layers, max_in_flight=per_node)
+                except CorralError as exc:
+                    await queue.put(BatchEvent(type="error", index=index, error=exc.to_body()["error"]))
+                except Exception as exc:  # reported per sandbox, like the bulk actions; the batch goes on
+                    log.exception("batch create %d failed", index)
+                    body = InternalError(str(exc) or type(exc).__name__).to_body()["error"]
+                    await queue.put(BatchEvent(type="error", index=index, error=body))
+                else:
+                    await queue.put(BatchEvent(type="sandbox", index=index, sandbox=info))
+
+        workers = min(concurrency, count)
+        async with asyncio.TaskGroup() as group:
+            for _ in range(workers):
+                group.create_task(worker())
+            created = failed = 0
+            for done in range(1, count + 1):
+                event = await queue.get()
+                created += event.type == "sandbox"
+                failed += event.type == "error"
+                yield event
+                if done % _PROGRESS_EVERY == 0 or done == count:
+                    elapsed_s = time.perf_counter() - started
+                    yield BatchEvent(type="progress" if done < count else "done", created=created, failed=failed,
+                                     total=count, elapsed_s=elapsed_s)  # fmt: skip
 
     def get(self, sandbox_id: str) -> SandboxInfo:
         record = self._store.get(sandbox_id)
@@ -383,6 +561,7 @@ class SandboxService:
             if edge is not None:
                 await edge.destroy(sandbox_id)
             message = "stopped cleanly" if clean else f"still running after {timeout_s:g}s: killed"
+            self.scheduler.release(sandbox_id)
             self._store.end(sandbox_id, SandboxState.ENDED, "shutdown", message)
         return self.get(sandbox_id)
 
@@ -433,6 +612,7 @@ class SandboxService:
         edge = self._edges.get(edge_of(sandbox_id))
         if edge is not None:
             await edge.destroy(sandbox_id)
+        self.scheduler.release(sandbox_id)
         self._store.end(sandbox_id, SandboxState.ENDED, reason)
 
     def set_ttl(self, sandbox_id: str, ttl_s: float | None) -> SandboxInfo:

@@ -48,6 +48,7 @@ class Catalogue:
     def __init__(self, engine: Engine, store: LayerStore) -> None:
         self._engine = engine
         self.store = store
+        self.generation = 0  # moves on with every tag or layer change made here (resolution caches check it)
 
     def sync_from_store(self) -> None:
         """Register the store's layers and seed tags that the catalogue lacks."""
@@ -111,6 +112,7 @@ class Catalogue:
         with self._engine.begin() as conn:
             conn.execute(delete(layers).where(layers.c.digest == digest))
             conn.execute(delete(build_cache).where(build_cache.c.input_key.in_(stale_builds)))
+        self.generation += 1
         self.store.remove(digest)
 
     def touch(self, digests: Sequence[str]) -> None:
@@ -148,6 +150,7 @@ class Catalogue:
             self.layer(digest)
             self.store.layer_path(digest)
         now = time.time()
+        self.generation += 1
         with self._engine.begin() as conn:
             moved = conn.execute(
                 update(image_tags)
@@ -164,6 +167,7 @@ class Catalogue:
 
     def untag(self, ref: str) -> ImageRecord:
         image = self.resolve(ref)
+        self.generation += 1
         with self._engine.begin() as conn:
             conn.execute(
                 delete(image_tags).where(image_tags.c.name == image.name, image_tags.c.version == image.version)

@@ -1,60 +1,202 @@
-"""Placement: choose the edge for a new sandbox.
+"""Placement: choose the edge for a new sandbox, in time that does not grow with the cluster.
 
-Filter the edges that could take it (free CPU and memory within their
-overcommit), then pick the least loaded of ``k`` random candidates (the
-"power of k choices": near-best balance without scanning every node at burst
-scale). The edge still has the last word: if it refuses, the caller retries
-with the next choice.
+The ``Scheduler`` keeps a view of every node (capacity with its overcommit,
+the backends it runs, what is committed to it, the layers its sandboxes
+used, the creates in flight there), updated as sandboxes are placed, started
+and ended, so a placement never asks every edge for its load. A placement
+samples nodes at random until it has ``k`` that pass the filter (room now,
+the backend, not refused for this request, fewer than the in-flight limit),
+then takes the best of them: least loaded, with a node that already has the
+sandbox's layers preferred unless it is much busier (the "power of k
+choices": near-best balance at O(k) per placement). Only when sampling finds
+no fitting node does it scan them all, so "no room anywhere" is still exact.
+The edge has the last word: if it refuses, the caller excludes it and asks
+again.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from corral.sdk._exceptions import CapacityExhausted, InvalidRequest
 from corral.sdk._models import EdgeLoad
 
-__all__ = ["place", "utilisation"]
+__all__ = ["NodeView", "NodesBusy", "Scheduler"]
 
 DEFAULT_CANDIDATES = 2
+LAYER_MISS_PENALTY = 0.1  # a node missing all the layers counts as busier by a tenth of its real size
+_SAMPLES_PER_CANDIDATE = 8  # random draws per wanted candidate before falling back to a full scan
 
 
-def utilisation(load: EdgeLoad) -> float:
-    """The tighter of CPU and memory commitment, 0 (idle) to 1 (full)."""
-    cpu = load.cpu_committed / load.cpu_capacity if load.cpu_capacity else 1.0
-    memory = load.memory_committed_mb / load.memory_capacity_mb if load.memory_capacity_mb else 1.0
-    return max(cpu, memory)
+@dataclass
+class NodeView:
+    """What the scheduler knows about one node."""
 
+    edge_id: str
+    node_cpu: float
+    node_memory_mb: int
+    cpu_capacity: float  # cores × CPU overcommit
+    memory_capacity_mb: int  # MiB × memory overcommit
+    backends: frozenset[str]  # empty: not reported, any backend is tried
+    cpu_committed: float = 0.0
+    memory_committed_mb: int = 0
+    sandboxes: int = 0
+    in_flight: int = 0  # creates placed here that have not returned yet
+    layers: set[str] = field(default_factory=set)
 
-def place(
-    loads: Sequence[EdgeLoad],
-    *,
-    cpu: float,
-    memory_mb: int,
-    exclude: frozenset[str] = frozenset(),
-    candidates: int = DEFAULT_CANDIDATES,
-    rng: random.Random | None = None,
-) -> str:
-    """The id of the edge to try; InvalidRequest when no node could ever fit
-    it, CapacityExhausted when none can now."""
-    if loads and all(cpu > load.node_cpu or memory_mb > load.node_memory_mb for load in loads):
-        biggest = max(loads, key=lambda load: (load.node_cpu, load.node_memory_mb))
-        raise InvalidRequest(
-            f"no node is that big: asked for cpu={cpu:g}, memory_mb={memory_mb}; the largest node has "
-            f"{biggest.node_cpu:g} cores and {biggest.node_memory_mb} MiB"
+    def fits(self, cpu: float, memory_mb: int) -> bool:
+        return (
+            cpu <= self.node_cpu
+            and memory_mb <= self.node_memory_mb
+            and self.cpu_committed + cpu <= self.cpu_capacity
+            and self.memory_committed_mb + memory_mb <= self.memory_capacity_mb
         )
-    fitting = [
-        load
-        for load in loads
-        if load.edge_id not in exclude
-        and load.cpu_committed + cpu <= load.cpu_capacity
-        and load.memory_committed_mb + memory_mb <= load.memory_capacity_mb
-    ]
-    if not fitting:
+
+    def runs(self, backend: str | None) -> bool:
+        return backend is None or not self.backends or backend in self.backends
+
+    def committed_share(self) -> float:
+        """The tighter of CPU and memory committed, relative to the node's real cores and memory (not the
+        overcommitted capacity, so a share means the same on every node); 1.0 is as much as it has."""
+        return max(self.cpu_committed / self.node_cpu, self.memory_committed_mb / self.node_memory_mb)
+
+
+class NodesBusy(Exception):  # noqa: N818 - a signal to wait, not an error a user sees
+    """Nodes have room, but every one that fits has its limit of creates in flight: wait for one to finish."""
+
+
+@dataclass(frozen=True)
+class _Placed:
+    edge_id: str
+    cpu: float
+    memory_mb: int
+
+
+class Scheduler:
+    def __init__(self, *, candidates: int = DEFAULT_CANDIDATES, rng: random.Random | None = None) -> None:
+        self.candidates = candidates
+        self.nodes: dict[str, NodeView] = {}
+        self._ids: list[str] = []
+        self._placed: dict[str, _Placed] = {}
+        self._starting: set[str] = set()
+        self._largest = (0.0, 0)  # the most cores and memory of any node
+        self._rng = rng or random.Random()
+
+    def add_node(self, load: EdgeLoad) -> NodeView:
+        """Start tracking a node from its edge's load (committed counts start at zero: see ``reserve``)."""
+        node = NodeView(
+            edge_id=load.edge_id, node_cpu=load.node_cpu, node_memory_mb=load.node_memory_mb,
+            cpu_capacity=load.cpu_capacity, memory_capacity_mb=load.memory_capacity_mb,
+            backends=frozenset(load.backends),
+        )  # fmt: skip
+        if load.edge_id not in self.nodes:
+            self._ids.append(load.edge_id)
+        self.nodes[load.edge_id] = node
+        self._largest = (max(self._largest[0], node.node_cpu), max(self._largest[1], node.node_memory_mb))
+        return node
+
+    # -- placement -----------------------------------------------------------
+
+    def place(
+        self,
+        *,
+        cpu: float,
+        memory_mb: int,
+        backend: str | None = None,
+        layers: Iterable[str] = (),
+        exclude: frozenset[str] = frozenset(),
+        max_in_flight: int | None = None,
+    ) -> str:
+        """The id of the edge to try; InvalidRequest when no node could ever fit it, CapacityExhausted when
+        none can now, NodesBusy when the fitting ones all have ``max_in_flight`` creates running."""
+        if not self.nodes:
+            raise CapacityExhausted("no edges are registered with this gateway: retry later")
+        if cpu > self._largest[0] or memory_mb > self._largest[1]:
+            self._scan(lambda node: False, None, cpu=cpu, memory_mb=memory_mb, backend=backend, refused=0, busy=False)
+
+        def eligible(node: NodeView) -> bool:
+            return node.edge_id not in exclude and node.runs(backend) and node.fits(cpu, memory_mb)
+
+        picked: list[NodeView] = []
+        busy = False
+        seen: set[str] = set()
+        for _ in range(_SAMPLES_PER_CANDIDATE * self.candidates):
+            node = self.nodes[self._ids[self._rng.randrange(len(self._ids))]]
+            if node.edge_id in seen:
+                continue
+            seen.add(node.edge_id)
+            if eligible(node):
+                if max_in_flight is not None and node.in_flight >= max_in_flight:
+                    busy = True
+                    continue
+                picked.append(node)
+                if len(picked) == self.candidates:
+                    break
+        if not picked:
+            picked = self._scan(eligible, max_in_flight, cpu=cpu, memory_mb=memory_mb, backend=backend,
+                                refused=len(exclude), busy=busy)  # fmt: skip
+        wanted = set(layers)
+        return min(picked, key=lambda node: self._score(node, wanted)).edge_id
+
+    def _scan(self, eligible, max_in_flight, *, cpu, memory_mb, backend, refused, busy) -> list[NodeView]:  # type: ignore[no-untyped-def]
+        fitting = [node for node in self.nodes.values() if eligible(node)]
+        free = [node for node in fitting if max_in_flight is None or node.in_flight < max_in_flight]
+        if free:
+            return self._rng.sample(free, min(self.candidates, len(free)))
+        if fitting or busy:
+            raise NodesBusy()
+        nodes = list(self.nodes.values())
+        if backend is not None and not any(node.runs(backend) for node in nodes):
+            raise InvalidRequest(f"no node runs backend {backend!r}")
+        if all(cpu > node.node_cpu or memory_mb > node.node_memory_mb for node in nodes):
+            biggest = max(nodes, key=lambda node: (node.node_cpu, node.node_memory_mb))
+            raise InvalidRequest(
+                f"no node is that big: asked for cpu={cpu:g}, memory_mb={memory_mb}; the largest node has "
+                f"{biggest.node_cpu:g} cores and {biggest.node_memory_mb} MiB"
+            )
         raise CapacityExhausted(
             f"no node can take a sandbox with cpu={cpu:g}, memory_mb={memory_mb} now "
-            f"({len(loads)} node(s), {len(exclude)} refused): retry later or kill sandboxes"
+            f"({len(nodes)} node(s), {refused} refused): retry later or kill sandboxes"
         )
-    picked = (rng or random).sample(fitting, min(candidates, len(fitting)))
-    return min(picked, key=utilisation).edge_id
+
+    @staticmethod
+    def _score(node: NodeView, wanted: set[str]) -> float:
+        """Lower is better: the committed share, plus the penalty for missing layers."""
+        missing = len(wanted - node.layers) / len(wanted) if wanted else 0.0
+        return node.committed_share() + LAYER_MISS_PENALTY * missing
+
+    # -- bookkeeping -----------------------------------------------------------
+
+    def reserve(self, sandbox_id: str, edge_id: str, *, cpu: float, memory_mb: int, layers: Iterable[str] = (),
+                starting: bool = True) -> None:  # fmt: skip
+        """Count a sandbox against its node from placement on (so concurrent placements see it)."""
+        node = self.nodes[edge_id]
+        if sandbox_id in self._placed:
+            return
+        self._placed[sandbox_id] = _Placed(edge_id, cpu, memory_mb)
+        node.cpu_committed += cpu
+        node.memory_committed_mb += memory_mb
+        node.sandboxes += 1
+        node.layers.update(layers)
+        if starting:
+            self._starting.add(sandbox_id)
+            node.in_flight += 1
+
+    def started(self, sandbox_id: str) -> None:
+        """Its create returned (either way): one fewer in flight on its node."""
+        if sandbox_id in self._starting:
+            self._starting.discard(sandbox_id)
+            self.nodes[self._placed[sandbox_id].edge_id].in_flight -= 1
+
+    def release(self, sandbox_id: str) -> None:
+        """It ended, or its create failed: give back what it held. Idempotent."""
+        self.started(sandbox_id)
+        placed = self._placed.pop(sandbox_id, None)
+        if placed is None:
+            return
+        node = self.nodes[placed.edge_id]
+        node.cpu_committed -= placed.cpu
+        node.memory_committed_mb -= placed.memory_mb
+        node.sandboxes -= 1

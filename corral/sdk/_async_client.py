@@ -25,6 +25,8 @@ from corral.sdk._models import (
     DEFAULT_QOS,
     DEFAULT_TTL_S,
     AuditEvent,
+    BatchCreateRequest,
+    BatchEvent,
     BuildEvent,
     BuildRequest,
     BulkRequest,
@@ -69,6 +71,7 @@ __all__ = ["AsyncClient", "AsyncSandbox", "AsyncFiles", "AsyncImages"]
 
 DEFAULT_TIMEOUT_S = 60.0
 VM_CREATE_TIMEOUT_S = 600.0
+BATCH_TIMEOUT_S = 3600.0  # a batch stream may go quiet while its creates run (a progress line per 1,000)
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -614,6 +617,42 @@ class AsyncClient:
             "POST", "/v1/sandboxes", json=body.model_dump(mode="json"), timeout_s=wait_s
         )
         return self._handle(SandboxInfo.model_validate(response.json()))
+
+    async def create_many(
+        self,
+        count: int,
+        image: str = "busybox",
+        *,
+        concurrency: int = 512,
+        per_node: int = 32,
+        on_progress: Callable[[BatchEvent], None] | None = None,
+        **create_args: Any,
+    ) -> AsyncIterator[AsyncSandbox]:
+        """``count`` sandboxes in one request, each handed over as soon as it is ready (in that order).
+
+        ``create_args`` are ``create``'s. The server runs at most ``concurrency`` creates at once and at most
+        ``per_node`` on one node. ``on_progress`` gets every progress, failure ("error") and final "done"
+        event; without it, failures raise once the stream ends (after every ready sandbox was handed over).
+        """
+        fields = {"image": image, "count": count, "concurrency": concurrency, "per_node": per_node, **create_args}
+        body = _validated(BatchCreateRequest, fields).model_dump(mode="json", exclude_unset=True)
+        failures: list[BatchEvent] = []
+        lines = self._transport.stream_lines("POST", "/v1/sandboxes/batch", json=body, timeout_s=BATCH_TIMEOUT_S)
+        async for line in lines:
+            event = BatchEvent.model_validate_json(line)
+            if event.type == "sandbox" and event.sandbox is not None:
+                yield self._handle(event.sandbox)
+                continue
+            if event.type == "error":
+                failures.append(event)
+            if on_progress is not None:
+                on_progress(event)
+        if failures and on_progress is None:
+            first = failures[0].error or {}
+            raise error_from_response(
+                0, {"error": {**first, "message": f"{len(failures)} of {count} creates failed; the first: "
+                              f"{first.get('message', '')}"}}
+            )  # fmt: skip
 
     async def get(self, sandbox_id: str) -> AsyncSandbox:
         response = await self._transport.request("GET", f"/v1/sandboxes/{sandbox_id}")

@@ -41,6 +41,8 @@ __all__ = [
     "ReplayResult",
     "BulkRequest",
     "BulkResult",
+    "BatchCreateRequest",
+    "BatchEvent",
     "ForkRequest",
     "CheckpointInfo",
     "ExecRequest",
@@ -224,6 +226,27 @@ class BulkResult(_Model):
     matched: int
     done: list[str]
     failed: dict[str, str] = Field(description="sandbox id → what went wrong")
+
+
+class BatchCreateRequest(CreateSandboxRequest):
+    """``count`` sandboxes alike, created with back-pressure; results stream back as they are ready."""
+
+    count: int = Field(ge=1, le=32_000, description="How many sandboxes (a training step's burst: up to 32,000).")
+    concurrency: int = Field(512, ge=1, le=4096, description="Creates of this batch running at once.")
+    per_node: int = Field(32, ge=1, le=1024, description="At most this many of them starting on one node at once.")
+
+
+class BatchEvent(_Model):
+    """One line of a batch create's NDJSON stream: a sandbox ready, one that failed, progress, or done."""
+
+    type: Literal["sandbox", "error", "progress", "done"]
+    index: int | None = Field(None, description="Which of the batch (0 to count-1), for sandbox and error.")
+    sandbox: SandboxInfo | None = None
+    error: dict[str, str] | None = Field(None, description='{"code", "message"} as in error bodies.')
+    created: int | None = Field(None, description="progress/done: sandboxes ready so far.")
+    failed: int | None = None
+    total: int | None = None
+    elapsed_s: float | None = None
 
 
 class ForkRequest(_Model):
@@ -587,3 +610,4 @@ class EdgeLoad(_Model):
     cpu_capacity: float
     memory_committed_mb: int
     memory_capacity_mb: int
+    backends: list[str] = Field(default_factory=list, description="Backends the node runs; empty: not reported.")

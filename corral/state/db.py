@@ -70,6 +70,8 @@ sandboxes = Table(
     Column("ended_at", Float, nullable=True),
     Column("end_reason", String(32), nullable=True),
     Column("status_message", Text, nullable=True),
+    # labels["job"] copied out, so a job's sandboxes are found by index among hundreds of thousands
+    Column("job", String(128), nullable=True, index=True),
 )
 
 layers = Table(
@@ -122,6 +124,8 @@ job_tokens = Table(
 )
 
 SandboxRecord = dict[str, Any]
+JOB_LABEL = "job"
+_IN_CHUNK = 500  # ids per IN (...) list: SQLite caps the parameters of one statement
 _ACTIVE = (SandboxState.CREATING.value, SandboxState.RUNNING.value, SandboxState.PAUSED.value)
 
 
@@ -155,6 +159,10 @@ def _add_missing_columns(engine: Engine) -> None:
                 continue
             with engine.begin() as conn:
                 conn.execute(text(ddl))
+                if table is sandboxes and column.name == "job":
+                    conn.execute(update(sandboxes).values(job=sandboxes.c.labels["job"].as_string()))
+        for index in table.indexes:
+            index.create(engine, checkfirst=True)
 
 
 class StateStore:
@@ -173,7 +181,12 @@ class StateStore:
 
     def insert(self, record: SandboxRecord) -> None:
         with self._engine.begin() as conn:
-            conn.execute(sandboxes.insert().values(**record))
+            conn.execute(sandboxes.insert().values(**{**record, "job": record["labels"].get(JOB_LABEL)}))
+
+    def insert_many(self, records: list[SandboxRecord]) -> None:
+        """Several records in one transaction (the creates of a burst commit together)."""
+        with self._engine.begin() as conn:
+            conn.execute(sandboxes.insert(), [{**record, "job": record["labels"].get(JOB_LABEL)} for record in records])
 
     def update(self, sandbox_id: str, **values: Any) -> None:
         with self._engine.begin() as conn:
@@ -188,6 +201,29 @@ class StateStore:
                 .values(state=SandboxState.RUNNING.value, status_message=status_message)
             )
             return result.rowcount > 0
+
+    def mark_running_many(self, notes: dict[str, str | None]) -> set[str]:
+        """creating → running for several sandboxes in one transaction (id → status note); returns the ids
+        that were marked (the others ended meanwhile). One UPDATE ... RETURNING per chunk of ids that share
+        a note (a burst's notes are nearly all the same)."""
+        by_note: dict[str | None, list[str]] = {}
+        for sandbox_id, note in notes.items():
+            by_note.setdefault(note, []).append(sandbox_id)
+        marked: set[str] = set()
+        with self._engine.begin() as conn:
+            for note, ids in by_note.items():
+                for start in range(0, len(ids), _IN_CHUNK):
+                    statement = (
+                        update(sandboxes)
+                        .where(
+                            sandboxes.c.id.in_(ids[start : start + _IN_CHUNK]),
+                            sandboxes.c.state == SandboxState.CREATING.value,
+                        )
+                        .values(state=SandboxState.RUNNING.value, status_message=note)
+                        .returning(sandboxes.c.id)
+                    )
+                    marked.update(row[0] for row in conn.execute(statement))
+        return marked
 
     def end(self, sandbox_id: str, state: SandboxState, reason: str, message: str | None = None) -> bool:
         """Mark an active sandbox ended; False if it had already ended."""
@@ -251,11 +287,13 @@ class StateStore:
             query = query.where(sandboxes.c.state.in_(states))
         if edge_id:
             query = query.where(sandboxes.c.edge_id == edge_id)
+        for key, value in (labels or {}).items():  # in SQL: with 400,000 records, not every row into Python
+            if key == JOB_LABEL:
+                query = query.where(sandboxes.c.job == value)
+            else:
+                query = query.where(sandboxes.c.labels[key].as_string() == value)
         with self._engine.connect() as conn:
-            rows = [dict(r) for r in conn.execute(query).mappings()]
-        if labels:
-            rows = [r for r in rows if all(r["labels"].get(k) == v for k, v in labels.items())]
-        return rows
+            return [dict(r) for r in conn.execute(query).mappings()]
 
     def mark_paused(self, sandbox_id: str, at: float) -> None:
         with self._engine.begin() as conn:

@@ -1,4 +1,4 @@
-"""Placement: filter by capacity, least loaded of k random choices."""
+"""Placement: filter (room, backend, refusals, in-flight limit), then the best of k random candidates."""
 
 from __future__ import annotations
 
@@ -6,51 +6,129 @@ import random
 
 import pytest
 
-from corral.scheduler.placement import place, utilisation
+from corral.scheduler.placement import NodesBusy, Scheduler
 from corral.sdk import CapacityExhausted, EdgeLoad, InvalidRequest
 
+LAYER = "sha256:" + "a" * 64
 
-def load(edge_id: str, cpu_used: float, mem_used: int, *, cpu_cap: float = 128, mem_cap: int = 98304) -> EdgeLoad:
+
+def load(edge_id: str, *, cpu: float = 2, memory_mb: int = 24576, cpu_cap: float = 128, mem_cap: int = 98304,
+         backends: tuple[str, ...] = ("container",)) -> EdgeLoad:  # fmt: skip
     return EdgeLoad(
-        edge_id=edge_id, node_cpu=2, node_memory_mb=24576, sandboxes=0, cpu_committed=cpu_used,
-        cpu_capacity=cpu_cap, memory_committed_mb=mem_used, memory_capacity_mb=mem_cap,
+        edge_id=edge_id, node_cpu=cpu, node_memory_mb=memory_mb, sandboxes=0, cpu_committed=0,
+        cpu_capacity=cpu_cap, memory_committed_mb=0, memory_capacity_mb=mem_cap, backends=list(backends),
     )  # fmt: skip
 
 
-def test_utilisation_is_the_tighter_resource() -> None:
-    assert utilisation(load("a", 64, 0)) == 0.5
-    assert utilisation(load("a", 0, 98304 * 3 // 4)) == 0.75
+def scheduler(*loads: EdgeLoad, candidates: int = 2, seed: int = 0) -> Scheduler:
+    sched = Scheduler(candidates=candidates, rng=random.Random(seed))
+    for item in loads:
+        sched.add_node(item)
+    return sched
+
+
+def fill(sched: Scheduler, edge_id: str, cpu: float, memory_mb: int = 0, count: int = 1) -> None:
+    for index in range(count):
+        sched.reserve(f"{edge_id}-{index}-{cpu}", edge_id, cpu=cpu, memory_mb=memory_mb, starting=False)
+
+
+def test_committed_share_is_the_tighter_resource_of_the_real_node() -> None:
+    sched = scheduler(load("a"))  # 2 cores, 24 GiB (overcommitted: 128 cores, 96 GiB)
+    fill(sched, "a", 1)
+    assert sched.nodes["a"].committed_share() == 0.5
+    sched.release("a-0-1")
+    fill(sched, "a", 0, memory_mb=24576 * 3 // 2)
+    assert sched.nodes["a"].committed_share() == 1.5
 
 
 def test_full_nodes_are_filtered_out() -> None:
-    loads = [load("full", 127.5, 0), load("free", 10, 0)]
-    assert {place(loads, cpu=1, memory_mb=512, rng=random.Random(seed)) for seed in range(20)} == {"free"}
+    for seed in range(20):
+        sched = scheduler(load("full"), load("free"), seed=seed)
+        fill(sched, "full", 127.5)
+        assert sched.place(cpu=1, memory_mb=512) == "free"
 
 
-def test_least_loaded_of_all_when_k_covers_everything() -> None:
-    loads = [load("a", 100, 0), load("b", 20, 0), load("c", 60, 0)]
-    assert place(loads, cpu=1, memory_mb=1, candidates=3) == "b"
+def test_least_loaded_of_the_candidates() -> None:
+    sched = scheduler(load("a"), load("b"), load("c"), candidates=3)
+    fill(sched, "a", 100)
+    fill(sched, "c", 60)
+    assert sched.place(cpu=1, memory_mb=1) == "b"
 
 
-def test_power_of_two_choices_balances() -> None:
-    rng = random.Random(7)
-    committed = {f"n{i}": 0.0 for i in range(20)}
-    for _ in range(2000):
-        loads = [load(k, v, 0, cpu_cap=1000) for k, v in committed.items()]
-        committed[place(loads, cpu=1, memory_mb=1, rng=rng)] += 1
-    assert max(committed.values()) - min(committed.values()) <= 10  # random alone spreads far wider
+def test_power_of_two_choices_balances_160_nodes() -> None:
+    sched = scheduler(*(load(f"n{i}", cpu_cap=10_000) for i in range(160)), seed=7)
+    for index in range(32_000):
+        edge_id = sched.place(cpu=1, memory_mb=1)
+        sched.reserve(f"s{index}", edge_id, cpu=1, memory_mb=1, starting=False)
+    counts = [node.sandboxes for node in sched.nodes.values()]
+    # 200 per node on average; uniform random placement spreads about ±45 (3 sigma), two choices far less
+    assert max(counts) - min(counts) <= 12, counts
+
+
+def test_placement_looks_at_k_nodes_not_all() -> None:
+    sched = scheduler(*(load(f"n{i}") for i in range(1000)))
+    looked: list[str] = []
+    original = sched.nodes.__class__.__getitem__
+
+    class Counting(dict):  # type: ignore[type-arg]
+        def __getitem__(self, key: str):  # type: ignore[no-untyped-def]
+            looked.append(key)
+            return original(self, key)
+
+    sched.nodes = Counting(sched.nodes)
+    sched.place(cpu=1, memory_mb=1)
+    assert 2 <= len(looked) <= 16  # k sampled (a few more if a draw repeats), never the 1,000
+
+
+def test_nodes_with_the_layers_are_preferred_within_a_bound() -> None:
+    sched = scheduler(load("warm", cpu=96), load("cold", cpu=96), candidates=2)
+    sched.reserve("first", "warm", cpu=1, memory_mb=1, layers=[LAYER], starting=False)
+    assert sched.place(cpu=1, memory_mb=1, layers=[LAYER]) == "warm"  # busier by 1 core, but has the layer
+    assert sched.place(cpu=1, memory_mb=1) == "cold"  # a sandbox without layers goes to the idle node
+    fill(sched, "warm", 1, count=20)  # now busier by over a tenth of the node: the layer no longer wins
+    assert sched.place(cpu=1, memory_mb=1, layers=[LAYER]) == "cold"
 
 
 def test_refused_edges_are_excluded() -> None:
-    loads = [load("a", 0, 0), load("b", 50, 0)]
-    assert place(loads, cpu=1, memory_mb=1, exclude=frozenset({"a"})) == "b"
+    sched = scheduler(load("a"), load("b"))
+    fill(sched, "b", 50)
+    assert sched.place(cpu=1, memory_mb=1, exclude=frozenset({"a"})) == "b"
+
+
+def test_backend_filter() -> None:
+    sched = scheduler(load("c", backends=("container",)), load("v", backends=("container", "microvm")))
+    assert {sched.place(cpu=1, memory_mb=1, backend="microvm") for _ in range(20)} == {"v"}
+    with pytest.raises(InvalidRequest, match="no node runs backend 'vm'"):
+        sched.place(cpu=1, memory_mb=1, backend="vm")
+
+
+def test_in_flight_limit_waits_instead_of_piling_on_one_node() -> None:
+    sched = scheduler(load("a"), load("b"))
+    for index, edge_id in enumerate(["a", "a", "b", "b"]):
+        sched.reserve(f"s{index}", edge_id, cpu=1, memory_mb=1)  # starting: in flight
+    with pytest.raises(NodesBusy):
+        sched.place(cpu=1, memory_mb=1, max_in_flight=2)
+    sched.started("s0")
+    assert sched.place(cpu=1, memory_mb=1, max_in_flight=2) == "a"
+    assert sched.nodes["a"].in_flight == 1
+
+
+def test_release_gives_back_and_is_idempotent() -> None:
+    sched = scheduler(load("a"))
+    sched.reserve("s", "a", cpu=2, memory_mb=100)
+    sched.release("s")
+    sched.release("s")
+    node = sched.nodes["a"]
+    assert (node.cpu_committed, node.memory_committed_mb, node.sandboxes, node.in_flight) == (0, 0, 0, 0)
 
 
 def test_no_room_now_is_capacity_exhausted() -> None:
+    sched = scheduler(load("a"))
+    fill(sched, "a", 128)
     with pytest.raises(CapacityExhausted, match="retry later"):
-        place([load("a", 128, 0)], cpu=1, memory_mb=1)
+        sched.place(cpu=1, memory_mb=1)
 
 
 def test_bigger_than_any_node_is_invalid() -> None:
     with pytest.raises(InvalidRequest, match="largest node has 2 cores"):
-        place([load("a", 0, 0)], cpu=4, memory_mb=1)
+        scheduler(load("a")).place(cpu=4, memory_mb=1)

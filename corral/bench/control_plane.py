@@ -1,0 +1,376 @@
+"""`corral bench-control-plane`: the control plane alone, at cluster scale, against simulated nodes.
+
+The real ``SandboxService`` (validation, image resolution through the real
+catalogue, the ``Scheduler``, records in the real state store, SQLite or
+PostgreSQL) drives N real ``LocalEdge``s (admission with the overcommit
+factors, commitments, housekeeping) whose backend is ``SimulatedBackend``:
+it isolates nothing and only keeps state, so what is measured is everything
+but starting containers. Each simulated node has a realistic capacity (96
+cores, 768 GiB) with the configured overcommit. Measured:
+
+1. sustained creations per second with 10, 40 and 160 nodes: many concurrent
+   single creates (rollout workers calling ``create``), and the spread of
+   sandboxes over the nodes;
+2. a 32,000 burst as one batch (``create_many``, the path behind
+   ``POST /v1/sandboxes/batch``): time until every sandbox is placed and running;
+   then the same burst through the real HTTP app (uvicorn in this process) and
+   the async SDK's ``create_many``, until the client holds every handle;
+3. 400,000 live sandboxes tracked: the cluster filled with batches (one job
+   label each), then ``get`` of random ids and ``list`` of one job;
+4. the database write per create, as a same-run baseline: one transaction per
+   record (what every create paid before) against the batched writes.
+
+Everything runs in this one process on this machine's cores, so the gateway,
+160 edges and the database share them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import statistics
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from rich.console import Console
+from rich.table import Table
+
+from corral.backends.router import BackendRouter
+from corral.backends.simulated import SimulatedBackend
+from corral.bench.harness import emit
+from corral.config import Settings
+from corral.edge.host_readings import HostReadings, read_host
+from corral.edge.local import LocalEdge, NodeCapacity
+from corral.embedded import free_port
+from corral.gateway.app import create_app
+from corral.gateway.auth import JobTokens
+from corral.gateway.fncall import FnCallService
+from corral.gateway.grading import Grader
+from corral.gateway.images import ImageService
+from corral.gateway.service import SandboxService
+from corral.gateway.trajectory import Trajectories
+from corral.images.builders import LayerBuilder
+from corral.images.catalogue import Catalogue
+from corral.images.store import LayerStore
+from corral.sdk import AsyncClient
+from corral.sdk._models import CreateSandboxRequest
+from corral.server import Services, tune_gc
+from corral.state.db import StateStore
+from corral.trajectory import TrajectoryLog
+
+__all__ = ["run_control_plane_benchmark", "simulated_cluster"]
+
+NODE_CPU, NODE_MEMORY_MB = 96.0, 768 * 1024
+SANDBOX_CPU, SANDBOX_MEMORY_MB = 0.25, 256  # a small RL rollout sandbox
+IMAGE = "sim-base"
+WORKERS = 256  # concurrent single creates in the sustained phase
+TARGET_RATE, TARGET_BURST_S, TARGET_LIVE = 5_000.0, 5.0, 400_000
+LIVE_BATCH = 4_000  # sandboxes per job while filling to the live count
+LOOKUPS = 200
+SHARED_READING_MAX_AGE_S = 0.5
+REPO = Path(__file__).resolve().parents[2]
+
+
+@contextlib.asynccontextmanager
+async def simulated_cluster(nodes: int, store: StateStore, layer_dir: Path) -> AsyncIterator[SandboxService]:
+    """A started SandboxService over ``nodes`` LocalEdges with the simulated backend (standing in for the
+    container backend, under its name), a real catalogue holding one small image, and the given store."""
+    settings = Settings()
+    layer_dir.mkdir(parents=True, exist_ok=True)
+    catalogue = Catalogue(store.engine, LayerStore(layer_dir))
+    layer_file = layer_dir / "sim-base.layer"
+    layer_file.write_bytes(b"simulated base layer: never mounted\n")
+    record = catalogue.store.import_layer(layer_file, kind="base")
+    catalogue.add_layer(record, parents=(), source={"builder": "bench-control-plane"})
+    catalogue.tag(IMAGE, [record.digest])
+    capacity = NodeCapacity(
+        NODE_CPU, NODE_MEMORY_MB, settings.cpu_overcommit, settings.memory_overcommit, settings.max_file_bytes,
+        memory_reserve_mb=settings.memory_reserve_mb, memory_full_pressure_pct=settings.memory_full_pressure_pct,
+    )  # fmt: skip
+    edges: dict[str, Any] = {}
+    host_reader = _shared_host_reader()
+    service = SandboxService(store=store, catalogue=catalogue, edges=edges, default_runtime=settings.runtime,
+                             ttl_check_interval_s=3600)  # fmt: skip
+    for index in range(nodes):
+        edge_id = f"n{index}"
+        backend = BackendRouter({"container": SimulatedBackend()})
+        edges[edge_id] = LocalEdge(edge_id, backend, capacity, service, host_reader=host_reader)
+    await service.start()
+    try:
+        yield service
+    finally:
+        await service.close()
+
+
+def _shared_host_reader() -> Callable[[], HostReadings]:
+    """The simulated nodes all live on this host: one reading of /proc serves them all for a while (each
+    real node reads its own; 160 edges each reading /proc here would measure this host's procfs)."""
+    cached: list[tuple[float, HostReadings]] = []
+
+    def reading() -> HostReadings:
+        now = time.monotonic()
+        if not cached or now - cached[0][0] > SHARED_READING_MAX_AGE_S:
+            cached[:] = [(now, read_host())]
+        return cached[0][1]
+
+    return reading
+
+
+def _request(job: str) -> CreateSandboxRequest:
+    return CreateSandboxRequest(image=IMAGE, cpu=SANDBOX_CPU, memory_mb=SANDBOX_MEMORY_MB, ttl_s=None,
+                                labels={"job": job})  # fmt: skip
+
+
+def _ms(samples: Sequence[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    return {"p50": statistics.median(ordered) * 1000, "p95": ordered[int(len(ordered) * 0.95) - 1] * 1000}
+
+
+async def _sustained(service: SandboxService, creates: int) -> dict[str, Any]:
+    remaining = iter(range(creates))
+
+    async def worker() -> None:
+        for _ in remaining:
+            await service.create(_request("sustained"))
+
+    started = time.perf_counter()
+    async with asyncio.TaskGroup() as group:
+        for _ in range(WORKERS):
+            group.create_task(worker())
+    elapsed_s = time.perf_counter() - started
+    per_node = [node.sandboxes for node in service.scheduler.nodes.values()]
+    return {"creates": creates, "elapsed_s": elapsed_s, "per_s": creates / elapsed_s,
+            "per_node_min": min(per_node), "per_node_max": max(per_node)}  # fmt: skip
+
+
+async def _batch(service: SandboxService, count: int, job: str) -> tuple[float, list[str]]:
+    """Seconds until the batch is done, and the ids it created."""
+    started = time.perf_counter()
+    created = []
+    async for event in service.create_many(_request(job), count):
+        if event.sandbox is not None:
+            created.append(event.sandbox.id)
+    return time.perf_counter() - started, created
+
+
+async def _http_burst(nodes: int, store: StateStore, scratch: Path, count: int) -> dict[str, Any]:
+    """The burst through the real HTTP app (FastAPI on uvicorn, in this process) and the async SDK's
+    ``create_many``: seconds until the last sandbox's line reached the client."""
+    api_key = "ck_bench"
+    port = free_port()
+
+    @contextlib.asynccontextmanager
+    async def services() -> AsyncIterator[Services]:
+        async with simulated_cluster(nodes, store, scratch / "layers") as service:
+            catalogue = service._catalogue  # noqa: SLF001 - the same catalogue the cluster resolves images in
+            images = ImageService(catalogue, LayerBuilder(catalogue, scratch / "build", 1 << 20), service,
+                                  disk_budget_mb=None)  # fmt: skip
+            yield Services(
+                sandboxes=service, images=images,
+                trajectories=Trajectories(TrajectoryLog(store.engine), service, max_logged_file_bytes=0),
+                tokens=JobTokens(store.engine, api_key), grader=Grader(images, service),
+                fncall=FnCallService(service, warm_budget=0, min_warm=0, max_per_pool=0),
+            )  # fmt: skip
+
+    app = create_app(services, 1 << 20, scratch / "uploads")
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, loop="asyncio", log_level="warning"))
+    async with asyncio.TaskGroup() as group:
+        serving = group.create_task(server.serve())
+        while not server.started:
+            if serving.done():
+                raise RuntimeError("the bench's HTTP server did not start")
+            await asyncio.sleep(0.05)
+        try:
+            async with AsyncClient(f"http://127.0.0.1:{port}", api_key) as client:
+                started = time.perf_counter()
+                created = 0
+                async for _ in client.create_many(count, IMAGE, cpu=SANDBOX_CPU, memory_mb=SANDBOX_MEMORY_MB,
+                                                  ttl_s=None, labels={"job": "http-burst"}):  # fmt: skip
+                    created += 1
+                elapsed_s = time.perf_counter() - started
+        finally:
+            server.should_exit = True
+    return {"nodes": nodes, "count": count, "created": created, "elapsed_s": elapsed_s}
+
+
+def _db_write_baseline(database_url: str, records: int) -> dict[str, float]:
+    """Seconds per record: one transaction each (insert, then mark running) vs the batched writes."""
+    store = StateStore(database_url)
+    try:
+        now = time.time()
+
+        def record(index: int) -> dict[str, Any]:
+            return {
+                "id": f"sb-base-{uuid.uuid4().hex[:16]}", "edge_id": "base", "state": "creating", "image": IMAGE,
+                "backend": "container", "runtime": "crun", "cpu": SANDBOX_CPU, "memory_mb": SANDBOX_MEMORY_MB,
+                "pids_max": 256, "user": "root", "cwd": "/", "env": {}, "layers": ["sha256:" + "0" * 64],
+                "labels": {"job": "baseline", "i": str(index)}, "created_at": now, "expires_at": None,
+                "ttl_counts_paused": False, "idle_pause_s": None, "network": None, "protected_paths": [],
+                "disk_mb": None, "sensitive_paths": [],
+            }  # fmt: skip
+
+        single = [record(i) for i in range(records)]
+        started = time.perf_counter()
+        for item in single:
+            store.insert(item)
+            store.mark_running(item["id"])
+        one_by_one = (time.perf_counter() - started) / records
+        batched_records = [record(i) for i in range(records)]
+        started = time.perf_counter()
+        for start in range(0, records, 256):
+            chunk = batched_records[start : start + 256]
+            store.insert_many(chunk)
+            store.mark_running_many({item["id"]: None for item in chunk})
+        batched = (time.perf_counter() - started) / records
+        return {"one_transaction_each_ms": one_by_one * 1000, "batched_ms": batched * 1000}
+    finally:
+        store.close()
+
+
+@contextlib.contextmanager
+def _store(database_url: str) -> Any:  # noqa: ANN401
+    """The state store for one phase, empty (a shared PostgreSQL keeps its rows between phases)."""
+    store = StateStore(database_url)
+    with store.engine.begin() as conn:
+        conn.exec_driver_sql("DELETE FROM sandboxes")
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+async def _measure(nodes: list[int], creates: int, burst: int, live: int, database_url: str, scratch: Path,
+                   log: Any, http: bool) -> dict[str, Any]:  # fmt: skip
+    url = database_url or f"sqlite:///{scratch / 'state.db'}"
+    report: dict[str, Any] = {"scaling": []}
+    for count in nodes:
+        with _store(url) as store:
+            async with simulated_cluster(count, store, scratch / "layers") as service:
+                log(f"sustained: {creates:,} creates on {count} nodes")
+                report["scaling"].append({"nodes": count, **await _sustained(service, creates)})
+    biggest = max(nodes)
+    with _store(url) as store:
+        async with simulated_cluster(biggest, store, scratch / "layers") as service:
+            log(f"burst: {burst:,} sandboxes as one batch on {biggest} nodes")
+            burst_s, ids = await _batch(service, burst, "burst")
+            report["burst"] = {"nodes": biggest, "count": burst, "created": len(ids), "elapsed_s": burst_s}
+            started, jobs = time.perf_counter(), 0
+            while len(ids) < live:
+                jobs += 1
+                if jobs % 10 == 1:
+                    log(f"filling: {len(ids):,} of {live:,} live")
+                _, created = await _batch(service, min(LIVE_BATCH, live - len(ids)), f"job-{jobs}")
+                ids += created
+            fill_s = time.perf_counter() - started
+            gets = []
+            for sandbox_id in random.Random(1).sample(ids, min(LOOKUPS, len(ids))):
+                begun = time.perf_counter()
+                service.get(sandbox_id)
+                gets.append(time.perf_counter() - begun)
+            lists, listed = [], []
+            for job in random.Random(2).sample(range(1, jobs + 1), min(20, jobs)):
+                begun = time.perf_counter()
+                listed = service.list(states=None, labels={"job": f"job-{job}"})
+                lists.append(time.perf_counter() - begun)
+            report["live"] = {
+                "nodes": biggest, "tracked": len(ids), "fill_per_s": (len(ids) - burst) / fill_s if jobs else 0.0,
+                "get": _ms(gets), "list_job": _ms(lists or [0.0]), "list_job_size": len(listed),
+            }  # fmt: skip
+    if http:
+        with _store(url) as store:
+            log(f"burst over HTTP: {burst:,} sandboxes through POST /v1/sandboxes/batch on {biggest} nodes")
+            report["burst_http"] = await _http_burst(biggest, store, scratch, burst)
+    report["db_write"] = _db_write_baseline(database_url or f"sqlite:///{scratch / 'baseline.db'}", 2_000)
+    return report
+
+
+@contextlib.contextmanager
+def _postgres(scratch: Path) -> Any:  # noqa: ANN401
+    directory = Path(tempfile.mkdtemp(prefix="corral-pg-", dir="/var/tmp"))
+    script = str(REPO / "scripts" / "postgres.sh")
+    started = subprocess.run(["bash", script, "start", str(directory)], capture_output=True, text=True)
+    if started.returncode != 0:
+        raise SystemExit(f"could not start PostgreSQL: {started.stderr.strip()}")
+    try:
+        yield started.stdout.strip()
+    finally:
+        subprocess.run(["bash", script, "stop", str(directory)], capture_output=True)
+        subprocess.run(["rm", "-rf", str(directory)], capture_output=True)
+
+
+def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
+    biggest = max(report["scaling"], key=lambda row: row["nodes"])
+    burst = report["burst"]
+    return [
+        {"metric": "sustained", "target": f"≥ {TARGET_RATE:,.0f}/s ({biggest['nodes']} nodes)",
+         "ok": biggest["per_s"] >= TARGET_RATE},
+        {"metric": "burst", "target": f"≤ {TARGET_BURST_S:g} s",
+         "ok": burst["elapsed_s"] <= TARGET_BURST_S and burst["created"] == burst["count"]},
+        {"metric": "live", "target": f"{TARGET_LIVE:,} tracked", "ok": report["live"]["tracked"] >= TARGET_LIVE},
+    ]  # fmt: skip
+
+
+def run(*, nodes: list[int], creates: int, burst: int, live: int, postgres: bool, scratch: Path, http: bool = True,
+        log: Any = lambda message: None) -> dict[str, Any]:  # fmt: skip
+    """The measurements as a report (also what the test runs, with small sizes)."""
+    tune_gc()  # as the server does
+    with contextlib.ExitStack() as stack:
+        database_url = stack.enter_context(_postgres(scratch)) if postgres else ""
+        report = asyncio.run(_measure(nodes, creates, burst, live, database_url, scratch, log, http))
+    report["database"] = "postgresql" if postgres else "sqlite"
+    report["checks"] = checks(report)
+    return report
+
+
+def _table(report: dict[str, Any]) -> Table:
+    verdicts = {check["metric"]: check for check in report["checks"]}
+
+    def verdict(metric: str) -> str:
+        return "[green]ok[/green]" if verdicts[metric]["ok"] else "[red]missed[/red]"
+
+    table = Table("what", "measured", "target", "verdict",
+                  title=f"control plane on simulated nodes ({report['database']})",
+                  caption="one process on this machine: the service, scheduler, every edge, the database")  # fmt: skip
+    for row in report["scaling"]:
+        is_biggest = row["nodes"] == max(r["nodes"] for r in report["scaling"])
+        table.add_row(f"sustained creates, {row['nodes']} nodes",
+                      f"{row['per_s']:,.0f}/s ({row['creates']:,} in {row['elapsed_s']:.1f} s; "
+                      f"{row['per_node_min']}–{row['per_node_max']} per node)",
+                      verdicts["sustained"]["target"] if is_biggest else "-",
+                      verdict("sustained") if is_biggest else "-")  # fmt: skip
+    burst = report["burst"]
+    table.add_row(f"burst of {burst['count']:,} as one batch, {burst['nodes']} nodes",
+                  f"{burst['elapsed_s']:.2f} s ({burst['created']:,} placed and running)",
+                  verdicts["burst"]["target"], verdict("burst"))  # fmt: skip
+    if "burst_http" in report:
+        over_http = report["burst_http"]
+        table.add_row(f"the same burst through the HTTP API and SDK create_many, {over_http['nodes']} nodes",
+                      f"{over_http['elapsed_s']:.2f} s ({over_http['created']:,} handed to the client)",
+                      "-", "-")  # fmt: skip
+    live = report["live"]
+    table.add_row("live sandboxes tracked", f"{live['tracked']:,} (filled at {live['fill_per_s']:,.0f}/s)",
+                  verdicts["live"]["target"], verdict("live"))  # fmt: skip
+    get = live["get"]
+    table.add_row(f"get at {live['tracked']:,} live", f"p50 {get['p50']:.2f} ms, p95 {get['p95']:.2f} ms", "-", "-")
+    table.add_row(f"list one job ({live['list_job_size']:,}) at {live['tracked']:,} live",
+                  f"p50 {live['list_job']['p50']:.1f} ms, p95 {live['list_job']['p95']:.1f} ms", "-", "-")  # fmt: skip
+    db = report["db_write"]
+    table.add_row("record writes per create (baseline: a transaction each)",
+                  f"batched {db['batched_ms']:.3f} ms vs {db['one_transaction_each_ms']:.3f} ms", "-", "-")  # fmt: skip
+    return table
+
+
+def run_control_plane_benchmark(*, nodes: list[int], creates: int, burst: int, live: int, postgres: bool, http: bool,
+                                as_json: bool, console: Console) -> None:  # fmt: skip
+    status = Console(stderr=True) if as_json else console
+    with tempfile.TemporaryDirectory(prefix="corral-bench-cp.") as scratch:
+        report = run(nodes=nodes, creates=creates, burst=burst, live=live, postgres=postgres, scratch=Path(scratch),
+                     http=http, log=lambda message: status.log(message))  # fmt: skip
+    emit(report, _table, as_json=as_json, console=console)

@@ -1,0 +1,143 @@
+"""Batch creation and placement at scale: real containers over HTTP (small N), simulated nodes in process (large N).
+
+The simulated backend (corral/backends/simulated.py) isolates nothing and only keeps state; everything
+else here is real: the SandboxService, the scheduler, LocalEdge admission, the state store (SQLite or
+PostgreSQL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import corral
+from corral.backends.router import BackendRouter
+from corral.backends.simulated import SimulatedBackend
+from corral.bench import control_plane
+from corral.config import Settings
+from corral.edge.local import LocalEdge, NodeCapacity
+from corral.gateway.service import SandboxService
+from corral.images.catalogue import Catalogue
+from corral.images.store import LayerStore
+from corral.sdk._models import BatchEvent, CreateSandboxRequest, ExecRequest
+from corral.state.db import StateStore
+
+
+def test_batch_of_real_containers_over_http(client: corral.Client) -> None:
+    job = f"batch-{uuid.uuid4().hex[:8]}"
+    events: list[BatchEvent] = []
+    sandboxes = list(client.create_many(20, "busybox", per_node=4, ttl_s=300, labels={"job": job},
+                                        on_progress=events.append))  # fmt: skip
+    try:
+        assert len({sb.id for sb in sandboxes}) == 20
+        assert all(sb.exec("echo $((6*7))").stdout == "42\n" for sb in sandboxes)
+        assert [(e.type, e.created, e.failed, e.total) for e in events] == [("done", 20, 0, 20)]
+        listed = client.list(labels={"job": job})
+        assert {info.id for info in listed} == {sb.id for sb in sandboxes}
+        assert {info.state for info in listed} == {"running"}
+    finally:
+        assert len(client.bulk({"job": job}, "kill").done) == 20
+
+
+async def test_batch_that_cannot_start_fails_with_its_status(aclient: corral.AsyncClient) -> None:
+    with pytest.raises(corral.NotFound, match="no-such-image"):
+        async for _ in aclient.create_many(5, "no-such-image:1"):
+            pass
+    with pytest.raises(corral.InvalidRequest):
+        async for _ in aclient.create_many(32_001):
+            pass
+
+
+def _request(job: str) -> CreateSandboxRequest:
+    return CreateSandboxRequest(image=control_plane.IMAGE, cpu=0.25, memory_mb=256, labels={"job": job})
+
+
+async def _batch_on(store: StateStore, tmp_path: Path, *, nodes: int, count: int, per_node: int) -> None:
+    async with control_plane.simulated_cluster(nodes, store, tmp_path / "layers") as service:
+        seen_in_flight = 0
+        indexes: list[int] = []
+        progress: list[BatchEvent] = []
+        async for event in service.create_many(_request("big"), count, concurrency=256, per_node=per_node):
+            seen_in_flight = max(seen_in_flight, *(node.in_flight for node in service.scheduler.nodes.values()))
+            if event.type == "sandbox":
+                assert event.sandbox is not None and event.sandbox.state == "running"
+                indexes.append(event.index)  # type: ignore[arg-type]
+            elif event.type == "error":
+                raise AssertionError(event.error)
+            else:
+                progress.append(event)
+        assert sorted(indexes) == list(range(count))
+        assert 0 < seen_in_flight <= per_node  # back-pressure: never more than per_node starting on one node
+        assert [p.created for p in progress] == [*range(1000, count, 1000), count]
+        assert progress[-1].type == "done" and progress[-1].failed == 0
+        per_node_counts = [node.sandboxes for node in service.scheduler.nodes.values()]
+        assert sum(per_node_counts) == count and max(per_node_counts) - min(per_node_counts) <= count // nodes
+        assert len(service.list(states=["running"], labels={"job": "big"})) == count
+        assert len(store.list(states=["running"])) == count
+
+
+async def test_large_batch_on_simulated_nodes_sqlite(tmp_path: Path) -> None:
+    store = StateStore(f"sqlite:///{tmp_path / 'state.db'}")
+    try:
+        await _batch_on(store, tmp_path, nodes=16, count=5000, per_node=8)
+    finally:
+        store.close()
+
+
+async def test_large_batch_on_simulated_nodes_postgres(tmp_path: Path, postgres_url: str) -> None:
+    store = StateStore(postgres_url)
+    try:
+        with store.engine.begin() as conn:
+            conn.exec_driver_sql("DELETE FROM sandboxes")
+        await _batch_on(store, tmp_path, nodes=16, count=3000, per_node=8)
+    finally:
+        store.close()
+
+
+async def test_a_refusing_node_is_skipped_and_ended_sandboxes_give_back_room(tmp_path: Path) -> None:
+    """n0 refuses everything (its memory reserve is more than any host has): every create lands on n1,
+    each refusal is recorded, and killing sandboxes frees their room in the scheduler's view."""
+    settings = Settings()
+    store = StateStore(f"sqlite:///{tmp_path / 'state.db'}")
+    catalogue = Catalogue(store.engine, LayerStore(tmp_path / "layers"))
+    layer_file = tmp_path / "layer"
+    layer_file.write_bytes(b"x")
+    record = catalogue.store.import_layer(layer_file, kind="base")
+    catalogue.add_layer(record, parents=(), source={})
+    catalogue.tag(control_plane.IMAGE, [record.digest])
+    edges: dict[str, Any] = {}
+    service = SandboxService(store=store, catalogue=catalogue, edges=edges, default_runtime="crun",
+                             ttl_check_interval_s=3600)  # fmt: skip
+    for edge_id, reserve_mb in (("n0", 1 << 40), ("n1", 0)):
+        capacity = NodeCapacity(8, 16384, 4, 1, settings.max_file_bytes, memory_reserve_mb=reserve_mb)
+        edges[edge_id] = LocalEdge(edge_id, BackendRouter({"container": SimulatedBackend()}), capacity, service)
+    await service.start()
+    try:
+        infos = await asyncio.gather(*(service.create(_request("r")) for _ in range(20)))
+        assert {info.edge_id for info in infos} == {"n1"}
+        refused = [r for r in store.list(states=["ended"]) if r["end_reason"] == "refused"]
+        assert refused and all("memory is short" in r["status_message"] for r in refused)
+        assert service.scheduler.nodes["n1"].sandboxes == 20
+        result = await service.edge(infos[0].id).exec(infos[0].id, ExecRequest(cmd="true"))
+        assert (result.exit_code, result.stdout, result.stderr) == (0, "", "")
+        for info in infos:
+            await service.kill(info.id)
+        node = service.scheduler.nodes["n1"]
+        assert (node.sandboxes, node.cpu_committed, node.memory_committed_mb) == (0, 0, 0)
+    finally:
+        await service.close()
+        store.close()
+
+
+def test_control_plane_bench_runs(tmp_path: Path) -> None:
+    report = control_plane.run(nodes=[2, 4], creates=300, burst=500, live=1200, postgres=False, scratch=tmp_path)
+    assert [row["nodes"] for row in report["scaling"]] == [2, 4]
+    assert all(row["per_s"] > 0 and row["per_node_min"] > 0 for row in report["scaling"])
+    assert report["burst"]["created"] == 500
+    assert report["live"]["tracked"] == 1200 and report["live"]["list_job_size"] > 0
+    assert report["db_write"]["batched_ms"] > 0 and report["db_write"]["one_transaction_each_ms"] > 0
+    assert {check["metric"] for check in report["checks"]} == {"sustained", "burst", "live"}
