@@ -233,6 +233,8 @@ class SandboxService:
             await asyncio.sleep(self._ttl_interval_s)
             try:
                 for sandbox_id in self._store.expired(time.time()):
+                    if edge_of(sandbox_id) not in self._edges:
+                        continue  # another server's node: its own gateway destroys it there
                     log.info("sandbox %s reached its TTL", sandbox_id)
                     await self._destroy(sandbox_id, "ttl_expired")
             except Exception:

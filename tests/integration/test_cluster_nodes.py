@@ -91,14 +91,15 @@ def test_a_second_node_runs_sandboxes_from_layers_it_fetches(
 def test_a_node_that_goes_silent_is_marked_lost_with_its_sandboxes(
     postgres_url: str, tmp_path: Path, test_env: dict[str, str]
 ) -> None:
-    """The watcher: a second server is killed without a word; the first marks its node and sandboxes lost."""
-    shared = {**test_env, "CORRAL_DATABASE_URL": postgres_url, "CORRAL_NODE_LOST_AFTER_S": "3"}
+    """The watcher: a second server is killed without a word; the first marks its node and sandboxes lost
+    (and leaves the TTL of another node's sandbox to that node's own server)."""
+    shared = {**test_env, "CORRAL_DATABASE_URL": postgres_url, "CORRAL_NODE_LOST_AFTER_S": "6"}
     with EmbeddedServer(tmp_path / "a", env=shared) as first:
         second = EmbeddedServer(tmp_path / "b", env={**shared, "CORRAL_EDGE_ID": "e2"})
         second.start()
         try:
             with second.client() as client:
-                sandbox = client.create("busybox", ttl_s=300)
+                sandbox = client.create("busybox", ttl_s=3)  # expires before the node counts as lost
             assert second.process is not None
             second.process.kill()  # SIGKILL: no goodbye, its containers keep running
             second.process.wait()
@@ -107,7 +108,9 @@ def test_a_node_that_goes_silent_is_marked_lost_with_its_sandboxes(
                 while client.get(sandbox.id).info.state != "lost" and time.monotonic() < deadline:
                     time.sleep(0.5)
                 info = client.get(sandbox.id).info
-                assert info.state == "lost" and "node e2 went silent" in (info.status_message or "")
+                # Lost, not ttl_expired: the first server does not reap another node's sandboxes.
+                assert (info.state, info.end_reason) == ("lost", "lost"), info
+                assert "node e2 went silent" in (info.status_message or "")
                 states = {node.edge_id: node.state for node in client.cluster_nodes()}
                 assert (states["e0"], states["e2"]) == ("up", "lost")  # other tests' nodes may share this database
                 with pytest.raises(corral.SandboxGone):
