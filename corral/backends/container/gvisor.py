@@ -27,17 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
-import secrets
-import shutil
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from corral.backends import checkpoints
 from corral.backends.base import SandboxSpec
 from corral.backends.container.agent_protocol import AgentConnection
 from corral.backends.container.oci import AGENT_PATH
@@ -198,31 +195,14 @@ class GvisorCheckpoints:
     async def save_checkpoint(self, sandbox_id: str) -> dict[str, object]:
         """A named checkpoint kept beside the sandbox (and removed with it)."""
         self._gvisor(sandbox_id)
-        checkpoint_id = f"ck-{secrets.token_hex(6)}"
-        dest = self._checkpoints(sandbox_id) / checkpoint_id
-        try:
-            await self.checkpoint(sandbox_id, dest)
-        except BaseException:
-            await asyncio.to_thread(shutil.rmtree, dest, True)
-            raise
-        size = sum(p.stat().st_blocks * 512 for p in dest.rglob("*") if not p.is_symlink())
-        info = {"id": checkpoint_id, "sandbox_id": sandbox_id, "created_at": time.time(), "size_bytes": size}
-        (dest / "checkpoint.json").write_text(json.dumps(info))
-        return info
+        return await checkpoints.save_checkpoint(
+            self._checkpoints(sandbox_id), sandbox_id, lambda dest: self.checkpoint(sandbox_id, dest)
+        )
 
     def list_checkpoints(self, sandbox_id: str) -> list[dict[str, object]]:
         self._gvisor(sandbox_id)
-        found = []
-        for meta in sorted(self._checkpoints(sandbox_id).glob("*/checkpoint.json")):
-            try:
-                found.append(json.loads(meta.read_text()))
-            except (OSError, ValueError):
-                continue
-        return sorted(found, key=lambda info: float(info["created_at"]))
+        return checkpoints.list_checkpoints(self._checkpoints(sandbox_id))
 
     def checkpoint_dir(self, sandbox_id: str, checkpoint_id: str) -> Path:
         self._gvisor(sandbox_id)
-        path = self._checkpoints(sandbox_id) / checkpoint_id
-        if "/" in checkpoint_id or not (path / "checkpoint.json").exists():
-            raise NotFound(f"sandbox {sandbox_id} has no checkpoint {checkpoint_id!r} (see GET .../checkpoints)")
-        return path
+        return checkpoints.find_checkpoint(self._checkpoints(sandbox_id), sandbox_id, checkpoint_id)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from corral.backends import checkpoints
 from corral.backends.agent_command import AgentCommand
 from corral.backends.base import (
     CommandSpec,
@@ -602,33 +603,16 @@ class VmBackend:
 
     async def save_checkpoint(self, sandbox_id: str) -> dict[str, object]:
         """A named checkpoint kept beside the machine (and removed with it)."""
-        checkpoint_id = f"ck-{secrets.token_hex(6)}"
-        dest = self._checkpoints(sandbox_id) / checkpoint_id
-        try:
-            await self.checkpoint(sandbox_id, dest)
-        except BaseException:
-            await asyncio.to_thread(shutil.rmtree, dest, True)
-            raise
-        info = {"id": checkpoint_id, "sandbox_id": sandbox_id, "created_at": time.time(),
-                "size_bytes": sum(p.stat().st_blocks * 512 for p in dest.iterdir())}  # fmt: skip
-        (dest / "checkpoint.json").write_text(json.dumps(info))
-        return info
+        return await checkpoints.save_checkpoint(
+            self._checkpoints(sandbox_id), sandbox_id, lambda dest: self.checkpoint(sandbox_id, dest)
+        )
 
     def list_checkpoints(self, sandbox_id: str) -> list[dict[str, object]]:
         self._get(sandbox_id)
-        found = []
-        for meta in sorted(self._checkpoints(sandbox_id).glob("*/checkpoint.json")):
-            try:
-                found.append(json.loads(meta.read_text()))
-            except (OSError, ValueError):
-                continue
-        return sorted(found, key=lambda info: float(info["created_at"]))  # type: ignore[arg-type]
+        return checkpoints.list_checkpoints(self._checkpoints(sandbox_id))
 
     def checkpoint_dir(self, sandbox_id: str, checkpoint_id: str) -> Path:
-        path = self._checkpoints(sandbox_id) / checkpoint_id
-        if "/" in checkpoint_id or not (path / "checkpoint.json").exists():
-            raise NotFound(f"sandbox {sandbox_id} has no checkpoint {checkpoint_id!r} (see GET .../checkpoints)")
-        return path
+        return checkpoints.find_checkpoint(self._checkpoints(sandbox_id), sandbox_id, checkpoint_id)
 
     async def rewind(self, sandbox_id: str, checkpoint_id: str) -> None:
         """Replace the running machine with the one saved in ``checkpoint_id``: memory, processes, disk."""
