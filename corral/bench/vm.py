@@ -21,12 +21,13 @@ command measures KVM there.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -225,32 +226,39 @@ def _idle_memory(client: Client, data_dir: Path, idle: int, tracked: list[Sandbo
     }
 
 
-def _template_boots(data_dir: Path, runs: int, progress: Progress) -> dict[str, Any]:
-    """Create → first exec on a server with boot templates on: one cold boot keeps the template, the rest
-    restore it (the main measurement runs with templates off, so its boots are cold)."""
-    task = progress.add_task("microvm creates restored from a boot template", total=runs + 1)
-    server = EmbeddedServer(data_dir)
+@contextlib.contextmanager
+def _bench_server(data_dir: Path, env: dict[str, str] | None = None) -> Iterator[tuple[Client, list[Sandbox]]]:
+    """A throwaway server and the list of sandboxes to kill, whatever happens, before it stops."""
+    server = EmbeddedServer(data_dir, env=env)
     tracked: list[Sandbox] = []
-    samples: list[float] = []
     try:
         server.start()
         with server.client() as client:
-            first, first_ms = _boot(client, MICROVM_IMAGE, "microvm", tracked)  # boots, then keeps the template
-            progress.advance(task)
-            for _ in range(runs):
-                sandbox, ms = _boot(client, MICROVM_IMAGE, "microvm", tracked)
-                samples.append(ms)
-                _kill(sandbox, tracked)
-                progress.advance(task)
-            _kill(first, tracked)
+            yield client, tracked
     finally:
         for sandbox in tracked:
             try:
                 sandbox.kill()
-            except Exception:  # noqa: BLE001 - best effort
+            except Exception:  # noqa: BLE001 - best effort; the server's shutdown kills the rest
                 pass
         server.shutdown()
         host.orphans.reap()
+
+
+def _template_boots(data_dir: Path, runs: int, progress: Progress) -> dict[str, Any]:
+    """Create → first exec on a server with boot templates on: one cold boot keeps the template, the rest
+    restore it (the main measurement runs with templates off, so its boots are cold)."""
+    task = progress.add_task("microvm creates restored from a boot template", total=runs + 1)
+    samples: list[float] = []
+    with _bench_server(data_dir) as (client, tracked):
+        first, first_ms = _boot(client, MICROVM_IMAGE, "microvm", tracked)  # boots, then keeps the template
+        progress.advance(task)
+        for _ in range(runs):
+            sandbox, ms = _boot(client, MICROVM_IMAGE, "microvm", tracked)
+            samples.append(ms)
+            _kill(sandbox, tracked)
+            progress.advance(task)
+        _kill(first, tracked)
     return {"restored": summarize(samples), "first_with_template_save_ms": first_ms}
 
 
@@ -261,11 +269,8 @@ def _merged_memory(data_dir: Path, idle: int, progress: Progress) -> dict[str, A
     run_file, scan_file = KSM_DIR / "run", KSM_DIR / "pages_to_scan"
     was_run, was_scan = run_file.read_text().strip(), scan_file.read_text().strip()
     task = progress.add_task(f"mergeable memory: {idle} idle microvms, until KSM settles", total=idle + 1)
-    server = EmbeddedServer(data_dir, env={"CORRAL_VM_MEMORY": "mergeable"})
-    tracked: list[Sandbox] = []
     try:
-        server.start()
-        with server.client() as client:
+        with _bench_server(data_dir, {"CORRAL_VM_MEMORY": "mergeable"}) as (client, tracked):
             vms = []
             for _ in range(idle):
                 vms.append(_boot(client, MICROVM_IMAGE, "microvm", tracked)[0])
@@ -283,13 +288,6 @@ def _merged_memory(data_dir: Path, idle: int, progress: Progress) -> dict[str, A
             for sandbox in vms:
                 _kill(sandbox, tracked)
     finally:
-        for sandbox in tracked:
-            try:
-                sandbox.kill()
-            except Exception:  # noqa: BLE001 - best effort
-                pass
-        server.shutdown()
-        host.orphans.reap()
         run_file.write_text(was_run)
         scan_file.write_text(was_scan)
     return {"count": idle, "pss_mib": summarize(pss), "per_vm_pss_mib": pss, "ksm_merged_mib": merged,
