@@ -365,6 +365,9 @@ def test_later_creates_restore_a_booted_template_and_diverge(server: EmbeddedSer
         restore_s = time.monotonic() - started
         try:
             assert restore_s < 2.0, restore_s  # a TCG boot takes 2-5 s here; a restore a few hundred ms
+            console = (server.data_dir / "vms" / second.id / "console.log").read_text(errors="replace")
+            assert "corral-init" not in console  # it never booted: it was restored
+            assert "corral-init" in (server.data_dir / "vms" / first.id / "console.log").read_text(errors="replace")
             assert second.exec("hostname").stdout.strip() == second.id[-12:]  # its own identity
             assert first.exec("hostname").stdout.strip() == first.id[-12:]
             read = "head -c 16 /dev/urandom | od -An -tx1"
