@@ -137,15 +137,6 @@ def _parse_stamp(text: str) -> float:
     return float(f"{seconds}.{fraction}") if seconds.isdigit() else 0.0
 
 
-def _backing_file(disk: Path) -> str:
-    """The backing file a qcow2 was made over (its node-wide template), from qemu-img."""
-    out = subprocess.run(["qemu-img", "info", "--output=json", str(disk)], capture_output=True, text=True)
-    try:
-        return str(json.loads(out.stdout).get("backing-filename", ""))
-    except ValueError:
-        return ""
-
-
 def _prune_templates(directory: Path, keep: int) -> None:
     """Keep the ``keep`` most recently made boot templates."""
     found = sorted((p for p in directory.iterdir() if not p.name.startswith(".")), key=lambda p: p.stat().st_mtime)
@@ -283,7 +274,7 @@ class VmBackend:
                 if netns is not None:
                     config = MachineConfig(**{**config.__dict__, "tap": GUEST_LINK_IFNAME, "netns": netns})
                 elif self._templates:
-                    template = self._template_dir(config)
+                    template = self._template_dir(config, spec)
                 if template is not None and (template / "checkpoint.json").exists():
                     machine = await self._restore(spec, template, directory, None)
                     restored = True
@@ -324,11 +315,12 @@ class VmBackend:
         if cgroup is not None and machine.pid is not None:
             cgroup.add(machine.pid)
 
-    def _template_dir(self, config: MachineConfig) -> Path:
-        """Where a booted machine with this exact configuration (but its identity) is kept."""
+    def _template_dir(self, config: MachineConfig, spec: SandboxSpec) -> Path:
+        """Where a booted machine with this exact configuration (but its identity) is kept. The layers and
+        disk size name the disk it was made over (a vm's root disk is built from the layers)."""
         shape = {k: v for k, v in config.__dict__.items() if k not in ("name", "disk", "hostname", "tap", "netns")}
-        key = hashlib.sha256(json.dumps({**shape, "disk_backing": _backing_file(Path(config.disk))},
-                                        sort_keys=True).encode()).hexdigest()[:20]  # fmt: skip
+        shape["disk"] = {"layers": [layer.digest for layer in spec.layers], "mb": spec.disk_mb or DEFAULT_DISK_MB}
+        key = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:20]
         return self._vm_dir / "templates" / key
 
     async def _save_template(self, sandbox_id: str, template: Path) -> None:
