@@ -168,7 +168,6 @@ class VmBackend:
         if kind not in ("microvm", "vm"):
             raise ValueError(f"unknown VM kind {kind!r}")
         self.name = kind
-        self._kind = kind
         self._dir = data_dir / "vms"
         self._vm_dir = node_dir / "vm"
         self._guest_agent = guest_agent
@@ -209,7 +208,7 @@ class VmBackend:
         disk = directory / "disk.qcow2"
         size_mb = spec.disk_mb or DEFAULT_DISK_MB
         layer_files = tuple(layer.path for layer in spec.layers)
-        if self._kind == "microvm":
+        if self.name == "microvm":
             backing = await asyncio.to_thread(_scratch_template, self._vm_dir, size_mb)
             machine_layers = tuple(str(path) for path in layer_files)
         else:
@@ -220,11 +219,11 @@ class VmBackend:
         )
         return MachineConfig(
             name=spec.sandbox_id,
-            kind=self._kind,
+            kind=self.name,
             accel=accel.name,
             vcpus=max(1, min(os.cpu_count() or 1, math.ceil(spec.cpu))),
             memory_mb=max(MIN_GUEST_MEMORY_MB, spec.memory_mb),
-            kernel=str(kit.vmlinux if self._kind == "microvm" else kit.bzimage),
+            kernel=str(kit.vmlinux if self.name == "microvm" else kit.bzimage),
             initramfs=str(kit.initramfs),
             layers=machine_layers,
             disk=str(disk),
@@ -256,7 +255,7 @@ class VmBackend:
     async def create(self, spec: SandboxSpec) -> str | None:
         if spec.sensitive_paths:
             raise InvalidRequest(
-                f"sensitive_paths are watched from the host's kernel, which cannot see into a {self._kind}: "
+                f"sensitive_paths are watched from the host's kernel, which cannot see into a {self.name}: "
                 "use a container for sandboxes with sensitive paths"
             )
         directory = self._machine_dir(spec.sandbox_id)
@@ -298,7 +297,7 @@ class VmBackend:
         elif template is not None:
             await self._save_template(spec.sandbox_id, template)
         accel = self.accelerator
-        note = f"{self._kind} on {accel.name.upper()}: {accel.reason}" if accel is not None else None
+        note = f"{self.name} on {accel.name.upper()}: {accel.reason}" if accel is not None else None
         log.info("sandbox %s: %s", spec.sandbox_id, note)
         return note
 
@@ -369,8 +368,8 @@ class VmBackend:
         if not (source / "state").exists():
             raise NotFound(f"no VM checkpoint at {source} on this node")
         saved = MachineConfig.load(source)
-        if saved.kind != self._kind:
-            raise InvalidRequest(f"a {saved.kind} checkpoint cannot start a {self._kind} sandbox")
+        if saved.kind != self.name:
+            raise InvalidRequest(f"a {saved.kind} checkpoint cannot start a {self.name} sandbox")
         if (saved.tap is not None) != (netns is not None):
             raise InvalidRequest("a VM is restored with the devices it was saved with: network on both or neither")
         kit, accel = await self.ready()
@@ -455,7 +454,7 @@ class VmBackend:
             if directory.name in known_ids or not (directory / "machine.json").exists():
                 continue
             try:
-                if MachineConfig.load(directory).kind == self._kind:
+                if MachineConfig.load(directory).kind == self.name:
                     found.append(directory.name)
             except (OSError, ValueError, TypeError):
                 continue
@@ -464,7 +463,7 @@ class VmBackend:
     def _get(self, sandbox_id: str) -> _Vm:
         vm = self._vms.get(sandbox_id)
         if vm is None:
-            raise NotFound(f"no running {self._kind} for sandbox {sandbox_id}")
+            raise NotFound(f"no running {self.name} for sandbox {sandbox_id}")
         if vm.agent.closed.is_set() or not vm.machine.alive():
             raise SandboxGone(
                 f"sandbox {sandbox_id} stopped: its VM exited; console:\n{console_tail(vm.machine.directory, 5)}"
@@ -625,7 +624,7 @@ class VmBackend:
     async def pack_diff(self, sandbox_id: str, dest: Path) -> None:
         """The guest's writable layer as an EROFS diff layer (microvm: the overlay's upper directory)."""
         vm = self._get(sandbox_id)
-        if self._kind != "microvm":
+        if self.name != "microvm":
             raise Conflict("a full VM has no separate writable layer to pack: fork it (memory and disk) instead")
         await self._tool(vm, ["sync"], tool="guest")
         data = await self._tool(vm, ["tar", "-C", "/scratch/upper", "-cf", "-", "."], tool="guest", cap=8 << 30)
@@ -656,7 +655,7 @@ class VmBackend:
 
     async def findings(self, sandbox_id: str) -> tuple[list[str], int]:
         vm = self._get(sandbox_id)
-        if self._kind != "microvm":
+        if self.name != "microvm":
             return [], 0  # a full VM's root disk has no separate writable layer to look at
         prefixes = sorted({p.strip("/") for p in (*PROTECTED_PREFIXES, *vm.spec.protected_paths)})
         script = 'cd /scratch/upper || exit 0; for p in "$@"; do [ -e "$p" ] && find "$p" ! -type d; done; exit 0'
@@ -682,7 +681,7 @@ class VmBackend:
 
     async def changed_paths(self, sandbox_id: str, since: float) -> list[str]:
         vm = self._get(sandbox_id)
-        if self._kind != "microvm":
+        if self.name != "microvm":
             return []
         script = "cd /scratch/upper && find . ! -type d -exec stat -c '%Y|%y|%n' {} +"
         out = await self._tool(vm, ["sh", "-c", script], tool="guest", cap=16 << 20)
@@ -699,7 +698,7 @@ class VmBackend:
         vm = self._get(sandbox_id)
         if vm.machine.config.netns is None or self._network_fabric is None:
             raise InvalidRequest(
-                f"a {self._kind} gets its network card at create: create it with `network` (an empty allow list "
+                f"a {self.name} gets its network card at create: create it with `network` (an empty allow list "
                 "keeps it closed) to change the allowlist later"
             )
         fabric = await self._network_fabric()
