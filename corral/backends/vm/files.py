@@ -195,9 +195,6 @@ class GuestTree:
         normal = _normalise(path)
         return self._call(_READ, [normal, str(max_bytes)], path=normal, cap=max_bytes + 1)
 
-    def open_read(self, path: str) -> BinaryIO:
-        return io.BytesIO(self.read(path, max_bytes=1 << 30))
-
     def write(
         self,
         path: str,
