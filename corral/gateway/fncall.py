@@ -220,8 +220,9 @@ class FnCallService:
         pool.recycling += 1
         reusable = False
         try:
-            with contextlib.suppress(CorralError):
-                reusable = await self._sandboxes.call(sandbox_id, lambda edge: edge.recycle(sandbox_id))
+            reusable = await self._sandboxes.call(sandbox_id, lambda edge: edge.recycle(sandbox_id))
+        except Exception:  # any failure to check it (a read error, a gone sandbox) means it is not reused
+            log.debug("recycle check of %s failed; replacing it", sandbox_id, exc_info=True)
         finally:
             pool.recycling -= 1
         if reusable and (pool.waiters or len(pool.idle) < self._max_per_pool):  # housekeeping trims idle pools

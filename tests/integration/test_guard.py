@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 
@@ -130,7 +131,7 @@ def test_audit_stream_follows_new_events(client: corral.Client) -> None:
         assert any(e.kind == "privileged_tool" and e.sandbox_id == sandbox.id for e in events)
 
 
-def test_writable_layer_size_limit(client: corral.Client) -> None:
+def test_writable_layer_size_limit(client: corral.Client, server) -> None:  # type: ignore[no-untyped-def]
     with client.create("busybox", disk_mb=16) as sandbox:
         assert sandbox.info.disk_mb == 16
         filled = sandbox.exec("dd if=/dev/zero of=/big bs=1M count=64 2>&1; echo rc=$?")
@@ -140,6 +141,9 @@ def test_writable_layer_size_limit(client: corral.Client) -> None:
         assert sandbox.exec("echo fine > /f && cat /f").stdout == "fine\n"  # usable again once space is freed
         snapshot = sandbox.snapshot()  # the size-limited layer packs like any other
         assert snapshot.diff.size_bytes > 0
+        mountinfo = f"/proc/{server.process.pid}/mountinfo"  # the disk is mounted in the server's namespace
+        assert f"/{sandbox.id}/disk " in Path(mountinfo).read_text()
+    assert f"/{sandbox.id}/" not in Path(mountinfo).read_text()  # gone with the sandbox, not left mounted
 
 
 def test_disk_limit_survives_a_restart(fresh_server) -> None:  # type: ignore[no-untyped-def]

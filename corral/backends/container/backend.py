@@ -70,6 +70,7 @@ class _Container:
 
 
 _CHANGED_PATHS_MAX = 10_000
+_TIER_NAMES = frozenset(tier.strip("/") for tier in qos.TIERS.values())  # top-level cgroups sandboxes live under
 _DISK_IMAGE = "disk.img"
 
 
@@ -238,6 +239,7 @@ class ContainerBackend(GvisorCheckpoints):
         # One router namespace per server (its data dir), created when the first sandbox needs a network.
         self._fabric = NetworkFabric("n" + hashlib.sha256(str(data_dir).encode()).hexdigest()[:10])
         self._fabric_started = False
+        self._fabric_lock = asyncio.Lock()
         self._denials = SeccompDenials()
         self._reads = SensitiveReads()
         self._kernel_events = EventThrottle(window_s=audit_repeat_window_s)
@@ -320,6 +322,8 @@ class ContainerBackend(GvisorCheckpoints):
                     init_pid, agent = await self._start_gvisor(runtime, spec, bundle, overlay)
                 else:
                     init_pid, agent = await self._start_oci(runtime, spec, bundle, overlay)
+            # What a pristine sandbox holds, for recycle (never granted to gVisor sandboxes: skip it there).
+            baseline = frozenset() if runtime.gvisor else await asyncio.to_thread(_pristine_state, upper, init_pid)
         except BaseException:
             if agent is not None:
                 agent.close()
@@ -327,8 +331,7 @@ class ContainerBackend(GvisorCheckpoints):
             self._release_layers(spec)
             await asyncio.to_thread(_remove_sandbox_dir, root)
             raise
-        container = _Container(spec, runtime, agent, init_pid, self._memory(spec))
-        container.baseline = await asyncio.to_thread(_pristine_state, upper, init_pid)
+        container = _Container(spec, runtime, agent, init_pid, self._memory(spec), baseline=baseline)
         self._containers[spec.sandbox_id] = container
         self._watch_kernel(container)
         if spec.network is not None:
@@ -479,7 +482,7 @@ class ContainerBackend(GvisorCheckpoints):
             for name in ("crun", "runc", RUNSC):
                 if shutil.which(name):
                     await self.runtime(name).kill_and_delete(sandbox_id)
-        shutil.rmtree(self._dir / sandbox_id, ignore_errors=True)
+        await asyncio.to_thread(_remove_sandbox_dir, self._dir / sandbox_id)
 
     async def rewind(self, sandbox_id: str, checkpoint_id: str) -> None:
         """gVisor: replace the running sandbox with the one saved in ``checkpoint_id`` (memory, processes, files)."""
@@ -487,13 +490,13 @@ class ContainerBackend(GvisorCheckpoints):
         source = self.checkpoint_dir(sandbox_id, checkpoint_id)
         spec = dataclasses.replace(container.spec, restore_from=str(source))
         container.replacing = True
-        container.agent.close()
-        await container.runtime.kill_and_delete(sandbox_id)
         upper, work = self._upper(sandbox_id), self._layer_root(sandbox_id) / "work"
-        for path in (upper, work):
-            await asyncio.to_thread(shutil.rmtree, path, True)
-            path.mkdir()
         try:
+            container.agent.close()
+            await container.runtime.kill_and_delete(sandbox_id)
+            for path in (upper, work):
+                await asyncio.to_thread(shutil.rmtree, path, True)
+                path.mkdir()
             lowers = await self._acquire_layers(spec)
             self._release_layers(spec)  # the sandbox still holds its own reference
             bundle = self._dir / sandbox_id / "bundle"
@@ -540,21 +543,20 @@ class ContainerBackend(GvisorCheckpoints):
         return f"/proc/{container.init_pid}/ns/net"
 
     async def _plug(self, container: _Container, rules: tuple[AllowRule, ...]) -> str:
-        fabric = await self._started_fabric()
+        fabric = await self.network_fabric()
         return await asyncio.to_thread(fabric.attach, container.spec.sandbox_id, self._netns(container), rules)
 
     async def network_fabric(self) -> NetworkFabric:
-        """This edge's sandbox network (started on first use); VM sandboxes plug into it too."""
-        return await self._started_fabric()
-
-    async def _started_fabric(self) -> NetworkFabric:
-        if not self._fabric_started:
-            await asyncio.to_thread(self._fabric.start)
-            self._fabric_started = True
+        """This edge's sandbox network, started once on first use (concurrent first users wait for that one
+        start); VM sandboxes plug into it too."""
+        async with self._fabric_lock:
+            if not self._fabric_started:
+                await asyncio.to_thread(self._fabric.start)
+                self._fabric_started = True
         return self._fabric
 
     async def attach_network_peer(self, name: str, netns_path: str, address: str) -> None:
-        fabric = await self._started_fabric()
+        fabric = await self.network_fabric()
         await asyncio.to_thread(fabric.attach_peer, name, netns_path, address)
 
     async def set_network(self, sandbox_id: str, rules: tuple[AllowRule, ...]) -> str:
@@ -737,7 +739,7 @@ class ContainerBackend(GvisorCheckpoints):
             return None
         for line in lines:
             parts = line.split(":", 2)[-1].split("/")
-            if len(parts) > 2 and parts[1] == "corral" and parts[2] in self._containers:
+            if len(parts) > 2 and parts[1] in _TIER_NAMES and parts[2] in self._containers:
                 return parts[2]
         return None
 
