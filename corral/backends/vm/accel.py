@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import platform
+import secrets
 import subprocess
 import tempfile
 import time
@@ -92,7 +93,7 @@ def choose_accelerator(kit: GuestKit, cache_dir: Path, wanted: str = "auto") -> 
     choice = Accelerator("kvm", what) if works else Accelerator("tcg", f"TCG (software emulation): {what}")
     log.info("VM accelerator: %s (%s)", choice.name, choice.reason)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_name(f".accel.{os.getpid()}")
+    tmp = cache.with_name(f".accel.{os.getpid()}.{secrets.token_hex(4)}")
     tmp.write_text(json.dumps({"key": key, "name": choice.name, "reason": choice.reason}))
     os.replace(tmp, cache)  # never write through a hard link a test node dir shares
     return choice

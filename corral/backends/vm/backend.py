@@ -17,6 +17,7 @@ copy that file. QEMU is daemonized and re-adopted after an edge restart.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -49,7 +50,7 @@ from corral.backends.vm.cgroup import VmCgroup
 from corral.backends.vm.files import GuestTree
 from corral.backends.vm.guest import GuestKit, ensure_guest_kit
 from corral.backends.vm.network import create_guest_link, delete_namespace, namespace_name
-from corral.backends.vm.qemu import Accelerator, Machine, MachineConfig, console_tail, host_tsc_khz
+from corral.backends.vm.qemu import SHM_DIR, Accelerator, Machine, MachineConfig, console_tail, host_tsc_khz
 from corral.guard.audit import PROTECTED_PREFIXES
 from corral.images.erofs import build_erofs
 from corral.sdk._exceptions import Conflict, InternalError, InvalidRequest, NotFound, SandboxGone, ServerUnavailable
@@ -85,7 +86,7 @@ def _scratch_template(vm_dir: Path, size_mb: int) -> Path:
     """An empty ext4 file system of ``size_mb``, made once per node per size (sparse)."""
     path = vm_dir / f"scratch-{size_mb}m.ext4"
     if not path.exists():
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
         with tmp.open("wb") as handle:
             handle.truncate(size_mb << 20)
         _run(["mkfs.ext4", "-q", "-F", "-m", "0", "-E", "lazy_itable_init=1,lazy_journal_init=1", str(tmp)])
@@ -261,6 +262,7 @@ class VmBackend:
         directory = self._machine_dir(spec.sandbox_id)
         directory.mkdir(parents=True, exist_ok=True)
         machine: Machine | None = None
+        agent: AgentConnection | None = None
         template: Path | None = None  # a booted machine like this one, to restore instead of booting
         restored = False
         try:
@@ -281,20 +283,16 @@ class VmBackend:
                     machine = Machine(config, directory)
                     await self._launch(machine, spec)
             agent = await self._connect_agent(machine, self._boot_timeout_s)
+            vm = _Vm(spec, machine, agent)
+            if restored:
+                await self._diverge(vm)
         except BaseException:
-            if machine is not None:
-                await machine.kill()
-                machine.memory_file.unlink(missing_ok=True)
-            cgroup = self._cgroup(spec.sandbox_id)
-            if cgroup is not None:
-                cgroup.remove()
-            await self._unplug(spec.sandbox_id)
-            await asyncio.to_thread(shutil.rmtree, directory, True)
+            if agent is not None:
+                agent.close()
+            await self.destroy(spec.sandbox_id)  # finds a QEMU started half-way by its pid file
             raise
-        vm = self._vms[spec.sandbox_id] = _Vm(spec, machine, agent)
-        if restored:
-            await self._diverge(vm)
-        elif template is not None:
+        self._vms[spec.sandbox_id] = vm
+        if not restored and template is not None:
             await self._save_template(spec.sandbox_id, template)
         accel = self.accelerator
         note = f"{self.name} on {accel.name.upper()}: {accel.reason}" if accel is not None else None
@@ -357,6 +355,8 @@ class VmBackend:
         return name
 
     async def _unplug(self, sandbox_id: str) -> None:
+        if not os.path.exists(f"/run/netns/{namespace_name(sandbox_id)}"):
+            return  # never plugged in: leave the edge's network alone (it may not even be started)
         if self._network_fabric is not None:
             fabric = await self._network_fabric()
             if fabric.address_of(sandbox_id) is not None:
@@ -497,13 +497,12 @@ class VmBackend:
         if machine is None and (directory / "machine.json").exists():
             try:
                 machine = Machine(MachineConfig.load(directory), directory)
-                if not machine.adopt():
-                    machine.pid = None
+                machine.adopt()  # sets its pid if the process still runs
             except (OSError, ValueError, TypeError):
                 machine = None
         if machine is not None:
             await machine.kill()
-            machine.memory_file.unlink(missing_ok=True)
+        (SHM_DIR / f"corral-{sandbox_id}.mem").unlink(missing_ok=True)  # also when it never got a config
         cgroup = self._cgroup(sandbox_id)
         if cgroup is not None:
             cgroup.remove()
@@ -585,6 +584,10 @@ class VmBackend:
                 await asyncio.to_thread(_copy_sparse, machine.memory_file, dest / "memory")
             await asyncio.to_thread(_copy_sparse, Path(machine.config.disk), dest / "disk.qcow2")
             machine.config.save(dest)
+        except BaseException:
+            with contextlib.suppress(Exception):  # a migration still writing into dest must stop first
+                await machine.execute("migrate_cancel")
+            raise
         finally:
             if not was_paused:
                 await machine.execute("cont")
