@@ -247,8 +247,10 @@ def create_app(service_factory, max_file_bytes: int, upload_dir: Path) -> FastAP
         return images.layers()
 
     @app.get("/v1/layers/{digest}/blob", dependencies=[Auth], response_class=FileResponse)
-    async def layer_blob(digest: str, images: Images) -> FileResponse:
-        """The layer's EROFS file, for nodes that lack it (they check its sha256 against the digest)."""
+    async def layer_blob(digest: str, images: Images, caller: CallerDep) -> FileResponse:
+        """The layer's EROFS file, for nodes that lack it (they check its sha256 against the digest).
+        The server key only: a job token must not read hidden grading layers."""
+        caller.require_admin("download layers")
         path, kind = images.layer_file(digest)
         return FileResponse(path, media_type="application/octet-stream", headers={"X-Corral-Layer-Kind": kind})
 

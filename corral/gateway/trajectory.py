@@ -84,14 +84,14 @@ def _to_model(step: Step) -> TrajectoryStep:
 def _effective_steps(steps: list[Step]) -> list[Step]:
     """The done steps whose effects the sandbox still has: a restore drops what came after its checkpoint."""
     kept: list[Step] = []
-    marks: dict[str, int] = {}  # checkpoint id -> how many steps were kept when it was taken
+    marks: dict[str, tuple[Step, ...]] = {}  # checkpoint id -> the steps in effect when it was taken
     for step in steps:
         if step.state != "done" or "error" in (step.result or {}):
             continue
         if step.kind == "checkpoint":
-            marks[str((step.result or {}).get("checkpoint"))] = len(kept)
+            marks[str((step.result or {}).get("checkpoint"))] = tuple(kept)
         elif step.kind == "restore":
-            kept = kept[: marks.get(str(step.request.get("checkpoint")), len(kept))]
+            kept = list(marks.get(str(step.request.get("checkpoint")), kept))
         else:
             kept.append(step)
     return kept

@@ -16,7 +16,7 @@ import corral
 from corral.embedded import EmbeddedServer, free_port
 from corral.images.fetch import LayerFetcher
 from corral.images.store import LayerStore
-from corral.sdk import InternalError, NotFound
+from corral.sdk import InternalError, NotFound, ServerUnavailable
 
 
 def _busybox_digest(client: corral.Client) -> str:
@@ -35,6 +35,10 @@ async def test_a_missing_layer_is_fetched_once_and_verified(server: EmbeddedServ
     assert await fetcher.ensure(digest) == paths[0] and fetcher.downloads == 1  # once per node
     with pytest.raises(NotFound, match="neither on this node nor in the layer store"):
         await fetcher.ensure("sha256:" + "0" * 64)
+    with server.client() as client:
+        job_key = client.issue_job_token("fetch-test")
+    with pytest.raises(ServerUnavailable, match="403"):  # a job token cannot read layers (hidden grading layers)
+        await LayerFetcher(LayerStore(tmp_path / "other"), server.url, job_key).ensure(digest)
 
 
 @pytest.fixture
