@@ -265,28 +265,14 @@ class ImageService:
                 "only VM and runsc sandboxes have checkpoints; a crun or runc container forks from its files"
             )
         snap = await self.snapshot(sandbox_id, None)
-        ttl_s = parent["expires_at"] - parent["created_at"] if parent["expires_at"] else None
-        child = CreateSandboxRequest(
-            layers=snap.layers, runtime=parent["runtime"], cpu=parent["cpu"], qos=parent["qos"],
-            memory_mb=parent["memory_mb"], pids_max=parent["pids_max"], env=parent["env"], cwd=parent["cwd"],
-            user=parent["user"],
-            labels={**parent["labels"], **request.labels, "corral.forked_from": sandbox_id}, ttl_s=ttl_s,
-            ttl_counts_paused=parent["ttl_counts_paused"], idle_pause_s=parent["idle_pause_s"],
-            protected_paths=parent["protected_paths"] or [], sensitive_paths=parent["sensitive_paths"] or [],
-            disk_mb=parent["disk_mb"],
-        )  # fmt: skip
+        child = self._sandboxes.request_like(parent, labels={**request.labels, "corral.forked_from": sandbox_id},
+                                             layers=snap.layers)  # fmt: skip
         return list(await asyncio.gather(*(self._sandboxes.create(child) for _ in range(request.count))))
 
     async def _fork_checkpointed(self, sandbox_id: str, parent: dict, request: ForkRequest) -> list[SandboxInfo]:  # type: ignore[type-arg]
-        ttl_s = parent["expires_at"] - parent["created_at"] if parent["expires_at"] else None
-        child = CreateSandboxRequest(
-            layers=self._sandboxes.layers_of(sandbox_id), backend=parent["backend"], runtime=parent["runtime"],
-            cpu=parent["cpu"], qos=parent["qos"],
-            memory_mb=parent["memory_mb"], pids_max=parent["pids_max"], env=parent["env"], cwd=parent["cwd"],
-            user=parent["user"], labels={**parent["labels"], **request.labels, "corral.forked_from": sandbox_id},
-            ttl_s=ttl_s, ttl_counts_paused=parent["ttl_counts_paused"], idle_pause_s=parent["idle_pause_s"],
-            disk_mb=parent["disk_mb"], network=parent["network"],
-        )  # fmt: skip
+        # The same devices as the checkpoint it restores: a VM with a NIC needs one in its children too.
+        child = self._sandboxes.request_like(parent, labels={**request.labels, "corral.forked_from": sandbox_id},
+                                             network=parent["network"])  # fmt: skip
         if request.checkpoint is not None:
             named = request.checkpoint
             saved = await self._sandboxes.call(sandbox_id, lambda edge: edge.checkpoint_dir(sandbox_id, named))

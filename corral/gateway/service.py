@@ -306,6 +306,21 @@ class SandboxService:
             denied_ingress_packets=ingress,
         )
 
+    @staticmethod
+    def request_like(record: dict, *, labels: dict[str, str], **overrides: Any) -> CreateSandboxRequest:  # type: ignore[type-arg]
+        """A create request with a recorded sandbox's settings (stack, backend, limits, env, user, TTL length,
+        guard), for its forks and replays; ``labels`` are added to its own."""
+        values: dict[str, Any] = {
+            "layers": record["layers"], "backend": record["backend"], "runtime": record["runtime"],
+            "cpu": record["cpu"], "qos": record["qos"], "memory_mb": record["memory_mb"],
+            "pids_max": record["pids_max"], "env": record["env"], "cwd": record["cwd"], "user": record["user"],
+            "ttl_s": record["expires_at"] - record["created_at"] if record["expires_at"] else None,
+            "ttl_counts_paused": record["ttl_counts_paused"], "idle_pause_s": record["idle_pause_s"],
+            "protected_paths": record["protected_paths"] or [], "sensitive_paths": record["sensitive_paths"] or [],
+            "disk_mb": record["disk_mb"], "labels": {**record["labels"], **labels},
+        }  # fmt: skip
+        return CreateSandboxRequest(**{**values, **overrides})
+
     def layers_of(self, sandbox_id: str) -> list[str]:
         return list(self.record(sandbox_id)["layers"])
 
@@ -356,7 +371,8 @@ class SandboxService:
                 self._roots.clear()
             self._roots[key] = (now + _ROOT_CACHE_S, digests, image_name)
         layers = self._layer_refs(digests)  # a stat per layer file: a layer removed since is still noticed
-        stale = [d.partition("#")[0] for d in digests if self._touched.get(d, -_TOUCH_EVERY_S) < now - _TOUCH_EVERY_S]
+        plain = {d.partition("#")[0] for d in digests}  # an alias is a second mount of the same layer
+        stale = [d for d in plain if self._touched.get(d, -_TOUCH_EVERY_S) < now - _TOUCH_EVERY_S]
         if stale:
             self._catalogue.touch(stale)
             self._touched.update((digest, now) for digest in stale)
@@ -431,7 +447,7 @@ class SandboxService:
                 "image": spec.image, "backend": request.backend, "runtime": spec.runtime, "cpu": spec.cpu,
                 "qos": spec.qos,
                 "memory_mb": spec.memory_mb, "pids_max": spec.pids_max, "user": spec.user, "cwd": spec.cwd,
-                "env": spec.env, "layers": digests, "labels": request.labels,
+                "env": spec.env, "layers": [layer.mount_key for layer in layers], "labels": request.labels,
                 "created_at": now, "expires_at": now + request.ttl_s if request.ttl_s else None,
                 "ttl_counts_paused": request.ttl_counts_paused, "idle_pause_s": request.idle_pause_s,
                 "network": request.network.model_dump() if request.network is not None else None,

@@ -30,7 +30,6 @@ from corral.sdk._exceptions import CorralError, InvalidRequest, NotFound, Sandbo
 from corral.sdk._models import (
     CheckpointInfo,
     CommandInfo,
-    CreateSandboxRequest,
     ExecEvent,
     ExecRequest,
     ExecResult,
@@ -322,20 +321,8 @@ class Trajectories:
         original = self._sandboxes.record(sandbox_id)
         steps = _effective_steps(self._log.steps(sandbox_id))
         fresh = await self._sandboxes.create(
-            CreateSandboxRequest(
-                layers=original["layers"],
-                backend=original["backend"],
-                disk_mb=original["disk_mb"],
-                runtime=original["runtime"],
-                cpu=original["cpu"],
-                qos=original["qos"],
-                memory_mb=original["memory_mb"],
-                pids_max=original["pids_max"],
-                env=original["env"],
-                cwd=original["cwd"],
-                user=original["user"],
-                ttl_s=request.ttl_s,
-                labels={**original["labels"], **request.labels, "corral.replay_of": sandbox_id},
+            self._sandboxes.request_like(
+                original, labels={**request.labels, "corral.replay_of": sandbox_id}, ttl_s=request.ttl_s
             )  # fmt: skip
         )
         skipped: list[str] = []
