@@ -166,10 +166,10 @@ def serve(settings: Settings) -> None:
             else None,
         )
         edges[settings.edge_id] = LocalEdge(settings.edge_id, backend, capacity, service)
-        await service.start()
-        builder = LayerBuilder(catalogue, settings.data_dir / "build", settings.max_file_bytes)
-        log.info("serving on %s (%d images)", url, len(catalogue.images()))
         try:
+            await service.start()  # inside: edges that started are closed again if a later one fails
+            builder = LayerBuilder(catalogue, settings.data_dir / "build", settings.max_file_bytes)
+            log.info("serving on %s (%d images)", url, len(catalogue.images()))
             images = ImageService(catalogue, builder, service, disk_budget_mb=settings.layer_disk_budget_mb)
             trajectories = Trajectories(
                 TrajectoryLog(store.engine), service, max_logged_file_bytes=settings.max_logged_file_bytes

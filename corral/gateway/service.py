@@ -565,8 +565,7 @@ class SandboxService:
     async def restore_checkpoint(self, sandbox_id: str, checkpoint_id: str) -> SandboxInfo:
         """Rewind the sandbox to one of its checkpoints (memory, processes, disk); it runs afterwards."""
         self._raise_if_ended(self.get(sandbox_id))
-        await self.call(sandbox_id, lambda edge: edge.rewind(sandbox_id, checkpoint_id))
-        self._store.update(sandbox_id, state=SandboxState.RUNNING.value, paused_at=None)
+        await self.call(sandbox_id, lambda edge: edge.rewind(sandbox_id, checkpoint_id))  # resumes it first
         return self.get(sandbox_id)
 
     async def shutdown(self, sandbox_id: str, timeout_s: float) -> SandboxInfo:
@@ -574,13 +573,12 @@ class SandboxService:
             raise InvalidRequest(f"timeout_s must be between 0 and 600, got {timeout_s}")
         info = self.get(sandbox_id)
         if info.state in _LIVE:
-            clean = await self.call(sandbox_id, lambda edge: edge.shutdown(sandbox_id, timeout_s))
-            edge = self._edges.get(edge_of(sandbox_id))
-            if edge is not None:
-                await edge.destroy(sandbox_id)
-            message = "stopped cleanly" if clean else f"still running after {timeout_s:g}s: killed"
-            self.scheduler.release(sandbox_id)
-            self._store.end(sandbox_id, SandboxState.ENDED, "shutdown", message)
+            clean = False
+            try:
+                clean = await self.call(sandbox_id, lambda edge: edge.shutdown(sandbox_id, timeout_s))
+            finally:  # destroyed and ended whatever the clean stop did
+                message = "stopped cleanly" if clean else f"still running after {timeout_s:g}s: killed"
+                await self._destroy(sandbox_id, "shutdown", message)
         return self.get(sandbox_id)
 
     async def pause(self, sandbox_id: str, wait_reclaim: bool = False) -> PauseResult:
@@ -626,12 +624,12 @@ class SandboxService:
     async def _set_ttl_async(self, sandbox_id: str, ttl_s: float | None) -> SandboxInfo:
         return self.set_ttl(sandbox_id, ttl_s)
 
-    async def _destroy(self, sandbox_id: str, reason: str) -> None:
+    async def _destroy(self, sandbox_id: str, reason: str, message: str | None = None) -> None:
         edge = self._edges.get(edge_of(sandbox_id))
         if edge is not None:
             await edge.destroy(sandbox_id)
         self.scheduler.release(sandbox_id)
-        self._store.end(sandbox_id, SandboxState.ENDED, reason)
+        self._store.end(sandbox_id, SandboxState.ENDED, reason, message)
 
     def set_ttl(self, sandbox_id: str, ttl_s: float | None) -> SandboxInfo:
         info = self.get(sandbox_id)
