@@ -261,26 +261,27 @@ class LocalEdge:
     async def _relieve_pressure(self) -> None:
         """When memory runs short, pause (and so reclaim) the longest-idle sandboxes first."""
         host = self._read_host()
-        cap = self._capacity
-        if host.memory_available_mb >= 2 * cap.memory_reserve_mb and (
-            host.memory_some_avg10 <= 2 * cap.memory_full_pressure_pct
-        ):
+        if not memory_is_short(self._capacity, host):
             return
         now = time.monotonic()
         idle = sorted(
             (s for s in self._sandboxes.values()
-             if not s.paused and not s.busy() and now - s.last_active >= cap.pressure_pause_idle_s),
+             if not s.paused and not s.busy() and now - s.last_active >= self._capacity.pressure_pause_idle_s),
             key=lambda s: s.last_active,
         )  # fmt: skip
-        for sandbox in idle[:_PRESSURE_PAUSES_PER_ROUND]:
+        why = f"to relieve memory pressure ({host.memory_available_mb} MiB available)"
+        await self._pause_all(idle[:_PRESSURE_PAUSES_PER_ROUND], lambda _: why)
+
+    async def _pause_all(self, sandboxes: list[_Sandbox], why: Callable[[_Sandbox], str]) -> None:
+        """Pause each (best effort), log why and tell the service."""
+        for sandbox in sandboxes:
             sandbox_id = sandbox.spec.sandbox_id
             try:
                 await self.pause(sandbox_id)
             except Exception:
-                log.exception("edge %s: could not pause idle sandbox %s under pressure", self.edge_id, sandbox_id)
+                log.exception("edge %s: could not pause sandbox %s", self.edge_id, sandbox_id)
                 continue
-            log.warning("sandbox %s paused to relieve memory pressure (%d MiB available)", sandbox_id,
-                        host.memory_available_mb)  # fmt: skip
+            log.info("sandbox %s paused %s", sandbox_id, why(sandbox))
             self._events.paused(sandbox_id, time.time())
 
     async def _admit(self, spec: SandboxSpec) -> None:
@@ -419,17 +420,12 @@ class LocalEdge:
 
     async def _pause_idle(self) -> None:
         now = time.monotonic()
-        for sandbox_id, sandbox in list(self._sandboxes.items()):
-            idle_after = sandbox.spec.idle_pause_s
-            if idle_after is None or sandbox.paused or sandbox.busy() or now - sandbox.last_active < idle_after:
-                continue
-            try:
-                await self.pause(sandbox_id)
-            except Exception:
-                log.exception("edge %s: could not pause idle sandbox %s", self.edge_id, sandbox_id)
-                continue
-            log.info("sandbox %s paused after %.0fs idle", sandbox_id, now - sandbox.last_active)
-            self._events.paused(sandbox_id, time.time())
+        idle = [
+            sandbox for sandbox in self._sandboxes.values()
+            if sandbox.spec.idle_pause_s is not None and not sandbox.paused and not sandbox.busy()
+            and now - sandbox.last_active >= sandbox.spec.idle_pause_s
+        ]  # fmt: skip
+        await self._pause_all(idle, lambda sandbox: f"after {now - sandbox.last_active:.0f}s idle")
 
     def _start(self, sandbox: _Sandbox, request: ExecRequest, keep_stdin_open: bool = False) -> _Command:
         spec = sandbox.spec
@@ -689,6 +685,14 @@ def pressure_refusal(cap: NodeCapacity, host: HostReadings) -> str | None:
             f"> {cap.memory_full_pressure_pct:g}%"
         )
     return None
+
+
+def memory_is_short(cap: NodeCapacity, host: HostReadings) -> bool:
+    """Short enough to reclaim from idle sandboxes (before admission refuses): under twice the reserve
+    available, or memory stalls (PSI "some") above twice the thrashing limit."""
+    return host.memory_available_mb < 2 * cap.memory_reserve_mb or (
+        host.memory_some_avg10 > 2 * cap.memory_full_pressure_pct
+    )
 
 
 def node_capacity(
