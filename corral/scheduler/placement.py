@@ -114,13 +114,12 @@ class Scheduler:
         if not self.nodes:
             raise CapacityExhausted("no edges are registered with this gateway: retry later")
         if cpu > self._largest[0] or memory_mb > self._largest[1]:
-            self._scan(lambda node: False, None, cpu=cpu, memory_mb=memory_mb, backend=backend, refused=0, busy=False)
+            self._scan(lambda node: False, None, cpu=cpu, memory_mb=memory_mb, backend=backend, refused=0)
 
         def eligible(node: NodeView) -> bool:
             return node.edge_id not in exclude and node.runs(backend) and node.fits(cpu, memory_mb)
 
         picked: list[NodeView] = []
-        busy = False
         seen: set[str] = set()
         for _ in range(_SAMPLES_PER_CANDIDATE * self.candidates):
             node = self.nodes[self._ids[self._rng.randrange(len(self._ids))]]
@@ -129,23 +128,22 @@ class Scheduler:
             seen.add(node.edge_id)
             if eligible(node):
                 if max_in_flight is not None and node.in_flight >= max_in_flight:
-                    busy = True
                     continue
                 picked.append(node)
                 if len(picked) == self.candidates:
                     break
         if not picked:
             picked = self._scan(eligible, max_in_flight, cpu=cpu, memory_mb=memory_mb, backend=backend,
-                                refused=len(exclude), busy=busy)  # fmt: skip
+                                refused=len(exclude))  # fmt: skip
         wanted = set(layers)
         return min(picked, key=lambda node: self._score(node, wanted)).edge_id
 
-    def _scan(self, eligible, max_in_flight, *, cpu, memory_mb, backend, refused, busy) -> list[NodeView]:  # type: ignore[no-untyped-def]
+    def _scan(self, eligible, max_in_flight, *, cpu, memory_mb, backend, refused) -> list[NodeView]:  # type: ignore[no-untyped-def]
         fitting = [node for node in self.nodes.values() if eligible(node)]
         free = [node for node in fitting if max_in_flight is None or node.in_flight < max_in_flight]
         if free:
             return self._rng.sample(free, min(self.candidates, len(free)))
-        if fitting or busy:
+        if fitting:  # every one that fits is at its limit of creates in flight
             raise NodesBusy()
         nodes = list(self.nodes.values())
         if backend is not None and not any(node.runs(backend) for node in nodes):
