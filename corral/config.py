@@ -37,6 +37,19 @@ class Settings(BaseSettings):
     edge_id: str = Field(
         "e0", pattern=r"^[a-z0-9]{1,16}$", description="Id of this node's edge; part of every sandbox id."
     )
+    engine: Literal["embedded", "ray"] = Field(
+        "embedded",
+        description="embedded: this server is the gateway and its node's edge. ray: this server is a gateway only; "
+        "the edges are the Ray cluster's edge actors, one per node (docs/cluster.md).",
+    )
+    ray_address: str | None = Field(
+        None, description="The Ray cluster (its GCS host:port) a ray-engine gateway joins; default: RAY_ADDRESS."
+    )
+    api_key: str | None = Field(
+        None,
+        description="The API key; default: generated on first start and kept in <data_dir>/api_key. Every gateway "
+        "and node of a cluster uses the same one.",
+    )
     runtime: Literal["crun", "runc", "runsc"] = Field(
         "crun", description="Default OCI runtime for container sandboxes."
     )

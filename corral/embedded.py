@@ -24,7 +24,7 @@ import httpx
 from corral.config import Settings
 from corral.sdk import Client, CorralError
 
-__all__ = ["EmbeddedServer", "free_port", "linked_node_dir"]
+__all__ = ["EmbeddedServer", "delete_leftover_sandboxes", "free_port", "linked_node_dir"]
 
 START_TIMEOUT_S = 60.0
 STOP_GRACE_S = 15.0
@@ -59,9 +59,58 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def delete_leftover_sandboxes(data_dir: Path) -> None:
+    """Containers and VMs of a server (or cluster node) with this data dir that outlived it."""
+    _delete_leftover_containers(data_dir)
+    _kill_leftover_vms(data_dir)
+
+
+def _kill_leftover_vms(data_dir: Path) -> None:
+    """QEMU processes of the VM sandboxes that outlived their server (a create still booting when it
+    stopped): by their pid files, checked against the process's name, with their guest memory files."""
+    for pid_file in sorted((data_dir / "vms").glob("*/qemu.pid")):
+        sandbox_id = pid_file.parent.name
+        try:
+            pid = int(pid_file.read_text().strip())
+            if f"corral-{sandbox_id}".encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                print(f"killing VM {sandbox_id} (QEMU pid {pid}), which outlived its server", file=sys.stderr)
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+        Path(f"/dev/shm/corral-{sandbox_id}.mem").unlink(missing_ok=True)
+
+
+def _delete_leftover_containers(data_dir: Path) -> None:
+    for runtime in ("crun", "runc", "runsc"):
+        state_root = data_dir / "run" / runtime
+        binary = shutil.which(runtime)
+        if binary is None or not state_root.is_dir():
+            continue
+        command = [binary, "--root", str(state_root)]
+        listing = subprocess.run(
+            [*command, "list", "--quiet"], capture_output=True, text=True, timeout=RUNTIME_TIMEOUT_S
+        )
+        for container_id in listing.stdout.split():
+            print(f"deleting container {container_id}, which outlived its server", file=sys.stderr)
+            subprocess.run(
+                [*command, "delete", "--force", container_id], capture_output=True, timeout=RUNTIME_TIMEOUT_S
+            )
+
+
 class EmbeddedServer:
-    def __init__(self, data_dir: Path, *, port: int | None = None, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        host: str = "127.0.0.1",
+        launcher: list[str] | None = None,
+    ) -> None:
+        """``host``: the address it listens on; ``launcher``: a command that runs it (e.g. in a network namespace)."""
         self.data_dir = data_dir
+        self.host = host
+        self._launcher = launcher or []
         self.port = port or free_port()
         self.log_path = data_dir / "server.log"
         self._extra_env = env or {}
@@ -69,7 +118,7 @@ class EmbeddedServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def config_file(self) -> Path:
@@ -84,7 +133,7 @@ class EmbeddedServer:
         return {
             **os.environ,
             "CORRAL_DATA_DIR": str(self.data_dir),
-            "CORRAL_HOST": "127.0.0.1",
+            "CORRAL_HOST": self.host,
             "CORRAL_PORT": str(self.port),
             "CORRAL_CONFIG_FILE": str(self.config_file),
             **self._extra_env,
@@ -97,7 +146,7 @@ class EmbeddedServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "corral.cli.main", "serve"],
+                [*self._launcher, sys.executable, "-m", "corral.cli.main", "serve"],
                 env=self.env(), stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
             )  # fmt: skip
         deadline = time.monotonic() + timeout_s
@@ -150,38 +199,7 @@ class EmbeddedServer:
             self.kill_all_sandboxes()
         finally:
             self.stop()
-            self._delete_leftover_containers()
-            self._kill_leftover_vms()
-
-    def _kill_leftover_vms(self) -> None:
-        """QEMU processes of this server's VM sandboxes that outlived it (a create still booting when it
-        stopped): by their pid files, checked against the process's name, with their guest memory files."""
-        for pid_file in sorted((self.data_dir / "vms").glob("*/qemu.pid")):
-            sandbox_id = pid_file.parent.name
-            try:
-                pid = int(pid_file.read_text().strip())
-                if f"corral-{sandbox_id}".encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    print(f"killing VM {sandbox_id} (QEMU pid {pid}), which outlived its server", file=sys.stderr)
-                    os.kill(pid, signal.SIGKILL)
-            except (OSError, ValueError):
-                pass
-            Path(f"/dev/shm/corral-{sandbox_id}.mem").unlink(missing_ok=True)
-
-    def _delete_leftover_containers(self) -> None:
-        for runtime in ("crun", "runc", "runsc"):
-            state_root = self.data_dir / "run" / runtime
-            binary = shutil.which(runtime)
-            if binary is None or not state_root.is_dir():
-                continue
-            command = [binary, "--root", str(state_root)]
-            listing = subprocess.run(
-                [*command, "list", "--quiet"], capture_output=True, text=True, timeout=RUNTIME_TIMEOUT_S
-            )
-            for container_id in listing.stdout.split():
-                print(f"deleting container {container_id}, which outlived its server", file=sys.stderr)
-                subprocess.run(
-                    [*command, "delete", "--force", container_id], capture_output=True, timeout=RUNTIME_TIMEOUT_S
-                )
+            delete_leftover_sandboxes(self.data_dir)
 
     def __enter__(self) -> EmbeddedServer:
         self.start()

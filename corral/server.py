@@ -1,8 +1,10 @@
-"""`corral serve`: the embedded single-node default in one process.
+"""`corral serve`: the embedded single-node default in one process, or a gateway of a Ray cluster.
 
-HTTP API + scheduler + one in-process edge with the container backend, state
-in SQLite. Host setup (private mount namespace, subreaper, native helpers)
-happens here, once, before the event loop and its threads start.
+Embedded: HTTP API + scheduler + one in-process edge over the real backends,
+state in SQLite. Host setup (private mount namespace, subreaper, native
+helpers) happens here, once, before the event loop and its threads start.
+With ``engine=ray`` the same HTTP API and scheduler place sandboxes on the
+cluster's edge actors (corral/cluster), state in the shared database.
 """
 
 from __future__ import annotations
@@ -19,19 +21,7 @@ from pathlib import Path
 
 import uvicorn
 
-from corral.backends.container.backend import ContainerBackend
-from corral.backends.container.host import (
-    become_child_subreaper,
-    build_native_helpers,
-    detect_cgroup_layout,
-    enter_private_mount_namespace,
-)
-from corral.backends.container.memory import ensure_zram_swap
-from corral.backends.router import BackendRouter
-from corral.backends.vm.backend import VmBackend
-from corral.backends.vm.memory import ensure_ksm
 from corral.config import Settings
-from corral.edge.local import LocalEdge, node_capacity
 from corral.gateway.app import create_app
 from corral.gateway.auth import JobTokens
 from corral.gateway.fncall import FnCallService
@@ -44,6 +34,7 @@ from corral.images.builders import LayerBuilder
 from corral.images.catalogue import Catalogue
 from corral.images.fetch import LayerFetcher
 from corral.images.store import LayerStore
+from corral.node import build_edge, prepare_host
 from corral.state.db import StateStore
 from corral.trajectory import TrajectoryLog
 
@@ -78,7 +69,9 @@ def _write_private(path: Path, text: str) -> None:
 
 
 def load_or_create_api_key(settings: Settings) -> str:
-    """The server's API key: generated on first start, kept in the data dir."""
+    """The server's API key: the configured one, else generated on first start and kept in the data dir."""
+    if settings.api_key:
+        return settings.api_key
     key_file = settings.data_dir / "api_key"
     if key_file.exists():
         return key_file.read_text().strip()
@@ -92,64 +85,41 @@ def tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
+def join_ray(address: str | None) -> None:
+    """Connect this gateway to the Ray cluster as a driver (it finds the edge actors by name)."""
+    import ray
+
+    from corral.cluster.edge_actor import ACTOR_NAMESPACE
+
+    ray.init(address=address or "auto", namespace=ACTOR_NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
+
+
+def _ray_edges():  # type: ignore[no-untyped-def]
+    from corral.cluster.ray_edge import RayEdges  # ray is imported only by cluster gateways
+
+    return RayEdges()
+
+
 def serve(settings: Settings) -> None:
     tune_gc()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if os.geteuid() != 0:
-        raise SystemExit("corral serve needs root: it creates namespaces, cgroups and mounts")
-    layout = detect_cgroup_layout()
-    enter_private_mount_namespace(layout)
-    become_child_subreaper()
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
-    helpers = build_native_helpers(settings.node_dir)
-    log.info(ensure_zram_swap(settings.pause_swap_mb))
-    if settings.vm_memory == "mergeable":
-        log.info(ensure_ksm())
+    if settings.engine == "ray":
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        host = None
+        join_ray(settings.ray_address)
+    else:
+        host = prepare_host(settings)
     api_key = load_or_create_api_key(settings)
     url = f"http://{settings.host}:{settings.port}"
     _write_private(settings.config_file, json.dumps({"url": url, "api_key": api_key}, indent=2) + "\n")
-    log.info("cgroup layout %s; data in %s; client config in %s", layout.value, settings.data_dir, settings.config_file)
+    where = f"cgroup layout {host.layout.value}" if host else f"gateway of the Ray cluster at {settings.ray_address}"
+    log.info("%s; data in %s; client config in %s", where, settings.data_dir, settings.config_file)
 
     @asynccontextmanager
     async def service_factory() -> AsyncIterator[Services]:
         store = StateStore(settings.database)
         catalogue = Catalogue(store.engine, LayerStore(settings.layer_dir))
         catalogue.sync_from_store()
-        containers = ContainerBackend(
-            data_dir=settings.data_dir,
-            helpers=helpers,
-            layout=layout,
-            default_runtime=settings.runtime,
-            agent_start_timeout_s=settings.agent_start_timeout_s,
-            layer_idle_unmount_s=settings.layer_idle_unmount_s,
-            create_concurrency=settings.create_concurrency,
-            audit_repeat_window_s=settings.audit_repeat_window_s,
-        )
-        backend = BackendRouter(
-            {
-                "container": containers,
-                **{
-                    kind: VmBackend(
-                        kind=kind,
-                        data_dir=settings.data_dir,
-                        node_dir=settings.node_dir,
-                        guest_agent=helpers.agent,
-                        accel=settings.vm_accel,
-                        memory=settings.vm_memory,
-                        templates=settings.vm_templates,
-                        boot_timeout_s=settings.vm_boot_timeout_s,
-                        network_fabric=containers.network_fabric,
-                        cgroup_layout=layout,
-                    )
-                    for kind in ("microvm", "vm")
-                },
-            }
-        )
-        capacity = node_capacity(
-            settings.cpu_overcommit, settings.memory_overcommit, settings.max_file_bytes,
-            memory_reserve_mb=settings.memory_reserve_mb, memory_full_pressure_pct=settings.memory_full_pressure_pct,
-            pressure_pause_idle_s=settings.pressure_pause_idle_s,
-        )  # fmt: skip
         edges = {}
         service = SandboxService(
             store=store,
@@ -164,8 +134,10 @@ def serve(settings: Settings) -> None:
             layer_fetcher=LayerFetcher(catalogue.store, settings.layer_source_url, settings.layer_source_key or api_key)
             if settings.layer_source_url
             else None,
+            remote_edges=_ray_edges() if host is None else None,
         )
-        edges[settings.edge_id] = LocalEdge(settings.edge_id, backend, capacity, service)
+        if host is not None:
+            edges[settings.edge_id] = build_edge(settings, host, service)
         try:
             await service.start()  # inside: edges that started are closed again if a later one fails
             builder = LayerBuilder(catalogue, settings.data_dir / "build", settings.max_file_bytes)

@@ -18,12 +18,14 @@ import typer
 from rich.console import Console
 from rich.table import Column, Table
 
+from corral.cli.cluster import cluster_app
 from corral.sdk import Client, CorralError, SandboxInfo
 
 app = typer.Typer(help="Corral: sandboxes for agentic RL.", no_args_is_help=True, add_completion=False)
 # Piped output (CI logs, scripts) gets full-width tables instead of wrapped 80-column ones.
 console = Console(width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True)
+app.add_typer(cluster_app, name="cluster")
 
 
 def _client() -> Client:

@@ -26,7 +26,7 @@ from corral.sdk._models import (
     NodeStats,
 )
 
-__all__ = ["Edge", "EdgeEvents", "new_sandbox_id", "edge_of"]
+__all__ = ["Edge", "EdgeDirectory", "EdgeEvents", "new_sandbox_id", "edge_of"]
 
 _ID_PATTERN = re.compile(r"^sb-([a-z0-9]{1,16})-([0-9a-f]{16})$")
 
@@ -137,3 +137,9 @@ class Edge(Protocol):
         """Plug a service namespace (e.g. a package mirror) into this node's sandbox network."""
 
     async def close(self) -> None: ...
+
+
+class EdgeDirectory(Protocol):
+    """Edges on other nodes, by id (a Ray cluster's edge actors): they adopt and heartbeat on their own."""
+
+    def get(self, edge_id: str) -> Edge: ...

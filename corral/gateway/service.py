@@ -13,18 +13,26 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 from corral.backends.base import LayerRef, SandboxSpec
-from corral.backends.container.network import AllowRule
+from corral.edge.adoption import readopt
 from corral.edge.local import to_allow_rules
-from corral.edge.protocol import Edge, edge_of, new_sandbox_id
+from corral.edge.protocol import Edge, EdgeDirectory, edge_of, new_sandbox_id
 from corral.guard.audit import AuditLog
 from corral.images.catalogue import Catalogue
 from corral.images.fetch import LayerFetcher
 from corral.scheduler.placement import NodesBusy, Scheduler
-from corral.sdk._exceptions import CapacityExhausted, CorralError, InternalError, InvalidRequest, NotFound, SandboxGone
+from corral.sdk._exceptions import (
+    CapacityExhausted,
+    CorralError,
+    InternalError,
+    InvalidRequest,
+    NotFound,
+    SandboxGone,
+    ServerUnavailable,
+)
 from corral.sdk._models import (
     BatchEvent,
     BulkRequest,
@@ -32,6 +40,7 @@ from corral.sdk._models import (
     CheckpointInfo,
     ClusterNode,
     CreateSandboxRequest,
+    EdgeLoad,
     NetworkPolicy,
     NetworkStatus,
     NodeStats,
@@ -115,10 +124,6 @@ def _settle(futures: list[asyncio.Future[Any]], error: Exception | None = None) 
             future.set_exception(error) if error is not None else future.set_result(None)
 
 
-def _rules(network: dict[str, Any] | None) -> tuple[AllowRule, ...] | None:
-    return None if network is None else to_allow_rules(NetworkPolicy.model_validate(network).allow)
-
-
 class SandboxService:
     def __init__(
         self,
@@ -131,6 +136,7 @@ class SandboxService:
         default_idle_pause_s: float | None = None,
         audit_log: AuditLog | None = None,
         layer_fetcher: LayerFetcher | None = None,
+        remote_edges: EdgeDirectory | None = None,
         heartbeat_s: float = 1.0,
         node_lost_after_s: float = 15.0,
     ) -> None:
@@ -142,7 +148,8 @@ class SandboxService:
         self.audit_log = audit_log
         self._default_idle_pause_s = default_idle_pause_s
         self._catalogue = catalogue
-        self._edges = edges
+        self._edges = edges  # this process's own edges: it adopts their sandboxes and heartbeats for them
+        self._remote = remote_edges  # edges on other nodes (a Ray cluster's actors), known from their heartbeats
         self._default_runtime = default_runtime
         self._ttl_interval_s = ttl_check_interval_s
         self._reaper: asyncio.Task[None] | None = None
@@ -158,31 +165,16 @@ class SandboxService:
         for edge_id, edge in self._edges.items():
             await edge.start()
             self.scheduler.add_node(await edge.load())
-            records = self._store.list(states=_ACTIVE, edge_id=edge_id)
-            specs = []
-            for record in records:
-                try:
-                    specs.append(self._spec_from_record(record))
-                except NotFound:
-                    self._store.end(record["id"], SandboxState.LOST, "lost", "its image layers are gone from this node")
-            states = await edge.adopt(specs)
-            for record in records:
-                if states.get(record["id"]) is not None:
-                    self.scheduler.reserve(record["id"], edge_id, cpu=record["cpu"], memory_mb=record["memory_mb"],
-                                           layers=record["layers"], starting=False)  # fmt: skip
-            for sandbox_id, state in states.items():
-                if state == SandboxState.PAUSED.value:
-                    self._store.update(sandbox_id, state=state)
-                elif state is not None:
-                    self._store.update(sandbox_id, state=SandboxState.RUNNING.value)
-                else:
-                    self._store.end(
-                        sandbox_id, SandboxState.LOST, "lost", "the sandbox did not survive a server restart"
-                    )
-            adopted = sum(state is not None for state in states.values())
-            log.info("edge %s: re-adopted %d of %d sandboxes", edge_id, adopted, len(states))
+            for record in await readopt(edge, self._store, self._layers_on_node):
+                self.scheduler.reserve(record["id"], edge_id, cpu=record["cpu"], memory_mb=record["memory_mb"],
+                                       layers=record["layers"], starting=False)  # fmt: skip
+        if self._remote is not None:
+            self._sync_remote_nodes(time.time() - self._node_lost_after_s)
         self._reaper = asyncio.get_running_loop().create_task(self._reap_expired())
         self._watcher = asyncio.get_running_loop().create_task(self._watch_nodes())
+
+    async def _layers_on_node(self, entries: Iterable[str]) -> tuple[LayerRef, ...]:
+        return self._layer_refs(list(entries))
 
     async def _watch_nodes(self) -> None:
         """Heartbeat this gateway's edges into the shared store, and mark nodes that went silent lost,
@@ -199,9 +191,22 @@ class SandboxService:
                     lost = self._store.mark_node_lost(edge_id, before, message)
                     log.warning("node %s marked lost after %.0fs of silence; %d sandboxes lost", edge_id,
                                 self._node_lost_after_s, lost)  # fmt: skip
+                if self._remote is not None:
+                    self._sync_remote_nodes(before)
             except Exception:
                 log.exception("node watcher failed; retrying")
             await asyncio.sleep(self._heartbeat_s)
+
+    def _sync_remote_nodes(self, before: float) -> None:
+        """Place on the remote nodes that heartbeat, by the loads they report; stop placing on silent ones."""
+        for row in self._store.nodes():
+            edge_id = row["edge_id"]
+            if edge_id in self._edges:
+                continue
+            if row["state"] == "up" and row["last_seen"] >= before:
+                self.scheduler.refresh(EdgeLoad.model_validate(row["load"]))
+            else:
+                self.scheduler.remove_node(edge_id)
 
     async def close(self) -> None:
         for task in (self._reaper, self._watcher):
@@ -233,7 +238,7 @@ class SandboxService:
             await asyncio.sleep(self._ttl_interval_s)
             try:
                 for sandbox_id in self._store.expired(time.time()):
-                    if edge_of(sandbox_id) not in self._edges:
+                    if edge_of(sandbox_id) not in self._edges and self._remote is None:
                         continue  # another server's node: its own gateway destroys it there
                     log.info("sandbox %s reached its TTL", sandbox_id)
                     await self._destroy(sandbox_id, "ttl_expired")
@@ -326,27 +331,6 @@ class SandboxService:
 
     def layers_in_use(self) -> set[str]:
         return {d.partition("#")[0] for record in self._store.list(states=_ACTIVE) for d in record["layers"]}
-
-    def _spec_from_record(self, record: dict) -> SandboxSpec:  # type: ignore[type-arg]
-        return SandboxSpec(
-            sandbox_id=record["id"],
-            image=record["image"],
-            layers=self._layer_refs(record["layers"]),
-            runtime=record["runtime"],
-            cpu=record["cpu"],
-            qos=record["qos"],
-            memory_mb=record["memory_mb"],
-            pids_max=record["pids_max"],
-            env=record["env"],
-            cwd=record["cwd"],
-            user=record["user"],
-            idle_pause_s=record["idle_pause_s"],
-            network=_rules(record["network"]),
-            protected_paths=tuple(record["protected_paths"] or ()),
-            sensitive_paths=tuple(record["sensitive_paths"] or ()),
-            disk_mb=record["disk_mb"],
-            backend=record["backend"],
-        )
 
     def _prepare(self, request: CreateSandboxRequest) -> tuple[CreateSandboxRequest, str, tuple[LayerRef, ...]]:
         """Validate a create and resolve its layers: (request with defaults, listed image name, layers)."""
@@ -457,11 +441,11 @@ class SandboxService:
             try:
                 await self._writes.insert(record)
                 try:
-                    note = await self._edges[edge_id].create(spec)
+                    note = await self._edge_for(edge_id).create(spec)
                 finally:
                     self.scheduler.started(spec.sandbox_id)
                     self._create_finished.set()
-            except CapacityExhausted as exc:
+            except (CapacityExhausted, ServerUnavailable) as exc:  # refused, or its node is unreachable
                 self.scheduler.release(spec.sandbox_id)
                 self._store.end(spec.sandbox_id, SandboxState.ENDED, "refused", exc.message)
                 refused[edge_id] = exc.message
@@ -471,9 +455,11 @@ class SandboxService:
                 self._store.end(spec.sandbox_id, SandboxState.ENDED, "error", str(exc) or type(exc).__name__)
                 raise
             if not await self._writes.mark_running(spec.sandbox_id, note):
-                await self._edges[edge_id].destroy(spec.sandbox_id)  # killed while it was starting
+                await self._edge_for(edge_id).destroy(spec.sandbox_id)  # killed while it was starting
                 self.scheduler.release(spec.sandbox_id)
                 self._raise_if_ended(self.get(spec.sandbox_id))
+            if edge_id not in self._edges:
+                self.scheduler.forget(spec.sandbox_id)  # its node's heartbeat counts it from now on
             return StateStore.to_info({**record, "state": SandboxState.RUNNING.value, "status_message": note})
 
     async def create_many(
@@ -550,7 +536,13 @@ class SandboxService:
         return [ClusterNode.model_validate(row) for row in self._store.nodes()]
 
     async def node_stats(self) -> list[NodeStats]:
-        return [await edge.stats() for edge in self._edges.values()]
+        """Stats of this process's edges, and of every remote node that is up and answers."""
+        stats = [await edge.stats() for edge in self._edges.values()]
+        if self._remote is not None:
+            remote = [self._remote.get(edge_id) for edge_id in self.scheduler.nodes if edge_id not in self._edges]
+            answers = await asyncio.gather(*(edge.stats() for edge in remote), return_exceptions=True)
+            stats += [answer for answer in answers if isinstance(answer, NodeStats)]
+        return stats
 
     async def save_checkpoint(self, sandbox_id: str) -> CheckpointInfo:
         self._raise_if_ended(self.get(sandbox_id))
@@ -625,7 +617,7 @@ class SandboxService:
         return self.set_ttl(sandbox_id, ttl_s)
 
     async def _destroy(self, sandbox_id: str, reason: str, message: str | None = None) -> None:
-        edge = self._edges.get(edge_of(sandbox_id))
+        edge = self._edge_for(edge_of(sandbox_id))
         if edge is not None:
             await edge.destroy(sandbox_id)
         self.scheduler.release(sandbox_id)
@@ -645,8 +637,14 @@ class SandboxService:
 
     # -- routing to the owning edge ------------------------------------------
 
+    def _edge_for(self, edge_id: str) -> Edge | None:
+        edge = self._edges.get(edge_id)
+        if edge is None and self._remote is not None:
+            return self._remote.get(edge_id)
+        return edge
+
     def edge(self, sandbox_id: str) -> Edge:
-        edge = self._edges.get(edge_of(sandbox_id))
+        edge = self._edge_for(edge_of(sandbox_id))
         if edge is None:
             raise NotFound(
                 f"sandbox {sandbox_id} belongs to edge {edge_of(sandbox_id)}, which this gateway does not know"
@@ -657,7 +655,7 @@ class SandboxService:
         """Run an operation on the sandbox's edge; explain a miss from the record."""
         try:
             return await operation(self.edge(sandbox_id))
-        except NotFound as exc:
+        except (NotFound, ServerUnavailable) as exc:
             self._explain_missing(sandbox_id, exc)
             raise
 
@@ -665,11 +663,11 @@ class SandboxService:
         try:
             async for item in operation(self.edge(sandbox_id)):
                 yield item
-        except NotFound as exc:
+        except (NotFound, ServerUnavailable) as exc:
             self._explain_missing(sandbox_id, exc)
             raise
 
-    def _explain_missing(self, sandbox_id: str, exc: NotFound) -> None:
+    def _explain_missing(self, sandbox_id: str, exc: CorralError) -> None:
         record = self._store.get(sandbox_id)
         if record is None:
             raise NotFound(f"no sandbox {sandbox_id}") from exc

@@ -97,6 +97,30 @@ class Scheduler:
         self._largest = (max(self._largest[0], node.node_cpu), max(self._largest[1], node.node_memory_mb))
         return node
 
+    def refresh(self, load: EdgeLoad) -> NodeView:
+        """Take a node's own report (its heartbeat) as what is committed there, plus the creates this scheduler
+        has in flight on it: the view of a node that other gateways place sandboxes on too."""
+        before = self.nodes.get(load.edge_id)
+        node = self.add_node(load)
+        if before is not None:
+            node.layers, node.in_flight = before.layers, before.in_flight
+        starting = [self._placed[sandbox_id] for sandbox_id in self._starting]
+        starting = [placed for placed in starting if placed.edge_id == load.edge_id]
+        node.cpu_committed = load.cpu_committed + sum(placed.cpu for placed in starting)
+        node.memory_committed_mb = load.memory_committed_mb + sum(placed.memory_mb for placed in starting)
+        node.sandboxes = load.sandboxes + len(starting)
+        return node
+
+    def remove_node(self, edge_id: str) -> None:
+        """Stop placing on a node (it was lost); what was placed there is forgotten."""
+        if self.nodes.pop(edge_id, None) is None:
+            return
+        self._ids.remove(edge_id)
+        gone = [sandbox_id for sandbox_id, placed in self._placed.items() if placed.edge_id == edge_id]
+        for sandbox_id in gone:
+            del self._placed[sandbox_id]
+            self._starting.discard(sandbox_id)
+
     # -- placement -----------------------------------------------------------
 
     def place(
@@ -186,15 +210,22 @@ class Scheduler:
         """Its create returned (either way): one fewer in flight on its node."""
         if sandbox_id in self._starting:
             self._starting.discard(sandbox_id)
-            self.nodes[self._placed[sandbox_id].edge_id].in_flight -= 1
+            node = self.nodes.get(self._placed[sandbox_id].edge_id)
+            if node is not None:
+                node.in_flight -= 1
+
+    def forget(self, sandbox_id: str) -> None:
+        """Its create returned on a node whose heartbeat counts it (see ``refresh``): stop tracking it here."""
+        self.started(sandbox_id)
+        self._placed.pop(sandbox_id, None)
 
     def release(self, sandbox_id: str) -> None:
         """It ended, or its create failed: give back what it held. Idempotent."""
         self.started(sandbox_id)
         placed = self._placed.pop(sandbox_id, None)
-        if placed is None:
+        node = self.nodes.get(placed.edge_id) if placed is not None else None
+        if placed is None or node is None:
             return
-        node = self.nodes[placed.edge_id]
         node.cpu_committed -= placed.cpu
         node.memory_committed_mb -= placed.memory_mb
         node.sandboxes -= 1

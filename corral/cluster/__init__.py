@@ -1,0 +1,1 @@
+"""The Ray cluster engine: an edge actor per node, gateways that reach them, and `corral cluster`."""

@@ -1,0 +1,199 @@
+"""A node's edge as a detached, named Ray actor, pinned to its node and restarted there by Ray.
+
+The actor runs the same ``LocalEdge`` as `corral serve`, over the real
+backends, with the node's settings from its environment (``CORRAL_*`` set
+when the node joined: its edge id, data dir, the shared database, the layer
+store). Gateways call it through ``RayEdge`` (cluster/ray_edge.py). What the
+edge notices on its own (a sandbox ended, paused, resumed; audit events) it
+writes to the shared store itself, and it heartbeats its load there, so no
+gateway has to be up for the node to stay known.
+
+A Ray worker is multi-threaded, so it cannot enter a mount namespace of its
+own: the node's launcher (``corral cluster up|join``) enters one before
+``ray start``, and every worker of that raylet inherits it. The edge runs on
+an event loop in a thread of its own, started in ``__init__``, so a
+restarted actor re-adopts its node's sandboxes and heartbeats at once,
+before any gateway calls it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Coroutine, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from corral.backends.base import LayerRef, SandboxSpec
+from corral.config import Settings
+from corral.edge.adoption import readopt
+from corral.edge.local import LocalEdge
+from corral.edge.protocol import Edge
+from corral.guard.audit import AuditLog
+from corral.images.fetch import LayerFetcher
+from corral.images.store import LayerStore
+from corral.node import build_edge, prepare_host
+from corral.sdk._exceptions import InvalidRequest
+from corral.sdk._models import SandboxState
+from corral.state.db import StateStore
+
+__all__ = ["ACTOR_NAMESPACE", "EdgeActor", "NodeEdge", "actor_name", "node_resource", "CALLABLE"]
+
+log = logging.getLogger("corral.cluster")
+
+T = TypeVar("T")
+
+ACTOR_NAMESPACE = "corral"
+_EXTRA_METHODS = {"shutdown", "save_checkpoint", "list_checkpoints", "rewind", "stats", "load"}
+CALLABLE = (
+    frozenset(
+        name for name in dir(Edge) if not name.startswith("_") and name not in {"start", "close", "edge_id", "remote"}
+    )
+    | _EXTRA_METHODS
+)
+"""Edge methods a gateway may call on the actor (``start`` and ``close`` are the actor's own business)."""
+
+
+def actor_name(edge_id: str) -> str:
+    return f"edge-{edge_id}"
+
+
+def node_resource(edge_id: str) -> str:
+    """The Ray custom resource a node offers (one unit) so its edge actor is placed, and restarted, there."""
+    return f"corral_edge_{edge_id}"
+
+
+class NodeEdge:
+    """The node side: the LocalEdge, its records and heartbeat in the shared store, and the layers it fetches.
+
+    It is the edge's ``EdgeEvents`` too: what the edge reports is written to the shared store directly."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.store = StateStore(settings.database)
+        self._audit = AuditLog(self.store.engine)
+        self._layers = LayerStore(settings.layer_dir)
+        self._fetcher = (
+            LayerFetcher(self._layers, settings.layer_source_url, settings.layer_source_key or settings.api_key or "")
+            if settings.layer_source_url
+            else None
+        )
+        self.edge: LocalEdge = build_edge(settings, prepare_host(settings, inherited_namespace=True), self)
+        self._heartbeat: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.edge.start()
+        await readopt(self.edge, self.store, self.layer_refs)
+        await self._beat()
+        self._heartbeat = asyncio.get_running_loop().create_task(self._beat_forever())
+
+    async def layer_refs(self, entries: Iterable[str]) -> tuple[LayerRef, ...]:
+        """Stack entries (``digest`` or ``digest#alias``) to files on this node, fetching the missing ones."""
+        refs = []
+        for entry in entries:
+            digest, _, alias = entry.partition("#")
+            path = await self._fetcher.ensure(digest) if self._fetcher else self._layers.layer_path(digest)
+            refs.append(LayerRef(digest=digest, path=path, alias=alias))
+        return tuple(refs)
+
+    async def create(self, spec: SandboxSpec) -> str | None:
+        """The gateway's spec names the layers; the files are this node's (fetched first if missing)."""
+        layers = await self.layer_refs(ref.mount_key for ref in spec.layers)
+        return await self.edge.create(dataclasses.replace(spec, layers=layers))
+
+    async def pack_diff_bytes(self, sandbox_id: str) -> bytes:
+        """The sandbox's changes as an EROFS layer, returned whole (the gateway imports it into the store)."""
+        scratch = self.settings.data_dir / "scratch"
+        scratch.mkdir(parents=True, exist_ok=True)
+        dest = scratch / f"{sandbox_id}-{time.monotonic_ns()}.erofs"
+        try:
+            await self.edge.pack_diff(sandbox_id, dest)
+            return await asyncio.to_thread(dest.read_bytes)
+        finally:
+            dest.unlink(missing_ok=True)
+
+    async def _beat(self) -> None:
+        load = await self.edge.load()
+        await asyncio.to_thread(self.store.heartbeat, self.edge.edge_id, load.model_dump(), time.time())
+
+    async def _beat_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.node_heartbeat_s)
+            try:
+                await self._beat()
+            except Exception:
+                log.exception("edge %s: heartbeat failed; retrying", self.edge.edge_id)
+
+    async def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        await self.edge.close()
+        self.store.close()
+
+    # -- EdgeEvents ----------------------------------------------------------
+
+    def ended(self, sandbox_id: str, reason: str, message: str) -> None:
+        self.store.end(sandbox_id, SandboxState.ENDED, reason, message)
+
+    def paused(self, sandbox_id: str, at: float) -> None:
+        self.store.mark_paused(sandbox_id, at)
+
+    def resumed(self, sandbox_id: str, at: float) -> None:
+        self.store.mark_resumed(sandbox_id, at)
+
+    def audit(self, sandbox_id: str, kind: str, severity: str, detail: dict[str, Any]) -> None:
+        self._audit.record(sandbox_id, kind, severity, detail)
+
+
+class EdgeActor:
+    """The Ray actor around a ``NodeEdge`` (decorated with ``ray.remote`` where it is created)."""
+
+    def __init__(self) -> None:
+        settings = Settings()
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="corral-edge", daemon=True).start()
+        self._node = self._run(self._open(settings)).result()
+        log.info("edge %s up on this node (data in %s)", settings.edge_id, settings.data_dir)
+
+    @staticmethod
+    async def _open(settings: Settings) -> NodeEdge:
+        node = NodeEdge(settings)
+        await node.start()
+        return node
+
+    def _run(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """One Edge method, run on the edge's own loop."""
+        if method in ("create", "pack_diff_bytes"):
+            target: Any = self._node
+        elif method in CALLABLE:
+            target = self._node.edge
+        else:
+            raise InvalidRequest(f"the edge has no method {method!r}")
+        return await asyncio.wrap_future(self._run(getattr(target, method)(*args, **kwargs)))
+
+    async def stream(self, method: str, *args: Any) -> AsyncIterator[Any]:
+        """An Edge method that yields (exec_stream), item by item (a Ray streaming generator)."""
+        if method != "exec_stream":
+            raise InvalidRequest(f"the edge has no streaming method {method!r}")
+        items = self._node.edge.exec_stream(*args)
+        while True:
+            try:
+                yield await asyncio.wrap_future(self._run(items.__anext__()))
+            except StopAsyncIteration:
+                return
+
+    def pid(self) -> int:
+        """This worker's process id (what a test kills to see Ray restart the edge)."""
+        return os.getpid()
+
+    def data_dir(self) -> Path:
+        return self._node.settings.data_dir

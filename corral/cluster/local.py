@@ -1,0 +1,404 @@
+"""A Corral cluster on Ray: its processes, started, joined, inspected and stopped.
+
+``LocalCluster`` runs a whole cluster on this machine (a head, a gateway, N
+nodes as separate raylets, PostgreSQL): `corral cluster up|status|down`, the
+cluster tests and `corral bench-cluster`. ``join_node`` is the part that runs
+on each real machine (`corral cluster join`). Everything the cluster started
+is recorded in ``<dir>/cluster.json``; each node's processes share a session
+of their own, so `down` ends exactly them, by pid.
+
+On one machine the whole cluster lives in a network namespace of its own
+(cluster/network.py): Ray refuses loopback node addresses, and this way no
+Ray process ever uses the machine's outward address. Ray's usage reporting
+is off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from corral.cluster.edge_actor import node_resource
+from corral.cluster.network import ClusterNetwork
+from corral.embedded import EmbeddedServer, delete_leftover_sandboxes
+from corral.sdk import Client, CorralError
+
+__all__ = ["ClusterState", "LocalCluster", "NodeProcess", "join_node", "LOCAL_RAY_ENV", "stop_session"]
+
+CLUSTER_FILE = "cluster.json"
+LOCAL_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
+"""No usage reports (they would go to the internet)."""
+NODE_UP_TIMEOUT_S = 300.0
+_STOP_GRACE_S = 10.0
+_REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class NodeProcess:
+    edge_id: str
+    session: int  # the launcher's pid = the session id of the raylet and its workers
+    data_dir: str
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class ClusterState:
+    directory: str
+    ray_address: str
+    head_session: int
+    gateway_pid: int
+    gateway_url: str
+    api_key: str
+    database_url: str
+    postgres_dir: str | None
+    netns: str | None = None
+    nodes: dict[str, NodeProcess] = field(default_factory=dict)
+
+    def save(self) -> None:
+        path = Path(self.directory) / CLUSTER_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, directory: Path) -> ClusterState:
+        path = directory / CLUSTER_FILE
+        if not path.exists():
+            raise FileNotFoundError(f"no cluster in {directory} (no {CLUSTER_FILE}): run `corral cluster up` first")
+        raw = json.loads(path.read_text())
+        raw["nodes"] = {edge_id: NodeProcess(**node) for edge_id, node in raw["nodes"].items()}
+        return cls(**raw)
+
+
+def _ray_binary() -> str:
+    return str(Path(sys.executable).with_name("ray"))
+
+
+def _session_members(session: int) -> list[int]:
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2 :].split()
+        if int(fields[3]) == session:  # field 6 of /proc/PID/stat: the session id
+            members.append(int(stat.parent.name))
+    return members
+
+
+def stop_session(session: int, grace_s: float = _STOP_GRACE_S) -> None:
+    """End every process of a session this module started (SIGTERM to its leader, then SIGKILL to the rest)."""
+    try:
+        os.kill(session, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + grace_s
+    while _session_members(session) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in _session_members(session):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _launch(*args: str) -> list[str]:
+    return [sys.executable, "-m", "corral.cluster.launch", *args]
+
+
+def _in_netns(netns: str | None, command: list[str]) -> list[str]:
+    return _launch("netns", netns, "--", *command) if netns else command
+
+
+def start_ray_node(
+    ray_args: list[str], env: dict[str, str], log_path: Path, *, namespace: bool = True, netns: str | None = None
+) -> subprocess.Popen[bytes]:
+    """`ray start --block` in a session of its own (inside a node's mount namespace when ``namespace``)."""
+    command = [_ray_binary(), "start", "--block", *ray_args]
+    if namespace:
+        command = _launch("node", *(["--netns", netns] if netns else []), "--", *command)
+    else:
+        command = _in_netns(netns, command)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
+        )
+
+
+def create_edge_actor(address: str, edge_id: str, env: dict[str, str], log_path: Path, netns: str | None) -> int:
+    """Create (or find) the node's edge actor and wait for it; its worker's pid."""
+    with open(log_path, "ab") as log:
+        done = subprocess.run(
+            _launch("edge", *(["--netns", netns] if netns else []), "--address", address, "--edge-id", edge_id),
+            env=env, stdout=subprocess.PIPE, stderr=log, timeout=NODE_UP_TIMEOUT_S,
+        )  # fmt: skip
+    if done.returncode != 0:
+        tail = log_path.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"edge {edge_id} did not start; {log_path} ends:\n{tail}")
+    return int(done.stdout.split()[-1])
+
+
+def node_env(
+    *, edge_id: str, data_dir: Path, node_dir: Path, database_url: str, gateway_url: str, api_key: str,
+    labels: dict[str, str] | None = None, extra: dict[str, str] | None = None,
+) -> dict[str, str]:  # fmt: skip
+    """A node's settings, as the environment its raylet (and so its edge actor) runs with."""
+    env = {
+        **os.environ,
+        "CORRAL_EDGE_ID": edge_id,
+        "CORRAL_DATA_DIR": str(data_dir),
+        "CORRAL_NODE_DIR": str(node_dir),
+        "CORRAL_DATABASE_URL": database_url,
+        "CORRAL_LAYER_SOURCE_URL": gateway_url,
+        "CORRAL_API_KEY": api_key,
+        **(extra or {}),
+    }
+    if labels:
+        env["CORRAL_NODE_LABELS"] = json.dumps(labels)
+    return env
+
+
+def join_node(
+    address: str, edge_id: str, env: dict[str, str], log_dir: Path, *, ray_args: list[str] | None = None,
+    netns: str | None = None,
+) -> tuple[subprocess.Popen[bytes], int]:  # fmt: skip
+    """Start this machine's raylet (offering the edge's resource) and its edge actor: (raylet session, actor pid)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    resources = json.dumps({node_resource(edge_id): 1})
+    process = start_ray_node(
+        ["--address", address, "--num-cpus", "1", "--resources", resources, "--disable-usage-stats",
+         *(ray_args or [])],
+        env, log_dir / f"ray-{edge_id}.log", netns=netns,
+    )  # fmt: skip
+    try:
+        pid = create_edge_actor(address, edge_id, env, log_dir / f"edge-{edge_id}.log", netns)
+    except BaseException:
+        stop_session(process.pid)
+        raise
+    return process, pid
+
+
+class LocalCluster:
+    """A cluster of ``nodes`` Corral nodes on this machine, each its own raylet, behind one gateway."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        database_url: str | None = None,
+        node_dir: Path | None = None,
+        node_settings: dict[str, str] | None = None,
+        gateway_settings: dict[str, str] | None = None,
+    ) -> None:
+        self.directory = directory
+        self._database_url = database_url
+        self._node_dir = node_dir
+        self._node_settings = node_settings or {}
+        self._gateway_settings = gateway_settings or {}
+        self.state: ClusterState | None = None
+        self.network: ClusterNetwork | None = None
+
+    # -- up --------------------------------------------------------------------
+
+    def up(self, nodes: int, progress: Callable[[str], None] = lambda _: None) -> ClusterState:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if (self.directory / CLUSTER_FILE).exists():
+            raise RuntimeError(f"a cluster is already recorded in {self.directory}: `corral cluster down` it first")
+        postgres_dir = None
+        database_url = self._database_url
+        if database_url is None:
+            progress("starting PostgreSQL")
+            postgres_dir = self.directory / "postgres"
+            database_url = _start_postgres(postgres_dir)
+        env = {**os.environ, **LOCAL_RAY_ENV}
+        network = self.network = ClusterNetwork.for_directory(self.directory)
+        network.create()
+        port = 6379
+        address = f"{network.address}:{port}"
+        progress(f"starting the Ray head at {address} (network namespace {network.name})")
+        logs = self.directory / "logs"
+        logs.mkdir(exist_ok=True)
+        head = start_ray_node(
+            ["--head", "--port", str(port), "--node-ip-address", network.address, "--num-cpus", "0",
+             "--include-dashboard=false", "--disable-usage-stats", "--object-store-memory", str(200 << 20),
+             "--temp-dir", str(self.directory / "ray")],
+            env, logs / "ray-head.log", namespace=False, netns=network.name,
+        )  # fmt: skip
+        api_key = f"ck_{secrets.token_hex(24)}"
+        state = ClusterState(
+            directory=str(self.directory), ray_address=address, head_session=head.pid, gateway_pid=0,
+            gateway_url="", api_key=api_key, database_url=database_url,
+            postgres_dir=str(postgres_dir) if postgres_dir else None, netns=network.name,
+        )  # fmt: skip
+        self.state = state
+        state.save()
+        try:
+            _wait_for_ray(address, env, network.name)
+            progress("starting the gateway")
+            gateway = EmbeddedServer(
+                self.directory / "gateway", host=network.address, launcher=_launch("netns", network.name, "--"),
+                env={**LOCAL_RAY_ENV, "CORRAL_ENGINE": "ray", "CORRAL_RAY_ADDRESS": address,
+                     "CORRAL_DATABASE_URL": database_url, "CORRAL_API_KEY": api_key, **self._gateway_settings},
+            )  # fmt: skip
+            gateway.start()
+            assert gateway.process is not None
+            state.gateway_pid, state.gateway_url = gateway.process.pid, gateway.url
+            state.save()
+            for index in range(1, nodes + 1):
+                progress(f"joining node e{index} ({index}/{nodes})")
+                self.add_node(f"e{index}")
+        except BaseException:
+            self.down()
+            raise
+        return state
+
+    def add_node(self, edge_id: str, labels: dict[str, str] | None = None) -> NodeProcess:
+        state = self._state()
+        data_dir = self.directory / "nodes" / edge_id
+        node_dir = self._node_dir or data_dir / "node"
+        env = node_env(
+            edge_id=edge_id, data_dir=data_dir, node_dir=node_dir, database_url=state.database_url,
+            gateway_url=state.gateway_url, api_key=state.api_key, labels=labels,
+            extra={**LOCAL_RAY_ENV, **self._node_settings},
+        )  # fmt: skip
+        node_address = state.ray_address.rsplit(":", 1)[0]
+        process, _ = join_node(
+            state.ray_address, edge_id, env, self.directory / "logs", netns=state.netns,
+            ray_args=["--node-ip-address", node_address, "--object-store-memory", str(100 << 20),
+                      "--temp-dir", str(self.directory / "ray")],
+        )  # fmt: skip
+        node = NodeProcess(edge_id=edge_id, session=process.pid, data_dir=str(data_dir), labels=labels or {})
+        state.nodes[edge_id] = node
+        state.save()
+        self._wait_until_up(edge_id)
+        return node
+
+    def _wait_until_up(self, edge_id: str) -> None:
+        deadline = time.monotonic() + NODE_UP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if any(n["edge_id"] == edge_id and n["state"] == "up" for n in self.cluster_nodes()):
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"node {edge_id} did not heartbeat within {NODE_UP_TIMEOUT_S:.0f} s")
+
+    # -- inspect -----------------------------------------------------------------
+
+    def _state(self) -> ClusterState:
+        if self.state is None:
+            self.state = ClusterState.load(self.directory)
+        return self.state
+
+    def cluster_nodes(self) -> list[dict[str, Any]]:
+        """The gateway's view (the shared ``nodes`` table): state, last heartbeat, load."""
+        state = self._state()
+        response = httpx.get(
+            f"{state.gateway_url}/v1/cluster/nodes", headers={"Authorization": f"Bearer {state.api_key}"}, timeout=10
+        )
+        response.raise_for_status()
+        return list(response.json())
+
+    def edge_pid(self, edge_id: str) -> int | None:
+        """The pid of the node's edge actor worker (found in the node's session by its edge id)."""
+        node = self._state().nodes[edge_id]
+        for pid in _session_members(node.session):
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                title = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if title.startswith(b"ray::EdgeActor") and f"CORRAL_EDGE_ID={edge_id}".encode() in environ:
+                return pid
+        return None
+
+    def gateway(self) -> EmbeddedServer:
+        """A handle on the running gateway (client config, api key)."""
+        state = self._state()
+        host, port = state.gateway_url.removeprefix("http://").rsplit(":", 1)
+        return EmbeddedServer(self.directory / "gateway", port=int(port), host=host)
+
+    # -- down --------------------------------------------------------------------
+
+    def remove_node(self, edge_id: str) -> None:
+        """Stop a node's raylet and edge (as if the machine went away); its sandboxes' processes are deleted."""
+        state = self._state()
+        node = state.nodes.pop(edge_id)
+        stop_session(node.session)
+        delete_leftover_sandboxes(Path(node.data_dir))
+        state.save()
+
+    def down(self) -> None:
+        """Kill the cluster's sandboxes, stop the gateway, the nodes, the head and PostgreSQL."""
+        state = self._state()
+        if state.gateway_pid:
+            with contextlib.suppress(CorralError):
+                with Client(state.gateway_url, state.api_key) as client:
+                    for info in client.list():
+                        with contextlib.suppress(CorralError):
+                            client.kill(info.id)
+            _stop_pid(state.gateway_pid)
+        for edge_id in list(state.nodes):
+            self.remove_node(edge_id)
+        stop_session(state.head_session)
+        if state.netns:
+            ClusterNetwork.for_directory(self.directory).delete()
+        if state.postgres_dir:
+            _stop_postgres(Path(state.postgres_dir))
+        (self.directory / CLUSTER_FILE).unlink(missing_ok=True)
+        shutil.rmtree(self.directory / "ray", ignore_errors=True)
+        self.state = None
+
+
+def _stop_pid(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + _STOP_GRACE_S
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _wait_for_ray(address: str, env: dict[str, str], netns: str | None, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done = subprocess.run(
+            _in_netns(netns, [_ray_binary(), "health-check", "--address", address]), env=env, capture_output=True,
+            timeout=30,
+        )  # fmt: skip
+        if done.returncode == 0:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"the Ray head at {address} did not come up within {timeout_s:.0f} s")
+
+
+def _start_postgres(directory: Path) -> str:
+    done = subprocess.run(
+        ["bash", str(_REPO / "scripts" / "postgres.sh"), "start", str(directory)], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"PostgreSQL did not start: {done.stderr.strip()} (or pass --database-url)")
+    return done.stdout.strip()
+
+
+def _stop_postgres(directory: Path) -> None:
+    subprocess.run(["bash", str(_REPO / "scripts" / "postgres.sh"), "stop", str(directory)], capture_output=True)

@@ -1,0 +1,116 @@
+"""The gateway's side of a Ray cluster: an ``Edge`` that calls a node's edge actor.
+
+Arguments and results cross as Ray objects (pickled models, specs, bytes).
+Errors come back as the Corral error the edge raised; an actor that is down
+or restarting becomes ``ServerUnavailable`` (a create tries another node).
+Paths do not cross nodes: a snapshot's diff layer comes back as bytes, and
+VM/gVisor checkpoints, which are files on the node, are refused for now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+
+from corral.cluster.edge_actor import ACTOR_NAMESPACE, actor_name
+from corral.sdk._exceptions import CorralError, InternalError, InvalidRequest, ServerUnavailable
+from corral.sdk._models import ExecEvent, ExecRequest
+
+__all__ = ["RayEdge", "RayEdges"]
+
+
+class RayEdge:
+    """``Edge`` over the named actor of one node; any Edge method not defined here is forwarded as is."""
+
+    remote = True
+
+    def __init__(self, edge_id: str) -> None:
+        self.edge_id = edge_id
+        self._handle: Any = None
+
+    async def _actor(self) -> Any:
+        if self._handle is None:
+            try:
+                self._handle = await asyncio.to_thread(ray.get_actor, actor_name(self.edge_id), ACTOR_NAMESPACE)
+            except ValueError:
+                raise ServerUnavailable(
+                    f"edge {self.edge_id} has no actor in the Ray cluster: its node is down or has not joined"
+                ) from None
+        return self._handle
+
+    def _unavailable(self, exc: BaseException) -> ServerUnavailable:
+        if isinstance(exc, ActorDiedError):
+            self._handle = None  # a new actor under the same name gets a new handle
+        return ServerUnavailable(f"edge {self.edge_id} is unavailable (its node is down or the edge restarting): {exc}")
+
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        actor = await self._actor()
+        try:
+            return await actor.call.remote(method, *args, **kwargs)
+        except RayTaskError as exc:
+            raise _cause(exc) from None
+        except (ActorUnavailableError, RayActorError) as exc:
+            raise self._unavailable(exc) from None
+
+    def __getattr__(self, method: str) -> Callable[..., Awaitable[Any]]:
+        if method.startswith("_"):
+            raise AttributeError(method)
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            return await self._call(method, *args, **kwargs)
+
+        return call
+
+    async def start(self) -> None:
+        """The actor started itself (and re-adopted its sandboxes)."""
+
+    async def close(self) -> None:
+        """The actor outlives gateways."""
+
+    async def adopt(self, specs: list[Any]) -> dict[str, str | None]:
+        raise InternalError("a Ray edge adopts its sandboxes itself when it starts")
+
+    async def pack_diff(self, sandbox_id: str, dest: Path) -> None:
+        data = await self._call("pack_diff_bytes", sandbox_id)
+        await asyncio.to_thread(dest.write_bytes, data)
+
+    async def checkpoint(self, sandbox_id: str, dest: Path) -> None:
+        raise InvalidRequest("forks of microvm/vm/runsc sandboxes need the embedded server: not on a Ray cluster yet")
+
+    async def checkpoint_dir(self, sandbox_id: str, checkpoint_id: str) -> Path:
+        raise InvalidRequest("forks of microvm/vm/runsc sandboxes need the embedded server: not on a Ray cluster yet")
+
+    async def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+        actor = await self._actor()
+        try:
+            async for ref in actor.stream.options(num_returns="streaming").remote("exec_stream", sandbox_id, request):
+                yield await ref
+        except RayTaskError as exc:
+            raise _cause(exc) from None
+        except (ActorUnavailableError, RayActorError) as exc:
+            raise self._unavailable(exc) from None
+
+
+def _cause(exc: RayTaskError) -> CorralError:
+    cause = exc.cause
+    if isinstance(cause, CorralError):
+        return type(cause)(cause.message)
+    return InternalError(f"the edge failed: {cause!r}")
+
+
+class RayEdges:
+    """The cluster's edges by id, each resolved to its actor on first use."""
+
+    def __init__(self) -> None:
+        self._edges: dict[str, RayEdge] = {}
+
+    def get(self, edge_id: str) -> RayEdge:
+        edge = self._edges.get(edge_id)
+        if edge is None:
+            edge = self._edges[edge_id] = RayEdge(edge_id)
+        return edge

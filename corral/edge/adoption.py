@@ -1,0 +1,81 @@
+"""Taking back the sandboxes a restarted edge left running, from their records in the shared store.
+
+Used by the embedded server for its own edge and by a Ray cluster's edge
+actor when Ray restarts it: the records say what ran on this edge, the edge
+finds which of them survived, and the records are brought up to date
+(running, paused, or lost with a clear status).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from corral.backends.base import LayerRef, SandboxSpec
+from corral.backends.container.network import AllowRule
+from corral.edge.local import to_allow_rules
+from corral.edge.protocol import Edge
+from corral.sdk._exceptions import NotFound
+from corral.sdk._models import NetworkPolicy, SandboxState
+from corral.state.db import StateStore
+
+__all__ = ["ACTIVE_STATES", "spec_from_record", "readopt"]
+
+log = logging.getLogger(__name__)
+
+ACTIVE_STATES = [SandboxState.CREATING.value, SandboxState.RUNNING.value, SandboxState.PAUSED.value]
+
+
+def _rules(network: dict[str, Any] | None) -> tuple[AllowRule, ...] | None:
+    return None if network is None else to_allow_rules(NetworkPolicy.model_validate(network).allow)
+
+
+def spec_from_record(record: dict[str, Any], layers: tuple[LayerRef, ...]) -> SandboxSpec:
+    """The spec a sandbox was created with, from its record (``layers``: its stack's files on this node)."""
+    return SandboxSpec(
+        sandbox_id=record["id"],
+        image=record["image"],
+        layers=layers,
+        runtime=record["runtime"],
+        cpu=record["cpu"],
+        qos=record["qos"],
+        memory_mb=record["memory_mb"],
+        pids_max=record["pids_max"],
+        env=record["env"],
+        cwd=record["cwd"],
+        user=record["user"],
+        idle_pause_s=record["idle_pause_s"],
+        network=_rules(record["network"]),
+        protected_paths=tuple(record["protected_paths"] or ()),
+        sensitive_paths=tuple(record["sensitive_paths"] or ()),
+        disk_mb=record["disk_mb"],
+        backend=record["backend"],
+    )
+
+
+async def readopt(
+    edge: Edge, store: StateStore, layers_of: Callable[[Iterable[str]], Awaitable[tuple[LayerRef, ...]]]
+) -> list[dict[str, Any]]:
+    """Adopt what the records say runs on ``edge``; update the records; return the adopted ones' records.
+
+    ``layers_of`` turns a record's stack entries into layer files on this node (raising NotFound when a
+    layer is gone, which makes the sandbox lost)."""
+    records = store.list(states=ACTIVE_STATES, edge_id=edge.edge_id)
+    specs = []
+    for record in records:
+        try:
+            specs.append(spec_from_record(record, await layers_of(record["layers"])))
+        except NotFound:
+            store.end(record["id"], SandboxState.LOST, "lost", "its image layers are gone from this node")
+    states = await edge.adopt(specs)
+    for sandbox_id, state in states.items():
+        if state == SandboxState.PAUSED.value:
+            store.update(sandbox_id, state=state)
+        elif state is not None:
+            store.update(sandbox_id, state=SandboxState.RUNNING.value)
+        else:
+            store.end(sandbox_id, SandboxState.LOST, "lost", "the sandbox did not survive a restart of its edge")
+    adopted = [record for record in records if states.get(record["id"]) is not None]
+    log.info("edge %s: re-adopted %d of %d sandboxes", edge.edge_id, len(adopted), len(states))
+    return adopted
