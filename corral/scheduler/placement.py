@@ -164,9 +164,12 @@ class Scheduler:
         if backend is not None and not any(node.runs(backend) for node in nodes):
             raise InvalidRequest(f"no node runs backend {backend!r}")
         if selector:
-            nodes = [node for node in nodes if node.matches(selector) and node.runs(backend)]
+            labelled = [node for node in nodes if node.matches(selector)]
+            if not labelled:
+                raise InvalidRequest(_no_node_has(selector, nodes))
+            nodes = [node for node in labelled if node.runs(backend)]
             if not nodes:
-                raise InvalidRequest(_no_node_has(selector, backend, self.nodes.values()))
+                raise InvalidRequest(f"no node with labels {_pairs(selector)} runs backend {backend!r}")
         if all(cpu > node.node_cpu or memory_mb > node.node_memory_mb for node in nodes):
             biggest = max(nodes, key=lambda node: (node.node_cpu, node.node_memory_mb))
             raise InvalidRequest(
@@ -219,10 +222,12 @@ class Scheduler:
         node.sandboxes -= 1
 
 
-def _no_node_has(selector: Mapping[str, str], backend: str | None, nodes: Iterable[NodeView]) -> str:
+def _pairs(labels: Mapping[str, str]) -> str:
+    return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
+
+
+def _no_node_has(selector: Mapping[str, str], nodes: list[NodeView]) -> str:
     """Says which labels the nodes do have (the distinct sets, a few of them) so a typo shows."""
-    wanted = ",".join(f"{key}={value}" for key, value in sorted(selector.items()))
-    distinct = sorted({",".join(f"{k}={v}" for k, v in sorted(node.labels.items())) or "(none)" for node in nodes})
+    distinct = sorted({_pairs(node.labels) or "(none)" for node in nodes})
     shown = "; ".join(distinct[:_LABEL_SETS_SHOWN]) + ("; ..." if len(distinct) > _LABEL_SETS_SHOWN else "")
-    runs = f" and runs backend {backend!r}" if backend is not None else ""
-    return f"no node has labels {wanted}{runs}; nodes have: {shown}"
+    return f"no node has labels {_pairs(selector)}; nodes have: {shown}"

@@ -162,7 +162,7 @@ def test_a_selector_no_node_matches_is_invalid_and_names_it() -> None:
     with pytest.raises(InvalidRequest) as caught:
         sched.place(cpu=1, memory_mb=1, selector={"zone": "b"})
     assert caught.value.message == "no node has labels zone=b; nodes have: (none); disk=ssd,zone=a; zone=a"
-    with pytest.raises(InvalidRequest, match="no node has labels zone=a and runs backend 'microvm'"):
+    with pytest.raises(InvalidRequest, match="no node with labels zone=a runs backend 'microvm'"):
         sched.place(cpu=1, memory_mb=1, backend="microvm", selector={"zone": "a"})
 
 
