@@ -1,15 +1,20 @@
-"""Node labels and node selectors end to end over simulated nodes: the service, scheduler, LocalEdges and state
-store are real; the backend only keeps state (corral/backends/simulated.py)."""
+"""Node labels and node selectors end to end: over simulated nodes (the service, scheduler, LocalEdges and state
+store are real; the backend only keeps state, corral/backends/simulated.py), and through a real server, the SDK
+and the CLI."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+import corral
 from corral.bench import control_plane
+from corral.embedded import EmbeddedServer
 from corral.gateway.service import SandboxService
 from corral.gateway.trajectory import Trajectories
 from corral.sdk import InvalidRequest
@@ -75,3 +80,26 @@ async def test_a_node_selector_places_every_sandbox_on_a_matching_node(tmp_path:
             assert not store.list(states=["creating"])  # nothing recorded for a create no node could take
     finally:
         store.close()
+
+
+def test_a_server_reports_its_labels_and_places_by_them(tmp_path: Path, test_env: dict[str, str]) -> None:
+    """CORRAL_NODE_LABELS reaches the heartbeat, the nodes listing and the CLI; the SDK's selector reaches
+    placement, single and batch, and a selector no node has comes back as InvalidRequest over HTTP."""
+    env = {**test_env, "CORRAL_NODE_LABELS": '{"zone": "a", "disk": "ssd"}'}
+    with EmbeddedServer(tmp_path / "server", env=env) as server, server.client() as client:
+        deadline = time.monotonic() + 10
+        while not client.cluster_nodes() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [node.load.labels for node in client.cluster_nodes()] == [{"zone": "a", "disk": "ssd"}]
+        cli = subprocess.run([sys.executable, "-m", "corral.cli.main", "nodes"], env=server.env(),
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert cli.returncode == 0 and "zone=a" in cli.stdout, cli.stderr
+        with client.create("busybox", ttl_s=120, node_selector={"zone": "a"}) as sandbox:
+            assert sandbox.info.node_selector == {"zone": "a"}
+            assert client.get(sandbox.id).info.node_selector == {"zone": "a"}
+        batch = list(client.create_many(2, "busybox", ttl_s=120, node_selector={"disk": "ssd"}))
+        assert [sb.info.node_selector for sb in batch] == [{"disk": "ssd"}] * 2
+        for sb in batch:
+            sb.kill()
+        with pytest.raises(corral.InvalidRequest, match="no node has labels zone=b; nodes have: disk=ssd,zone=a"):
+            client.create("busybox", node_selector={"zone": "b"})
