@@ -110,6 +110,11 @@ class Settings(BaseSettings):
     pressure_pause_idle_s: float = Field(
         30.0, ge=0, description="While memory is short, sandboxes idle this long are paused (their memory reclaimed)."
     )
+    node_labels: dict[str, str] = Field(
+        {},
+        description='Labels of this node, as JSON, e.g. {"zone": "a", "disk": "ssd"}. A create with a node_selector '
+        "is placed only on nodes whose labels include every key=value of it.",
+    )
     node_heartbeat_s: float = Field(1.0, gt=0, description="How often this server's edges report to the shared state.")
     node_lost_after_s: float = Field(
         15.0, gt=0, description="A node silent this long is marked lost, and every sandbox on it with it."

@@ -114,6 +114,6 @@ def build_edge(settings: Settings, host: HostSetup, events: EdgeEvents) -> Local
     capacity = node_capacity(
         settings.cpu_overcommit, settings.memory_overcommit, settings.max_file_bytes,
         memory_reserve_mb=settings.memory_reserve_mb, memory_full_pressure_pct=settings.memory_full_pressure_pct,
-        pressure_pause_idle_s=settings.pressure_pause_idle_s,
+        pressure_pause_idle_s=settings.pressure_pause_idle_s, labels=settings.node_labels,
     )  # fmt: skip
     return LocalEdge(settings.edge_id, backend, capacity, events)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 import statistics
 import subprocess
@@ -79,9 +80,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @contextlib.asynccontextmanager
-async def simulated_cluster(nodes: int, store: StateStore, layer_dir: Path) -> AsyncIterator[SandboxService]:
-    """A started SandboxService over ``nodes`` LocalEdges with the simulated backend (standing in for the
-    container backend, under its name), a real catalogue holding one small image, and the given store."""
+async def simulated_cluster(
+    nodes: int, store: StateStore, layer_dir: Path, *, labels: Sequence[dict[str, str]] = ()
+) -> AsyncIterator[SandboxService]:
+    """A started SandboxService over ``nodes`` LocalEdges n0, n1, ... with the simulated backend (standing in
+    for the container backend, under its name), a real catalogue holding one small image, and the given store;
+    ``labels[i]``, if given, are node i's labels."""
     settings = Settings()
     layer_dir.mkdir(parents=True, exist_ok=True)
     catalogue = Catalogue(store.engine, LayerStore(layer_dir))
@@ -101,7 +105,8 @@ async def simulated_cluster(nodes: int, store: StateStore, layer_dir: Path) -> A
     for index in range(nodes):
         edge_id = f"n{index}"
         backend = BackendRouter({"container": SimulatedBackend()})
-        edges[edge_id] = LocalEdge(edge_id, backend, capacity, service, host_reader=host_reader)
+        node = dataclasses.replace(capacity, labels=labels[index]) if index < len(labels) else capacity
+        edges[edge_id] = LocalEdge(edge_id, backend, node, service, host_reader=host_reader)
     await service.start()
     try:
         yield service

@@ -40,11 +40,14 @@ def _sandbox_table(rows: list[SandboxInfo]) -> Table:
     table = Table("STATE", "IMAGE", "CPU", "MEM MiB", "LABELS", "CREATED", "EXPIRES")
     table.columns.insert(0, Column("ID", no_wrap=True, min_width=22))
     for info in rows:
-        labels = ",".join(f"{k}={v}" for k, v in info.labels.items())
         state = info.state.value + (f" ({info.end_reason})" if info.end_reason else "")
-        table.add_row(info.id, state, info.image, f"{info.cpu:g}", str(info.memory_mb), labels,
+        table.add_row(info.id, state, info.image, f"{info.cpu:g}", str(info.memory_mb), _pairs(info.labels),
                       _when(info.created_at), _when(info.expires_at))  # fmt: skip
     return table
+
+
+def _pairs(labels: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in labels.items())
 
 
 def _labels(items: list[str] | None) -> dict[str, str]:
@@ -81,6 +84,9 @@ def create(
     memory_mb: int = 512,
     ttl_s: Annotated[float | None, typer.Option(help="Seconds until it is destroyed.")] = 3600,
     label: Annotated[list[str] | None, typer.Option("--label", "-l", help="key=value, repeatable.")] = None,
+    node_selector: Annotated[
+        list[str] | None, typer.Option("--node-selector", help="Only on a node with this key=value label, repeatable.")
+    ] = None,
     env: Annotated[list[str] | None, typer.Option("--env", "-e", help="NAME=value, repeatable.")] = None,
     user: str = "root",
     cwd: str = "/",
@@ -90,7 +96,8 @@ def create(
     """Create a sandbox and print its id (IMAGE is the base when --workspace/--tools compose an environment)."""
     environment = {"base": image, "workspace": workspace, "tools": tools} if workspace or tools else None
     sandbox = _client().create(image, cpu=cpu, qos=qos, memory_mb=memory_mb, ttl_s=ttl_s, labels=_labels(label),
-                               env=_labels(env), user=user, cwd=cwd, environment=environment)  # fmt: skip
+                               env=_labels(env), user=user, cwd=cwd, environment=environment,
+                               node_selector=_labels(node_selector))  # fmt: skip
     console.print(sandbox.id)
 
 
@@ -145,7 +152,8 @@ def nodes(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
         print(json.dumps({"stats": [n.model_dump(mode="json") for n in own],
                           "cluster": [n.model_dump(mode="json") for n in known]}, indent=2))  # fmt: skip
         return
-    table = Table("node", "state", "last seen", "sandboxes", "cpu committed", "memory committed", "refusing")
+    table = Table("node", "state", "last seen", "sandboxes", "cpu committed", "memory committed", "labels",
+                  "refusing")  # fmt: skip
     stats = {n.edge_id: n for n in own}
     for node in known:
         mine = stats.get(node.edge_id)
@@ -153,7 +161,7 @@ def nodes(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
         table.add_row(
             node.edge_id, node.state, f"{time.time() - node.last_seen:.0f} s ago", str(count),
             f"{node.load.cpu_committed:g}/{node.load.cpu_capacity:g}",
-            f"{node.load.memory_committed_mb}/{node.load.memory_capacity_mb} MiB",
+            f"{node.load.memory_committed_mb}/{node.load.memory_capacity_mb} MiB", _pairs(node.load.labels) or "-",
             (mine.refusing or "-") if mine else "-",
         )  # fmt: skip
     console.print(table)

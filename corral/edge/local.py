@@ -69,6 +69,7 @@ class NodeCapacity:
     memory_reserve_mb: int = 1024  # below this much MemAvailable the node refuses new sandboxes
     memory_full_pressure_pct: float = 10.0  # ... and above this memory PSI "full" avg10 (the node thrashes)
     pressure_pause_idle_s: float = 30.0  # under pressure, sandboxes idle this long are paused (memory reclaimed)
+    labels: dict[str, str] = field(default_factory=dict)  # reported in the load; creates select nodes by them
 
 
 @dataclass
@@ -221,6 +222,7 @@ class LocalEdge:
             memory_committed_mb=self._committed.memory_mb,
             memory_capacity_mb=int(self._capacity.memory_mb * self._capacity.memory_overcommit),
             backends=sorted(getattr(self._backend, "backends", None) or [self._backend.name]),
+            labels=self._capacity.labels,
         )
 
     async def stats(self) -> NodeStats:
@@ -696,10 +698,17 @@ def memory_is_short(cap: NodeCapacity, host: HostReadings) -> bool:
 
 
 def node_capacity(
-    cpu_overcommit: float, memory_overcommit: float, max_file_bytes: int, **pressure: float
+    cpu_overcommit: float,
+    memory_overcommit: float,
+    max_file_bytes: int,
+    *,
+    labels: dict[str, str] | None = None,
+    **pressure: float,
 ) -> NodeCapacity:
-    """This machine's cores and RAM, with the configured overcommit (and pressure limits, see NodeCapacity)."""
+    """This machine's cores and RAM, with the configured overcommit (and pressure limits and labels, see
+    NodeCapacity)."""
     memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1 << 20)
+    cpu = float(os.cpu_count() or 1)
     return NodeCapacity(
-        float(os.cpu_count() or 1), memory_mb, cpu_overcommit, memory_overcommit, max_file_bytes, **pressure
+        cpu, memory_mb, cpu_overcommit, memory_overcommit, max_file_bytes, labels=dict(labels or {}), **pressure
     )  # type: ignore[arg-type]

@@ -314,7 +314,7 @@ class SandboxService:
     @staticmethod
     def request_like(record: dict, *, labels: dict[str, str], **overrides: Any) -> CreateSandboxRequest:  # type: ignore[type-arg]
         """A create request with a recorded sandbox's settings (stack, backend, limits, env, user, TTL length,
-        guard), for its forks and replays; ``labels`` are added to its own."""
+        guard, node selector), for its forks and replays; ``labels`` are added to its own."""
         values: dict[str, Any] = {
             "layers": record["layers"], "backend": record["backend"], "runtime": record["runtime"],
             "cpu": record["cpu"], "qos": record["qos"], "memory_mb": record["memory_mb"],
@@ -323,6 +323,7 @@ class SandboxService:
             "ttl_counts_paused": record["ttl_counts_paused"], "idle_pause_s": record["idle_pause_s"],
             "protected_paths": record["protected_paths"] or [], "sensitive_paths": record["sensitive_paths"] or [],
             "disk_mb": record["disk_mb"], "labels": {**record["labels"], **labels},
+            "node_selector": record["node_selector"],
         }  # fmt: skip
         return CreateSandboxRequest(**{**values, **overrides})
 
@@ -393,7 +394,7 @@ class SandboxService:
             try:
                 edge_id = self.scheduler.place(
                     cpu=request.cpu, memory_mb=request.memory_mb, backend=request.backend, layers=digests,
-                    exclude=frozenset(refused), max_in_flight=max_in_flight,
+                    selector=request.node_selector, exclude=frozenset(refused), max_in_flight=max_in_flight,
                 )  # fmt: skip
             except NodesBusy:
                 self._create_finished.clear()
@@ -436,7 +437,7 @@ class SandboxService:
                 "ttl_counts_paused": request.ttl_counts_paused, "idle_pause_s": request.idle_pause_s,
                 "network": request.network.model_dump() if request.network is not None else None,
                 "protected_paths": request.protected_paths, "disk_mb": request.disk_mb,
-                "sensitive_paths": request.sensitive_paths,
+                "sensitive_paths": request.sensitive_paths, "node_selector": request.node_selector,
             }  # fmt: skip
             try:
                 await self._writes.insert(record)

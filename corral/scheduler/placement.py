@@ -5,7 +5,8 @@ the backends it runs, what is committed to it, the layers its sandboxes
 used, the creates in flight there), updated as sandboxes are placed, started
 and ended, so a placement never asks every edge for its load. A placement
 samples nodes at random until it has ``k`` that pass the filter (room now,
-the backend, not refused for this request, fewer than the in-flight limit),
+the backend, labels matching the request's node selector, not refused for
+this request, fewer than the in-flight limit),
 then takes the best of them: least loaded, with a node that already has the
 sandbox's layers preferred unless it is much busier (the "power of k
 choices": near-best balance at O(k) per placement). Only when sampling finds
@@ -17,7 +18,7 @@ again.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from corral.sdk._exceptions import CapacityExhausted, InvalidRequest
@@ -28,6 +29,7 @@ __all__ = ["NodeView", "NodesBusy", "Scheduler"]
 DEFAULT_CANDIDATES = 2
 LAYER_MISS_PENALTY = 0.1  # a node missing all the layers counts as busier by a tenth of its real size
 _SAMPLES_PER_CANDIDATE = 8  # random draws per wanted candidate before falling back to a full scan
+_LABEL_SETS_SHOWN = 5  # distinct label sets an error about a node selector lists
 
 
 @dataclass
@@ -45,6 +47,7 @@ class NodeView:
     sandboxes: int = 0
     in_flight: int = 0  # creates placed here that have not returned yet
     layers: set[str] = field(default_factory=set)
+    labels: dict[str, str] = field(default_factory=dict)
 
     def fits(self, cpu: float, memory_mb: int) -> bool:
         return (
@@ -56,6 +59,9 @@ class NodeView:
 
     def runs(self, backend: str | None) -> bool:
         return backend is None or not self.backends or backend in self.backends
+
+    def matches(self, selector: Mapping[str, str]) -> bool:
+        return all(self.labels.get(key) == value for key, value in selector.items())
 
     def committed_share(self) -> float:
         """The tighter of CPU and memory committed, relative to the node's real cores and memory (not the
@@ -89,7 +95,7 @@ class Scheduler:
         node = NodeView(
             edge_id=load.edge_id, node_cpu=load.node_cpu, node_memory_mb=load.node_memory_mb,
             cpu_capacity=load.cpu_capacity, memory_capacity_mb=load.memory_capacity_mb,
-            backends=frozenset(load.backends),
+            backends=frozenset(load.backends), labels=dict(load.labels),
         )  # fmt: skip
         if load.edge_id not in self.nodes:
             self._ids.append(load.edge_id)
@@ -129,19 +135,28 @@ class Scheduler:
         cpu: float,
         memory_mb: int,
         backend: str | None = None,
+        selector: Mapping[str, str] | None = None,
         layers: Iterable[str] = (),
         exclude: frozenset[str] = frozenset(),
         max_in_flight: int | None = None,
     ) -> str:
-        """The id of the edge to try; InvalidRequest when no node could ever fit it, CapacityExhausted when
-        none can now, NodesBusy when the fitting ones all have ``max_in_flight`` creates running."""
+        """The id of the edge to try; InvalidRequest when no node could ever fit it (too big, or no node runs
+        the backend or has every label of ``selector``), CapacityExhausted when none can now, NodesBusy when
+        the fitting ones all have ``max_in_flight`` creates running."""
         if not self.nodes:
             raise CapacityExhausted("no edges are registered with this gateway: retry later")
+        selector = selector or {}
         if cpu > self._largest[0] or memory_mb > self._largest[1]:
-            self._scan(lambda node: False, None, cpu=cpu, memory_mb=memory_mb, backend=backend, refused=0)
+            self._scan(lambda node: False, None, cpu=cpu, memory_mb=memory_mb, backend=backend, selector=selector,
+                       refused=0)  # fmt: skip
 
         def eligible(node: NodeView) -> bool:
-            return node.edge_id not in exclude and node.runs(backend) and node.fits(cpu, memory_mb)
+            return (
+                node.edge_id not in exclude
+                and node.runs(backend)
+                and node.matches(selector)
+                and node.fits(cpu, memory_mb)
+            )
 
         picked: list[NodeView] = []
         seen: set[str] = set()
@@ -158,11 +173,11 @@ class Scheduler:
                     break
         if not picked:
             picked = self._scan(eligible, max_in_flight, cpu=cpu, memory_mb=memory_mb, backend=backend,
-                                refused=len(exclude))  # fmt: skip
+                                selector=selector, refused=len(exclude))  # fmt: skip
         wanted = set(layers)
         return min(picked, key=lambda node: self._score(node, wanted)).edge_id
 
-    def _scan(self, eligible, max_in_flight, *, cpu, memory_mb, backend, refused) -> list[NodeView]:  # type: ignore[no-untyped-def]
+    def _scan(self, eligible, max_in_flight, *, cpu, memory_mb, backend, selector, refused) -> list[NodeView]:  # type: ignore[no-untyped-def]
         fitting = [node for node in self.nodes.values() if eligible(node)]
         free = [node for node in fitting if max_in_flight is None or node.in_flight < max_in_flight]
         if free:
@@ -172,6 +187,13 @@ class Scheduler:
         nodes = list(self.nodes.values())
         if backend is not None and not any(node.runs(backend) for node in nodes):
             raise InvalidRequest(f"no node runs backend {backend!r}")
+        if selector:
+            labelled = [node for node in nodes if node.matches(selector)]
+            if not labelled:
+                raise InvalidRequest(_no_node_has(selector, nodes))
+            nodes = [node for node in labelled if node.runs(backend)]
+            if not nodes:
+                raise InvalidRequest(f"no node with labels {_pairs(selector)} runs backend {backend!r}")
         if all(cpu > node.node_cpu or memory_mb > node.node_memory_mb for node in nodes):
             biggest = max(nodes, key=lambda node: (node.node_cpu, node.node_memory_mb))
             raise InvalidRequest(
@@ -229,3 +251,14 @@ class Scheduler:
         node.cpu_committed -= placed.cpu
         node.memory_committed_mb -= placed.memory_mb
         node.sandboxes -= 1
+
+
+def _pairs(labels: Mapping[str, str]) -> str:
+    return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
+
+
+def _no_node_has(selector: Mapping[str, str], nodes: list[NodeView]) -> str:
+    """Says which labels the nodes do have (the distinct sets, a few of them) so a typo shows."""
+    distinct = sorted({_pairs(node.labels) or "(none)" for node in nodes})
+    shown = "; ".join(distinct[:_LABEL_SETS_SHOWN]) + ("; ..." if len(distinct) > _LABEL_SETS_SHOWN else "")
+    return f"no node has labels {_pairs(selector)}; nodes have: {shown}"

@@ -600,15 +600,17 @@ class AsyncClient:
         protected_paths: list[str] | None = None,
         disk_mb: int | None = None,
         sensitive_paths: list[str] | None = None,
+        node_selector: dict[str, str] | None = None,
     ) -> AsyncSandbox:
-        """Create a sandbox from ``image``, an ``environment`` ({base, workspace, tools}), or ``layers``."""
+        """Create a sandbox from ``image``, an ``environment`` ({base, workspace, tools}), or ``layers``;
+        ``node_selector``: only on a node whose labels include each of its key=value pairs."""
         fields = {
             "image": image, "environment": environment, "layers": layers, "backend": backend, "runtime": runtime,
             "cpu": cpu, "qos": qos, "memory_mb": memory_mb, "pids_max": pids_max, "env": env or {}, "cwd": cwd,
             "user": user,
             "labels": labels or {}, "ttl_s": ttl_s, "idle_pause_s": idle_pause_s,
             "ttl_counts_paused": ttl_counts_paused, "network": network, "protected_paths": protected_paths or [],
-            "disk_mb": disk_mb, "sensitive_paths": sensitive_paths or [],
+            "disk_mb": disk_mb, "sensitive_paths": sensitive_paths or [], "node_selector": node_selector or {},
         }  # fmt: skip
         body = _validated(CreateSandboxRequest, fields)
         # A VM boots (and its first create on a node may build its disk): give it the server's own bound.
@@ -626,15 +628,18 @@ class AsyncClient:
         concurrency: int = 512,
         per_node: int = 32,
         on_progress: Callable[[BatchEvent], None] | None = None,
+        node_selector: dict[str, str] | None = None,
         **create_args: Any,
     ) -> AsyncIterator[AsyncSandbox]:
         """``count`` sandboxes in one request, each handed over as soon as it is ready (in that order).
 
-        ``create_args`` are ``create``'s. The server runs at most ``concurrency`` creates at once and at most
-        ``per_node`` on one node. ``on_progress`` gets every progress, failure ("error") and final "done"
-        event; without it, failures raise once the stream ends (after every ready sandbox was handed over).
+        ``create_args`` and ``node_selector`` are ``create``'s. The server runs at most ``concurrency`` creates
+        at once and at most ``per_node`` on one node. ``on_progress`` gets every progress, failure ("error") and
+        final "done" event; without it, failures raise once the stream ends (after every ready sandbox was handed
+        over).
         """
-        fields = {"image": image, "count": count, "concurrency": concurrency, "per_node": per_node, **create_args}
+        fields = {"image": image, "count": count, "concurrency": concurrency, "per_node": per_node,
+                  "node_selector": node_selector or {}, **create_args}  # fmt: skip
         body = _validated(BatchCreateRequest, fields).model_dump(mode="json", exclude_unset=True)
         failures: list[BatchEvent] = []
         lines = self._transport.stream_lines("POST", "/v1/sandboxes/batch", json=body, timeout_s=BATCH_TIMEOUT_S)

@@ -148,6 +148,11 @@ class CreateSandboxRequest(_Model):
     cwd: str = "/"
     user: str = Field("root", description="User name or uid[:gid] that commands run as by default.")
     labels: dict[str, str] = Field(default_factory=dict)
+    node_selector: dict[str, str] = Field(
+        default_factory=dict,
+        description='Place only on a node whose labels include every key=value here, e.g. {"disk": "ssd"} '
+        "(a node's labels: CORRAL_NODE_LABELS). Forks and replays keep it.",
+    )
     ttl_s: float | None = Field(
         DEFAULT_TTL_S, gt=0, description="Destroyed this many seconds after creation; null = never."
     )
@@ -188,6 +193,7 @@ class SandboxInfo(_Model):
     user: str
     cwd: str
     labels: dict[str, str]
+    node_selector: dict[str, str] = Field(default_factory=dict, description="The node labels it was placed by.")
     created_at: float = Field(description="Unix time, seconds.")
     expires_at: float | None = Field(None, description="Unix time when the TTL destroys it (moves on while paused).")
     ttl_counts_paused: bool = False
@@ -611,3 +617,6 @@ class EdgeLoad(_Model):
     memory_committed_mb: int
     memory_capacity_mb: int
     backends: list[str] = Field(default_factory=list, description="Backends the node runs; empty: not reported.")
+    labels: dict[str, str] = Field(
+        default_factory=dict, description="The node's labels (CORRAL_NODE_LABELS), matched by node_selector."
+    )

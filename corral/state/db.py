@@ -58,6 +58,7 @@ sandboxes = Table(
     Column("env", JSON, nullable=False),
     Column("layers", JSON, nullable=False),
     Column("labels", JSON, nullable=False),
+    Column("node_selector", JSON, nullable=False, server_default="{}"),  # node labels it was placed by
     Column("created_at", Float, nullable=False),
     Column("expires_at", Float, nullable=True, index=True),
     Column("ttl_counts_paused", Boolean, nullable=False, default=False),
@@ -139,7 +140,7 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
 
 def _add_missing_columns(engine: Engine) -> None:
     """A database made by an older version lacks the columns added since (protected_paths, disk_mb,
-    sensitive_paths, qos, ...): add them, empty or with their default. create_all makes missing tables,
+    sensitive_paths, qos, node_selector, ...): add them, empty or with their default. create_all makes missing tables,
     never missing columns."""
     existing = inspect(engine)
     for table in metadata.sorted_tables:

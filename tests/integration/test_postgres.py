@@ -57,3 +57,23 @@ def test_server_on_postgres_survives_a_restart(postgres_url: str, tmp_path: Path
             assert handle.exec("true").exit_code == 0
     finally:
         server.shutdown()
+
+
+def test_node_selector_column_is_added_to_an_old_database_on_postgres(postgres_url: str) -> None:
+    """JSON, NOT NULL DEFAULT '{}': rows written before the column existed read an empty selector."""
+    store = StateStore(postgres_url)
+    with store.engine.begin() as conn:
+        conn.exec_driver_sql("ALTER TABLE sandboxes DROP COLUMN node_selector")
+    store.insert({"id": "sb-e0-pg-old-row", "edge_id": "e0", "state": "ended", "image": "busybox",
+                  "backend": "container", "runtime": "crun", "cpu": 1.0, "memory_mb": 512, "pids_max": 256,
+                  "user": "root", "cwd": "/", "env": {}, "layers": [], "labels": {}, "created_at": 0.0})  # fmt: skip
+    store.close()
+    store = StateStore(postgres_url)
+    try:
+        assert store.get("sb-e0-pg-old-row")["node_selector"] == {}
+        store.insert({**store.get("sb-e0-pg-old-row"), "id": "sb-e0-pg-new-row", "node_selector": {"zone": "a"}})
+        assert store.get("sb-e0-pg-new-row")["node_selector"] == {"zone": "a"}
+    finally:
+        with store.engine.begin() as conn:
+            conn.exec_driver_sql("DELETE FROM sandboxes WHERE id IN ('sb-e0-pg-old-row', 'sb-e0-pg-new-row')")
+        store.close()

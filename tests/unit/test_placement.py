@@ -1,4 +1,4 @@
-"""Placement: filter (room, backend, refusals, in-flight limit), then the best of k random candidates."""
+"""Placement: filter (room, backend, node labels, refusals, in-flight limit), then the best of k random candidates."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ LAYER = "sha256:" + "a" * 64
 
 
 def load(edge_id: str, *, cpu: float = 2, memory_mb: int = 24576, cpu_cap: float = 128, mem_cap: int = 98304,
-         backends: tuple[str, ...] = ("container",)) -> EdgeLoad:  # fmt: skip
+         backends: tuple[str, ...] = ("container",), labels: dict[str, str] | None = None) -> EdgeLoad:  # fmt: skip
     return EdgeLoad(
         edge_id=edge_id, node_cpu=cpu, node_memory_mb=memory_mb, sandboxes=0, cpu_committed=0,
         cpu_capacity=cpu_cap, memory_committed_mb=0, memory_capacity_mb=mem_cap, backends=list(backends),
+        labels=labels or {},
     )  # fmt: skip
 
 
@@ -132,3 +133,56 @@ def test_no_room_now_is_capacity_exhausted() -> None:
 def test_bigger_than_any_node_is_invalid() -> None:
     with pytest.raises(InvalidRequest, match="largest node has 2 cores"):
         scheduler(load("a")).place(cpu=4, memory_mb=1)
+
+
+def test_add_node_keeps_the_labels_of_its_load() -> None:
+    sched = scheduler(load("a", labels={"zone": "a", "disk": "ssd"}))
+    assert sched.nodes["a"].labels == {"zone": "a", "disk": "ssd"}
+
+
+def test_node_selector_places_only_on_nodes_with_every_label() -> None:
+    nodes = [
+        load("plain"),
+        load("ssd-a", labels={"zone": "a", "disk": "ssd"}),
+        load("ssd-b", labels={"zone": "b", "disk": "ssd"}),
+        load("hdd-a", labels={"zone": "a", "disk": "hdd"}),
+    ]
+    for seed in range(20):
+        sched = scheduler(*nodes, seed=seed)
+        fill(sched, "ssd-a", 100)  # the busiest node: without the selector it would lose every time
+        assert sched.place(cpu=1, memory_mb=1, selector={"zone": "a", "disk": "ssd"}) == "ssd-a"
+        assert sched.place(cpu=1, memory_mb=1, selector={"disk": "ssd"}) == "ssd-b"
+        assert sched.place(cpu=1, memory_mb=1, selector={"zone": "a"}) == "hdd-a"
+        assert sched.place(cpu=1, memory_mb=1, selector={}) != "ssd-a"
+
+
+def test_a_selector_no_node_matches_is_invalid_and_names_it() -> None:
+    sched = scheduler(load("a", labels={"zone": "a"}), load("b", labels={"zone": "a", "disk": "ssd"}),
+                      load("c", backends=("container", "microvm")))  # fmt: skip
+    with pytest.raises(InvalidRequest) as caught:
+        sched.place(cpu=1, memory_mb=1, selector={"zone": "b"})
+    assert caught.value.message == "no node has labels zone=b; nodes have: (none); disk=ssd,zone=a; zone=a"
+    with pytest.raises(InvalidRequest, match="no node with labels zone=a runs backend 'microvm'"):
+        sched.place(cpu=1, memory_mb=1, backend="microvm", selector={"zone": "a"})
+
+
+def test_the_error_lists_a_few_label_sets_not_every_node() -> None:
+    sched = scheduler(*(load(f"n{i}", labels={"rack": str(i)}) for i in range(100)))
+    with pytest.raises(InvalidRequest) as caught:
+        sched.place(cpu=1, memory_mb=1, selector={"rack": "x"})
+    assert caught.value.message.endswith("nodes have: rack=0; rack=1; rack=10; rack=11; rack=12; ...")
+
+
+def test_matching_nodes_that_are_full_is_capacity_exhausted() -> None:
+    sched = scheduler(load("a", labels={"zone": "a"}), load("b", labels={"zone": "b"}))
+    fill(sched, "a", 128)
+    with pytest.raises(CapacityExhausted, match="retry later"):
+        sched.place(cpu=1, memory_mb=1, selector={"zone": "a"})
+    assert sched.place(cpu=1, memory_mb=1) == "b"  # room elsewhere does not satisfy the selector
+
+
+def test_too_big_for_every_matching_node_is_invalid() -> None:
+    sched = scheduler(load("small", cpu=2, labels={"gpu": "no"}), load("big", cpu=64, labels={"gpu": "yes"}))
+    with pytest.raises(InvalidRequest, match="largest node has 2 cores"):
+        sched.place(cpu=8, memory_mb=1, selector={"gpu": "no"})
+    assert sched.place(cpu=8, memory_mb=1, selector={"gpu": "yes"}) == "big"

@@ -14,7 +14,7 @@ def test_columns_added_since_are_added_to_an_old_database(tmp_path: Path) -> Non
     StateStore(url).engine.dispose()
     old = create_engine(url)
     with old.begin() as conn:  # what the sandboxes table looked like before these columns existed
-        for column in ("sensitive_paths", "disk_mb", "protected_paths", "qos"):
+        for column in ("sensitive_paths", "disk_mb", "protected_paths", "qos", "node_selector"):
             conn.execute(text(f"ALTER TABLE sandboxes DROP COLUMN {column}"))
         conn.execute(text("INSERT INTO sandboxes (id, edge_id, state, image, backend, runtime, cpu, memory_mb, "
                           "pids_max, user, cwd, env, layers, labels, created_at, ttl_counts_paused) VALUES "
@@ -25,6 +25,7 @@ def test_columns_added_since_are_added_to_an_old_database(tmp_path: Path) -> Non
     record = store.get("sb-e0-old")
     assert record["sensitive_paths"] is None and record["disk_mb"] is None and record["protected_paths"] is None
     assert record["qos"] == "latency"  # a column with a default gets it on the old rows
+    assert record["node_selector"] == {}
     store.insert({**record, "id": "sb-e0-new", "sensitive_paths": ["/work/hidden/"]})
     assert store.get("sb-e0-new")["sensitive_paths"] == ["/work/hidden/"]
 
