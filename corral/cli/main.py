@@ -409,6 +409,19 @@ def bench_guard(
     run_guard_benchmark(runs=runs, as_json=as_json, console=console)
 
 
+@app.command("bench-cluster")
+def bench_cluster(
+    nodes: Annotated[int, typer.Option(min=1, help="Nodes (raylets with an edge each) in the cluster.")] = 3,
+    count: Annotated[int, typer.Option(min=1, help="Sandboxes per burst.")] = 60,
+    rounds: Annotated[int, typer.Option(min=1, help="Alternating rounds of cluster and embedded node.")] = 3,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Measure a real N-node Ray cluster on this machine (burst creates, create, exec) against one embedded node."""
+    from corral.bench.cluster import run_cluster_benchmark
+
+    run_cluster_benchmark(nodes=nodes, count=count, rounds=rounds, as_json=as_json, console=console)
+
+
 @app.command("bench-gvisor")
 def bench_gvisor(
     runs: Annotated[int, typer.Option(help="Runs; each creates one sandbox per runtime and snapshots once.")] = 10,

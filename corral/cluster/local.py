@@ -23,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -41,7 +42,7 @@ __all__ = ["ClusterState", "LocalCluster", "NodeProcess", "join_node", "LOCAL_RA
 CLUSTER_FILE = "cluster.json"
 LOCAL_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
 """No usage reports (they would go to the internet)."""
-NODE_UP_TIMEOUT_S = 300.0
+NODE_UP_TIMEOUT_S = 180.0
 _STOP_GRACE_S = 10.0
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -139,17 +140,40 @@ def start_ray_node(
         )
 
 
-def create_edge_actor(address: str, edge_id: str, env: dict[str, str], log_path: Path, netns: str | None) -> int:
-    """Create (or find) the node's edge actor and wait for it; its worker's pid."""
+def create_edge_actor(
+    address: str, edge_id: str, env: dict[str, str], log_path: Path, netns: str | None,
+    raylet: subprocess.Popen[bytes] | None = None,
+) -> int:  # fmt: skip
+    """Create (or find) the node's edge actor and wait for it; its worker's pid. Fails early if ``raylet``
+    (the node's `ray start`) exits first."""
+    command = _launch("edge", *(["--netns", netns] if netns else []), "--address", address, "--edge-id", edge_id)
+    deadline = time.monotonic() + NODE_UP_TIMEOUT_S
     with open(log_path, "ab") as log:
-        done = subprocess.run(
-            _launch("edge", *(["--netns", netns] if netns else []), "--address", address, "--edge-id", edge_id),
-            env=env, stdout=subprocess.PIPE, stderr=log, timeout=NODE_UP_TIMEOUT_S,
-        )  # fmt: skip
-    if done.returncode != 0:
-        tail = log_path.read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"edge {edge_id} did not start; {log_path} ends:\n{tail}")
-    return int(done.stdout.split()[-1])
+        driver = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=log)
+        try:
+            while driver.poll() is None:
+                if raylet is not None and raylet.poll() is not None:
+                    raise RuntimeError(f"node {edge_id}'s raylet exited ({raylet.returncode}); {_tails(log_path)}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"edge {edge_id} did not start within {NODE_UP_TIMEOUT_S:.0f} s; {_tails(log_path)}"
+                    )
+                time.sleep(0.2)
+        finally:
+            if driver.poll() is None:
+                driver.kill()
+                driver.wait()
+        assert driver.stdout is not None
+        output = driver.stdout.read().decode()
+    if driver.returncode != 0:
+        raise RuntimeError(f"edge {edge_id} did not start; {_tails(log_path)}")
+    return int(output.split()[-1])
+
+
+def _tails(*logs: Path) -> str:
+    """The ends of a failed start's logs (the edge driver's and its node's raylet)."""
+    paths = [*logs, *(log.with_name(log.name.replace("edge-", "ray-")) for log in logs)]
+    return "\n".join(f"{path} ends:\n{path.read_text(errors='replace')[-2000:]}" for path in paths if path.is_file())
 
 
 def node_env(
@@ -185,7 +209,7 @@ def join_node(
         env, log_dir / f"ray-{edge_id}.log", netns=netns,
     )  # fmt: skip
     try:
-        pid = create_edge_actor(address, edge_id, env, log_dir / f"edge-{edge_id}.log", netns)
+        pid = create_edge_actor(address, edge_id, env, log_dir / f"edge-{edge_id}.log", netns, process)
     except BaseException:
         stop_session(process.pid)
         raise
@@ -222,7 +246,8 @@ class LocalCluster:
         database_url = self._database_url
         if database_url is None:
             progress("starting PostgreSQL")
-            postgres_dir = self.directory / "postgres"
+            # Outside the cluster dir, whose parents the postgres user may not be allowed to enter.
+            postgres_dir = Path(tempfile.mkdtemp(prefix="corral-cluster-pg-", dir="/var/tmp"))
             database_url = _start_postgres(postgres_dir)
         env = {**os.environ, **LOCAL_RAY_ENV}
         network = self.network = ClusterNetwork.for_directory(self.directory)
@@ -235,7 +260,7 @@ class LocalCluster:
         head = start_ray_node(
             ["--head", "--port", str(port), "--node-ip-address", network.address, "--num-cpus", "0",
              "--include-dashboard=false", "--disable-usage-stats", "--object-store-memory", str(200 << 20),
-             "--temp-dir", str(self.directory / "ray")],
+             "--temp-dir", str(self._ray_temp_dir())],
             env, logs / "ray-head.log", namespace=False, netns=network.name,
         )  # fmt: skip
         api_key = f"ck_{secrets.token_hex(24)}"
@@ -279,7 +304,7 @@ class LocalCluster:
         process, _ = join_node(
             state.ray_address, edge_id, env, self.directory / "logs", netns=state.netns,
             ray_args=["--node-ip-address", node_address, "--object-store-memory", str(100 << 20),
-                      "--temp-dir", str(self.directory / "ray")],
+                      "--temp-dir", str(self._ray_temp_dir())],
         )  # fmt: skip
         node = NodeProcess(edge_id=edge_id, session=process.pid, data_dir=str(data_dir), labels=labels or {})
         state.nodes[edge_id] = node
@@ -294,6 +319,10 @@ class LocalCluster:
                 return
             time.sleep(0.2)
         raise RuntimeError(f"node {edge_id} did not heartbeat within {NODE_UP_TIMEOUT_S:.0f} s")
+
+    def _ray_temp_dir(self) -> Path:
+        """Ray's session files: a short path (its unix socket paths must stay under 108 bytes)."""
+        return Path("/tmp") / ClusterNetwork.for_directory(self.directory).name
 
     # -- inspect -----------------------------------------------------------------
 
@@ -357,8 +386,9 @@ class LocalCluster:
             ClusterNetwork.for_directory(self.directory).delete()
         if state.postgres_dir:
             _stop_postgres(Path(state.postgres_dir))
+            shutil.rmtree(state.postgres_dir, ignore_errors=True)
         (self.directory / CLUSTER_FILE).unlink(missing_ok=True)
-        shutil.rmtree(self.directory / "ray", ignore_errors=True)
+        shutil.rmtree(self._ray_temp_dir(), ignore_errors=True)
         self.state = None
 
 
