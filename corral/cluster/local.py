@@ -88,7 +88,17 @@ def _ray_binary() -> str:
     return str(Path(sys.executable).with_name("ray"))
 
 
+def _reap_if_zombie(pid: int, state: str) -> bool:
+    """True if the process has exited (a zombie is reaped when it is our child)."""
+    if state != "Z":
+        return False
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+    return True
+
+
 def _session_members(session: int) -> list[int]:
+    """Live processes of a session (zombies left out)."""
     members = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -96,17 +106,17 @@ def _session_members(session: int) -> list[int]:
         except OSError:
             continue
         fields = text[text.rindex(")") + 2 :].split()
-        if int(fields[3]) == session:  # field 6 of /proc/PID/stat: the session id
+        # fields[0] is the state, fields[3] the session id (fields 3 and 6 of /proc/PID/stat)
+        if int(fields[3]) == session and not _reap_if_zombie(int(stat.parent.name), fields[0]):
             members.append(int(stat.parent.name))
     return members
 
 
 def stop_session(session: int, grace_s: float = _STOP_GRACE_S) -> None:
-    """End every process of a session this module started (SIGTERM to its leader, then SIGKILL to the rest)."""
-    try:
-        os.kill(session, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
+    """End every process of a session this module started: SIGTERM to each, SIGKILL to what is left."""
+    for pid in _session_members(session):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while _session_members(session) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -400,8 +410,10 @@ def _stop_pid(pid: int) -> None:
     deadline = time.monotonic() + _STOP_GRACE_S
     while time.monotonic() < deadline:
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return
+        if _reap_if_zombie(pid, stat[stat.rindex(")") + 2]):
             return
         time.sleep(0.1)
     with contextlib.suppress(ProcessLookupError):
