@@ -49,6 +49,7 @@ log = logging.getLogger("corral.cluster")
 T = TypeVar("T")
 
 ACTOR_NAMESPACE = "corral"
+_RECONCILE_EVERY_BEATS = 10
 _EXTRA_METHODS = {"shutdown", "save_checkpoint", "list_checkpoints", "rewind", "stats", "load"}
 CALLABLE = (
     frozenset(
@@ -122,12 +123,27 @@ class NodeEdge:
         await asyncio.to_thread(self.store.heartbeat, self.edge.edge_id, load.model_dump(), time.time())
 
     async def _beat_forever(self) -> None:
+        beats = 0
         while True:
             await asyncio.sleep(self.settings.node_heartbeat_s)
+            beats += 1
             try:
                 await self._beat()
+                if beats % _RECONCILE_EVERY_BEATS == 0:
+                    await self.reconcile()
             except Exception:
                 log.exception("edge %s: heartbeat failed; retrying", self.edge.edge_id)
+
+    async def reconcile(self) -> list[str]:
+        """End what runs here but is no longer active in the records: killed by a gateway that could not reach
+        this node, or marked lost while the node was cut off. Returns their ids."""
+        active = await asyncio.to_thread(self.store.active_ids, self.edge.edge_id)
+        stale = sorted(self.edge.sandbox_ids() - active)
+        for sandbox_id in stale:
+            log.warning("edge %s: ending %s, which its record says is no longer active", self.edge.edge_id,
+                        sandbox_id)  # fmt: skip
+            await self.edge.destroy(sandbox_id)
+        return stale
 
     async def close(self) -> None:
         if self._heartbeat is not None:

@@ -66,6 +66,7 @@ class ClusterState:
     database_url: str
     postgres_dir: str | None
     netns: str | None = None
+    replicas: list[int] = field(default_factory=list)  # pids of gateway replicas beyond the first
     nodes: dict[str, NodeProcess] = field(default_factory=dict)
 
     def save(self) -> None:
@@ -284,12 +285,7 @@ class LocalCluster:
         try:
             _wait_for_ray(address, env, network.name)
             progress("starting the gateway")
-            gateway = EmbeddedServer(
-                self.directory / "gateway", host=network.address, launcher=_launch("netns", network.name, "--"),
-                env={**LOCAL_RAY_ENV, "CORRAL_ENGINE": "ray", "CORRAL_RAY_ADDRESS": address,
-                     "CORRAL_DATABASE_URL": database_url, "CORRAL_API_KEY": api_key, **self._gateway_settings},
-            )  # fmt: skip
-            gateway.start()
+            gateway = self._start_gateway(self.directory / "gateway")
             assert gateway.process is not None
             state.gateway_pid, state.gateway_url = gateway.process.pid, gateway.url
             state.save()
@@ -363,11 +359,26 @@ class LocalCluster:
                 return pid
         return None
 
-    def gateway(self) -> EmbeddedServer:
-        """A handle on the running gateway (client config, api key)."""
+    def _start_gateway(self, data_dir: Path) -> EmbeddedServer:
         state = self._state()
-        host, port = state.gateway_url.removeprefix("http://").rsplit(":", 1)
-        return EmbeddedServer(self.directory / "gateway", port=int(port), host=host)
+        assert state.netns is not None
+        gateway = EmbeddedServer(
+            data_dir, host=state.ray_address.rsplit(":", 1)[0], launcher=_launch("netns", state.netns, "--"),
+            env={**LOCAL_RAY_ENV, "CORRAL_ENGINE": "ray", "CORRAL_RAY_ADDRESS": state.ray_address,
+                 "CORRAL_DATABASE_URL": state.database_url, "CORRAL_API_KEY": state.api_key,
+                 **self._gateway_settings},
+        )  # fmt: skip
+        gateway.start()
+        return gateway
+
+    def add_gateway(self) -> str:
+        """Another gateway replica over the same cluster and state; its URL."""
+        state = self._state()
+        gateway = self._start_gateway(self.directory / f"gateway-{len(state.replicas) + 2}")
+        assert gateway.process is not None
+        state.replicas.append(gateway.process.pid)
+        state.save()
+        return gateway.url
 
     # -- down --------------------------------------------------------------------
 
@@ -389,6 +400,8 @@ class LocalCluster:
                         with contextlib.suppress(CorralError):
                             client.kill(info.id)
             _stop_pid(state.gateway_pid)
+        for pid in state.replicas:
+            _stop_pid(pid)
         for edge_id in list(state.nodes):
             self.remove_node(edge_id)
         stop_session(state.head_session)

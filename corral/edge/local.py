@@ -360,6 +360,10 @@ class LocalEdge:
             await self._backend.destroy(orphan)
         return alive
 
+    def sandbox_ids(self) -> set[str]:
+        """The sandboxes this edge runs (started; not those still starting)."""
+        return set(self._sandboxes) - self._starting
+
     async def destroy(self, sandbox_id: str) -> None:
         if sandbox_id in self._starting:  # let the start finish, then undo it (see create)
             self._cancelled.add(sandbox_id)

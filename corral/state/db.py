@@ -247,6 +247,12 @@ class StateStore:
             if done.rowcount == 0:
                 conn.execute(nodes.insert().values(edge_id=edge_id, state="up", last_seen=now, load=load))
 
+    def active_ids(self, edge_id: str) -> set[str]:
+        """Ids of the sandboxes the records say are active on an edge."""
+        query = select(sandboxes.c.id).where(sandboxes.c.edge_id == edge_id, sandboxes.c.state.in_(_ACTIVE))
+        with self._engine.connect() as conn:
+            return {row.id for row in conn.execute(query)}
+
     def silent_nodes(self, before: float, exclude: set[str]) -> list[str]:
         """Nodes still up whose last heartbeat is older than ``before``."""
         query = select(nodes.c.edge_id).where(nodes.c.state == "up", nodes.c.last_seen < before)

@@ -19,6 +19,7 @@ import pytest
 
 import corral
 from corral.cluster.local import LocalCluster
+from corral.state.db import StateStore
 
 NODE_LOST_AFTER_S = 4.0
 
@@ -97,6 +98,46 @@ def test_a_snapshot_made_on_one_node_starts_on_another(client: corral.Client) ->
     finally:
         for child in children:
             child.kill()
+
+
+def test_a_second_gateway_serves_the_same_cluster(cluster: LocalCluster, client: corral.Client) -> None:
+    state = cluster.state
+    assert state is not None
+    with corral.Client(cluster.add_gateway(), state.api_key) as replica:
+        with client.create("busybox", ttl_s=600) as first:
+            first.exec("echo via-one > /mark")
+            seen = replica.get(first.id)
+            assert seen.exec("cat /mark").stdout == "via-one\n"
+            assert first.id in {info.id for info in replica.list()}
+            with replica.create("busybox", ttl_s=600, node_selector={"zone": "a"}) as second:
+                assert _edge(second) in {"e1", "e2"}
+                assert client.get(second.id).exec("echo $((1 + 1))").stdout == "2\n"
+
+
+def _containers(cluster: LocalCluster, edge_id: str) -> str:
+    state = cluster.state
+    assert state is not None
+    root = Path(state.nodes[edge_id].data_dir) / "run" / "crun"
+    return subprocess.run(["crun", "--root", str(root), "list"], capture_output=True, text=True, check=True).stdout
+
+
+def test_a_sandbox_ended_in_the_records_is_ended_on_its_node(
+    cluster: LocalCluster, client: corral.Client, postgres_url: str
+) -> None:
+    """A kill whose destroy never reached the node (or a node that was marked lost and came back) leaves the
+    record ended: the node's edge ends the sandbox itself."""
+    sandbox = client.create("busybox", ttl_s=600, node_selector={"zone": "b"})
+    try:
+        assert sandbox.id in _containers(cluster, "e3")
+        store = StateStore(postgres_url)
+        store.end(sandbox.id, corral.SandboxState.ENDED, "killed", "ended behind the edge's back")
+        store.close()
+        deadline = time.monotonic() + 30
+        while sandbox.id in _containers(cluster, "e3"):
+            assert time.monotonic() < deadline, "the edge kept running a sandbox its record says ended"
+            time.sleep(0.5)
+    finally:
+        sandbox.kill()
 
 
 def test_an_edge_killed_comes_back_and_readopts_its_sandboxes(cluster: LocalCluster, client: corral.Client) -> None:
