@@ -24,6 +24,11 @@ class BackendRouter:
         self.backends = backends
         self._owner: dict[str, Backend] = {}
 
+    @property
+    def runtimes(self) -> list[str]:
+        """The OCI runtimes of the backends that have them (the container backend's)."""
+        return sorted({name for backend in self.backends.values() for name in getattr(backend, "runtimes", ())})
+
     def _for_spec(self, spec: SandboxSpec) -> Backend:
         backend = self.backends.get(spec.backend)
         if backend is None:

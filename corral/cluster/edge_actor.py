@@ -23,6 +23,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import AsyncIterator, Coroutine, Iterable
@@ -50,6 +51,7 @@ T = TypeVar("T")
 
 ACTOR_NAMESPACE = "corral"
 _RECONCILE_EVERY_BEATS = 10
+_NODE_METHODS = {"create", "pack_diff_bytes", "checkpoint_on_node", "discard_checkpoint"}  # NodeEdge's own
 _EXTRA_METHODS = {"shutdown", "save_checkpoint", "list_checkpoints", "rewind", "stats", "load"}
 CALLABLE = (
     frozenset(
@@ -109,14 +111,27 @@ class NodeEdge:
 
     async def pack_diff_bytes(self, sandbox_id: str) -> bytes:
         """The sandbox's changes as an EROFS layer, returned whole (the gateway imports it into the store)."""
-        scratch = self.settings.data_dir / "scratch"
-        scratch.mkdir(parents=True, exist_ok=True)
-        dest = scratch / f"{sandbox_id}-{time.monotonic_ns()}.erofs"
+        dest = self._scratch() / f"{sandbox_id}-{time.monotonic_ns()}.erofs"
         try:
             await self.edge.pack_diff(sandbox_id, dest)
             return await asyncio.to_thread(dest.read_bytes)
         finally:
             dest.unlink(missing_ok=True)
+
+    async def checkpoint_on_node(self, sandbox_id: str) -> Path:
+        """A fork's checkpoint, in a scratch dir on this node (its children restore it here)."""
+        dest = self._scratch() / f"fork-{sandbox_id}-{time.monotonic_ns()}"
+        return await self.edge.checkpoint(sandbox_id, dest)
+
+    async def discard_checkpoint(self, path: Path) -> None:
+        if path.parent != self._scratch() or not path.name.startswith("fork-"):
+            raise InvalidRequest(f"{path} is not a fork checkpoint of this node")
+        await asyncio.to_thread(shutil.rmtree, path, True)
+
+    def _scratch(self) -> Path:
+        scratch = self.settings.data_dir / "scratch"
+        scratch.mkdir(parents=True, exist_ok=True)
+        return scratch
 
     async def _beat(self) -> None:
         load = await self.edge.load()
@@ -188,7 +203,7 @@ class EdgeActor:
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """One Edge method, run on the edge's own loop."""
-        if method in ("create", "pack_diff_bytes"):
+        if method in _NODE_METHODS:
             target: Any = self._node
         elif method in CALLABLE:
             target = self._node.edge

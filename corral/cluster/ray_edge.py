@@ -3,8 +3,8 @@
 Arguments and results cross as Ray objects (pickled models, specs, bytes).
 Errors come back as the Corral error the edge raised; an actor that is down
 or restarting becomes ``ServerUnavailable`` (a create tries another node).
-Paths do not cross nodes: a snapshot's diff layer comes back as bytes, and
-VM/gVisor checkpoints, which are files on the node, are refused for now.
+Paths do not cross nodes: a snapshot's diff layer comes back as bytes, and a
+VM/gVisor fork's checkpoint stays on its node, where its children start.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
 from corral.cluster.edge_actor import ACTOR_NAMESPACE, actor_name
-from corral.sdk._exceptions import CorralError, InternalError, InvalidRequest, ServerUnavailable
+from corral.sdk._exceptions import CorralError, InternalError, ServerUnavailable
 from corral.sdk._models import ExecEvent, ExecRequest
 
 __all__ = ["RayEdge", "RayEdges"]
@@ -79,11 +79,13 @@ class RayEdge:
         data = await self._call("pack_diff_bytes", sandbox_id)
         await asyncio.to_thread(dest.write_bytes, data)
 
-    async def checkpoint(self, sandbox_id: str, dest: Path) -> None:
-        raise InvalidRequest("forks of microvm/vm/runsc sandboxes need the embedded server: not on a Ray cluster yet")
+    async def checkpoint(self, sandbox_id: str, dest: Path) -> Path:
+        """Checkpoint into a scratch dir on the sandbox's node (``dest`` is the gateway's); returns that dir,
+        which its forks restore from there (``discard_checkpoint`` removes it)."""
+        return await self._call("checkpoint_on_node", sandbox_id)  # type: ignore[no-any-return]
 
-    async def checkpoint_dir(self, sandbox_id: str, checkpoint_id: str) -> Path:
-        raise InvalidRequest("forks of microvm/vm/runsc sandboxes need the embedded server: not on a Ray cluster yet")
+    async def discard_checkpoint(self, path: Path) -> None:
+        await self._call("discard_checkpoint", path)
 
     async def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
         actor = await self._actor()

@@ -222,6 +222,7 @@ class LocalEdge:
             memory_committed_mb=self._committed.memory_mb,
             memory_capacity_mb=int(self._capacity.memory_mb * self._capacity.memory_overcommit),
             backends=sorted(getattr(self._backend, "backends", None) or [self._backend.name]),
+            runtimes=sorted(getattr(self._backend, "runtimes", ())),
             labels=self._capacity.labels,
         )
 
@@ -609,9 +610,11 @@ class LocalEdge:
             sandbox.watcher.cancel()  # its end is ours to report: "shutdown", not "exited"
         return await self._backend.shutdown(sandbox_id, timeout_s)
 
-    async def checkpoint(self, sandbox_id: str, dest: Path) -> None:
+    async def checkpoint(self, sandbox_id: str, dest: Path) -> Path:
+        """Memory, processes and disk into ``dest``; returns where they are (``dest``)."""
         await self._active(sandbox_id)
         await self._backend.checkpoint(sandbox_id, dest)  # type: ignore[attr-defined]
+        return dest
 
     async def save_checkpoint(self, sandbox_id: str) -> dict[str, object]:
         await self._active(sandbox_id)

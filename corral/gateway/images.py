@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from corral.edge.protocol import edge_of
 from corral.gateway.service import SandboxService
 from corral.images.builders import LayerBuilder, Progress
 from corral.images.catalogue import Catalogue, CatalogueLayer, input_key
@@ -273,14 +274,22 @@ class ImageService:
         # The same devices as the checkpoint it restores: a VM with a NIC needs one in its children too.
         child = self._sandboxes.request_like(parent, labels={**request.labels, "corral.forked_from": sandbox_id},
                                              network=parent["network"])  # fmt: skip
+        node = edge_of(sandbox_id)  # the checkpoint is files on the parent's node: the children start there
         if request.checkpoint is not None:
             named = request.checkpoint
             saved = await self._sandboxes.call(sandbox_id, lambda edge: edge.checkpoint_dir(sandbox_id, named))
-            return [await self._sandboxes.create(child, restore_from=str(saved)) for _ in range(request.count)]
+            return [await self._sandboxes.create(child, restore_from=str(saved), on_edge=node)
+                    for _ in range(request.count)]  # fmt: skip
         with self._builder.scratch("vm-fork-") as scratch:
             checkpoint = scratch / "checkpoint"
-            await self._sandboxes.call(sandbox_id, lambda edge: edge.checkpoint(sandbox_id, checkpoint))
-            return [await self._sandboxes.create(child, restore_from=str(checkpoint)) for _ in range(request.count)]
+            # Where it was written: ``checkpoint`` itself, or a scratch dir on the parent's node (a Ray edge).
+            written = await self._sandboxes.call(sandbox_id, lambda edge: edge.checkpoint(sandbox_id, checkpoint))
+            try:
+                return [await self._sandboxes.create(child, restore_from=str(written), on_edge=node)
+                        for _ in range(request.count)]  # fmt: skip
+            finally:
+                if written != checkpoint:
+                    await self._sandboxes.call(sandbox_id, lambda edge: edge.discard_checkpoint(written))
 
     # -- snapshots --------------------------------------------------------
 

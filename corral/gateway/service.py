@@ -363,11 +363,14 @@ class SandboxService:
             self._touched.update((digest, now) for digest in stale)
         return request, image_name, layers
 
-    async def create(self, request: CreateSandboxRequest, *, restore_from: str | None = None) -> SandboxInfo:
-        """``restore_from``: a VM checkpoint directory on the edges (fork of a VM: memory, processes, disk)."""
+    async def create(
+        self, request: CreateSandboxRequest, *, restore_from: str | None = None, on_edge: str | None = None
+    ) -> SandboxInfo:
+        """``restore_from``: a checkpoint directory on edge ``on_edge``'s node (a fork of a VM or gVisor sandbox:
+        memory, processes, disk), so the sandbox starts there."""
         await self._fetch_layers(request)
         request, image_name, layers = self._prepare(request)
-        return await self._create_placed(request, image_name, layers, restore_from=restore_from)
+        return await self._create_placed(request, image_name, layers, restore_from=restore_from, on_edge=on_edge)
 
     async def _fetch_layers(self, request: CreateSandboxRequest) -> None:
         """Layers this node lacks come from the shared layer store, once (when one is configured)."""
@@ -385,16 +388,20 @@ class SandboxService:
         *,
         restore_from: str | None = None,
         max_in_flight: int | None = None,
+        on_edge: str | None = None,
     ) -> SandboxInfo:
         """Place, record, start; a node that refuses is excluded and the next choice tried.
-        ``max_in_flight``: wait while every fitting node already has that many creates running (batches)."""
+        ``max_in_flight``: wait while every fitting node already has that many creates running (batches).
+        ``on_edge``: only that edge (a restore from a checkpoint that lives on its node); its refusal is final."""
         digests = [layer.digest for layer in layers]
         refused: dict[str, str] = {}  # edge id -> why it refused
         while True:
             try:
-                edge_id = self.scheduler.place(
-                    cpu=request.cpu, memory_mb=request.memory_mb, backend=request.backend, layers=digests,
-                    selector=request.node_selector, exclude=frozenset(refused), max_in_flight=max_in_flight,
+                edge_id = on_edge or self.scheduler.place(
+                    cpu=request.cpu, memory_mb=request.memory_mb, backend=request.backend,
+                    runtime=request.runtime or self._default_runtime if request.backend == "container" else None,
+                    layers=digests, selector=request.node_selector, exclude=frozenset(refused),
+                    max_in_flight=max_in_flight,
                 )  # fmt: skip
             except NodesBusy:
                 self._create_finished.clear()
@@ -450,6 +457,10 @@ class SandboxService:
                 self.scheduler.release(spec.sandbox_id)
                 self._store.end(spec.sandbox_id, SandboxState.ENDED, "refused", exc.message)
                 refused[edge_id] = exc.message
+                if on_edge is not None:
+                    raise CapacityExhausted(
+                        f"node {on_edge}, which holds the checkpoint, refused: {exc.message}"
+                    ) from None
                 continue
             except BaseException as exc:
                 self.scheduler.release(spec.sandbox_id)

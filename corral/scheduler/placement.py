@@ -42,6 +42,7 @@ class NodeView:
     cpu_capacity: float  # cores × CPU overcommit
     memory_capacity_mb: int  # MiB × memory overcommit
     backends: frozenset[str]  # empty: not reported, any backend is tried
+    runtimes: frozenset[str] = frozenset()  # OCI runtimes for container sandboxes; empty: not reported
     cpu_committed: float = 0.0
     memory_committed_mb: int = 0
     sandboxes: int = 0
@@ -57,8 +58,11 @@ class NodeView:
             and self.memory_committed_mb + memory_mb <= self.memory_capacity_mb
         )
 
-    def runs(self, backend: str | None) -> bool:
-        return backend is None or not self.backends or backend in self.backends
+    def runs(self, backend: str | None, runtime: str | None = None) -> bool:
+        """The backend, and for container sandboxes the OCI runtime (the isolation: crun, runc, runsc)."""
+        if backend is not None and self.backends and backend not in self.backends:
+            return False
+        return runtime is None or backend not in (None, "container") or not self.runtimes or runtime in self.runtimes
 
     def matches(self, selector: Mapping[str, str]) -> bool:
         return all(self.labels.get(key) == value for key, value in selector.items())
@@ -95,7 +99,7 @@ class Scheduler:
         node = NodeView(
             edge_id=load.edge_id, node_cpu=load.node_cpu, node_memory_mb=load.node_memory_mb,
             cpu_capacity=load.cpu_capacity, memory_capacity_mb=load.memory_capacity_mb,
-            backends=frozenset(load.backends), labels=dict(load.labels),
+            backends=frozenset(load.backends), runtimes=frozenset(load.runtimes), labels=dict(load.labels),
         )  # fmt: skip
         if load.edge_id not in self.nodes:
             self._ids.append(load.edge_id)
@@ -135,6 +139,7 @@ class Scheduler:
         cpu: float,
         memory_mb: int,
         backend: str | None = None,
+        runtime: str | None = None,
         selector: Mapping[str, str] | None = None,
         layers: Iterable[str] = (),
         exclude: frozenset[str] = frozenset(),
@@ -147,13 +152,13 @@ class Scheduler:
             raise CapacityExhausted("no edges are registered with this gateway: retry later")
         selector = selector or {}
         if cpu > self._largest[0] or memory_mb > self._largest[1]:
-            self._scan(lambda node: False, None, cpu=cpu, memory_mb=memory_mb, backend=backend, selector=selector,
-                       refused=0)  # fmt: skip
+            self._scan(lambda node: False, None, cpu=cpu, memory_mb=memory_mb, backend=backend, runtime=runtime,
+                       selector=selector, refused=0)  # fmt: skip
 
         def eligible(node: NodeView) -> bool:
             return (
                 node.edge_id not in exclude
-                and node.runs(backend)
+                and node.runs(backend, runtime)
                 and node.matches(selector)
                 and node.fits(cpu, memory_mb)
             )
@@ -173,11 +178,11 @@ class Scheduler:
                     break
         if not picked:
             picked = self._scan(eligible, max_in_flight, cpu=cpu, memory_mb=memory_mb, backend=backend,
-                                selector=selector, refused=len(exclude))  # fmt: skip
+                                runtime=runtime, selector=selector, refused=len(exclude))  # fmt: skip
         wanted = set(layers)
         return min(picked, key=lambda node: self._score(node, wanted)).edge_id
 
-    def _scan(self, eligible, max_in_flight, *, cpu, memory_mb, backend, selector, refused) -> list[NodeView]:  # type: ignore[no-untyped-def]
+    def _scan(self, eligible, max_in_flight, *, cpu, memory_mb, backend, runtime, selector, refused) -> list[NodeView]:  # type: ignore[no-untyped-def]
         fitting = [node for node in self.nodes.values() if eligible(node)]
         free = [node for node in fitting if max_in_flight is None or node.in_flight < max_in_flight]
         if free:
@@ -187,6 +192,8 @@ class Scheduler:
         nodes = list(self.nodes.values())
         if backend is not None and not any(node.runs(backend) for node in nodes):
             raise InvalidRequest(f"no node runs backend {backend!r}")
+        if not any(node.runs(backend, runtime) for node in nodes):
+            raise InvalidRequest(f"no node has the runtime {runtime!r} for {backend or 'container'} sandboxes")
         if selector:
             labelled = [node for node in nodes if node.matches(selector)]
             if not labelled:

@@ -617,6 +617,9 @@ class EdgeLoad(_Model):
     memory_committed_mb: int
     memory_capacity_mb: int
     backends: list[str] = Field(default_factory=list, description="Backends the node runs; empty: not reported.")
+    runtimes: list[str] = Field(
+        default_factory=list, description="OCI runtimes the node has for container sandboxes; empty: not reported."
+    )
     labels: dict[str, str] = Field(
         default_factory=dict, description="The node's labels (CORRAL_NODE_LABELS), matched by node_selector."
     )

@@ -100,6 +100,25 @@ def test_a_snapshot_made_on_one_node_starts_on_another(client: corral.Client) ->
             child.kill()
 
 
+def test_a_gvisor_fork_starts_on_its_parents_node(cluster: LocalCluster, client: corral.Client) -> None:
+    """The checkpoint (memory, processes, files) is written on the parent's node and restored there."""
+    with client.create("busybox", runtime="runsc", ttl_s=600, node_selector={"zone": "b"}) as parent:
+        parent.exec("echo parent-file > /root/state; sleep 600 >/dev/null 2>&1 & echo $! > /root/pid")
+        pid = parent.exec("cat /root/pid").stdout.strip()
+        kids = parent.fork(2)
+        try:
+            assert {_edge(kid) for kid in kids} == {"e3"}
+            for kid in kids:
+                assert kid.exec("cat /root/state").stdout == "parent-file\n"
+                assert kid.exec(f"kill -0 {pid} && echo running").stdout == "running\n"
+        finally:
+            for kid in kids:
+                kid.kill()
+    state = cluster.state
+    assert state is not None
+    assert not list((Path(state.nodes["e3"].data_dir) / "scratch").glob("fork-*")), "the fork's checkpoint stayed"
+
+
 def test_a_second_gateway_serves_the_same_cluster(cluster: LocalCluster, client: corral.Client) -> None:
     state = cluster.state
     assert state is not None

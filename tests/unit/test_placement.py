@@ -186,3 +186,35 @@ def test_too_big_for_every_matching_node_is_invalid() -> None:
     with pytest.raises(InvalidRequest, match="largest node has 2 cores"):
         sched.place(cpu=8, memory_mb=1, selector={"gpu": "no"})
     assert sched.place(cpu=8, memory_mb=1, selector={"gpu": "yes"}) == "big"
+
+
+def test_runtime_filters_container_nodes_and_names_a_missing_one() -> None:
+    plain = load("plain").model_copy(update={"runtimes": ["crun", "runc"]})
+    gvisor = load("gvisor").model_copy(update={"runtimes": ["crun", "runsc"]})
+    vm = load("vm", backends=("microvm",))
+    sched = scheduler(plain, gvisor, vm)
+    assert {sched.place(cpu=1, memory_mb=512, backend="container", runtime="runsc") for _ in range(20)} == {"gvisor"}
+    assert sched.place(cpu=1, memory_mb=512, backend="microvm", runtime="runsc") == "vm"  # VMs have no runtime
+    with pytest.raises(InvalidRequest, match="no node has the runtime 'kata'"):
+        sched.place(cpu=1, memory_mb=512, backend="container", runtime="kata")
+
+
+def test_refresh_takes_the_nodes_report_plus_own_creates_in_flight() -> None:
+    sched = scheduler(load("a"))
+    sched.reserve("mine", "a", cpu=1, memory_mb=512)  # placed by this scheduler, still starting
+    report = load("a").model_copy(update={"cpu_committed": 3.0, "memory_committed_mb": 2048, "sandboxes": 3})
+    node = sched.refresh(report)
+    assert (node.cpu_committed, node.memory_committed_mb, node.sandboxes, node.in_flight) == (4.0, 2560, 4, 1)
+    sched.forget("mine")  # its create returned: the next report counts it
+    assert sched.refresh(report).cpu_committed == 3.0 and sched.nodes["a"].in_flight == 0
+    new = sched.refresh(load("b"))  # a node first seen in a heartbeat is added
+    assert new.edge_id == "b" and set(sched.nodes) == {"a", "b"}
+
+
+def test_a_removed_node_is_no_longer_placed_on() -> None:
+    sched = scheduler(load("a"), load("b"))
+    sched.reserve("on-b", "b", cpu=1, memory_mb=512)
+    sched.remove_node("b")
+    assert {sched.place(cpu=1, memory_mb=512) for _ in range(20)} == {"a"}
+    sched.release("on-b")  # what was placed there is forgotten: releasing it later is harmless
+    sched.remove_node("b")

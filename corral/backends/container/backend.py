@@ -423,6 +423,11 @@ class ContainerBackend(GvisorCheckpoints):
             raise
         return agent
 
+    @property
+    def runtimes(self) -> list[str]:
+        """The OCI runtimes installed on this node, each a level of isolation a create may ask for."""
+        return [name for name in ("crun", "runc", RUNSC) if shutil.which(name)]
+
     async def orphans(self, known_ids: set[str]) -> list[str]:
         """Containers in our runtime state that no sandbox record owns."""
         found: list[str] = []
