@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 from corral.backends.base import LayerRef, SandboxSpec
 from corral.config import Settings
-from corral.edge.adoption import readopt
+from corral.edge.adoption import RECONCILE_EVERY_BEATS, end_stale, readopt
 from corral.edge.local import LocalEdge
 from corral.edge.protocol import Edge
 from corral.guard.audit import AuditLog
@@ -50,7 +50,6 @@ log = logging.getLogger("corral.cluster")
 T = TypeVar("T")
 
 ACTOR_NAMESPACE = "corral"
-_RECONCILE_EVERY_BEATS = 10
 _NODE_METHODS = {"create", "pack_diff_bytes", "checkpoint_on_node", "discard_checkpoint"}  # NodeEdge's own
 _EXTRA_METHODS = {"shutdown", "save_checkpoint", "list_checkpoints", "rewind", "stats", "load"}
 CALLABLE = (
@@ -144,21 +143,10 @@ class NodeEdge:
             beats += 1
             try:
                 await self._beat()
-                if beats % _RECONCILE_EVERY_BEATS == 0:
-                    await self.reconcile()
+                if beats % RECONCILE_EVERY_BEATS == 0:
+                    await end_stale(self.edge, self.store)
             except Exception:
                 log.exception("edge %s: heartbeat failed; retrying", self.edge.edge_id)
-
-    async def reconcile(self) -> list[str]:
-        """End what runs here but is no longer active in the records: killed by a gateway that could not reach
-        this node, or marked lost while the node was cut off. Returns their ids."""
-        active = await asyncio.to_thread(self.store.active_ids, self.edge.edge_id)
-        stale = sorted(self.edge.sandbox_ids() - active)
-        for sandbox_id in stale:
-            log.warning("edge %s: ending %s, which its record says is no longer active", self.edge.edge_id,
-                        sandbox_id)  # fmt: skip
-            await self.edge.destroy(sandbox_id)
-        return stale
 
     async def close(self) -> None:
         if self._heartbeat is not None:

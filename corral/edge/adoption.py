@@ -8,9 +8,10 @@ finds which of them survived, and the records are brought up to date
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 from corral.backends.base import LayerRef, SandboxSpec
 from corral.backends.container.network import AllowRule
@@ -20,11 +21,12 @@ from corral.sdk._exceptions import NotFound
 from corral.sdk._models import NetworkPolicy, SandboxState
 from corral.state.db import StateStore
 
-__all__ = ["ACTIVE_STATES", "spec_from_record", "readopt"]
+__all__ = ["ACTIVE_STATES", "RECONCILE_EVERY_BEATS", "end_stale", "spec_from_record", "readopt"]
 
 log = logging.getLogger(__name__)
 
 ACTIVE_STATES = [SandboxState.CREATING.value, SandboxState.RUNNING.value, SandboxState.PAUSED.value]
+RECONCILE_EVERY_BEATS = 10  # heartbeats between two ``end_stale`` rounds
 
 
 def _rules(network: dict[str, Any] | None) -> tuple[AllowRule, ...] | None:
@@ -79,3 +81,22 @@ async def readopt(
     adopted = [record for record in records if states.get(record["id"]) is not None]
     log.info("edge %s: re-adopted %d of %d sandboxes", edge.edge_id, len(adopted), len(states))
     return adopted
+
+
+class _RunsSandboxes(Protocol):
+    edge_id: str
+
+    def sandbox_ids(self) -> set[str]: ...
+
+    async def destroy(self, sandbox_id: str) -> None: ...
+
+
+async def end_stale(edge: _RunsSandboxes, store: StateStore) -> list[str]:
+    """End what runs on ``edge`` but is no longer active in the records: killed by a gateway that could not
+    reach the node, or marked lost while the node was cut off and now back. Returns their ids."""
+    active = await asyncio.to_thread(store.active_ids, edge.edge_id)
+    stale = sorted(edge.sandbox_ids() - active)
+    for sandbox_id in stale:
+        log.warning("edge %s: ending %s, which its record says is no longer active", edge.edge_id, sandbox_id)
+        await edge.destroy(sandbox_id)
+    return stale

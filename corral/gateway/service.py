@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 from corral.backends.base import LayerRef, SandboxSpec
-from corral.edge.adoption import readopt
+from corral.edge.adoption import end_stale, readopt
 from corral.edge.local import to_allow_rules
 from corral.edge.protocol import Edge, EdgeDirectory, edge_of, new_sandbox_id
 from corral.guard.audit import AuditLog
@@ -183,7 +183,10 @@ class SandboxService:
             try:
                 now = time.time()
                 for edge_id, edge in self._edges.items():
-                    self._store.heartbeat(edge_id, (await edge.load()).model_dump(), now)
+                    if self._store.heartbeat(edge_id, (await edge.load()).model_dump(), now):
+                        log.warning("node %s is back after it was marked lost", edge_id)
+                        for sandbox_id in await end_stale(edge, self._store):
+                            self.scheduler.release(sandbox_id)
                 before = now - self._node_lost_after_s
                 for edge_id in self._store.silent_nodes(before, exclude=set(self._edges)):
                     message = (f"its node {edge_id} went silent: no heartbeat for {self._node_lost_after_s:g}s "

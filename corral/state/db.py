@@ -238,14 +238,22 @@ class StateStore:
 
     # -- nodes (the watcher) ----------------------------------------------
 
-    def heartbeat(self, edge_id: str, load: dict[str, Any], now: float) -> None:
-        """An edge is alive: record when, and its load; a node marked lost comes back up."""
+    def heartbeat(self, edge_id: str, load: dict[str, Any], now: float) -> bool:
+        """An edge is alive: record when, and its load; a node marked lost comes back up (then True)."""
         with self._engine.begin() as conn:
+            back = conn.execute(
+                update(nodes)
+                .where(nodes.c.edge_id == edge_id, nodes.c.state == "lost")
+                .values(state="up", last_seen=now, load=load)
+            )
+            if back.rowcount:
+                return True
             done = conn.execute(
                 update(nodes).where(nodes.c.edge_id == edge_id).values(state="up", last_seen=now, load=load)
             )
             if done.rowcount == 0:
                 conn.execute(nodes.insert().values(edge_id=edge_id, state="up", last_seen=now, load=load))
+            return False
 
     def active_ids(self, edge_id: str) -> set[str]:
         """Ids of the sandboxes the records say are active on an edge."""

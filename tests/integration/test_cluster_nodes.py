@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import http.server
+import os
+import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -121,4 +124,37 @@ def test_a_node_that_goes_silent_is_marked_lost_with_its_sandboxes(
                     client.connect(sandbox).exec("true")  # requests to it get a clear error
         finally:
             second.start()  # back up: it finds its containers unowned (lost) and removes them
+            second.shutdown()
+
+
+def test_a_node_back_after_it_was_marked_lost_ends_its_lost_sandboxes(
+    postgres_url: str, tmp_path: Path, test_env: dict[str, str]
+) -> None:
+    """A server frozen past the silence limit (a partition, a stalled machine) wakes up still running sandboxes
+    the cluster marked lost: at its first heartbeat back it ends them, so none runs unaccounted for."""
+    shared = {**test_env, "CORRAL_DATABASE_URL": postgres_url, "CORRAL_NODE_LOST_AFTER_S": "3"}
+    with EmbeddedServer(tmp_path / "a", env=shared) as first:
+        second = EmbeddedServer(tmp_path / "b", env={**shared, "CORRAL_EDGE_ID": "e9"})
+        second.start()
+        assert second.process is not None
+        crun_list = ["crun", "--root", str(tmp_path / "b" / "run" / "crun"), "list", "--quiet"]
+        try:
+            with second.client() as client:
+                sandbox = client.create("busybox", ttl_s=600)
+            assert sandbox.id in subprocess.run(crun_list, capture_output=True, text=True).stdout
+            os.kill(second.process.pid, signal.SIGSTOP)
+            with first.client() as client:
+                deadline = time.monotonic() + 30
+                while client.get(sandbox.id).info.state != "lost":
+                    assert time.monotonic() < deadline, "the frozen node was not marked lost"
+                    time.sleep(0.5)
+                os.kill(second.process.pid, signal.SIGCONT)
+                deadline = time.monotonic() + 30
+                while sandbox.id in subprocess.run(crun_list, capture_output=True, text=True).stdout:
+                    assert time.monotonic() < deadline, "the node kept running a sandbox marked lost"
+                    time.sleep(0.5)
+                assert {node.edge_id: node.state for node in client.cluster_nodes()}["e9"] == "up"
+                assert client.get(sandbox.id).info.state == "lost"
+        finally:
+            os.kill(second.process.pid, signal.SIGCONT)
             second.shutdown()
