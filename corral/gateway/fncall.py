@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from corral.gateway.service import SandboxService
-from corral.sdk._exceptions import CorralError, InvalidRequest, NotFound, SandboxGone
+from corral.sdk._exceptions import CorralError, InvalidRequest, NotFound, SandboxGone, error_from_response
 from corral.sdk._models import (
     CreateSandboxRequest,
     ExecRequest,
@@ -350,7 +350,7 @@ class FnCallService:
         results = []
         for test, outcome in zip(request.tests, outcomes, strict=True):
             if not isinstance(outcome, FnCallResult):
-                raise CorralError(outcome["error"]["message"])
+                raise error_from_response(500, outcome)  # the call's own error class (503 stays 503)
             expected_ok = test.expected_stdout is None or outcome.stdout.rstrip() == test.expected_stdout.rstrip()
             results.append(
                 RunCodeTestResult(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import httpx
+import pytest
 
 import corral
 from corral.embedded import EmbeddedServer
@@ -115,6 +116,8 @@ def test_run_code_with_tests(client: corral.Client) -> None:
     assert [t.passed for t in report.tests] == [True, False]
     bash = client.run_code("read x; echo $((x + 1))", language="bash", tests=[{"stdin": "41", "expected_stdout": "42"}])
     assert bash.passed == 1
+    with pytest.raises(corral.NotFound, match="no-such-image"):  # a call's own error, not a 500
+        client.run_code("print(1)", image="no-such-image", tests=[{"stdin": ""}])
 
 
 def test_pool_sandboxes_are_hidden_from_listings(client: corral.Client) -> None:
