@@ -47,6 +47,13 @@ def up(
     from corral.cluster.local import LocalCluster
 
     cluster = LocalCluster(directory, database_url=database_url)
+    if (directory / "cluster.json").exists():  # safe to run twice
+        if cluster.running():
+            console.print(f"a cluster is already up in {directory}: `corral cluster status --dir {directory}`")
+            return
+        console.print(f"[red]a cluster is recorded in {directory} but its gateway does not answer: "
+                      f"`corral cluster down --dir {directory}` first[/red]")  # fmt: skip
+        raise typer.Exit(1)
     started = time.monotonic()
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console) as bar:
         task = bar.add_task("starting", total=None)

@@ -337,6 +337,14 @@ class LocalCluster:
             self.state = ClusterState.load(self.directory)
         return self.state
 
+    def running(self) -> bool:
+        """Whether the recorded cluster's gateway answers."""
+        try:
+            state = self._state()
+            return httpx.get(f"{state.gateway_url}/healthz", timeout=5).status_code == 200
+        except (FileNotFoundError, httpx.TransportError):
+            return False
+
     def cluster_nodes(self) -> list[dict[str, Any]]:
         """The gateway's view (the shared ``nodes`` table): state, last heartbeat, load."""
         state = self._state()

@@ -7,6 +7,7 @@ and re-adopting its sandboxes, and a node removed and its sandboxes marked lost.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ import pytest
 
 import corral
 from corral.cluster.local import LocalCluster
+from corral.cluster.network import ClusterNetwork
 from corral.state.db import StateStore
 
 NODE_LOST_AFTER_S = 4.0
@@ -212,3 +214,39 @@ def test_a_removed_node_is_marked_lost_with_its_sandboxes(cluster: LocalCluster,
     assert status.returncode == 0, status.stderr
     lines = {line.split()[1]: line for line in status.stdout.splitlines() if line.startswith("│ e")}
     assert "lost" in lines["e2"] and "up" in lines["e1"]
+
+
+def test_cluster_commands_up_twice_status_and_down(tmp_path: Path, postgres_url: str) -> None:
+    """`corral cluster up|status|down` as a user runs them (up is safe to run twice), then nothing is left."""
+    directory = tmp_path / "cli-cluster"
+    env = {**os.environ, "CORRAL_CONFIG_FILE": str(tmp_path / "client.json")}
+
+    def corral_cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "corral.cli.main", "cluster", *args, "--dir", str(directory)],
+            capture_output=True, text=True, timeout=300, env=env,
+        )  # fmt: skip
+
+    up = corral_cli("up", "--nodes", "1", "--database-url", postgres_url)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "cluster up" in up.stdout
+        again = corral_cli("up", "--nodes", "1", "--database-url", postgres_url)
+        assert again.returncode == 0 and "already up" in again.stdout
+        with corral.Client(**_client_config(tmp_path / "client.json")) as client:
+            with client.create("busybox", ttl_s=300) as sandbox:
+                assert sandbox.exec("echo ok").stdout == "ok\n"
+        status = corral_cli("status")
+        assert status.returncode == 0 and "│ e1" in status.stdout and " up " in status.stdout
+    finally:
+        down = corral_cli("down")
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert not (directory / "cluster.json").exists()
+    assert corral_cli("status").returncode == 1
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert ClusterNetwork.for_directory(directory).name not in netns
+
+
+def _client_config(path: Path) -> dict[str, str]:
+    config = json.loads(path.read_text())
+    return {"url": config["url"], "api_key": config["api_key"]}
