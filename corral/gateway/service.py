@@ -300,6 +300,12 @@ class SandboxService:
         )
 
     async def attach_network_peer(self, name: str, netns_path: str, address: str) -> None:
+        """Plug a namespace of this machine into its node's sandbox network (embedded servers only: the path
+        names a namespace here, which a cluster's other nodes cannot reach)."""
+        if not self._edges:
+            raise InvalidRequest(
+                "network peers attach to a node's own sandbox network: call the node's server, not a cluster gateway"
+            )
         for edge in self._edges.values():
             await edge.attach_network_peer(name, netns_path, address)
 
