@@ -89,6 +89,11 @@ def test_node_selector_places_on_the_labelled_node(client: corral.Client) -> Non
         client.create("busybox", node_selector={"zone": "c"})
 
 
+def test_a_cluster_gateway_refuses_network_peers(client: corral.Client) -> None:
+    with pytest.raises(corral.InvalidRequest, match="not a cluster gateway"):
+        client.attach_network_peer("mirror", f"/proc/{os.getpid()}/ns/net", "10.88.200.2")
+
+
 def test_a_snapshot_made_on_one_node_starts_on_another(client: corral.Client) -> None:
     with client.create("busybox", ttl_s=600, node_selector={"zone": "b"}) as parent:
         parent.files.write("/data/result", b"from e3")
