@@ -182,8 +182,8 @@ class SandboxService:
         while True:
             try:
                 now = time.time()
-                for edge_id, edge in self._edges.items():
-                    self._store.heartbeat(edge_id, (await edge.load()).model_dump(), now)
+                self._store.heartbeat_many({edge_id: (await edge.load()).model_dump()
+                                            for edge_id, edge in self._edges.items()}, now)  # fmt: skip
                 before = now - self._node_lost_after_s
                 for edge_id in self._store.silent_nodes(before, exclude=set(self._edges)):
                     message = (f"its node {edge_id} went silent: no heartbeat for {self._node_lost_after_s:g}s "

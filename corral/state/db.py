@@ -271,12 +271,29 @@ class StateStore:
 
     def heartbeat(self, edge_id: str, load: dict[str, Any], now: float) -> None:
         """An edge is alive: record when, and its load; a node marked lost comes back up."""
+        self.heartbeat_many({edge_id: load}, now)
+
+    def heartbeat_many(self, loads: dict[str, dict[str, Any]], now: float) -> None:
+        """Several edges are alive (edge id → load): one transaction for all of them, not one per edge (a
+        gateway with 160 edges heartbeats them every second)."""
+        if not loads:
+            return
         with self._engine.begin() as conn:
-            done = conn.execute(
-                update(nodes).where(nodes.c.edge_id == edge_id).values(state="up", last_seen=now, load=load)
-            )
-            if done.rowcount == 0:
-                conn.execute(nodes.insert().values(edge_id=edge_id, state="up", last_seen=now, load=load))
+            known = {row[0] for row in conn.execute(select(nodes.c.edge_id))}  # one row per node: a short table
+            beats = [
+                {"beat_edge_id": edge_id, "beat_load": load} for edge_id, load in loads.items() if edge_id in known
+            ]
+            if beats:
+                statement = (
+                    update(nodes)
+                    .where(nodes.c.edge_id == bindparam("beat_edge_id"))
+                    .values(state="up", last_seen=now, load=bindparam("beat_load", type_=nodes.c.load.type))
+                )
+                conn.execute(statement, beats)
+            new = [{"edge_id": e, "state": "up", "last_seen": now, "load": load} for e, load in loads.items()
+                   if e not in known]  # fmt: skip
+            if new:
+                conn.execute(nodes.insert(), new)
 
     def silent_nodes(self, before: float, exclude: set[str]) -> list[str]:
         """Nodes still up whose last heartbeat is older than ``before``."""

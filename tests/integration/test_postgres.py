@@ -111,3 +111,25 @@ def test_batched_writes_store_what_single_writes_store_on_postgres(postgres_url:
         with store.engine.begin() as conn:
             conn.exec_driver_sql("DELETE FROM sandboxes WHERE id LIKE 'sb-e0-pg-%%'")
         store.close()
+
+
+def test_heartbeats_of_several_edges_in_one_transaction_on_postgres(postgres_url: str) -> None:
+    """heartbeat_many adds the nodes it has not seen, and brings a known node (a lost one too) up with its new
+    load and time; nodes it does not name are left as they were."""
+    store = StateStore(postgres_url)
+    try:
+        store.heartbeat("pg-beat-0", {"cpu": 1}, 10.0)
+        store.heartbeat("pg-beat-quiet", {"cpu": 9}, 10.0)
+        store.mark_node_lost("pg-beat-0", 11.0, "silent")
+        store.mark_node_lost("pg-beat-quiet", 11.0, "silent")
+        store.heartbeat_many({"pg-beat-0": {"cpu": 2}, "pg-beat-1": {"cpu": 3}}, 20.0)
+        rows = {row["edge_id"]: row for row in store.nodes() if row["edge_id"].startswith("pg-beat-")}
+        assert {e: (r["state"], r["last_seen"], r["load"]) for e, r in rows.items()} == {
+            "pg-beat-0": ("up", 20.0, {"cpu": 2}),
+            "pg-beat-1": ("up", 20.0, {"cpu": 3}),
+            "pg-beat-quiet": ("lost", 10.0, {"cpu": 9}),
+        }
+    finally:
+        with store.engine.begin() as conn:
+            conn.exec_driver_sql("DELETE FROM nodes WHERE edge_id LIKE 'pg-beat-%%'")
+        store.close()
