@@ -197,8 +197,18 @@ def _copy_rows(conn: Connection, table: Table, rows: list[dict[str, Any]]) -> No
     driver = conn.connection.driver_connection
     with driver.cursor() as cursor, cursor.copy(f"COPY {table.name} ({names}) FROM STDIN") as copy:
         for row in rows:
-            copy.write_row([json.dumps(row.get(name, default)) if is_json else row.get(name, default)
+            copy.write_row([_json_text(row.get(name, default)) if is_json else row.get(name, default)
                             for name, default, is_json in fields])  # fmt: skip
+
+
+def _json_text(value: Any) -> str:  # noqa: ANN401 - any JSON value
+    """``json.dumps(value)``; the values most records hold (None, an empty list or dict) without the encoder,
+    which costs a microsecond a call to set up (seven JSON columns a record)."""
+    if value is None:
+        return "null"
+    if not value and type(value) in (list, dict):
+        return "[]" if type(value) is list else "{}"
+    return json.dumps(value)
 
 
 class StateStore:

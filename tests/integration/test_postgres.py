@@ -80,15 +80,15 @@ def test_node_selector_column_is_added_to_an_old_database_on_postgres(postgres_u
 
 
 def test_batched_writes_store_what_single_writes_store_on_postgres(postgres_url: str) -> None:
-    """insert_many (COPY on PostgreSQL) stores each column as insert does, to the JSON text (None as JSON null, a
-    tab, a backslash, non-ASCII), with the defaults of columns a record leaves out; mark_running_many marks only
-    the sandboxes still creating."""
+    """insert_many (COPY on PostgreSQL) stores each column as insert does, to the JSON text (None as JSON null, an
+    empty list and dict, a tab, a backslash, non-ASCII), with the defaults of columns a record leaves out;
+    mark_running_many marks only the sandboxes still creating."""
     store = StateStore(postgres_url)
     record = {"edge_id": "e0", "state": "creating", "image": "busybox", "backend": "container", "runtime": "crun",
               "cpu": 0.25, "memory_mb": 256, "pids_max": 256, "user": "root", "cwd": "/tmp/a b",
               "env": {"A": "tab\there\nnew \\ é"}, "layers": ["sha256:0"], "labels": {"job": "pg-batch", "k": "v"},
               "created_at": 1796042149.2624586, "expires_at": None, "idle_pause_s": None, "network": None,
-              "protected_paths": [], "disk_mb": None, "sensitive_paths": None}  # fmt: skip
+              "protected_paths": [], "disk_mb": None, "sensitive_paths": None, "node_selector": {}}  # fmt: skip
     ids = ["sb-e0-pg-single", "sb-e0-pg-batch-0", "sb-e0-pg-batch-1"]
     columns = (
         'state, image, cpu, qos, memory_mb, "user", cwd, env::text, layers::text, labels::text, '
