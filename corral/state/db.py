@@ -296,8 +296,12 @@ class StateStore:
         gateway with 160 edges heartbeats them every second)."""
         if not loads:
             return
+        edge_ids = list(loads)
         with self._engine.begin() as conn:
-            known = {row[0] for row in conn.execute(select(nodes.c.edge_id))}  # one row per node: a short table
+            known = set()
+            for start in range(0, len(edge_ids), _IN_CHUNK):
+                chunk = edge_ids[start : start + _IN_CHUNK]
+                known.update(row[0] for row in conn.execute(select(nodes.c.edge_id).where(nodes.c.edge_id.in_(chunk))))
             beats = [
                 {"beat_edge_id": edge_id, "beat_load": load} for edge_id, load in loads.items() if edge_id in known
             ]
