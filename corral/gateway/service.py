@@ -182,11 +182,11 @@ class SandboxService:
         while True:
             try:
                 now = time.time()
-                for edge_id, edge in self._edges.items():
-                    if self._store.heartbeat(edge_id, (await edge.load()).model_dump(), now):
-                        log.warning("node %s is back after it was marked lost", edge_id)
-                        for sandbox_id in await end_stale(edge, self._store):
-                            self.scheduler.release(sandbox_id)
+                loads = {edge_id: (await edge.load()).model_dump() for edge_id, edge in self._edges.items()}
+                for edge_id in self._store.heartbeat_many(loads, now):
+                    log.warning("node %s is back after it was marked lost", edge_id)
+                    for sandbox_id in await end_stale(self._edges[edge_id], self._store):
+                        self.scheduler.release(sandbox_id)
                 before = now - self._node_lost_after_s
                 for edge_id in self._store.silent_nodes(before, exclude=set(self._edges)):
                     message = (f"its node {edge_id} went silent: no heartbeat for {self._node_lost_after_s:g}s "

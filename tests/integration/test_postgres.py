@@ -77,3 +77,59 @@ def test_node_selector_column_is_added_to_an_old_database_on_postgres(postgres_u
         with store.engine.begin() as conn:
             conn.exec_driver_sql("DELETE FROM sandboxes WHERE id IN ('sb-e0-pg-old-row', 'sb-e0-pg-new-row')")
         store.close()
+
+
+def test_batched_writes_store_what_single_writes_store_on_postgres(postgres_url: str) -> None:
+    """insert_many (COPY on PostgreSQL) stores each column as insert does, to the JSON text (None as JSON null, an
+    empty list and dict, a tab, a backslash, non-ASCII), with the defaults of columns a record leaves out;
+    mark_running_many marks only the sandboxes still creating."""
+    store = StateStore(postgres_url)
+    record = {"edge_id": "e0", "state": "creating", "image": "busybox", "backend": "container", "runtime": "crun",
+              "cpu": 0.25, "memory_mb": 256, "pids_max": 256, "user": "root", "cwd": "/tmp/a b",
+              "env": {"A": "tab\there\nnew \\ é"}, "layers": ["sha256:0"], "labels": {"job": "pg-batch", "k": "v"},
+              "created_at": 1796042149.2624586, "expires_at": None, "idle_pause_s": None, "network": None,
+              "protected_paths": [], "disk_mb": None, "sensitive_paths": None, "node_selector": {}}  # fmt: skip
+    ids = ["sb-e0-pg-single", "sb-e0-pg-batch-0", "sb-e0-pg-batch-1"]
+    columns = (
+        'state, image, cpu, qos, memory_mb, "user", cwd, env::text, layers::text, labels::text, '
+        "node_selector::text, created_at, expires_at, ttl_counts_paused, network::text, network IS NULL, "
+        "protected_paths::text, sensitive_paths::text, disk_mb, status_message, job"
+    )
+    try:
+        store.insert({**record, "id": ids[0]})
+        store.insert_many([{**record, "id": sandbox_id} for sandbox_id in ids[1:]])
+        with store.engine.connect() as conn:
+            rows = [tuple(conn.exec_driver_sql(f"SELECT {columns} FROM sandboxes WHERE id = %(id)s", {"id": i}).one())
+                    for i in ids]  # fmt: skip
+        assert rows[0] == rows[1] == rows[2]
+        assert store.get(ids[1])["labels"] == {"job": "pg-batch", "k": "v"} and store.get(ids[1])["job"] == "pg-batch"
+        store.end(ids[2], corral.SandboxState.ENDED, "killed")
+        assert store.mark_running_many({ids[1]: "up", ids[2]: "up", "sb-e0-pg-absent": None}) == {ids[1]}
+        assert (store.get(ids[1])["state"], store.get(ids[1])["status_message"]) == ("running", "up")
+        assert store.get(ids[2])["state"] == "ended"
+    finally:
+        with store.engine.begin() as conn:
+            conn.exec_driver_sql("DELETE FROM sandboxes WHERE id LIKE 'sb-e0-pg-%%'")
+        store.close()
+
+
+def test_heartbeats_of_several_edges_in_one_transaction_on_postgres(postgres_url: str) -> None:
+    """heartbeat_many adds the nodes it has not seen, and brings a known node (a lost one too) up with its new
+    load and time; nodes it does not name are left as they were."""
+    store = StateStore(postgres_url)
+    try:
+        store.heartbeat("pg-beat-0", {"cpu": 1}, 10.0)
+        store.heartbeat("pg-beat-quiet", {"cpu": 9}, 10.0)
+        store.mark_node_lost("pg-beat-0", 11.0, "silent")
+        store.mark_node_lost("pg-beat-quiet", 11.0, "silent")
+        store.heartbeat_many({"pg-beat-0": {"cpu": 2}, "pg-beat-1": {"cpu": 3}}, 20.0)
+        rows = {row["edge_id"]: row for row in store.nodes() if row["edge_id"].startswith("pg-beat-")}
+        assert {e: (r["state"], r["last_seen"], r["load"]) for e, r in rows.items()} == {
+            "pg-beat-0": ("up", 20.0, {"cpu": 2}),
+            "pg-beat-1": ("up", 20.0, {"cpu": 3}),
+            "pg-beat-quiet": ("lost", 10.0, {"cpu": 9}),
+        }
+    finally:
+        with store.engine.begin() as conn:
+            conn.exec_driver_sql("DELETE FROM nodes WHERE edge_id LIKE 'pg-beat-%%'")
+        store.close()
