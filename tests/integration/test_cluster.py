@@ -89,6 +89,16 @@ def test_node_selector_places_on_the_labelled_node(client: corral.Client) -> Non
         client.create("busybox", node_selector={"zone": "c"})
 
 
+def test_audit_findings_from_a_node_reach_the_log(client: corral.Client) -> None:
+    """The node's findings after a command (here a replaced system binary) come back with the exec's answer."""
+    with client.create("busybox", ttl_s=600) as sandbox:
+        sandbox.exec("rm /bin/vi && printf '#!/bin/sh\\necho pwned\\n' > /bin/vi && chmod +x /bin/vi")
+        events = [e for e in sandbox.audit_events() if e.kind == "protected_path_modified"]
+        assert len(events) == 1 and events[0].severity == "critical" and "/bin/vi" in events[0].detail["paths"]
+        sandbox.exec("echo again")
+        assert len([e for e in sandbox.audit_events() if e.kind == "protected_path_modified"]) == 1
+
+
 def test_a_cluster_gateway_refuses_network_peers(client: corral.Client) -> None:
     with pytest.raises(corral.InvalidRequest, match="not a cluster gateway"):
         client.attach_network_peer("mirror", f"/proc/{os.getpid()}/ns/net", "10.88.200.2")
