@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 import corral
-from corral.cluster.local import LocalCluster
+from corral.cluster.local import LocalCluster, stop_session
 from corral.cluster.network import ClusterNetwork
+from corral.embedded import delete_leftover_sandboxes
 from corral.state.db import StateStore
 
 NODE_LOST_AFTER_S = 4.0
@@ -199,6 +200,44 @@ def test_an_edge_killed_comes_back_and_readopts_its_sandboxes(cluster: LocalClus
         assert "sleep 600" in sandbox.exec("ps").stdout, f"process {running.command_id} did not survive"
     finally:
         sandbox.kill()
+
+
+def test_a_machine_joins_and_leaves_with_the_cli(
+    cluster: LocalCluster, client: corral.Client, tmp_path: Path, postgres_url: str
+) -> None:
+    """`corral cluster join` and `leave` as an operator runs them on a new machine (here: in the cluster's
+    network namespace, which stands in for the cluster network)."""
+    state = cluster.state
+    assert state is not None and state.netns is not None
+    data_dir = tmp_path / "e4"
+    env = {**os.environ, "CORRAL_NODE_DIR": str(tmp_path / "e4-node"), "RAY_USAGE_STATS_ENABLED": "0"}
+    in_netns = [sys.executable, "-m", "corral.cluster.launch", "netns", state.netns, "--", sys.executable, "-m",
+                "corral.cli.main", "cluster"]  # fmt: skip
+    join = subprocess.run(
+        [*in_netns, "join", "--address", state.ray_address, "--edge-id", "e4", "--gateway-url", state.gateway_url,
+         "--database-url", postgres_url, "--api-key", state.api_key, "--data-dir", str(data_dir),
+         "--label", "zone=c"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    node = json.loads((data_dir / "node.json").read_text()) if (data_dir / "node.json").exists() else None
+    try:
+        assert join.returncode == 0, join.stdout + join.stderr
+        assert "node e4 joined" in join.stdout
+        with client.create("busybox", ttl_s=600, node_selector={"zone": "c"}) as sandbox:
+            assert _edge(sandbox) == "e4"
+            assert sandbox.exec("echo on-e4").stdout == "on-e4\n"
+        leave = subprocess.run([*in_netns, "leave", "--data-dir", str(data_dir)], capture_output=True, text=True,
+                               timeout=120, env=env)  # fmt: skip
+        assert leave.returncode == 0, leave.stdout + leave.stderr
+        node = None
+        deadline = time.monotonic() + NODE_LOST_AFTER_S + 30
+        while {n["edge_id"]: n["state"] for n in cluster.cluster_nodes()}["e4"] != "lost":
+            assert time.monotonic() < deadline, "the node that left was not marked lost"
+            time.sleep(0.5)
+    finally:
+        if node is not None:
+            stop_session(int(node["session"]))
+        delete_leftover_sandboxes(data_dir)
 
 
 def test_a_removed_node_is_marked_lost_with_its_sandboxes(cluster: LocalCluster, client: corral.Client) -> None:
