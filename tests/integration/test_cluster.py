@@ -24,7 +24,7 @@ from corral.cluster.network import ClusterNetwork
 from corral.embedded import delete_leftover_sandboxes
 from corral.state.db import StateStore
 
-NODE_LOST_AFTER_S = 4.0
+NODE_LOST_AFTER_S = 8.0  # heartbeats every 0.5 s: room for a loaded machine before a false "lost"
 
 
 @pytest.fixture(scope="module")
