@@ -27,7 +27,18 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.datastructures import UploadFile
 
 from corral.gateway.e2b import pty
-from corral.gateway.e2b.common import END_STREAM, E2BError, Target, basic_user, facade, frame, rfc3339, services, target
+from corral.gateway.e2b.common import (
+    END_STREAM,
+    E2BError,
+    Target,
+    basic_user,
+    facade,
+    frame,
+    from_corral,
+    rfc3339,
+    services,
+    target,
+)
 from corral.gateway.e2b.processes import NO_TIMEOUT_S, OUTPUT_CAP_BYTES, Event, Process
 from corral.gateway.e2b.watch import Watchers
 from corral.sdk._exceptions import Conflict, CorralError, InvalidRequest, NotFound, PayloadTooLarge
@@ -437,11 +448,6 @@ async def filesystem_rpc(method: str, request: Request) -> Response:
 # -- plain HTTP: /files, /health ------------------------------------------------
 
 
-def _file_error(exc: CorralError) -> JSONResponse:
-    status = 404 if exc.status == 410 else exc.status
-    return JSONResponse({"code": status, "message": exc.message}, status_code=status)
-
-
 @router.get("/files")
 async def read_file(request: Request, path: str, username: str | None = None) -> Response:
     try:
@@ -451,7 +457,7 @@ async def read_file(request: Request, path: str, username: str | None = None) ->
     except E2BError as exc:
         return exc.response()
     except CorralError as exc:
-        return _file_error(exc)
+        return from_corral(exc).response()
     if "gzip" in request.headers.get("accept-encoding", "") and len(data) > 0:
         return Response(
             gzip.compress(data, 1), media_type="application/octet-stream", headers={"Content-Encoding": "gzip"}
@@ -507,7 +513,7 @@ async def write_files(request: Request, path: str | None = None, username: str |
     except E2BError as exc:
         return exc.response()
     except CorralError as exc:
-        return _file_error(exc)
+        return from_corral(exc).response()
 
 
 @router.get("/health")

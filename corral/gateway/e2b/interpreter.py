@@ -26,7 +26,7 @@ import anyio
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from corral.gateway.e2b.common import INTERPRETER_PORT, E2BError, Target, facade, target
+from corral.gateway.e2b.common import INTERPRETER_PORT, E2BError, Target, facade, from_corral, target
 from corral.gateway.e2b.processes import NO_TIMEOUT_S, OUTPUT_CAP_BYTES, Event, Process, ProcessTable
 from corral.gateway.service import SandboxService
 from corral.sdk._exceptions import CorralError, InvalidRequest, NotFound
@@ -200,10 +200,7 @@ def _interpreter_target(request: Request) -> Target:
 
 
 def _plain_error(exc: CorralError | E2BError) -> Response:
-    if isinstance(exc, E2BError):
-        return exc.response()
-    status = 404 if exc.status == 410 else exc.status
-    return JSONResponse({"code": status, "message": exc.message}, status_code=status)
+    return (exc if isinstance(exc, E2BError) else from_corral(exc)).response()
 
 
 @router.post("/execute")
