@@ -39,8 +39,8 @@ from corral.guard.audit import AuditLog
 from corral.images.fetch import LayerFetcher
 from corral.images.store import LayerStore
 from corral.node import build_edge, prepare_host
-from corral.sdk._exceptions import InvalidRequest, NotFound, SandboxGone
-from corral.sdk._models import ExecRequest, ExecResult, SandboxState
+from corral.sdk._exceptions import InvalidRequest
+from corral.sdk._models import SandboxState
 from corral.state.db import StateStore
 
 __all__ = ["ACTOR_NAMESPACE", "EdgeActor", "NodeEdge", "actor_name", "node_resource", "CALLABLE"]
@@ -51,7 +51,7 @@ T = TypeVar("T")
 
 ACTOR_NAMESPACE = "corral"
 # NodeEdge's own methods, beside the Edge ones
-_NODE_METHODS = {"create", "exec_audited", "pack_diff_bytes", "checkpoint_on_node", "discard_checkpoint"}
+_NODE_METHODS = {"create", "pack_diff_bytes", "checkpoint_on_node", "discard_checkpoint"}
 _EXTRA_METHODS = {"shutdown", "save_checkpoint", "list_checkpoints", "rewind", "stats", "load"}
 CALLABLE = (
     frozenset(
@@ -108,15 +108,6 @@ class NodeEdge:
         """The gateway's spec names the layers; the files are this node's (fetched first if missing)."""
         layers = await self.layer_refs(ref.mount_key for ref in spec.layers)
         return await self.edge.create(dataclasses.replace(spec, layers=layers))
-
-    async def exec_audited(self, sandbox_id: str, request: ExecRequest) -> tuple[ExecResult, list[Any]]:
-        """exec, and the audit findings after it, in one call from the gateway (it asks for both every time)."""
-        result = await self.edge.exec(sandbox_id, request)
-        try:
-            findings = await self.edge.audit_after_command(sandbox_id)
-        except (NotFound, SandboxGone):
-            findings = []
-        return result, findings
 
     async def pack_diff_bytes(self, sandbox_id: str) -> bytes:
         """The sandbox's changes as an EROFS layer, returned whole (the gateway imports it into the store)."""

@@ -19,7 +19,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 
 from corral.cluster.edge_actor import ACTOR_NAMESPACE, actor_name
 from corral.sdk._exceptions import CorralError, InternalError, ServerUnavailable
-from corral.sdk._models import ExecEvent, ExecRequest, ExecResult
+from corral.sdk._models import ExecEvent, ExecRequest
 
 __all__ = ["RayEdge", "RayEdges"]
 
@@ -32,7 +32,6 @@ class RayEdge:
     def __init__(self, edge_id: str) -> None:
         self.edge_id = edge_id
         self._handle: Any = None
-        self._findings: dict[str, list[Any]] = {}  # audit findings that came back with an exec, per sandbox
 
     async def _actor(self) -> Any:
         if self._handle is None:
@@ -75,22 +74,6 @@ class RayEdge:
 
     async def adopt(self, specs: list[Any]) -> dict[str, str | None]:
         raise InternalError("a Ray edge adopts its sandboxes itself when it starts")
-
-    async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
-        """One round trip for the exec and the audit findings the gateway asks for right after it."""
-        result, findings = await self._call("exec_audited", sandbox_id, request)
-        self._findings.setdefault(sandbox_id, []).extend(findings)
-        return result  # type: ignore[no-any-return]
-
-    async def destroy(self, sandbox_id: str) -> None:
-        self._findings.pop(sandbox_id, None)
-        await self._call("destroy", sandbox_id)
-
-    async def audit_after_command(self, sandbox_id: str) -> list[Any]:
-        held = self._findings.pop(sandbox_id, None)
-        if held is not None:
-            return held
-        return await self._call("audit_after_command", sandbox_id)  # type: ignore[no-any-return]
 
     async def pack_diff(self, sandbox_id: str, dest: Path) -> None:
         data = await self._call("pack_diff_bytes", sandbox_id)

@@ -556,6 +556,15 @@ class LocalEdge:
         address, denied = await self._backend.network_status(sandbox_id)
         return address, denied.egress_packets if denied else 0, denied.ingress_packets if denied else 0
 
+    async def exec_audited(
+        self, sandbox_id: str, request: ExecRequest
+    ) -> tuple[ExecResult, list[tuple[str, str, dict[str, Any]]]]:
+        result = await self.exec(sandbox_id, request)
+        try:
+            return result, await self.audit_after_command(sandbox_id)
+        except (NotFound, SandboxGone):  # it ended with the command: nothing more to find
+            return result, []
+
     async def audit_after_command(self, sandbox_id: str) -> list[tuple[str, str, dict[str, Any]]]:
         sandbox = self._get(sandbox_id)
         changed, pid_limit_hits = await self._backend.findings(sandbox_id)

@@ -113,6 +113,11 @@ class Edge(Protocol):
 
     async def download_tar(self, sandbox_id: str, path: str) -> bytes: ...
 
+    async def exec_audited(
+        self, sandbox_id: str, request: ExecRequest
+    ) -> tuple[ExecResult, list[tuple[str, str, dict[str, Any]]]]:
+        """exec, then audit_after_command: one call, as the gateway wants both for every logged exec."""
+
     async def audit_after_command(self, sandbox_id: str) -> list[tuple[str, str, dict[str, Any]]]:
         """New findings since the last call: protected paths changed, PID-limit hits; (kind, severity, detail)."""
 

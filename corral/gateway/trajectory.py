@@ -49,6 +49,8 @@ _FLUSH_DELAY_S = 0.005
 M = TypeVar("M", bound=BaseModel)
 _REPLAY_COMPARED = ("exit_code", "stdout", "stderr")
 
+Findings = list[tuple[str, str, dict[str, Any]]]  # (kind, severity, detail), as edges report them
+
 
 def _command_text(request: dict[str, Any]) -> str | None:
     cmd = request.get("cmd")
@@ -153,9 +155,12 @@ class Trajectories:
         result.pop(LOG_CAP_KEY, None)
         return result
 
-    async def _audit(self, sandbox_id: str, command: str | None, result: ExecResult | None) -> None:
+    async def _audit(
+        self, sandbox_id: str, command: str | None, result: ExecResult | None, edge_findings: Findings | None = None
+    ) -> None:
         """Audit events for one step: detector hits on the command, quota hits in the result, protected
-        paths it changed (the edge remembers what it reported already)."""
+        paths it changed (the edge remembers what it reported already; ``edge_findings``: what it reported
+        with the result, so it is not asked again)."""
         audit = self._sandboxes.audit_log
         if audit is None:
             return
@@ -170,8 +175,11 @@ class Trajectories:
             if result.stdout_truncated or result.stderr_truncated:
                 found.append(("output_capped", "info", {"stdout": result.stdout_truncated,
                                                         "stderr": result.stderr_truncated}))  # fmt: skip
-        with contextlib.suppress(NotFound, SandboxGone):
-            found += await self._sandboxes.call(sandbox_id, lambda edge: edge.audit_after_command(sandbox_id))
+        if edge_findings is not None:
+            found += edge_findings
+        else:
+            with contextlib.suppress(NotFound, SandboxGone):
+                found += await self._sandboxes.call(sandbox_id, lambda edge: edge.audit_after_command(sandbox_id))
         for kind, severity, detail in found:
             audit.record(sandbox_id, kind, severity, detail)
 
@@ -183,8 +191,10 @@ class Trajectories:
         request: dict[str, Any],
         operation: Callable[[], Awaitable[M]],
         model: type[M],
+        edge_findings: Findings | None = None,
     ) -> M:
-        """Run an operation with its log entry: replayed, refused or recorded per the step id rules."""
+        """Run an operation with its log entry: replayed, refused or recorded per the step id rules.
+        ``edge_findings``: filled by ``operation`` with the edge's audit findings (see ``_audit``)."""
         if step_id is None:  # logged after it ran, in one write: nothing to match a resend against
             try:
                 result = await operation()
@@ -194,7 +204,8 @@ class Trajectories:
                 self._append_auto(sandbox_id, kind, request, _error(exc))
                 raise
             self._append_auto(sandbox_id, kind, request, result.model_dump(mode="json"))
-            await self._audit(sandbox_id, _command_text(request), result if isinstance(result, ExecResult) else None)
+            await self._audit(sandbox_id, _command_text(request), result if isinstance(result, ExecResult) else None,
+                              edge_findings)  # fmt: skip
             return result
         step = self._begin(sandbox_id, step_id, kind, request)
         if isinstance(step, Replay):
@@ -210,15 +221,22 @@ class Trajectories:
             self._log.fail(step, _error(exc)["error"])
             raise
         self._log.finish(step, result.model_dump(mode="json"), files=files)
-        await self._audit(sandbox_id, _command_text(request), result if isinstance(result, ExecResult) else None)
+        await self._audit(sandbox_id, _command_text(request), result if isinstance(result, ExecResult) else None,
+                          edge_findings)  # fmt: skip
         return result
 
     # -- the logged operations ------------------------------------------
 
     async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
         body = request.model_dump(mode="json", exclude={"step_id"})
-        run = functools.partial(self._sandboxes.call, sandbox_id, lambda edge: edge.exec(sandbox_id, request))
-        return await self._logged(sandbox_id, request.step_id, "exec", body, run, ExecResult)
+        edge_findings: Findings = []
+
+        async def run() -> ExecResult:  # the edge's findings come with the result: one call, not two
+            result, found = await self._sandboxes.call(sandbox_id, lambda edge: edge.exec_audited(sandbox_id, request))
+            edge_findings.extend(found)
+            return result
+
+        return await self._logged(sandbox_id, request.step_id, "exec", body, run, ExecResult, edge_findings)
 
     async def start(self, sandbox_id: str, request: ExecRequest) -> CommandInfo:
         """A background command: logged when it starts (its output is read through /commands)."""
