@@ -121,7 +121,11 @@ class NodeEdge:
     async def checkpoint_on_node(self, sandbox_id: str) -> Path:
         """A fork's checkpoint, in a scratch dir on this node (its children restore it here)."""
         dest = self._scratch() / f"fork-{sandbox_id}-{time.monotonic_ns()}"
-        return await self.edge.checkpoint(sandbox_id, dest)
+        try:
+            return await self.edge.checkpoint(sandbox_id, dest)
+        except BaseException:
+            await asyncio.to_thread(shutil.rmtree, dest, True)  # a half-written checkpoint is of no use
+            raise
 
     async def discard_checkpoint(self, path: Path) -> None:
         if path.parent != self._scratch() or not path.name.startswith("fork-"):

@@ -115,6 +115,8 @@ def _session_members(session: int) -> list[int]:
 
 def stop_session(session: int, grace_s: float = _STOP_GRACE_S) -> None:
     """End every process of a session this module started: SIGTERM to each, SIGKILL to what is left."""
+    if session <= 1:
+        raise ValueError(f"refusing to end session {session}: not one this module started")
     for pid in _session_members(session):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
@@ -245,7 +247,6 @@ class LocalCluster:
         self._node_settings = node_settings or {}
         self._gateway_settings = gateway_settings or {}
         self.state: ClusterState | None = None
-        self.network: ClusterNetwork | None = None
 
     # -- up --------------------------------------------------------------------
 
@@ -253,36 +254,35 @@ class LocalCluster:
         self.directory.mkdir(parents=True, exist_ok=True)
         if (self.directory / CLUSTER_FILE).exists():
             raise RuntimeError(f"a cluster is already recorded in {self.directory}: `corral cluster down` it first")
+        network = ClusterNetwork.for_directory(self.directory)
+        address = f"{network.address}:6379"
         postgres_dir = None
-        database_url = self._database_url
-        if database_url is None:
-            progress("starting PostgreSQL")
-            # Outside the cluster dir, whose parents the postgres user may not be allowed to enter.
+        if self._database_url is None:  # outside the cluster dir, whose parents postgres may not enter
             postgres_dir = Path(tempfile.mkdtemp(prefix="corral-cluster-pg-", dir="/var/tmp"))
-            database_url = _start_postgres(postgres_dir)
-        env = {**os.environ, **LOCAL_RAY_ENV}
-        network = self.network = ClusterNetwork.for_directory(self.directory)
-        network.create()
-        port = 6379
-        address = f"{network.address}:{port}"
-        progress(f"starting the Ray head at {address} (network namespace {network.name})")
-        logs = self.directory / "logs"
-        logs.mkdir(exist_ok=True)
-        head = start_ray_node(
-            ["--head", "--port", str(port), "--node-ip-address", network.address, "--num-cpus", "0",
-             "--include-dashboard=false", "--disable-usage-stats", "--object-store-memory", str(200 << 20),
-             "--temp-dir", str(self._ray_temp_dir())],
-            env, logs / "ray-head.log", namespace=False, netns=network.name,
-        )  # fmt: skip
-        api_key = f"ck_{secrets.token_hex(24)}"
-        state = ClusterState(
-            directory=str(self.directory), ray_address=address, head_session=head.pid, gateway_pid=0,
-            gateway_url="", api_key=api_key, database_url=database_url,
+        # Recorded before anything starts, so a failure part-way is undone by down() like a whole cluster.
+        state = self.state = ClusterState(
+            directory=str(self.directory), ray_address=address, head_session=0, gateway_pid=0, gateway_url="",
+            api_key=f"ck_{secrets.token_hex(24)}", database_url=self._database_url or "",
             postgres_dir=str(postgres_dir) if postgres_dir else None, netns=network.name,
         )  # fmt: skip
-        self.state = state
         state.save()
         try:
+            if postgres_dir is not None:
+                progress("starting PostgreSQL")
+                state.database_url = _start_postgres(postgres_dir)
+            env = {**os.environ, **LOCAL_RAY_ENV}
+            network.create()
+            progress(f"starting the Ray head at {address} (network namespace {network.name})")
+            logs = self.directory / "logs"
+            logs.mkdir(exist_ok=True)
+            head = start_ray_node(
+                ["--head", "--port", address.rsplit(":", 1)[1], "--node-ip-address", network.address,
+                 "--num-cpus", "0", "--include-dashboard=false", "--disable-usage-stats",
+                 "--object-store-memory", str(200 << 20), "--temp-dir", str(self._ray_temp_dir())],
+                env, logs / "ray-head.log", namespace=False, netns=network.name,
+            )  # fmt: skip
+            state.head_session = head.pid
+            state.save()
             _wait_for_ray(address, env, network.name)
             progress("starting the gateway")
             gateway = self._start_gateway(self.directory / "gateway")
@@ -412,7 +412,8 @@ class LocalCluster:
             _stop_pid(pid)
         for edge_id in list(state.nodes):
             self.remove_node(edge_id)
-        stop_session(state.head_session)
+        if state.head_session:
+            stop_session(state.head_session)
         if state.netns:
             ClusterNetwork.for_directory(self.directory).delete()
         if state.postgres_dir:

@@ -304,3 +304,19 @@ def test_cluster_commands_up_twice_status_and_down(tmp_path: Path, postgres_url:
 def _client_config(path: Path) -> dict[str, str]:
     config = json.loads(path.read_text())
     return {"url": config["url"], "api_key": config["api_key"]}
+
+
+def test_a_cluster_that_fails_to_start_leaves_nothing_behind(tmp_path: Path) -> None:
+    """A gateway that cannot reach its database: `up` fails with the gateway's log, and stops what it started."""
+    directory = tmp_path / "broken"
+    local = LocalCluster(directory, database_url="postgresql+psycopg://nobody@/corral?host=/nonexistent")
+    with pytest.raises(RuntimeError, match="corral serve"):
+        local.up(1)
+    assert not (directory / "cluster.json").exists()
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert ClusterNetwork.for_directory(directory).name not in netns
+    head_log = (directory / "logs" / "ray-head.log").read_text()
+    assert "Ray runtime started" in head_log  # the head did start, and was stopped again
+    leftovers = subprocess.run(["pgrep", "-f", str(ClusterNetwork.for_directory(directory).name)],
+                               capture_output=True, text=True).stdout  # fmt: skip
+    assert leftovers == ""
