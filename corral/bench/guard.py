@@ -159,7 +159,6 @@ def run_guard_benchmark(*, runs: int, as_json: bool, console: Console) -> None:
             with server.client() as client:
                 results = _measure(client, runs, progress)
         finally:
-            server.kill_all_sandboxes()
             server.shutdown()
             host.orphans.reap()
     report: dict[str, Any] = {

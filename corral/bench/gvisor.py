@@ -141,7 +141,6 @@ def run_gvisor_benchmark(*, runs: int, as_json: bool, console: Console) -> None:
             with server.client() as client:
                 results = _measure(client, runs, progress)
         finally:
-            server.kill_all_sandboxes()
             server.shutdown()
     report: dict[str, Any] = {
         "params": {"runs": runs, "image": IMAGE, "execs_per_run": EXECS_PER_RUN},

@@ -121,7 +121,6 @@ def _measure(data_dir: Path, layout: host.CgroupLayout, *, rounds: int, samples:
                     progress.advance(task)
         task = progress.add_task("cleaning up (sandboxes, server)", total=1)
     finally:
-        server.kill_all_sandboxes()
         server.shutdown()
         host.orphans.reap()
     progress.update(task, completed=1)
