@@ -52,7 +52,8 @@ T = TypeVar("T")
 ACTOR_NAMESPACE = "corral"
 # NodeEdge's own methods, beside the Edge ones
 _NODE_METHODS = {"create", "pack_diff_bytes", "checkpoint_on_node", "discard_checkpoint"}
-_EXTRA_METHODS = {"shutdown", "save_checkpoint", "list_checkpoints", "rewind", "stats", "load"}
+# LocalEdge's checkpoint methods beyond the Edge protocol (VM and gVisor sandboxes)
+_EXTRA_METHODS = {"shutdown", "save_checkpoint", "list_checkpoints", "checkpoint_dir", "rewind"}
 CALLABLE = (
     frozenset(
         name for name in dir(Edge) if not name.startswith("_") and name not in {"start", "close", "edge_id", "remote"}
@@ -218,6 +219,3 @@ class EdgeActor:
     def pid(self) -> int:
         """This worker's process id (what a test kills to see Ray restart the edge)."""
         return os.getpid()
-
-    def data_dir(self) -> Path:
-        return self._node.settings.data_dir

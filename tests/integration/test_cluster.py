@@ -132,6 +132,13 @@ def test_a_gvisor_fork_starts_on_its_parents_node(cluster: LocalCluster, client:
         finally:
             for kid in kids:
                 kid.kill()
+        saved = parent.checkpoint()  # a named checkpoint: it stays on the node, and so do forks from it
+        parent.exec("echo later > /root/state")
+        (child,) = parent.fork(1, checkpoint=saved.id)
+        try:
+            assert _edge(child) == "e3" and child.exec("cat /root/state").stdout == "parent-file\n"
+        finally:
+            child.kill()
     state = cluster.state
     assert state is not None
     assert not list((Path(state.nodes["e3"].data_dir) / "scratch").glob("fork-*")), "the fork's checkpoint stayed"
