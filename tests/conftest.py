@@ -7,6 +7,8 @@ sandbox the tests left and stops the server by PID, even when a test failed.
 
 from __future__ import annotations
 
+import os
+import pwd
 import shutil
 import subprocess
 import tempfile
@@ -16,9 +18,42 @@ from pathlib import Path
 import pytest
 
 import corral
+from corral.config import Settings
 from corral.embedded import EmbeddedServer, linked_node_dir
+from corral.sdk._config import default_config_path
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def _user_files() -> dict[str, tuple[int, int]]:
+    """(mtime, size) of every file that is the user's, not the tests': the client config that a plain `corral
+    serve` writes (under $HOME and under the account's home, which servers started without HOME use), the
+    default data dir and the node dir."""
+    settings = Settings()
+    configs = {default_config_path(), Path(pwd.getpwuid(os.getuid()).pw_dir) / ".config" / "corral" / "client.json"}
+    paths = [p for p in configs if p.exists()]
+    for root in (settings.data_dir, settings.node_dir):
+        for directory, _, names in os.walk(root):
+            paths.extend(Path(directory) / name for name in names)
+    found = {}
+    for path in paths:
+        try:
+            info = path.lstat()
+        except FileNotFoundError:
+            continue
+        found[str(path)] = (info.st_mtime_ns, info.st_size)
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def users_files_left_alone() -> Iterator[None]:
+    """Test servers, benches and the demo keep to their own directories (issue 15: they must not overwrite the
+    user's ~/.config/corral/client.json, nor files in the node dir or the default data dir)."""
+    before = _user_files()
+    yield
+    after = _user_files()
+    changed = sorted(path for path in before.keys() | after.keys() if before.get(path) != after.get(path))
+    assert not changed, f"the tests changed the user's files: {changed[:20]}"
 
 
 @pytest.fixture(scope="session")

@@ -36,6 +36,7 @@ from corral.sdk._exceptions import CorralError, InvalidRequest, NotFound
 
 __all__ = [
     "BASE_IMAGE_NAMES",
+    "CHECK_HAS_WORK",
     "DEBIAN_PACKAGES",
     "DEFAULT_STORE_DIR",
     "DEFAULT_WORK_DIR",
@@ -44,9 +45,12 @@ __all__ = [
     "debian_mirror",
     "ensure_base_images",
     "main",
+    "missing_base_images",
 ]
 
 BASE_IMAGE_NAMES = ("busybox", "debian-12", "debian-12-systemd")
+# Exit status of a node-setup module's ``--check`` when it would build something (scripts/setup.sh reads it).
+CHECK_HAS_WORK = 10
 DEBIAN_PACKAGES = ("bash", "python3", "git", "ca-certificates", "coreutils")
 # A whole operating system for backend="vm": the same packages plus an init system to hand PID 1 to.
 SYSTEMD_PACKAGES = (*DEBIAN_PACKAGES, "systemd-sysv")
@@ -174,6 +178,17 @@ def debian_mirror(suite: str = "bookworm", *, apt_dir: Path = Path("/etc/apt")) 
 
 
 # -- ensure ----------------------------------------------------------------
+
+
+def missing_base_images(store: LayerStore, names: Sequence[str] = BASE_IMAGE_NAMES) -> list[str]:
+    """The names among ``names`` that ``ensure_base_images`` would build."""
+    missing = []
+    for name in dict.fromkeys(names):
+        try:
+            store.resolve(name)
+        except NotFound:
+            missing.append(name)
+    return missing
 
 
 def ensure_base_images(
@@ -392,8 +407,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--store", type=Path, default=DEFAULT_STORE_DIR, help="layer store root")
     parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR, help="scratch space for rootfs trees")
     parser.add_argument("names", nargs="*", help=f"images to ensure (default: {' '.join(BASE_IMAGE_NAMES)})")
+    parser.add_argument(
+        "--check", action="store_true", help=f"build nothing; say what is missing (exit {CHECK_HAS_WORK} if any)"
+    )
     args = parser.parse_args(argv)
     names = args.names or list(BASE_IMAGE_NAMES)
+    if args.check:
+        missing = missing_base_images(LayerStore(args.store, inspect_only=True), names)
+        if missing:
+            print(f"setup: would build base images into {args.store}: {' '.join(missing)}", flush=True)
+        return CHECK_HAS_WORK if missing else 0
     try:
         ensure_base_images(
             LayerStore(args.store),

@@ -81,10 +81,13 @@ def check_layer_file(digest: str, path: Path) -> None:
 class LayerStore:
     """Layers and tags in one directory; safe for many processes at once."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, inspect_only: bool = False) -> None:
+        """``inspect_only``: only look (create no directories, sweep nothing), as ``setup.sh --check`` does."""
         self.root = Path(root)
         self._layers = self.root / "layers"
         self._images = self.root / "images"
+        if inspect_only:
+            return
         self._layers.mkdir(parents=True, exist_ok=True)
         self._images.mkdir(parents=True, exist_ok=True)
         self._sweep_stale_tmp()
@@ -223,7 +226,9 @@ class LayerStore:
         raise NotFound(f"image {name}:{version} not found in {self.root}; {hint}")
 
     def images(self) -> list[ImageRecord]:
-        records = []
+        records: list[ImageRecord] = []
+        if not self._images.is_dir():
+            return records
         for image_dir in self._images.iterdir():
             if not image_dir.is_dir() or not _NAME_RE.match(image_dir.name):
                 continue

@@ -29,6 +29,7 @@ __all__ = [
     "LayerMounts",
     "NativeHelpers",
     "build_native_helpers",
+    "native_helper_paths",
     "become_child_subreaper",
     "OrphanReaper",
     "orphans",
@@ -180,26 +181,34 @@ class NativeHelpers:
     launch: Path
 
 
+_NATIVE_SOURCES = {name: Path(__file__).parent / "native" / f"{name}.c" for name in ("agent", "launch")}
+
+
+def native_helper_paths(out_root: Path) -> NativeHelpers:
+    """Where this source version's helpers are (or will be) under ``out_root``; builds nothing."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _NATIVE_SOURCES.values())).hexdigest()[:16]
+    out_dir = out_root / "bin" / digest
+    return NativeHelpers(agent=out_dir / "corral-agent", launch=out_dir / "corral-launch")
+
+
 def build_native_helpers(out_root: Path) -> NativeHelpers:
     """Compile corral-agent and corral-launch (static) once per source version."""
-    src_dir = Path(__file__).parent / "native"
-    sources = {name: src_dir / f"{name}.c" for name in ("agent", "launch")}
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources.values())).hexdigest()[:16]
-    out_dir = out_root / "bin" / digest
-    binaries = {name: out_dir / f"corral-{name}" for name in sources}
+    helpers = native_helper_paths(out_root)
+    binaries = {"agent": helpers.agent, "launch": helpers.launch}
     if all(b.exists() for b in binaries.values()):
-        return NativeHelpers(**binaries)
+        return helpers
     compiler = shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise RuntimeError("a C compiler is needed to build corral-agent: apt-get install gcc libc6-dev")
+    out_dir = helpers.agent.parent
     out_dir.mkdir(parents=True, exist_ok=True)
-    for name, source in sources.items():
+    for name, source in _NATIVE_SOURCES.items():
         tmp = out_dir / f".corral-{name}.{os.getpid()}"
         subprocess.run(
             [compiler, "-O2", "-Wall", "-static", "-o", str(tmp), str(source)], check=True, capture_output=True
         )
         os.replace(tmp, binaries[name])
-    return NativeHelpers(**binaries)
+    return helpers
 
 
 _CONTAINER_INITS = frozenset({"agent"})  # corral-agent, bind-mounted as /.corral/agent

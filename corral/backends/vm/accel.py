@@ -22,7 +22,7 @@ from pathlib import Path
 from corral.backends.vm.guest import GuestKit
 from corral.backends.vm.qemu import QEMU_BINARY, Accelerator, host_tsc_khz, timing_arguments
 
-__all__ = ["choose_accelerator", "probe_boot", "probe_kvm"]
+__all__ = ["cached_accelerator", "choose_accelerator", "probe_boot", "probe_kvm"]
 
 log = logging.getLogger("corral.vm")
 
@@ -75,20 +75,33 @@ def _qemu_version() -> str:
     return out.stdout.splitlines()[0] if out.stdout else "unknown"
 
 
+def _probe_key(kit: GuestKit) -> str:
+    """What the probe's answer depends on: a new host kernel, QEMU or guest kernel probes again."""
+    return f"{platform.release()}|{_qemu_version()}|{kit.kernel_version}"
+
+
+def cached_accelerator(kit: GuestKit, cache_dir: Path) -> Accelerator | None:
+    """The probe's remembered answer for this host, QEMU and guest kernel; None if it must probe."""
+    try:
+        cached = json.loads((cache_dir / "accel.json").read_text())
+        if cached.get("key") == _probe_key(kit):
+            return Accelerator(cached["name"], cached["reason"])
+    except (OSError, ValueError, KeyError):
+        pass
+    return None
+
+
 def choose_accelerator(kit: GuestKit, cache_dir: Path, wanted: str = "auto") -> Accelerator:
     """``wanted``: "auto" (probe KVM, fall back to TCG), "kvm" or "tcg" (forced, no probe)."""
     if wanted == "tcg":
         return Accelerator("tcg", "TCG chosen by configuration (CORRAL_VM_ACCEL=tcg)")
     if wanted == "kvm":
         return Accelerator("kvm", "KVM chosen by configuration (CORRAL_VM_ACCEL=kvm)")
-    key = f"{platform.release()}|{_qemu_version()}|{kit.kernel_version}"
+    cached = cached_accelerator(kit, cache_dir)
+    if cached is not None:
+        return cached
+    key = _probe_key(kit)
     cache = cache_dir / "accel.json"
-    try:
-        cached = json.loads(cache.read_text())
-        if cached.get("key") == key:
-            return Accelerator(cached["name"], cached["reason"])
-    except (OSError, ValueError, KeyError):
-        pass
     works, what = probe_kvm(kit)
     choice = Accelerator("kvm", what) if works else Accelerator("tcg", f"TCG (software emulation): {what}")
     log.info("VM accelerator: %s (%s)", choice.name, choice.reason)

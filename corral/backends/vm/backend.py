@@ -55,7 +55,7 @@ from corral.guard.audit import PROTECTED_PREFIXES
 from corral.images.erofs import build_erofs
 from corral.sdk._exceptions import Conflict, InternalError, InvalidRequest, NotFound, SandboxGone, ServerUnavailable
 
-__all__ = ["VmBackend", "MIN_GUEST_MEMORY_MB", "DEFAULT_DISK_MB", "root_disk_image"]
+__all__ = ["VmBackend", "MIN_GUEST_MEMORY_MB", "DEFAULT_DISK_MB", "root_disk_image", "root_disk_path"]
 
 log = logging.getLogger("corral.vm")
 
@@ -95,10 +95,15 @@ def _scratch_template(vm_dir: Path, size_mb: int) -> Path:
     return path
 
 
+def root_disk_path(vm_dir: Path, layers: tuple[Path, ...], size_mb: int) -> Path:
+    """Where ``root_disk_image`` keeps the disk of this stack of layers; builds nothing."""
+    key = hashlib.sha256("|".join([str(size_mb), *(p.name for p in layers)]).encode()).hexdigest()[:16]
+    return vm_dir / "disks" / f"root-{key}.ext4"
+
+
 def root_disk_image(vm_dir: Path, layers: tuple[Path, ...], size_mb: int) -> Path:
     """A full ext4 disk of the stacked layers (what a q35 guest boots as its root), once per node per stack."""
-    key = hashlib.sha256("|".join([str(size_mb), *(p.name for p in layers)]).encode()).hexdigest()[:16]
-    path = vm_dir / "disks" / f"root-{key}.ext4"
+    path = root_disk_path(vm_dir, layers, size_mb)
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)

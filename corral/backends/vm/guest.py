@@ -20,7 +20,15 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["GuestKit", "GuestKitError", "ensure_guest_kit", "kernel_package", "extract_vmlinux", "module_closure"]
+__all__ = [
+    "GuestKit",
+    "GuestKitError",
+    "ensure_guest_kit",
+    "guest_kit_paths",
+    "kernel_package",
+    "extract_vmlinux",
+    "module_closure",
+]
 
 log = logging.getLogger("corral.vm")
 
@@ -134,19 +142,26 @@ def ensure_guest_kit(node_dir: Path, guest_agent: Path) -> GuestKit:
         return _ensure_guest_kit(node_dir, guest_agent)
 
 
-def _ensure_guest_kit(node_dir: Path, guest_agent: Path) -> GuestKit:
-    vm_dir = node_dir / "vm"
-    package = kernel_package()
+def guest_kit_paths(node_dir: Path, guest_agent: Path, package: str | None = None) -> GuestKit:
+    """Where the kit for this kernel package, agent and init is (or will be); builds nothing."""
+    package = package or kernel_package()
     version = package.removeprefix("linux-image-")
     key = hashlib.sha256(
         "|".join(
             [str(KIT_FORMAT), package, _sha(guest_agent), _sha(BUSYBOX), _sha(_INIT_SCRIPT), ",".join(GUEST_MODULES)]
         ).encode()
     ).hexdigest()[:16]
-    kit_dir = vm_dir / f"kit-{version}-{key}"
-    kit = GuestKit(version, kit_dir / "vmlinux", kit_dir / "vmlinuz", kit_dir / "initramfs.cpio")
+    kit_dir = node_dir / "vm" / f"kit-{version}-{key}"
+    return GuestKit(version, kit_dir / "vmlinux", kit_dir / "vmlinuz", kit_dir / "initramfs.cpio")
+
+
+def _ensure_guest_kit(node_dir: Path, guest_agent: Path) -> GuestKit:
+    vm_dir = node_dir / "vm"
+    package = kernel_package()
+    kit = guest_kit_paths(node_dir, guest_agent, package)
     if kit.initramfs.exists():
         return kit
+    version, kit_dir = kit.kernel_version, kit.initramfs.parent
     deb = _fetch_kernel(vm_dir / "debs", package)
     vm_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=vm_dir, prefix=".build-") as tmp:

@@ -20,12 +20,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from corral.images.bases import DEFAULT_STORE_DIR, DEFAULT_WORK_DIR, ensure_base_images
+from corral.images.bases import CHECK_HAS_WORK, DEFAULT_STORE_DIR, DEFAULT_WORK_DIR, ensure_base_images
 from corral.images.erofs import build_erofs
 from corral.images.store import ImageRecord, LayerStore
 from corral.sdk._exceptions import CorralError, NotFound
 
-__all__ = ["IMAGE_NAME", "ensure_e2b_base", "main"]
+__all__ = ["IMAGE_NAME", "current_e2b_base", "ensure_e2b_base", "main"]
 
 IMAGE_NAME = "e2b-base"
 _ON = "debian-12"
@@ -56,16 +56,24 @@ def _build_rootfs(rootfs: Path, downloads: Path) -> None:
     os.chmod(rootfs, 0o755)  # the layer's "/" shadows the lower layers' attributes
 
 
-def ensure_e2b_base(store: LayerStore, work_dir: Path) -> ImageRecord:
-    """``e2b-base:latest``, built if it is missing, or was built on another debian-12 or by an older recipe."""
-    (debian,) = ensure_base_images(store, [_ON], work_dir=work_dir)
+def current_e2b_base(store: LayerStore, debian: ImageRecord) -> ImageRecord | None:
+    """``e2b-base:latest`` if it exists, on this ``debian`` and by this recipe; else None (it needs a build)."""
     try:
         record = store.resolve(IMAGE_NAME)
         made_by = store.layer(record.layers[-1]).labels.get("e2b_recipe")
-        if record.layers[: len(debian.layers)] == debian.layers and made_by == _RECIPE:
-            return record
     except NotFound:
-        pass
+        return None
+    if record.layers[: len(debian.layers)] == debian.layers and made_by == _RECIPE:
+        return record
+    return None
+
+
+def ensure_e2b_base(store: LayerStore, work_dir: Path) -> ImageRecord:
+    """``e2b-base:latest``, built if it is missing, or was built on another debian-12 or by an older recipe."""
+    (debian,) = ensure_base_images(store, [_ON], work_dir=work_dir)
+    current = current_e2b_base(store, debian)
+    if current is not None:
+        return current
     work_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="e2b-base.", dir=work_dir) as scratch:
         rootfs, downloads = Path(scratch) / "rootfs", Path(scratch) / "debs"
@@ -86,7 +94,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m corral.gateway.e2b.template", description=__doc__)
     parser.add_argument("--store", type=Path, default=DEFAULT_STORE_DIR, help="layer store root")
     parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR, help="scratch space")
+    parser.add_argument(
+        "--check", action="store_true", help=f"build nothing; say whether it is missing (exit {CHECK_HAS_WORK} if so)"
+    )
     args = parser.parse_args(argv)
+    if args.check:
+        store = LayerStore(args.store, inspect_only=True)
+        try:
+            debian = store.resolve(_ON)
+        except NotFound:
+            debian = None
+        if debian is not None and current_e2b_base(store, debian) is not None:
+            return 0
+        print(f"setup: would build the E2B template {IMAGE_NAME} ({_ON} + sudo) into {args.store}", flush=True)
+        return CHECK_HAS_WORK
     try:
         record = ensure_e2b_base(LayerStore(args.store), args.work_dir)
     except (CorralError, RuntimeError, OSError, subprocess.SubprocessError) as exc:
