@@ -48,7 +48,11 @@ plan() {
     if ((CHECK)); then log "would $*"; else log "$*"; fi
 }
 have() { command -v "$1" >/dev/null 2>&1; }
-first_error() { grep -m1 -E '^(E:|ERROR:|error:)' "$SETUP_LOG" 2>/dev/null || true; }
+# The log's most telling line: apt's first E:, pip's first ERROR: (even indented, from its build step).
+first_error() {
+    { grep -m1 -E '^\s*(E|ERROR):' "$SETUP_LOG" || grep -m1 -E '^\s*error:' "$SETUP_LOG" || true; } 2>/dev/null \
+        | sed 's/^\s*//'
+}
 
 # -- 0. What no step can fix by itself ------------------------------------------------------------------
 [[ $EUID -eq 0 ]] || fail "root" "run as root (setup installs packages, debootstraps images and mounts EROFS)"

@@ -76,6 +76,8 @@ def _run_hidden(
         status.write_text(_without_packages(Path("/var/lib/dpkg/status").read_text(), packages))
         binds.append((status, "/var/lib/dpkg/status"))
     binds.extend((source, target) for target, source in (overlays or {}).items())
+    if not network:  # no name server either, so lookups fail at once instead of after the resolver's timeouts
+        binds.append((empty, "/etc/resolv.conf"))
     mounts = "".join(f"mount --bind {source} {target} && " for source, target in binds)
     unshare = ["unshare", "--mount", "--propagation", "private", *([] if network else ["--net"])]
     return subprocess.run(
@@ -184,3 +186,16 @@ def test_no_route_to_the_package_mirror_is_one_line_naming_the_step(hiding: Path
     assert line.startswith("apt-get update: cannot reach the package mirror (E: Failed to fetch http"), line
     assert "check the network, a proxy or /etc/apt/sources.list*" in line
     assert "setup: install apt packages: crun" in run.stdout
+
+
+def test_no_route_to_pypi_is_one_line_naming_the_step(hiding: Path, tmp_path: Path) -> None:
+    """No virtualenv and no network: creating the venv works offline, installing into it cannot."""
+    no_venv = hiding / "venv"
+    no_venv.mkdir()
+    run = _run_hidden(hiding, args=(), network=False, overlays={str(REPO / ".venv"): no_venv},
+                      env={"CORRAL_SETUP_LOG": str(tmp_path / "setup.log"), "PIP_RETRIES": "0",
+                           "PIP_DEFAULT_TIMEOUT": "5"})  # fmt: skip
+    line = _one_error_line(run)
+    assert line.startswith("virtualenv: pip install failed (ERROR: "), line
+    assert "is PyPI reachable?" in line
+    assert "setup: create the virtualenv" in run.stdout
