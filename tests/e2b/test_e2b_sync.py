@@ -6,6 +6,7 @@ sandboxes; the same sandboxes are visible through Corral's own API.
 
 from __future__ import annotations
 
+import datetime as dt
 import io
 import os
 import re
@@ -74,7 +75,10 @@ def test_list_filters_and_pages(e2b_sandboxes: list) -> None:  # type: ignore[ty
     e2b_sandboxes[0].pause()
     query = SandboxQuery(metadata={"run": tag})
     everything = Sandbox.list(query=query).next_items()
-    assert sorted(s.metadata["episode"] for s in everything) == ["0", "1", "2"]
+    assert [s.metadata["episode"] for s in everything] == ["2", "1", "0"]  # no order given: newest first
+    since = e2b_sandboxes[1].get_info().started_at.astimezone(dt.timezone(dt.timedelta(hours=2)))  # an offset
+    later = Sandbox.list(query=SandboxQuery(metadata={"run": tag}, started_after=since)).next_items()
+    assert [s.metadata["episode"] for s in later] == ["2", "1"]  # startedAt >= startedAfter
     paused = Sandbox.list(query=SandboxQuery(metadata={"run": tag}, state=[SandboxState.PAUSED])).next_items()
     assert [s.sandbox_id for s in paused] == [e2b_sandboxes[0].sandbox_id]
     running = Sandbox.list(query=SandboxQuery(metadata={"run": tag, "episode": "2"}, state=[SandboxState.RUNNING]))
@@ -89,6 +93,8 @@ def test_pause_then_connect_resumes_with_state(sbx: Sandbox, client: corral.Clie
     sbx.files.write("/home/user/state.txt", "kept")
     background = sbx.commands.run("sleep 600", background=True)
     assert sbx.pause() is True
+    assert client.get(sbx.sandbox_id).info.state == corral.SandboxState.PAUSED
+    assert not sbx.is_running()  # envd's /health: 502 while paused, and asking does not resume it
     assert client.get(sbx.sandbox_id).info.state == corral.SandboxState.PAUSED
     assert sbx.get_info().state == SandboxState.PAUSED
     assert sbx.pause() is False  # 409: already paused
@@ -222,6 +228,7 @@ def test_files_exists_make_dir_rename_remove(sbx: Sandbox) -> None:
     assert not sbx.files.exists("/home/user/d/e/f.txt")
     sbx.files.remove("/home/user/d")
     assert not sbx.files.exists("/home/user/d")
+    sbx.files.remove("/home/user/d")  # already gone: succeeds, as envd's RemoveAll does
     with pytest.raises(SandboxException):
         sbx.files.make_dir("/etc/forbidden")  # the user cannot write there, as in E2B
 

@@ -10,6 +10,7 @@ Create options Corral cannot honour are refused (400), never ignored.
 from __future__ import annotations
 
 import base64
+import datetime as dt
 import time
 import urllib.parse
 from typing import Any
@@ -203,6 +204,19 @@ def _selector(request: Request) -> tuple[dict[str, str], list[str]]:
     return labels, states
 
 
+def _started_after(text: str | None) -> float | None:
+    """``startedAfter`` (RFC 3339, with ``Z`` or an offset) as Unix seconds."""
+    if not text:
+        return None
+    try:
+        moment = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise E2BError(400, f"startedAfter {text!r} is not an RFC 3339 time (e.g. 2026-12-01T09:00:00Z)") from None
+    if moment.tzinfo is None:
+        raise E2BError(400, f"startedAfter {text!r} has no time zone: add Z or an offset such as +02:00")
+    return moment.timestamp()
+
+
 @router.get("/v2/sandboxes")
 @router.get("/sandboxes")
 async def list_sandboxes(request: Request) -> JSONResponse:
@@ -211,8 +225,13 @@ async def list_sandboxes(request: Request) -> JSONResponse:
     if request.query_params.get("template"):
         labels[TEMPLATE_LABEL] = request.query_params["template"]
     infos = services(request).sandboxes.list(states=states, labels=labels)
-    if request.query_params.get("order", "asc").lower() == "desc":
-        infos.reverse()
+    started_after = _started_after(request.query_params.get("startedAfter"))
+    if started_after is not None:
+        infos = [info for info in infos if info.created_at >= started_after]
+    order = request.query_params.get("order", "desc").lower()  # the API spec's default: newest first
+    if order not in ("asc", "desc"):
+        raise E2BError(400, f"order {order!r} is neither asc nor desc")
+    infos.sort(key=lambda info: (info.created_at, info.id), reverse=order == "desc")
     limit_text = request.query_params.get("limit")
     token = request.query_params.get("nextToken")
     start = 0

@@ -42,7 +42,7 @@ from corral.gateway.e2b.common import (
 from corral.gateway.e2b.processes import NO_TIMEOUT_S, OUTPUT_CAP_BYTES, Event, Process
 from corral.gateway.e2b.watch import Watchers
 from corral.sdk._exceptions import Conflict, CorralError, InvalidRequest, NotFound, PayloadTooLarge
-from corral.sdk._models import ExecRequest, FileInfo
+from corral.sdk._models import ExecRequest, FileInfo, SandboxState
 
 __all__ = ["router", "end_frame", "entry"]
 
@@ -413,7 +413,10 @@ async def _filesystem(request: Request, method: str, where: Target, message: dic
         return JSONResponse({"entry": entry(await _edge(request, where, lambda e: e.stat(sandbox_id, destination)))})
     if method == "Remove":
         path = where.path(message.get("path", ""))
-        await _edge(request, where, lambda e: e.remove(sandbox_id, path, True))
+        try:
+            await _edge(request, where, lambda e: e.remove(sandbox_id, path, True))
+        except NotFound:
+            pass  # envd's Remove is os.RemoveAll: a path that is not there is already removed
         return JSONResponse({})
     watchers: Watchers = facade(request).watchers
     if method == "CreateWatcher":
@@ -518,8 +521,12 @@ async def write_files(request: Request, path: str | None = None, username: str |
 
 @router.get("/health")
 async def health(request: Request) -> Response:
+    """204 while the sandbox runs; 502 once it ended and while it is paused, as envd behind E2B's proxy answers
+    (asking does not resume a paused sandbox, unlike every other request)."""
     try:
-        target(request)
+        where = target(request)
     except E2BError as exc:
         return exc.response()
+    if where.info.state == SandboxState.PAUSED:
+        return E2BError(502, f"The sandbox {where.sandbox_id} is paused").response()
     return Response(status_code=204)
