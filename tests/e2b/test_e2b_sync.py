@@ -257,7 +257,13 @@ def test_metrics(sbx: Sandbox) -> None:
         spinner.kill()
     assert sample.cpu_count == 1 and sample.cpu_used_pct > 20
     assert sample.mem_total == 512 << 20 and 0 < sample.mem_used < sample.mem_total
-    assert 0 < sample.disk_used <= sample.disk_total
+    used_kb, total_kb = map(int, sbx.commands.run("df -kP / | awk 'NR == 2 {print $3, $2}'").stdout.split())
+    assert abs(sample.disk_used - used_kb * 1024) < 64 << 20 and sample.disk_total == total_kb * 1024  # in bytes,
+    assert total_kb * 1024 > 2**31  # not clamped to 2^31 - 1 (the host disk here is far bigger)
+    before = sbx.get_info().started_at - dt.timedelta(hours=1)
+    assert sbx.get_metrics(start=before, end=before + dt.timedelta(minutes=1)) == []  # a window long past
+    (in_window,) = sbx.get_metrics(start=before, end=dt.datetime.now(dt.UTC))
+    assert in_window.mem_total == 512 << 20
 
 
 def test_unsupported_options_are_refused(sbx: Sandbox) -> None:

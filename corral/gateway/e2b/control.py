@@ -312,13 +312,28 @@ router.add_api_route("/sandboxes/{sandbox_id}/resume", _connect, methods=["POST"
 
 @router.get("/sandboxes/{sandbox_id}/metrics")
 async def metrics(sandbox_id: str, request: Request) -> JSONResponse:
-    """One sample, taken now, from inside the sandbox (corral/gateway/e2b/metrics.py); none while paused."""
+    """One sample, taken now, from inside the sandbox (corral/gateway/e2b/metrics.py); none while paused, and
+    none when the ``start``/``end`` window (Unix seconds) does not hold the current second."""
     check_api_key(request)
     info = _live(request, sandbox_id)
     if info.state == SandboxState.PAUSED:
         return JSONResponse([])  # sampling runs a command, which would resume it
+    start, end = (_unix_s(request, name) for name in ("start", "end"))
+    now_s = int(time.time())
+    if (start is not None and start > now_s) or (end is not None and end < now_s - 1):  # -1: the client's clock
+        return JSONResponse([])  # rounds down too
     sample = await facade(request).metrics(info)
     return JSONResponse([sample])
+
+
+def _unix_s(request: Request, name: str) -> int | None:
+    text = request.query_params.get(name)
+    if text is None or text == "":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise E2BError(400, f"{name}={text!r} is not a Unix time in seconds") from None
 
 
 @router.post("/sandboxes/{sandbox_id}/snapshots")

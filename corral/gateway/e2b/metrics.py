@@ -4,7 +4,8 @@ The sandbox sees no cgroup files, so the sample comes from its own /proc:
 memory used is the sum of its processes' resident memory (shared pages
 counted once per process), CPU use their CPU time over a short interval
 (processes that exit within it are missed), disk what ``df`` says of its
-root. ``memCache`` is not known (0). The command runs directly on the edge, outside
+root (awk prints ``%.0f``: mawk's ``%d`` stops at 2^31 - 1, which clamped disks over 2 GiB). ``memCache``
+is not known (0). The command runs directly on the edge, outside
 the trajectory log: it is the platform looking, not the agent acting.
 """
 
@@ -23,11 +24,11 @@ __all__ = ["sample"]
 _INTERVAL_S = 0.2
 _SCRIPT = f"""
 ticks() {{ for f in /proc/[0-9]*/stat; do sed 's/.*) //' "$f" 2>/dev/null; done \\
-  | awk '{{s += $12 + $13}} END {{printf "%d", s}}'; }}
+  | awk '{{s += $12 + $13}} END {{printf "%.0f", s}}'; }}
 a=$(ticks); sleep {_INTERVAL_S}; b=$(ticks)
 echo cpu $a $b $(getconf CLK_TCK 2>/dev/null || echo 100)
-awk '/^VmRSS:/ {{s += $2}} END {{printf "mem %d\\n", s * 1024}}' /proc/[0-9]*/status 2>/dev/null
-df -kP / | awk 'NR == 2 {{printf "disk %d %d\\n", $3 * 1024, $2 * 1024}}'
+awk '/^VmRSS:/ {{s += $2}} END {{printf "mem %.0f\\n", s * 1024}}' /proc/[0-9]*/status 2>/dev/null
+df -kP / | awk 'NR == 2 {{printf "disk %.0f %.0f\\n", $3 * 1024, $2 * 1024}}'
 """
 
 
