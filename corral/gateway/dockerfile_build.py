@@ -57,9 +57,9 @@ if TYPE_CHECKING:
     from corral.gateway.images import ImageService
     from corral.gateway.service import SandboxService
 
-__all__ = ["DockerfileBuild", "ImagePuller"]
+__all__ = ["DockerfileBuild", "PullImage"]
 
-ImagePuller = Callable[[str, Progress], Awaitable[ImageRecord]]
+PullImage = Callable[[str, Progress], Awaitable[ImageRecord]]
 """Fetches a registry reference (``host:port/ns/img:tag``) into the catalogue and returns the image, layers and
 config: the hook a registry client plugs into for ``FROM`` of a registry image."""
 
@@ -93,7 +93,7 @@ class DockerfileBuild:
         request: BuildRequest,
         *,
         emit: Callable[[BuildEvent], None],
-        puller: ImagePuller | None,
+        puller: PullImage | None,
     ) -> None:
         self._images = images
         self._catalogue = catalogue

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from corral.edge.protocol import edge_of
-from corral.gateway.dockerfile_build import DockerfileBuild, ImagePuller
+from corral.gateway.dockerfile_build import DockerfileBuild, PullImage
 from corral.gateway.service import SandboxService
 from corral.images.builders import LayerBuilder, Progress
 from corral.images.catalogue import Catalogue, CatalogueLayer, input_key
@@ -74,7 +74,7 @@ class ImageService:
         sandboxes: SandboxService,
         *,
         disk_budget_mb: int | None,
-        puller: ImagePuller | None = None,
+        puller: PullImage | None = None,
     ) -> None:
         """``puller``: fetches a registry reference into the catalogue (Dockerfile FROM of a registry image)."""
         self._catalogue = catalogue
