@@ -212,6 +212,9 @@ def images_inspect(ref: str) -> None:
     """Show an image's layers, bottom first, with how each was built."""
     detail = _client().images.inspect(ref)
     console.print(f"{detail.name}: {len(detail.layers)} layers, {_size(detail.size_bytes)} MiB")
+    config = detail.config.model_dump(exclude_defaults=True)  # env, working dir, user ... sandboxes start with
+    if config:
+        console.print(f"config: {json.dumps(config)}", markup=False, highlight=False)
     table = Table("#", "DIGEST", "KIND", "SIZE MiB", "SOURCE")
     for index, layer in enumerate(detail.layers):
         table.add_row(str(index), layer.digest, layer.kind, _size(layer.size_bytes), json.dumps(layer.source))

@@ -146,7 +146,7 @@ class DockerfileBuild:
         """The built stage ``ref`` (a name or an index) names, among those before the current one."""
         assert self._dockerfile is not None
         stage = self._dockerfile.stage(ref, self._current)
-        return self._stages[stage.index] if stage is not None else None
+        return self._stages.get(stage.index) if stage is not None else None
 
     async def _from(self, stage: Stage, global_args: dict[str, str]) -> _StageState:
         self._announce(stage.from_instruction, cached=None)

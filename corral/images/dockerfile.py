@@ -319,6 +319,10 @@ class BuildContext:
             else:
                 matches = [self.root / relative] if os.path.lexists(self.root / relative) else []
             matches = [path for path in matches if not self.ignored(self._relative(path))]
+            for path in matches:  # a symlinked directory on the way must not lead out of the context
+                parent = Path(os.path.realpath(path.parent)) if path != self.root else self.root
+                if parent != self.root and self.root not in parent.parents:
+                    raise InvalidRequest(f"{instruction.where()}: {pattern!r} leads outside the build context")
             if not matches:
                 raise NotFound(f"{instruction.where()}: {pattern!r} matches nothing in the build context {self.root}")
             selected += matches

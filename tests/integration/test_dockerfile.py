@@ -141,13 +141,18 @@ def test_cli_scratch_with_copy_from_a_stage(server: EmbeddedServer, tmp_path: Pa
         "ENV GREETING_DIR=/greeting\n"
     )
     context = _context(tmp_path, dockerfile, {"hello.txt": "hi from scratch\n"})
-    built = subprocess.run(
-        [sys.executable, "-m", "corral.cli.main", "images", "build", "df-scratch", "--dockerfile",
-         str(context / "Dockerfile")], env=server.env(), cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "corral.cli.main", *args], env=server.env(), cwd=REPO,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+
+    built = cli("images", "build", "df-scratch", "--dockerfile", str(context / "Dockerfile"))
     assert built.returncode == 0, built.stderr
     assert "Step 3/5 : COPY --from=tools /bin/busybox /bin/busybox" in built.stdout
     assert "built df-scratch:latest: 2 layers" in built.stdout
+    assert (
+        'config: {"env": {"GREETING_DIR": "/greeting"}, "user": "0"}' in cli("images", "inspect", "df-scratch").stdout
+    )
     with server.client() as client, client.create("df-scratch") as sandbox:
         result = sandbox.exec(["/bin/busybox", "sh", "-c", "cat $GREETING_DIR/hello.txt; /bin/busybox ls /"])
         assert result.stdout.split("\n", 1)[0] == "hi from scratch", result

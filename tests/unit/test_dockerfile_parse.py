@@ -57,3 +57,7 @@ def test_context_globs_and_dockerignore(tmp_path: Path) -> None:
         context.sources(copy, ("node_modules",))
     with pytest.raises(InvalidRequest, match="outside the build context"):
         context.sources(copy, ("../etc/passwd",))
+    (tmp_path / "etc-link").symlink_to("/etc")
+    with pytest.raises(InvalidRequest, match="leads outside the build context"):
+        context.sources(copy, ("etc-link/hostname",))
+    assert context.sources(copy, ("etc-link",)) == [tmp_path / "etc-link"]  # copied as the symlink it is
