@@ -112,9 +112,23 @@ def test_multi_stage_build_sandbox_and_cache(client: corral.Client, tmp_path: Pa
 
 
 def test_failing_run_names_its_line_with_output(client: corral.Client, tmp_path: Path) -> None:
-    context = _context(tmp_path, "FROM busybox\nRUN echo fine\nRUN echo the reason is here >&2; exit 3\n", {})
-    with pytest.raises(corral.InvalidRequest, match=r"(?s)line 3: RUN echo the reason is here.*exit 3.*the reason"):
+    dockerfile = (
+        "FROM busybox AS ok\n"
+        "RUN echo fine > /fine\n"
+        "FROM ok\n"
+        'SHELL ["/bin/sh", "-ec"]\n'
+        "RUN echo the reason is here >&2; false; echo never\n"
+    )
+    context = _context(tmp_path, dockerfile, {})
+    lines: list[str] = []
+    client.images.build_dockerfile("df-target", context / "Dockerfile", target="ok", on_progress=lines.append)
+    assert [line for line in lines if line.startswith("Step ")] == ["Step 1/2 : FROM busybox AS ok",
+                                                                    "Step 2/2 : RUN echo fine > /fine"]  # fmt: skip
+    with pytest.raises(
+        corral.InvalidRequest, match=r"(?s)line 5: RUN echo the reason is here.*exit 1.*the reason"
+    ) as e:
         client.images.build_dockerfile("df-broken", context / "Dockerfile")
+    assert e.value.message.endswith("its last output:\nthe reason is here")  # SHELL's -e stopped it at `false`
     assert "df-broken:latest" not in {image.name for image in client.images.list()}
     assert client.list(labels={"corral.builder": "df-broken"}) == []
 
