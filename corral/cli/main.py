@@ -88,8 +88,8 @@ def create(
         list[str] | None, typer.Option("--node-selector", help="Only on a node with this key=value label, repeatable.")
     ] = None,
     env: Annotated[list[str] | None, typer.Option("--env", "-e", help="NAME=value, repeatable.")] = None,
-    user: str = "root",
-    cwd: str = "/",
+    user: Annotated[str | None, typer.Option(help="Default user of commands (default: the image's).")] = None,
+    cwd: Annotated[str | None, typer.Option(help="Default directory of commands (default: the image's).")] = None,
     workspace: Annotated[str | None, typer.Option(help="Workspace image stacked over IMAGE.")] = None,
     tools: Annotated[str | None, typer.Option(help="Tools image stacked on top.")] = None,
 ) -> None:
@@ -212,6 +212,9 @@ def images_inspect(ref: str) -> None:
     """Show an image's layers, bottom first, with how each was built."""
     detail = _client().images.inspect(ref)
     console.print(f"{detail.name}: {len(detail.layers)} layers, {_size(detail.size_bytes)} MiB")
+    config = detail.config.model_dump(exclude_defaults=True)  # env, working dir, user ... sandboxes start with
+    if config:
+        console.print(f"config: {json.dumps(config)}", markup=False, highlight=False)
     table = Table("#", "DIGEST", "KIND", "SIZE MiB", "SOURCE")
     for index, layer in enumerate(detail.layers):
         table.add_row(str(index), layer.digest, layer.kind, _size(layer.size_bytes), json.dumps(layer.source))
@@ -260,13 +263,24 @@ def images_build(
     run: Annotated[list[str] | None, typer.Option(help="A command to run (commands build, git setup).")] = None,
     kind: Annotated[str | None, typer.Option(help="Layer kind: base, workspace, tools or diff.")] = None,
     no_cache: Annotated[bool, typer.Option(help="Build even if identical inputs were built before.")] = False,
+    dockerfile: Annotated[Path | None, typer.Option(help="A Dockerfile (on the server's machine) to build.")] = None,
+    context: Annotated[Path | None, typer.Option(help="dockerfile: the build context (default: its dir).")] = None,
+    build_arg: Annotated[list[str] | None, typer.Option(help="dockerfile: K=V for an ARG, repeatable.")] = None,
+    target: Annotated[str | None, typer.Option(help="dockerfile: the stage to build (default: the last).")] = None,
 ) -> None:
-    """Build a layer from exactly one source and tag it NAME."""
-    sources = {"dir": from_dir, "tar": from_tar, "oci": from_oci, "debootstrap": debootstrap, "git": git}
+    """Build a layer from exactly one source (or an image from a Dockerfile) and tag it NAME."""
+    sources = {"dir": from_dir, "tar": from_tar, "oci": from_oci, "debootstrap": debootstrap, "git": git,
+               "dockerfile": str(dockerfile.resolve()) if dockerfile else None}  # fmt: skip
     chosen = {k: v for k, v in sources.items() if v}
     if len(chosen) > 1 or (not chosen and not run):
-        raise typer.BadParameter("give one of --from-dir/--from-tar/--from-oci/--debootstrap/--git, or --on with --run")
+        raise typer.BadParameter(
+            "give one of --from-dir/--from-tar/--from-oci/--debootstrap/--git/--dockerfile, or --on with --run"
+        )
     build_kind, source = next(iter(chosen.items())) if chosen else ("commands", None)
+    if build_kind == "dockerfile":
+        _build_dockerfile(name, source or "", context=context, build_args=_labels(build_arg), target=target,
+                          no_cache=no_cache)  # fmt: skip
+        return
     options: dict[str, object] = {"on": on or [], "commands": run or [], "layer_kind": kind, "no_cache": no_cache}
     if build_kind == "debootstrap":
         options.update(suite=source, packages=package or [])
@@ -281,6 +295,25 @@ def images_build(
             status.update(f"building {name}: {line[:60]}")
 
         image = _client().images.build(name, build_kind, on_progress=show, **options)
+    console.print(f"built {image.name}: {len(image.layers)} layers, {_size(image.size_bytes)} MiB")
+
+
+def _build_dockerfile(
+    name: str, dockerfile: str, *, context: Path | None, build_args: dict[str, str], target: str | None, no_cache: bool
+) -> None:
+    """One line per Dockerfile step ("Step 3/9 : RUN ...", "(cached)" when its layer was built before)."""
+    with console.status(f"building {name}") as status:
+
+        def show(line: str) -> None:
+            step = line.startswith("Step ")
+            console.print(line, style="bold" if step else "dim", markup=False, highlight=False)
+            if step:
+                status.update(f"building {name}: {line[:70]}")
+
+        image = _client().images.build_dockerfile(
+            name, dockerfile, context=context.resolve() if context else None, build_args=build_args, target=target,
+            no_cache=no_cache, on_progress=show,
+        )  # fmt: skip
     console.print(f"built {image.name}: {len(image.layers)} layers, {_size(image.size_bytes)} MiB")
 
 

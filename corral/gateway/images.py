@@ -11,13 +11,15 @@ is cached by its inputs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 from corral.edge.protocol import edge_of
+from corral.gateway.dockerfile_build import DockerfileBuild, PullImage
 from corral.gateway.service import SandboxService
 from corral.images.builders import LayerBuilder, Progress
 from corral.images.catalogue import Catalogue, CatalogueLayer, input_key
@@ -29,9 +31,11 @@ from corral.sdk._models import (
     CreateSandboxRequest,
     ExecRequest,
     ForkRequest,
+    ImageConfig,
     ImageDetail,
     ImageInfo,
     LayerInfo,
+    NetworkPolicy,
     SandboxInfo,
     SnapshotInfo,
 )
@@ -64,12 +68,20 @@ def layer_info(layer: CatalogueLayer) -> LayerInfo:
 
 class ImageService:
     def __init__(
-        self, catalogue: Catalogue, builder: LayerBuilder, sandboxes: SandboxService, *, disk_budget_mb: int | None
+        self,
+        catalogue: Catalogue,
+        builder: LayerBuilder,
+        sandboxes: SandboxService,
+        *,
+        disk_budget_mb: int | None,
+        puller: PullImage | None = None,
     ) -> None:
+        """``puller``: fetches a registry reference into the catalogue (Dockerfile FROM of a registry image)."""
         self._catalogue = catalogue
         self._builder = builder
         self._sandboxes = sandboxes
         self._disk_budget_mb = disk_budget_mb
+        self._puller = puller
 
     def _enforce_budget(self, progress: Progress, keep: frozenset[str] = frozenset()) -> None:
         """After the store grew: drop untagged, unused layers, least recently used first, to fit the budget."""
@@ -92,6 +104,7 @@ class ImageService:
             layers=[layer_info(self._catalogue.layer(d)) for d in image.layers],
             size_bytes=image.size_bytes,
             created_at=image.created_at,
+            config=image.config,
         )
 
     def layer_file(self, digest: str) -> tuple[Path, str]:
@@ -105,9 +118,11 @@ class ImageService:
     def tag(self, ref: str, *, layers: list[str] | None, source: str | None) -> ImageInfo:
         if (layers is None) == (source is None):
             raise InvalidRequest("give either `layers` (digests, bottom first) or `source` (an image ref) to tag")
-        digests = list(self._catalogue.resolve(source).layers) if source else list(layers or [])
+        source_image = self._catalogue.resolve(source) if source else None
+        digests = list(source_image.layers) if source_image else list(layers or [])
         name, version = parse_ref(ref)
-        return image_info(self._catalogue.tag(name, digests, version=version))
+        config = source_image.config if source_image else None
+        return image_info(self._catalogue.tag(name, digests, version=version, config=config))
 
     def untag(self, ref: str) -> ImageInfo:
         return image_info(self._catalogue.untag(ref))
@@ -124,16 +139,25 @@ class ImageService:
 
         loop_thread = threading.get_ident()
 
-        def progress(message: str) -> None:
-            event = BuildEvent(type="progress", message=message)
+        def emit(event: BuildEvent) -> None:
             if threading.get_ident() == loop_thread:
                 events.put_nowait(event)  # in order with the final event put by run()
             else:
                 loop.call_soon_threadsafe(events.put_nowait, event)
 
+        def progress(message: str) -> None:
+            emit(BuildEvent(type="progress", message=message))
+
         async def run() -> None:
             try:
-                image, cached = await self._build(request, progress)
+                if request.kind == "dockerfile":
+                    build = DockerfileBuild(
+                        self, self._catalogue, self._sandboxes, request, emit=emit, puller=self._puller
+                    )
+                    image, cached = await build.run()
+                    self._enforce_budget(progress)
+                else:
+                    image, cached = await self._build(request, progress)
                 events.put_nowait(BuildEvent(type="done", image=image_info(image), cached=cached))
             except CorralError as exc:
                 events.put_nowait(BuildEvent(type="error", error={"code": exc.code, "message": exc.message}))
@@ -174,61 +198,81 @@ class ImageService:
         cached = None if request.no_cache else self._catalogue.cached_build(key)
         if cached is not None:
             progress(f"cached: identical inputs were built before ({key[:19]}…)")
-            return self._catalogue.tag(name, cached, version=version), True
+            cached_layers, cached_config = cached
+            return self._catalogue.tag(name, cached_layers, version=version, config=cached_config), True
 
+        config = None
         if request.kind == "commands":
             diff = await self._run_in_builder(on, request, kind=kind, source=inputs, progress=progress)
             stack = [*on, diff.digest]
         else:
-            tree_layer = await asyncio.to_thread(self._build_tree, inputs, request, kind, progress)
+            tree_layer, config = await asyncio.to_thread(self._build_tree, inputs, request, kind, progress)
             stack = [tree_layer.digest]
             if "setup" in inputs:
                 base = [*on, tree_layer.digest]
                 diff = await self._run_in_builder(base, request, kind=kind, source=inputs["setup"], progress=progress)
                 stack = [*base, diff.digest]
-        self._catalogue.remember_build(key, stack)
-        image = self._catalogue.tag(name, stack, version=version)
+        self._catalogue.remember_build(key, stack, config)
+        image = self._catalogue.tag(name, stack, version=version, config=config)
         self._enforce_budget(progress)
         return image, False
 
     def _build_tree(
         self, inputs: dict[str, Any], request: BuildRequest, kind: str, progress: Progress
-    ) -> CatalogueLayer:
+    ) -> tuple[CatalogueLayer, ImageConfig | None]:
         with self._builder.scratch("tree-") as scratch:
-            tree = self._builder.make_tree(inputs, scratch, packages=request.packages, progress=progress)
-            return self._builder.pack_tree(tree, kind=kind, parents=(), source=inputs, progress=progress)
+            tree, config = self._builder.make_tree(inputs, scratch, packages=request.packages, progress=progress)
+            return self._builder.pack_tree(tree, kind=kind, parents=(), source=inputs, progress=progress), config
 
     async def _run_in_builder(
         self, on: list[str], request: BuildRequest, *, kind: str, source: dict[str, Any], progress: Progress
     ) -> CatalogueLayer:
         """Run the commands in a sandbox on ``on``; its changes become the layer."""
         ttl_s = request.timeout_s * len(request.commands) + 600
-        sandbox = await self._sandboxes.create(
-            CreateSandboxRequest(
-                layers=on,
-                env=request.env,
-                memory_mb=_BUILDER_MEMORY_MB,
-                labels={"corral.builder": request.name},
-                ttl_s=ttl_s,
-                network=request.network,
-            )
-        )
-        try:
+        async with self.builder_sandbox(on, label=request.name, env=request.env, network=request.network,
+                                        ttl_s=ttl_s) as sandbox_id:  # fmt: skip
             for command in request.commands:
                 progress(f"$ {command}")
-                await self._run_step(sandbox.id, command, request.timeout_s, progress)
-            with self._builder.scratch("diff-") as scratch:
-                image = scratch / "diff.erofs"
-                await self._sandboxes.call(sandbox.id, lambda edge: edge.pack_diff(sandbox.id, image))
-                return await asyncio.to_thread(
-                    self._builder.pack_file, image, kind=kind, parents=tuple(on), source=source, progress=progress
-                )
+                step = ExecRequest(cmd=command, timeout_s=request.timeout_s)
+                await self.run_step(sandbox_id, step, f"build command {command}", progress)
+            return await self.pack_sandbox(sandbox_id, on, kind=kind, source=source, progress=progress)
+
+    @contextlib.asynccontextmanager
+    async def builder_sandbox(
+        self,
+        on: list[str],
+        *,
+        label: str,
+        env: dict[str, str],
+        network: NetworkPolicy | None,
+        ttl_s: float,
+        user: str | None = None,
+    ) -> AsyncIterator[str]:
+        """A sandbox on the layers ``on`` for a build step, killed afterwards whatever happens; yields its id."""
+        sandbox = await self._sandboxes.create(
+            CreateSandboxRequest(layers=on, env=env, user=user, memory_mb=_BUILDER_MEMORY_MB,
+                                 labels={"corral.builder": label}, ttl_s=ttl_s, network=network)
+        )  # fmt: skip
+        try:
+            yield sandbox.id
         finally:
             await self._sandboxes.kill(sandbox.id)
 
-    async def _run_step(self, sandbox_id: str, command: str, timeout_s: float, progress: Progress) -> None:
+    async def pack_sandbox(
+        self, sandbox_id: str, on: list[str], *, kind: str, source: dict[str, Any], progress: Progress
+    ) -> CatalogueLayer:
+        """A builder sandbox's changes (its upper directory, whiteouts included) as a layer on ``on``."""
+        with self._builder.scratch("diff-") as scratch:
+            image = scratch / "diff.erofs"
+            await self._sandboxes.call(sandbox_id, lambda edge: edge.pack_diff(sandbox_id, image))
+            return await asyncio.to_thread(
+                self._builder.pack_file, image, kind=kind, parents=tuple(on), source=source, progress=progress
+            )
+
+    async def run_step(self, sandbox_id: str, request: ExecRequest, what: str, progress: Progress) -> None:
+        """Run one build command, its output lines going to ``progress``; a failure raises InvalidRequest naming
+        ``what``, with the last lines of the output."""
         tail: list[str] = []
-        request = ExecRequest(cmd=command, timeout_s=timeout_s)
         async for event in self._sandboxes.stream(sandbox_id, lambda edge: edge.exec_stream(sandbox_id, request)):
             if event.type in ("stdout", "stderr") and event.data:
                 for line in event.data.splitlines():
@@ -236,11 +280,24 @@ class ImageService:
                     tail = [*tail[-_FAILED_OUTPUT_LINES + 1 :], line]
             elif event.type == "exit" and event.result is not None:
                 result = event.result
+                output = "\n".join(tail)
                 if result.timed_out:
-                    raise InvalidRequest(f"build command timed out after {timeout_s:g}s: {command}\n" + "\n".join(tail))
+                    raise InvalidRequest(f"{what} timed out after {request.timeout_s:g}s; its last output:\n{output}")
                 if result.exit_code != 0:
-                    output = "\n".join(tail)
-                    raise InvalidRequest(f"build command failed (exit {result.exit_code}): {command}\n{output}")
+                    raise InvalidRequest(f"{what} failed (exit {result.exit_code}); its last output:\n{output}")
+
+    def scratch(self, prefix: str) -> contextlib.AbstractContextManager[Path]:
+        """An empty directory in the builder's work dir, removed afterwards whatever happens."""
+        return self._builder.scratch(prefix)
+
+    def build_layer_tree(
+        self, make_tree: Callable[[Path], None], *, kind: str, parents: tuple[str, ...], source: dict[str, Any],
+        progress: Progress,
+    ) -> CatalogueLayer:  # fmt: skip
+        """A layer from a tree that ``make_tree`` fills in an empty scratch directory (runs in a thread)."""
+        with self._builder.scratch("tree-") as scratch:
+            make_tree(scratch)
+            return self._builder.pack_tree(scratch, kind=kind, parents=parents, source=source, progress=progress)
 
     async def import_archive(self, name: str, archive: Path, *, fmt: str, layer_kind: str | None) -> ImageInfo:
         """An uploaded tar or OCI archive (saved at ``archive``) becomes a tagged layer."""

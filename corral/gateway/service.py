@@ -23,6 +23,8 @@ from corral.edge.protocol import Edge, EdgeDirectory, edge_of, new_sandbox_id
 from corral.guard.audit import AuditLog
 from corral.images.catalogue import Catalogue
 from corral.images.fetch import LayerFetcher
+from corral.images.image_config import ImageConfig, sandbox_defaults
+from corral.images.image_config import merge as merge_configs
 from corral.scheduler.placement import NodesBusy, Scheduler
 from corral.sdk._exceptions import (
     CapacityExhausted,
@@ -155,7 +157,8 @@ class SandboxService:
         self._reaper: asyncio.Task[None] | None = None
         self.scheduler = Scheduler()
         self._writes = _GroupCommit(store)
-        self._roots: dict[tuple[Any, ...], tuple[float, list[str], str]] = {}  # create's root → (until, stack, name)
+        # create's root → (until, stack, name, image config)
+        self._roots: dict[tuple[Any, ...], tuple[float, list[str], str, ImageConfig]] = {}
         self._touched: dict[str, float] = {}  # layer digest → when its last use was recorded (monotonic)
         self._create_finished = asyncio.Event()  # a create returned: a node may have a slot for a batch
 
@@ -274,15 +277,18 @@ class SandboxService:
                     stack.append(digest)
         return stack
 
-    def _resolve_root(self, request: CreateSandboxRequest) -> tuple[list[str], str]:
-        """The sandbox's layers (bottom first) and the name it is listed under."""
+    def _resolve_root(self, request: CreateSandboxRequest) -> tuple[list[str], str, ImageConfig]:
+        """The sandbox's layers (bottom first), the name it is listed under, and the image config it starts
+        with (an environment's images merged in order; none for bare layers)."""
         if request.layers:
-            return self.stack(request.layers), "+".join(d.split(":")[-1][:12] for d in request.layers)
+            return self.stack(request.layers), "+".join(d.split(":")[-1][:12] for d in request.layers), ImageConfig()
         if request.environment is not None:
             env = request.environment
             parts = [env.base, *(p for p in (env.workspace, env.tools) if p), *env.extra]
-            return self.stack(parts), "+".join(parts)
-        return self.stack([request.image]), self._catalogue.resolve(request.image).ref
+            config = merge_configs(self._catalogue.resolve(p).config for p in parts if not p.startswith("sha256:"))
+            return self.stack(parts), "+".join(parts), config
+        image = self._catalogue.resolve(request.image)
+        return self.stack([request.image]), image.ref, image.config
 
     def record(self, sandbox_id: str) -> dict[str, Any]:
         record = self._store.get(sandbox_id)
@@ -344,8 +350,6 @@ class SandboxService:
 
     def _prepare(self, request: CreateSandboxRequest) -> tuple[CreateSandboxRequest, str, tuple[LayerRef, ...]]:
         """Validate a create and resolve its layers: (request with defaults, listed image name, layers)."""
-        if not request.cwd.startswith("/"):
-            raise InvalidRequest(f"cwd must be an absolute path, got {request.cwd!r}")
         for key in request.env:
             if not key or "=" in key or "\0" in key:
                 raise InvalidRequest(f"invalid environment variable name {key!r}")
@@ -358,12 +362,16 @@ class SandboxService:
                tuple(request.layers or ()), self._catalogue.generation)  # fmt: skip
         cached = self._roots.get(key)
         if cached is not None and cached[0] > now:
-            digests, image_name = cached[1], cached[2]
+            _, digests, image_name, config = cached
         else:
-            digests, image_name = self._resolve_root(request)
+            digests, image_name, config = self._resolve_root(request)
             if len(self._roots) >= _ROOTS_CACHED:
                 self._roots.clear()
-            self._roots[key] = (now + _ROOT_CACHE_S, digests, image_name)
+            self._roots[key] = (now + _ROOT_CACHE_S, digests, image_name, config)
+        env, cwd, user = sandbox_defaults(config, env=request.env, cwd=request.cwd, user=request.user)
+        if not cwd.startswith("/"):
+            raise InvalidRequest(f"cwd must be an absolute path, got {cwd!r}")
+        request = request.model_copy(update={"env": env, "cwd": cwd, "user": user})
         layers = self._layer_refs(digests)  # a stat per layer file: a layer removed since is still noticed
         plain = {d.partition("#")[0] for d in digests}  # an alias is a second mount of the same layer
         stale = [d for d in plain if self._touched.get(d, -_TOUCH_EVERY_S) < now - _TOUCH_EVERY_S]
@@ -385,7 +393,7 @@ class SandboxService:
         """Layers this node lacks come from the shared layer store, once (when one is configured)."""
         if self._layer_fetcher is None:
             return
-        digests, _ = self._resolve_root(request)
+        digests, _, _ = self._resolve_root(request)
         for entry in digests:
             await self._layer_fetcher.ensure(entry.partition("#")[0])
 
@@ -403,6 +411,7 @@ class SandboxService:
         ``max_in_flight``: wait while every fitting node already has that many creates running (batches).
         ``on_edge``: only that edge (a restore from a checkpoint that lives on its node); its refusal is final."""
         digests = [layer.digest for layer in layers]
+        assert request.cwd is not None and request.user is not None  # filled in from the image by _prepare
         refused: dict[str, str] = {}  # edge id -> why it refused
         while True:
             try:

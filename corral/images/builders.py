@@ -21,6 +21,7 @@ from typing import Any
 from corral.images.bases import build_debian_rootfs, debian_mirror
 from corral.images.catalogue import Catalogue, CatalogueLayer
 from corral.images.erofs import build_erofs
+from corral.images.image_config import ImageConfig, from_oci
 from corral.images.unpack import extract_tar, unpack_oci_archive
 from corral.sdk._exceptions import InvalidRequest, NotFound
 
@@ -130,27 +131,30 @@ class LayerBuilder:
 
     # -- trees ----------------------------------------------------------
 
-    def make_tree(self, inputs: dict[str, Any], dest: Path, *, packages: list[str], progress: Progress) -> Path:
-        """Produce the layer's tree for these inputs under the empty directory ``dest``; returns the tree root."""
+    def make_tree(
+        self, inputs: dict[str, Any], dest: Path, *, packages: list[str], progress: Progress
+    ) -> tuple[Path, ImageConfig | None]:
+        """Produce the layer's tree for these inputs under the empty directory ``dest``: the tree root, and the
+        image config the source carries (an OCI archive's), if any."""
         builder = inputs["builder"]
         if builder == "dir":
-            return Path(inputs["path"])  # packed in place: no copy
+            return Path(inputs["path"]), None  # packed in place: no copy
         if builder == "tar":
             progress("extracting tar")
             with open(self._source_file(inputs), "rb") as source:
                 count = extract_tar(source, dest, max_bytes=self._max_bytes, progress=progress)
             progress(f"{count} entries extracted")
-            return dest
+            return dest, None
         if builder == "oci":
             info = unpack_oci_archive(self._source_file(inputs), dest, max_bytes=self._max_bytes, progress=progress)
             progress(f"{len(info.layer_digests)} OCI layers applied")
-            return dest
+            return dest, from_oci(info.config)
         if builder == "debootstrap":
             progress(f"debootstrap {inputs['suite']} (about a minute)")
             build_debian_rootfs(dest, suite=inputs["suite"], packages=("ca-certificates", *packages))
-            return dest
+            return dest, None
         if builder == "git":
-            return self._checkout(inputs, dest, progress)
+            return self._checkout(inputs, dest, progress), None
         raise InvalidRequest(f"unknown builder {builder!r}")
 
     def _source_file(self, inputs: dict[str, Any]) -> Path:

@@ -22,6 +22,7 @@ from sqlalchemy.exc import IntegrityError
 
 from corral.images.store import DEFAULT_VERSION, ImageRecord, LayerRecord, LayerStore, check_name, parse_ref
 from corral.sdk._exceptions import Conflict, InvalidRequest, NotFound
+from corral.sdk._models import ImageConfig
 from corral.state.db import build_cache, image_tags, layers
 
 __all__ = ["Catalogue", "CatalogueLayer", "input_key"]
@@ -140,8 +141,16 @@ class Catalogue:
 
     # -- tags -----------------------------------------------------------
 
-    def tag(self, name: str, layer_digests: Sequence[str], *, version: str = DEFAULT_VERSION) -> ImageRecord:
-        """Point ``name:version`` at layers (bottom first); a tag may move, a digest never changes."""
+    def tag(
+        self,
+        name: str,
+        layer_digests: Sequence[str],
+        *,
+        version: str = DEFAULT_VERSION,
+        config: ImageConfig | None = None,
+    ) -> ImageRecord:
+        """Point ``name:version`` at layers (bottom first) with their image config; a tag may move (and takes the
+        new config, none if not given), a digest never changes."""
         check_name(name, "image name")
         check_name(version, "image version")
         if isinstance(layer_digests, str) or not layer_digests:
@@ -150,18 +159,24 @@ class Catalogue:
             self.layer(digest)
             self.store.layer_path(digest)
         now = time.time()
+        stored_config = config.model_dump() if config is not None else None
         self.generation += 1
         with self._engine.begin() as conn:
             moved = conn.execute(
                 update(image_tags)
                 .where(image_tags.c.name == name, image_tags.c.version == version)
-                .values(layers=list(layer_digests), updated_at=now)
+                .values(layers=list(layer_digests), updated_at=now, config=stored_config)
             ).rowcount
             if not moved:
                 conn.execute(
                     insert(image_tags).values(
-                        name=name, version=version, layers=list(layer_digests), created_at=now, updated_at=now
-                    )
+                        name=name,
+                        version=version,
+                        layers=list(layer_digests),
+                        created_at=now,
+                        updated_at=now,
+                        config=stored_config,
+                    )  # fmt: skip
                 )
         return self.resolve(f"{name}:{version}")
 
@@ -198,13 +213,15 @@ class Catalogue:
             layers=tuple(row.layers),
             created_at=row.created_at,
             size_bytes=sum(sizes.get(d, 0) for d in row.layers),
+            config=ImageConfig.model_validate(row.config or {}),
         )
 
     # -- build cache ----------------------------------------------------
 
-    def cached_build(self, key: str) -> tuple[str, ...] | None:
-        """Layers an identical earlier build produced, if they are all still here."""
-        rows = self._rows(select(build_cache.c.layers).where(build_cache.c.input_key == key))
+    def cached_build(self, key: str) -> tuple[tuple[str, ...], ImageConfig | None] | None:
+        """Layers (and image config, if it made one) an identical earlier build produced, if the layers are all
+        still here."""
+        rows = self._rows(select(build_cache.c.layers, build_cache.c.config).where(build_cache.c.input_key == key))
         if not rows:
             return None
         digests = tuple(rows[0].layers)
@@ -214,12 +231,15 @@ class Catalogue:
                 self.store.layer_path(digest)
         except NotFound:
             return None
-        return digests
+        config = rows[0].config
+        return digests, ImageConfig.model_validate(config) if config is not None else None
 
-    def remember_build(self, key: str, layer_digests: Sequence[str]) -> None:
+    def remember_build(self, key: str, layer_digests: Sequence[str], config: ImageConfig | None = None) -> None:
+        stored_config = config.model_dump() if config is not None else None
         with self._engine.begin() as conn:
             conn.execute(delete(build_cache).where(build_cache.c.input_key == key))
-            conn.execute(insert(build_cache).values(input_key=key, layers=list(layer_digests), created_at=time.time()))
+            conn.execute(insert(build_cache).values(input_key=key, layers=list(layer_digests), created_at=time.time(),
+                                                    config=stored_config))  # fmt: skip
 
     def _rows(self, query: Any) -> list[Any]:
         with self._engine.connect() as conn:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from corral.sdk._exceptions import InternalError, InvalidRequest, NotFound
+from corral.sdk._models import ImageConfig
 
 __all__ = ["LAYER_KINDS", "DEFAULT_VERSION", "ImageRecord", "LayerRecord", "LayerStore"]
 
@@ -61,6 +62,7 @@ class ImageRecord:
     layers: tuple[str, ...]
     created_at: float
     size_bytes: int
+    config: ImageConfig = field(default_factory=ImageConfig)  # env, working dir, user ... (image_config.py)
 
     @property
     def ref(self) -> str:

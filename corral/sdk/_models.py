@@ -52,6 +52,7 @@ __all__ = [
     "FileInfo",
     "MkdirRequest",
     "ImageInfo",
+    "ImageConfig",
     "ImageDetail",
     "LayerInfo",
     "Environment",
@@ -144,9 +145,13 @@ class CreateSandboxRequest(_Model):
     )
     memory_mb: int = Field(DEFAULT_MEMORY_MB, gt=0, description="Memory limit in MiB; exceeding it OOM-kills.")
     pids_max: int = Field(DEFAULT_PIDS_MAX, ge=8, le=65536, description="Maximum processes inside the sandbox.")
-    env: dict[str, str] = Field(default_factory=dict)
-    cwd: str = "/"
-    user: str = Field("root", description="User name or uid[:gid] that commands run as by default.")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Added to the image's environment (ImageConfig.env); these win."
+    )
+    cwd: str | None = Field(None, description="Default directory of commands; null = the image's, else /.")
+    user: str | None = Field(
+        None, description="User name or uid[:gid] that commands run as by default; null = the image's, else root."
+    )
     labels: dict[str, str] = Field(default_factory=dict)
     node_selector: dict[str, str] = Field(
         default_factory=dict,
@@ -518,11 +523,25 @@ class LayerInfo(_Model):
     created_at: float
 
 
+class ImageConfig(_Model):
+    """What an image says about the processes run from it (the OCI image config's ``config`` object, in
+    Corral's names). Sandboxes created from the image get ``env``, ``working_dir`` and ``user`` as defaults."""
+
+    env: dict[str, str] = Field(default_factory=dict, description="Environment variables, in definition order.")
+    working_dir: str | None = Field(None, description="Default directory of commands (WORKDIR).")
+    user: str | None = Field(None, description="Default user of commands, name or uid[:gid] (USER).")
+    entrypoint: list[str] | None = None
+    cmd: list[str] | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    exposed_ports: list[str] = Field(default_factory=list, description='e.g. ["8080/tcp"] (EXPOSE).')
+
+
 class ImageDetail(_Model):
     name: str
     layers: list[LayerInfo] = Field(description="Bottom first.")
     size_bytes: int
     created_at: float
+    config: ImageConfig = Field(default_factory=ImageConfig)
 
 
 class TagRequest(_Model):
@@ -544,7 +563,7 @@ class BuildRequest(_Model):
     """One layer built on the server. Paths are on the server's machine."""
 
     name: str = Field(description="Tag the result as name or name:version.")
-    kind: Literal["dir", "tar", "oci", "debootstrap", "git", "commands"]
+    kind: Literal["dir", "tar", "oci", "debootstrap", "git", "commands", "dockerfile"]
     layer_kind: Literal["base", "workspace", "tools", "diff"] | None = Field(
         None, description="Default: base for debootstrap and oci, workspace for git, tools otherwise."
     )
@@ -561,15 +580,28 @@ class BuildRequest(_Model):
     timeout_s: float = Field(1800, gt=0, description="Per command.")
     no_cache: bool = Field(False, description="Build even if identical inputs were built before.")
     network: NetworkPolicy | None = Field(
-        None, description="commands: the builder sandbox's egress allowlist (e.g. a package mirror); null = none."
+        None,
+        description="commands, dockerfile RUN: the builder sandbox's egress allowlist (e.g. a package mirror); "
+        "null = none.",
     )
+    dockerfile: str | None = Field(None, description="dockerfile: the Dockerfile's path.")
+    context: str | None = Field(
+        None, description="dockerfile: the build context directory (default: the Dockerfile's directory)."
+    )
+    build_args: dict[str, str] = Field(default_factory=dict, description="dockerfile: values for its ARGs.")
+    target: str | None = Field(None, description="dockerfile: build up to this stage (default: the last).")
 
 
 class BuildEvent(_Model):
-    """One line of a streamed build: progress lines, then ``done`` or ``error``."""
+    """One line of a streamed build: progress lines, then ``done`` or ``error``.
+
+    A Dockerfile build sends one progress event per instruction with ``step`` and ``steps`` set
+    (``cached`` says whether its result came from the build cache), then the output of the steps that run."""
 
     type: Literal["progress", "done", "error"]
     message: str | None = None
+    step: int | None = Field(None, description="dockerfile: the instruction's number, from 1 ...")
+    steps: int | None = Field(None, description="... of this many.")
     image: ImageInfo | None = None
     cached: bool | None = None
     error: dict[str, str] | None = None

@@ -267,6 +267,31 @@ class Images:
                 return event.image
         raise ServerUnavailable("the build stream ended without a result")
 
+    def build_dockerfile(
+        self,
+        name: str,
+        dockerfile: str | Path,
+        *,
+        context: str | Path | None = None,
+        build_args: dict[str, str] | None = None,
+        target: str | None = None,
+        no_cache: bool = False,
+        network: NetworkPolicy | dict[str, Any] | None = None,
+        timeout_s: float = 1800,
+        on_progress: Callable[[str], None] | None = None,
+    ) -> ImageInfo:
+        """Build a Dockerfile on the server and tag the result ``name``.
+
+        ``dockerfile`` and ``context`` (default: the Dockerfile's directory) are paths on the server's machine.
+        ``on_progress`` gets one ``Step k/n : INSTRUCTION`` line per instruction (``(cached)`` when its layer came
+        from the build cache) and the output of the RUN steps; ``timeout_s`` bounds each RUN; ``network`` is the
+        RUN sandboxes' egress allowlist. A failed step raises InvalidRequest naming its line, with its output.
+        """
+        options = {"dockerfile": str(dockerfile), "context": str(context) if context is not None else None,
+                   "build_args": build_args or {}, "target": target, "no_cache": no_cache, "network": network,
+                   "timeout_s": timeout_s}  # fmt: skip
+        return self.build(name, "dockerfile", on_progress=on_progress, **options)
+
     def import_archive(
         self, ref: str, archive: str | Path | bytes, *, format: str = "tar", layer_kind: str | None = None
     ) -> ImageInfo:
@@ -584,8 +609,8 @@ class Client:
         memory_mb: int = DEFAULT_MEMORY_MB,
         pids_max: int = DEFAULT_PIDS_MAX,
         env: dict[str, str] | None = None,
-        cwd: str = "/",
-        user: str = "root",
+        cwd: str | None = None,
+        user: str | None = None,
         labels: dict[str, str] | None = None,
         ttl_s: float | None = DEFAULT_TTL_S,
         runtime: str | None = None,
@@ -601,7 +626,9 @@ class Client:
         node_selector: dict[str, str] | None = None,
     ) -> Sandbox:
         """Create a sandbox from ``image``, an ``environment`` ({base, workspace, tools}), or ``layers``;
-        ``node_selector``: only on a node whose labels include each of its key=value pairs."""
+        ``node_selector``: only on a node whose labels include each of its key=value pairs. ``env`` is added to
+        the image's environment; ``cwd`` and ``user`` default to the image's (its WORKDIR and USER), else / and
+        root."""
         fields = {
             "image": image, "environment": environment, "layers": layers, "backend": backend, "runtime": runtime,
             "cpu": cpu, "qos": qos, "memory_mb": memory_mb, "pids_max": pids_max, "env": env or {}, "cwd": cwd,

@@ -100,6 +100,7 @@ image_tags = Table(
     Column("layers", JSON, nullable=False),  # digests, bottom first
     Column("created_at", Float, nullable=False),
     Column("updated_at", Float, nullable=False),
+    Column("config", JSON, nullable=True),  # ImageConfig (env, working dir, user, ...); null = none
 )
 
 build_cache = Table(
@@ -108,6 +109,7 @@ build_cache = Table(
     Column("input_key", String(80), primary_key=True),  # sha256 of the builder's canonical inputs
     Column("layers", JSON, nullable=False),
     Column("created_at", Float, nullable=False),
+    Column("config", JSON, nullable=True),  # the ImageConfig the build produced; null = none
 )
 
 nodes = Table(

@@ -169,14 +169,17 @@ def test_import_oci_archive_with_whiteouts(client: corral.Client) -> None:
     blobs = {
         "layer1.tar": layer1,
         "layer2.tar": layer2,
-        "config.json": json.dumps({"config": {"Env": ["A=1"]}}).encode(),
+        "config.json": json.dumps({"config": {"Env": ["A=1"], "WorkingDir": "/app", "Cmd": ["ls"]}}).encode(),
     }
     manifest = [{"Config": "config.json", "RepoTags": ["demo:1"], "Layers": ["layer1.tar", "layer2.tar"]}]
     archive = _tar({**blobs, "manifest.json": json.dumps(manifest).encode()})
     image = client.images.import_archive("from-oci", archive, format="oci")
     assert [layer.kind for layer in client.images.inspect(image.name).layers] == ["base"]
+    config = client.images.inspect(image.name).config  # the archive's image config is kept and applied
+    assert (config.env, config.working_dir, config.cmd) == ({"A": "1"}, "/app", ["ls"])
     with client.create(environment={"base": "busybox", "extra": [image.name]}) as sandbox:
-        assert sandbox.exec("ls /app").stdout.split() == ["keep", "new"]
+        assert sandbox.exec("ls").stdout.split() == ["keep", "new"]
+        assert sandbox.exec("echo $A; pwd").stdout == "1\n/app\n"
     with pytest.raises(corral.NotFound):
         client.images.import_archive(
             "broken-oci",
