@@ -53,6 +53,7 @@ __all__ = [
     "MkdirRequest",
     "ImageInfo",
     "ImageDetail",
+    "LayerChunks",
     "LayerInfo",
     "Environment",
     "NetworkRule",
@@ -516,6 +517,16 @@ class LayerInfo(_Model):
     source: dict[str, Any] = Field(description="The builder and its inputs.")
     labels: dict[str, str]
     created_at: float
+
+
+class LayerChunks(_Model):
+    """A layer's chunk index: the sha256 of each ``chunk_bytes`` of it, for nodes that fetch it on demand."""
+
+    digest: str
+    size_bytes: int
+    chunk_bytes: int
+    chunks: list[str] = Field(description="sha256 (hex) of each chunk in order; the last may be shorter.")
+    kind: Literal["base", "workspace", "tools", "diff"]
 
 
 class ImageDetail(_Model):
