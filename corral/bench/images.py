@@ -116,20 +116,26 @@ def _node(work: Path, name: str, env: dict[str, str]) -> Any:  # noqa: ANN401 - 
 
 def _one_run(work: Path, shared: dict[str, str], run: int, sizes: dict[str, int], image_bytes: int,
              digests: list[str], read_pct: float, warm_runs: int) -> dict[str, Any]:  # fmt: skip
+    """Both nodes up first; cold creates (which kind goes first alternates by run), then warm creates taken in
+    turns, so the two kinds see the same machine; then the read task on the on-demand node."""
+    modes = ("eager", "on_demand") if run % 2 == 0 else ("on_demand", "eager")
     out: dict[str, Any] = {}
-    for mode in ("eager", "on_demand"):
-        env = {**shared, "CORRAL_EDGE_ID": f"r{run}{mode[0]}", "CORRAL_LAYER_FETCH": mode}
-        with _node(work, f"{mode}-{run}", env) as (server, node_dir), server.client() as client:
-            cold_ms, first = _create_exec_ms(client)
-            warm = []
-            for _ in range(warm_runs):
-                ms, sandbox = _create_exec_ms(client)
-                warm.append(ms)
+    with contextlib.ExitStack() as stack:
+        nodes = {mode: stack.enter_context(_node(work, f"{mode}-{run}", {**shared, "CORRAL_EDGE_ID": f"r{run}{mode[0]}",
+                                                                         "CORRAL_LAYER_FETCH": mode}))
+                 for mode in modes}  # fmt: skip
+        clients = {mode: stack.enter_context(server.client()) for mode, (server, _) in nodes.items()}
+        first = {}
+        for mode in modes:
+            cold_ms, first[mode] = _create_exec_ms(clients[mode])
+            out[mode] = {"cold_ms": cold_ms, "warm_ms": [], "after_cold_bytes": _fetched_bytes(nodes[mode][1], digests)}
+        for _ in range(warm_runs):
+            for mode in modes:
+                ms, sandbox = _create_exec_ms(clients[mode])
+                out[mode]["warm_ms"].append(ms)
                 sandbox.kill()
-            out[mode] = {"cold_ms": cold_ms, "warm_ms": warm, "after_cold_bytes": _fetched_bytes(node_dir, digests)}
-            if mode == "on_demand":
-                out[mode]["task"] = _read_task(first, node_dir, sizes, image_bytes, digests, read_pct, run)
-            first.kill()
+        out["on_demand"]["task"] = _read_task(first["on_demand"], nodes["on_demand"][1], sizes, image_bytes, digests,
+                                              read_pct, run)  # fmt: skip
     return out
 
 
@@ -225,7 +231,7 @@ def _table(report: dict[str, Any]) -> Table:
                f"{report['layers']} layers ({report['data_files']} data files); chunks of "
                f"{params['chunk_bytes'] // 1024} KiB. Kernel {report['host']['kernel']}, "
                f"{report['host']['cpu_count']} cpus.")  # fmt: skip
-    rows = ResultTable("corral bench-images", caption, report["checks"], digits=0)
+    rows = ResultTable("corral bench-images", caption, report["checks"], digits=2)
     table, timing = rows.table, rows.timing
     timing("cold create → first exec, on demand", lazy["cold_ms"], "eager", eager["cold_ms"], "cold_ratio")
     table.add_row("  (same, in seconds)", f"{lazy['cold_ms']['p50'] / 1000:.2f} s", "-", "-", "-",
