@@ -38,6 +38,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import hashlib
+import io
 import logging
 import os
 import re
@@ -248,9 +249,11 @@ class OnDemandLayers:
         with self._lock:
             fillings, self._layers = list(self._layers.values()), {}
         for filling in fillings:
-            self._stop(filling)
+            self._stop_helper(filling)
+        self._source.close()  # fetches in flight fail now rather than at their timeout
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self._source.close()
+        for filling in fillings:  # only now: a fetch thread must never write through a reused descriptor
+            _close_files(filling)
 
     # -- starting ---------------------------------------------------------
 
@@ -269,13 +272,17 @@ class OnDemandLayers:
             mountpoint=self._mount_root / hex_digest,
             present=self._resumed_present(index, data_path, present_path),
         )
-        filling.data_fd = os.open(data_path, os.O_RDWR | os.O_CLOEXEC)
-        filling.present_fd = os.open(present_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        os.pwrite(filling.present_fd, bytes(filling.present), 0)
-        if filling.missing() == 0:
-            self._complete(digest, filling)
-            return filling
-        self._spawn_helper(digest, filling)
+        try:
+            filling.data_fd = os.open(data_path, os.O_RDWR | os.O_CLOEXEC)
+            filling.present_fd = os.open(present_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            os.pwrite(filling.present_fd, bytes(filling.present), 0)
+            if filling.missing() == 0:
+                self._complete(digest, filling)
+                return filling
+            self._spawn_helper(digest, filling)
+        except BaseException:
+            _close_files(filling)
+            raise
         log.info("layer %s mounted on demand (%d of %d chunks here)", digest[:19],
                  len(filling.present) - filling.missing(), len(filling.present))  # fmt: skip
         return filling
@@ -320,7 +327,7 @@ class OnDemandLayers:
         """Answer the helper's requests until it exits: each missing chunk fetched once, in parallel."""
         helper = filling.helper
         assert helper is not None and helper.stdout is not None
-        for line in helper.stdout:
+        for line in io.BufferedReader(helper.stdout):  # the raw pipe (bufsize=0), read a line at a time
             fields = line.split()
             if len(fields) < 3 or fields[0] != b"F":
                 continue
@@ -422,21 +429,26 @@ class OnDemandLayers:
         except Exception:  # on a pool thread: nobody else would see it; mounts keep reading through the helper
             log.exception("layer %s: every chunk is here but it could not become a store layer", digest[:19])
 
-    def _stop(self, filling: _Filling) -> None:
+    def _stop_helper(self, filling: _Filling) -> None:
         helper = filling.helper
-        if helper is not None:
-            _libc.umount2(os.fsencode(filling.mountpoint), _MNT_DETACH)
-            with contextlib.suppress(OSError):
-                if helper.stdin is not None:
-                    helper.stdin.close()  # the helper's cue to exit
-            try:
-                helper.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                helper.kill()
-                helper.wait()
-        for fd in (filling.data_fd, filling.present_fd):
-            if fd >= 0:
-                os.close(fd)
+        if helper is None:
+            return
+        _libc.umount2(os.fsencode(filling.mountpoint), _MNT_DETACH)
+        with contextlib.suppress(OSError):
+            if helper.stdin is not None:
+                helper.stdin.close()  # the helper's cue to exit
+        try:
+            helper.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            helper.kill()
+            helper.wait()
+
+
+def _close_files(filling: _Filling) -> None:
+    for fd in (filling.data_fd, filling.present_fd):
+        if fd >= 0:
+            os.close(fd)
+    filling.data_fd = filling.present_fd = -1
 
 
 def _read_line_within(stream: IO[bytes], timeout_s: float) -> bytes:
