@@ -116,6 +116,21 @@ def test_a_node_reads_a_layer_it_never_had_fetching_only_what_is_read(
             assert _sha256_in(sandbox, "f7").stdout.split()[0] == data_tree["f7"]
 
 
+def test_layer_fetch_eager_fetches_the_whole_layer_before_the_first_mount(
+    source: EmbeddedServer, postgres_url: str, tmp_path: Path, test_env: dict[str, str], data_tree: dict[str, str]
+) -> None:
+    """The fallback and benchmark baseline: the whole blob, verified, in the node's store before the sandbox runs."""
+    digest = _build(source, tmp_path, "lazy-eager")
+    node_dir = tmp_path / "node-b"
+    env = {**_second_env(source, postgres_url, test_env, node_dir), "CORRAL_LAYER_FETCH": "eager"}
+    with EmbeddedServer(tmp_path / "b", env=env) as second, second.client() as client:
+        with client.create(environment={"base": "busybox", "tools": "lazy-eager"}, ttl_s=120) as sandbox:
+            stored = node_dir / "layers" / "layers" / f"{digest[7:]}.erofs"
+            assert "sha256:" + hashlib.sha256(stored.read_bytes()).hexdigest() == digest
+            assert not list((node_dir / "layers").glob("partial/*.present"))  # nothing went through FUSE
+            assert _sha256_in(sandbox, "f3").stdout.split()[0] == data_tree["f3"]
+
+
 def _corrupt(path: Path, offset: int) -> bytes:
     """Flip one byte of a stored layer at ``offset`` (the source's copy); returns the original byte."""
     with open(path, "r+b") as f:
