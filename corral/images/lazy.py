@@ -218,9 +218,6 @@ class OnDemandLayers:
         self._layers: dict[str, _Filling] = {}
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(FETCH_WORKERS, thread_name_prefix="corral-chunks")
-        self.bytes_fetched = 0
-        self.chunks_fetched = 0
-        self.chunks_failed = 0
 
     def open(self, digest: str) -> Path:
         """A path to the layer now: the store's file if it is complete, else the helper's file (blocking)."""
@@ -238,11 +235,6 @@ class OnDemandLayers:
         """The helper's file of a layer being filled (None if none is)."""
         filling = self._layers.get(digest)
         return filling.file if filling is not None and not filling.complete else None
-
-    def progress(self, digest: str) -> tuple[int, int] | None:
-        """(chunks present, chunks in all) of a layer being filled or filled by this node."""
-        filling = self._layers.get(digest)
-        return None if filling is None else (len(filling.present) - filling.missing(), len(filling.present))
 
     def close(self) -> None:
         """Stop every helper (mounts on top of them read EIO from then on) and the fetch threads."""
@@ -375,13 +367,10 @@ class OnDemandLayers:
                 with filling.lock:
                     os.pwrite(filling.present_fd, b"\x01", chunk)
                     filling.present[chunk] = 1
-                    self.bytes_fetched += length
-                    self.chunks_fetched += 1
                     done = filling.missing() == 0
                 if done:
                     self._pool.submit(self._complete_logged, digest, filling)
                 return True
-            self.chunks_failed += 1
             log.warning("layer %s: %s; the reading process gets EIO", digest[:19], error)
             self._report(reader_pid, "layer_chunk_unavailable", {
                 "layer": digest, "chunk": chunk, "offset": offset, "length": length, "error": error,
