@@ -127,6 +127,19 @@ class Settings(BaseSettings):
     layer_source_key: str | None = Field(
         None, description="API key for the layer store; default: this server's own key (one cluster, one key)."
     )
+    layer_fetch: Literal["on_demand", "eager"] = Field(
+        "on_demand",
+        description="How a node gets a layer it lacks from the layer source. on_demand: mounted at once, each "
+        "256 KiB chunk fetched (HTTP Range) and verified when first read, then kept; complete layers become ordinary "
+        "store files. eager: the whole blob fetched and verified before the first mount (also the fallback when "
+        "FUSE or libfuse3 is missing). docs/images.md.",
+    )
+    layer_read_timeout_s: float = Field(
+        30.0, gt=0, description="on_demand: the longest a read of a layer waits for its chunks; then it fails (EIO)."
+    )
+    layer_chunk_timeout_s: float = Field(
+        10.0, gt=0, description="on_demand: the HTTP timeout of one chunk request (tried twice before EIO)."
+    )
     vm_accel: Literal["auto", "kvm", "tcg"] = Field(
         "auto",
         description="microvm/vm accelerator: auto boots a probe guest under KVM (bounded) and falls back to TCG.",

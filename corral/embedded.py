@@ -31,14 +31,15 @@ STOP_GRACE_S = 15.0
 RUNTIME_TIMEOUT_S = 30.0
 
 
-def linked_node_dir(node_dir: Path) -> Path:
+def linked_node_dir(node_dir: Path, parts: tuple[str, ...] = ("layers", "bin", "vm")) -> Path:
     """A node dir of its own whose layer store and compiled helpers hard-link the real node dir's files.
 
     They are read-only and named by their digest, so sharing them is safe, and whatever a throwaway
-    server builds lands here and goes away with it.
+    server builds lands here and goes away with it. ``parts``: which of them (``("bin",)`` is a node
+    that has never seen a layer but need not compile its helpers again).
     """
     real = Settings().node_dir
-    for sub in ("layers", "bin", "vm"):
+    for sub in parts:
         source = real / sub
         for path in source.rglob("*") if source.is_dir() else []:
             target = node_dir / sub / path.relative_to(source)

@@ -9,6 +9,7 @@ cluster's edge actors (corral/cluster), state in the shared database.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import logging
@@ -32,7 +33,7 @@ from corral.gateway.trajectory import Trajectories
 from corral.guard.audit import AuditLog
 from corral.images.builders import LayerBuilder
 from corral.images.catalogue import Catalogue
-from corral.images.fetch import LayerFetcher
+from corral.images.fetch import layer_fetcher
 from corral.images.store import LayerStore
 from corral.node import build_edge, prepare_host
 from corral.state.db import StateStore
@@ -120,6 +121,8 @@ def serve(settings: Settings) -> None:
         store = StateStore(settings.database)
         catalogue = Catalogue(store.engine, LayerStore(settings.layer_dir))
         catalogue.sync_from_store()
+        audit_log = AuditLog(store.engine)
+        fetcher = layer_fetcher(settings, catalogue.store, api_key, audit=audit_log.record)
         edges = {}
         service = SandboxService(
             store=store,
@@ -128,12 +131,10 @@ def serve(settings: Settings) -> None:
             default_runtime=settings.runtime,
             ttl_check_interval_s=settings.ttl_check_interval_s,
             default_idle_pause_s=settings.idle_pause_s,
-            audit_log=AuditLog(store.engine),
+            audit_log=audit_log,
             heartbeat_s=settings.node_heartbeat_s,
             node_lost_after_s=settings.node_lost_after_s,
-            layer_fetcher=LayerFetcher(catalogue.store, settings.layer_source_url, settings.layer_source_key or api_key)
-            if settings.layer_source_url
-            else None,
+            layer_fetcher=fetcher,
             remote_edges=_ray_edges() if host is None else None,
         )
         if host is not None:
@@ -167,6 +168,8 @@ def serve(settings: Settings) -> None:
                 trajectories.flush()
         finally:
             await service.close()
+            if fetcher is not None:
+                await asyncio.to_thread(fetcher.close)
             store.close()
 
     upload_dir = settings.data_dir / "uploads"

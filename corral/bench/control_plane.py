@@ -31,7 +31,6 @@ import contextlib
 import dataclasses
 import random
 import statistics
-import subprocess
 import tempfile
 import time
 import uuid
@@ -45,7 +44,7 @@ from rich.table import Table
 
 from corral.backends.router import BackendRouter
 from corral.backends.simulated import SimulatedBackend
-from corral.bench.harness import emit
+from corral.bench.harness import emit, throwaway_postgres
 from corral.config import Settings
 from corral.edge.host_readings import HostReadings, read_host
 from corral.edge.local import LocalEdge, NodeCapacity
@@ -76,7 +75,6 @@ TARGET_RATE, TARGET_BURST_S, TARGET_LIVE = 5_000.0, 5.0, 400_000
 LIVE_BATCH = 4_000  # sandboxes per job while filling to the live count
 LOOKUPS = 200
 SHARED_READING_MAX_AGE_S = 0.5
-REPO = Path(__file__).resolve().parents[2]
 
 
 @contextlib.asynccontextmanager
@@ -296,20 +294,6 @@ async def _measure(nodes: list[int], creates: int, burst: int, live: int, databa
     return report
 
 
-@contextlib.contextmanager
-def _postgres(scratch: Path) -> Any:  # noqa: ANN401
-    directory = Path(tempfile.mkdtemp(prefix="corral-pg-", dir="/var/tmp"))
-    script = str(REPO / "scripts" / "postgres.sh")
-    started = subprocess.run(["bash", script, "start", str(directory)], capture_output=True, text=True)
-    if started.returncode != 0:
-        raise SystemExit(f"could not start PostgreSQL: {started.stderr.strip()}")
-    try:
-        yield started.stdout.strip()
-    finally:
-        subprocess.run(["bash", script, "stop", str(directory)], capture_output=True)
-        subprocess.run(["rm", "-rf", str(directory)], capture_output=True)
-
-
 def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
     biggest = max(report["scaling"], key=lambda row: row["nodes"])
     burst = report["burst"]
@@ -327,7 +311,7 @@ def run(*, nodes: list[int], creates: int, burst: int, live: int, postgres: bool
     """The measurements as a report (also what the test runs, with small sizes)."""
     tune_gc()  # as the server does
     with contextlib.ExitStack() as stack:
-        database_url = stack.enter_context(_postgres(scratch)) if postgres else ""
+        database_url = stack.enter_context(throwaway_postgres()) if postgres else ""
         report = asyncio.run(_measure(nodes, creates, burst, live, database_url, scratch, log, http))
     report["database"] = "postgresql" if postgres else "sqlite"
     report["checks"] = checks(report)

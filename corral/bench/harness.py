@@ -7,6 +7,7 @@ import datetime
 import json
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -21,7 +22,9 @@ from rich.table import Table
 from corral.backends.container import host
 from corral.sdk import ExecResult
 
-__all__ = ["bench_session", "emit", "ms_since", "require_success"]
+__all__ = ["bench_session", "emit", "ms_since", "require_success", "throwaway_postgres"]
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def ms_since(started: float) -> float:
@@ -50,6 +53,21 @@ def bench_session(name: str, *, as_json: bool, console: Console) -> Iterator[tup
             yield scratch, progress
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextmanager
+def throwaway_postgres() -> Iterator[str]:
+    """A PostgreSQL of the bench's own (scripts/postgres.sh: unix socket only); yields its SQLAlchemy URL."""
+    directory = Path(tempfile.mkdtemp(prefix="corral-pg-", dir="/var/tmp"))
+    script = str(REPO / "scripts" / "postgres.sh")
+    started = subprocess.run(["bash", script, "start", str(directory)], capture_output=True, text=True)
+    if started.returncode != 0:
+        raise SystemExit(f"could not start PostgreSQL: {started.stderr.strip()}")
+    try:
+        yield started.stdout.strip()
+    finally:
+        subprocess.run(["bash", script, "stop", str(directory)], capture_output=True)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def emit(

@@ -371,6 +371,21 @@ def bench_layers(
     )
 
 
+@app.command("bench-images")
+def bench_images(
+    runs: Annotated[int, typer.Option(help="Fresh nodes of each kind (on demand, eager).")] = 3,
+    warm_runs: Annotated[int, typer.Option(help="Warm creates per node.")] = 5,
+    data_mib: Annotated[int, typer.Option(help="Size of the data layer over debian-12.")] = 512,
+    read_pct: Annotated[float, typer.Option(help="Share of the image's bytes the task reads (%).")] = 10.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Measure cold and warm creates on nodes that never saw the image, layers on demand against eager."""
+    from corral.bench.images import run_images_benchmark
+
+    run_images_benchmark(runs=runs, warm_runs=warm_runs, data_mib=data_mib, read_pct=read_pct, as_json=as_json,
+                         console=console)  # fmt: skip
+
+
 @app.command("bench-lifecycle")
 def bench_lifecycle(
     runs: Annotated[int, typer.Option(help="Samples per timing.")] = 10,

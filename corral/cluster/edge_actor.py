@@ -36,7 +36,7 @@ from corral.edge.adoption import RECONCILE_EVERY_BEATS, end_stale, readopt
 from corral.edge.local import LocalEdge
 from corral.edge.protocol import Edge
 from corral.guard.audit import AuditLog
-from corral.images.fetch import LayerFetcher
+from corral.images.fetch import layer_fetcher
 from corral.images.store import LayerStore
 from corral.node import build_edge, prepare_host
 from corral.sdk._exceptions import InvalidRequest
@@ -82,11 +82,7 @@ class NodeEdge:
         self.store = StateStore(settings.database)
         self._audit = AuditLog(self.store.engine)
         self._layers = LayerStore(settings.layer_dir)
-        self._fetcher = (
-            LayerFetcher(self._layers, settings.layer_source_url, settings.layer_source_key or settings.api_key or "")
-            if settings.layer_source_url
-            else None
-        )
+        self._fetcher = layer_fetcher(settings, self._layers, settings.api_key or "", audit=self._audit.record)
         self.edge: LocalEdge = build_edge(settings, prepare_host(settings, inherited_namespace=True), self)
         self._heartbeat: asyncio.Task[None] | None = None
 
@@ -158,6 +154,8 @@ class NodeEdge:
         if self._heartbeat is not None:
             self._heartbeat.cancel()
         await self.edge.close()
+        if self._fetcher is not None:
+            await asyncio.to_thread(self._fetcher.close)
         self.store.close()
 
     # -- EdgeEvents ----------------------------------------------------------

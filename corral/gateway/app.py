@@ -8,6 +8,7 @@ OpenAPI document is served at /openapi.json.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import tempfile
 from collections.abc import AsyncIterator
@@ -49,6 +50,7 @@ from corral.sdk._models import (
     GradeResult,
     ImageDetail,
     ImageInfo,
+    LayerChunks,
     LayerInfo,
     MkdirRequest,
     NetworkPolicy,
@@ -248,11 +250,19 @@ def create_app(service_factory, max_file_bytes: int, upload_dir: Path) -> FastAP
 
     @app.get("/v1/layers/{digest}/blob", dependencies=[Auth], response_class=FileResponse)
     async def layer_blob(digest: str, images: Images, caller: CallerDep) -> FileResponse:
-        """The layer's EROFS file, for nodes that lack it (they check its sha256 against the digest).
-        The server key only: a job token must not read hidden grading layers."""
+        """The layer's EROFS file, for nodes that lack it (they check its sha256 against the digest, or each chunk
+        of a ``Range: bytes=a-b`` request against the chunk index). The server key only: a job token must not read
+        hidden grading layers."""
         caller.require_admin("download layers")
         path, kind = images.layer_file(digest)
         return FileResponse(path, media_type="application/octet-stream", headers={"X-Corral-Layer-Kind": kind})
+
+    @app.get("/v1/layers/{digest}/chunks", dependencies=[Auth])
+    async def layer_chunks(digest: str, images: Images, caller: CallerDep) -> LayerChunks:
+        """The sha256 of each chunk of the layer, for nodes that mount it before they have it (docs/images.md).
+        The server key only, like the blob."""
+        caller.require_admin("download layers")
+        return await asyncio.to_thread(images.layer_chunks, digest)
 
     @app.delete("/v1/layers/{digest}", status_code=204)
     async def remove_layer(digest: str, images: Images, caller: CallerDep) -> Response:

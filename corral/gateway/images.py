@@ -34,6 +34,7 @@ from corral.sdk._models import (
     ImageConfig,
     ImageDetail,
     ImageInfo,
+    LayerChunks,
     LayerInfo,
     NetworkPolicy,
     SandboxInfo,
@@ -111,6 +112,12 @@ class ImageService:
         """The stored file of a layer and its kind (NotFound if this store does not have it)."""
         layer = self._catalogue.layer(digest)
         return self._catalogue.store.layer_path(layer.digest), layer.kind
+
+    def layer_chunks(self, digest: str) -> LayerChunks:
+        """The layer's chunk index (made at import; for an older layer, once, now)."""
+        layer = self._catalogue.layer(digest)
+        index = self._catalogue.store.chunk_index(layer.digest)
+        return LayerChunks(**index.to_json(), kind=layer.kind)
 
     def layers(self) -> list[LayerInfo]:
         return [layer_info(layer) for layer in self._catalogue.layers()]

@@ -258,7 +258,8 @@ class SandboxService:
         refs = []
         for entry in entries:
             digest, _, alias = entry.partition("#")
-            refs.append(LayerRef(digest=digest, path=self._catalogue.store.layer_path(digest), alias=alias))
+            path = self._layer_fetcher.path(digest) if self._layer_fetcher else self._catalogue.store.layer_path(digest)
+            refs.append(LayerRef(digest=digest, path=path, alias=alias))
         return tuple(refs)
 
     def stack(self, refs: list[str]) -> list[str]:

@@ -1,9 +1,16 @@
-"""Layers a node lacks, fetched once from the shared layer store (a gateway serving layer blobs over HTTP).
+"""Layers a node lacks, from the shared layer store (a gateway serving layer blobs over HTTP).
 
-A layer is named by the sha256 of its bytes, so a fetched file is hashed as
-it arrives and refused unless it hashes to the name asked for; only then is it
-imported (atomically) into this node's store. Concurrent sandboxes that need
-the same missing layer wait for one download.
+Two ways, chosen by the setting ``layer_fetch``:
+
+- ``on_demand`` (lazy.py): the layer is mounted at once from a FUSE file and
+  its chunks are fetched, verified and kept as sandboxes read them.
+- ``eager``: the whole blob is downloaded first. A layer is named by the
+  sha256 of its bytes, so the file is hashed as it arrives and refused unless
+  it hashes to the name asked for; only then is it imported (atomically) into
+  this node's store. This is also the fallback where FUSE is not available.
+
+Either way, concurrent sandboxes that need the same missing layer wait for one
+fetch (or one mount).
 """
 
 from __future__ import annotations
@@ -18,29 +25,76 @@ from pathlib import Path
 
 import httpx
 
+from corral.config import Settings
+from corral.images.lazy import AuditSink, LayerSource, OnDemandLayers, build_lazyfs
 from corral.images.store import LayerStore
 from corral.sdk._exceptions import InternalError, NotFound, ServerUnavailable
 
-__all__ = ["LayerFetcher"]
+__all__ = ["LayerFetcher", "layer_fetcher"]
 
 log = logging.getLogger("corral.images")
 
 _CHUNK = 1 << 20
 
 
+def layer_fetcher(
+    settings: Settings, store: LayerStore, api_key: str, *, audit: AuditSink | None = None
+) -> LayerFetcher | None:
+    """The node's fetcher as the settings say (None when there is no layer source)."""
+    if not settings.layer_source_url:
+        return None
+    key = settings.layer_source_key or api_key
+    on_demand = None
+    if settings.layer_fetch == "on_demand":
+        helper = build_lazyfs(settings.node_dir)
+        if helper is None:
+            log.warning("layer_fetch=on_demand needs /dev/fuse, pkg-config and libfuse3-dev: fetching layers whole")
+        else:
+            source = LayerSource(settings.layer_source_url, key, timeout_s=settings.layer_chunk_timeout_s)
+            on_demand = OnDemandLayers(
+                store, source, helper=helper, mount_root=settings.data_dir / "mnt" / "lazy",
+                read_timeout_s=settings.layer_read_timeout_s, audit=audit, node_name=f"node-{settings.edge_id}",
+            )  # fmt: skip
+    return LayerFetcher(store, settings.layer_source_url, key, on_demand=on_demand)
+
+
 class LayerFetcher:
-    def __init__(self, store: LayerStore, source_url: str, api_key: str, *, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        store: LayerStore,
+        source_url: str,
+        api_key: str,
+        *,
+        timeout_s: float = 600.0,
+        on_demand: OnDemandLayers | None = None,
+    ) -> None:
         self._store = store
         self._source_url = source_url.rstrip("/")
         self._api_key = api_key
         self._timeout_s = timeout_s
         self._inflight: dict[str, asyncio.Future[Path]] = {}
-        self.downloads = 0  # layers actually fetched (not found locally)
+        self.on_demand = on_demand
+        self.downloads = 0  # layers actually fetched whole (not found locally)
 
-    async def ensure(self, digest: str) -> Path:
-        """The layer's path in this node's store, fetching it first if it is not there."""
+    def path(self, digest: str) -> Path:
+        """The layer's file on this node now: the store's, or the on-demand file of one being filled."""
         try:
             return self._store.layer_path(digest)
+        except NotFound:
+            filling = self.on_demand.path(digest) if self.on_demand is not None else None
+            if filling is None:
+                raise
+            return filling
+
+    def close(self) -> None:
+        """Stop the on-demand helpers (their mounts read EIO afterwards: close after the sandboxes)."""
+        if self.on_demand is not None:
+            self.on_demand.close()
+
+    async def ensure(self, digest: str) -> Path:
+        """The layer's file on this node, fetching it (or mounting it on demand) first if it is not there."""
+        try:
+            return self.path(digest)
         except NotFound:
             pass
         pending = self._inflight.get(digest)
@@ -49,7 +103,10 @@ class LayerFetcher:
         future: asyncio.Future[Path] = asyncio.get_running_loop().create_future()
         self._inflight[digest] = future
         try:
-            path = await self._fetch(digest)
+            if self.on_demand is not None:
+                path = await asyncio.to_thread(self.on_demand.open, digest)
+            else:
+                path = await self._fetch(digest)
             future.set_result(path)
             return path
         except BaseException as exc:

@@ -9,6 +9,7 @@ Layout under ``root``::
 
     layers/<hex>.erofs        the layer, read-only, named by sha256 of its bytes
     layers/<hex>.json         sidecar: kind, size, created_at, labels
+    layers/<hex>.chunks       chunk index: sha256 of every CHUNK_INDEX_BYTES of the layer (on-demand loading)
     images/<name>/<version>.json   a tag: the layer digests, bottom first
     .build.lock               taken by ensure_base_images() (bases.py)
 
@@ -34,13 +35,24 @@ from typing import Any
 from corral.sdk._exceptions import InternalError, InvalidRequest, NotFound
 from corral.sdk._models import ImageConfig
 
-__all__ = ["LAYER_KINDS", "DEFAULT_VERSION", "ImageRecord", "LayerRecord", "LayerStore"]
+__all__ = [
+    "CHUNK_INDEX_BYTES",
+    "LAYER_KINDS",
+    "DEFAULT_VERSION",
+    "ChunkIndex",
+    "ImageRecord",
+    "LayerRecord",
+    "LayerStore",
+]
 
 LAYER_KINDS = ("base", "workspace", "tools", "diff")
 DEFAULT_VERSION = "latest"
 STALE_TMP_AGE_S = 3600.0
 _CHUNK_BYTES = 1 << 20
+CHUNK_INDEX_BYTES = 256 << 10
+"""The unit a node fetches and verifies a layer it lacks in (docs/images.md, "Layers on demand", says why 256 KiB)."""
 _DIGEST_RE = re.compile(r"^sha256:([0-9a-f]{64})$")
+_HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
 # A leading dot is refused: names are path components, and "." / ".." or a
 # dotfile would escape or collide with our temp files.
 _NAME_RE = re.compile(r"^[a-z0-9_-][a-z0-9._-]{0,127}$")
@@ -53,6 +65,38 @@ class LayerRecord:
     kind: str
     created_at: float
     labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ChunkIndex:
+    """The sha256 (hex) of every ``chunk_bytes`` of a layer, in order; the last chunk may be shorter."""
+
+    digest: str
+    size_bytes: int
+    chunk_bytes: int
+    chunks: tuple[str, ...]
+
+    def chunk_range(self, chunk: int) -> tuple[int, int]:
+        """Offset and length of chunk number ``chunk``."""
+        offset = chunk * self.chunk_bytes
+        return offset, min(self.chunk_bytes, self.size_bytes - offset)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"digest": self.digest, "size_bytes": self.size_bytes, "chunk_bytes": self.chunk_bytes,
+                "chunks": list(self.chunks)}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ChunkIndex:
+        index = cls(
+            digest=str(data["digest"]),
+            size_bytes=int(data["size_bytes"]),
+            chunk_bytes=int(data["chunk_bytes"]),
+            chunks=tuple(str(chunk) for chunk in data["chunks"]),
+        )
+        expected = -(-index.size_bytes // index.chunk_bytes) if index.chunk_bytes > 0 else -1
+        if expected != len(index.chunks) or not all(_HEX64_RE.match(chunk) for chunk in index.chunks):
+            raise InternalError(f"the chunk index of {index.digest} does not describe {index.size_bytes} bytes")
+        return index
 
 
 @dataclass(frozen=True)
@@ -121,10 +165,13 @@ class LayerStore:
             raise NotFound(f"layer file {source} does not exist")
 
         tmp = _tmp_path(self._layers, "import")
+        chunks = _ChunkHasher(CHUNK_INDEX_BYTES)
         try:
-            hex_digest, size_bytes = self._stage(source, tmp, move=move)
+            hex_digest, size_bytes = self._stage(source, tmp, move=move, chunks=chunks)
             os.chmod(tmp, 0o444)
             digest = f"sha256:{hex_digest}"
+            index = ChunkIndex(digest, size_bytes, CHUNK_INDEX_BYTES, chunks.finish())
+            _link_json_if_absent(self._layers / f"{hex_digest}.chunks", index.to_json())
             sidecar = {
                 "digest": digest,
                 "size_bytes": size_bytes,
@@ -146,6 +193,23 @@ class LayerStore:
         if not path.is_file():
             raise NotFound(f"layer {digest} is not in the store at {self.root}")
         return path
+
+    def chunk_index(self, digest: str) -> ChunkIndex:
+        """The layer's chunk digests, made at import (or now, once, for a layer imported before indexes)."""
+        path = self.layer_path(digest)
+        index_path = path.with_suffix(".chunks")
+        try:
+            return ChunkIndex.from_json(_read_json(index_path))
+        except FileNotFoundError:
+            pass
+        chunks = _ChunkHasher(CHUNK_INDEX_BYTES)
+        with open(path, "rb") as f:
+            hex_digest, size_bytes = _hash_stream(f, chunks=chunks)
+        if f"sha256:{hex_digest}" != digest:
+            raise InternalError(f"layer {digest} is corrupt: {path} no longer hashes to its name; re-import it")
+        index = ChunkIndex(digest, size_bytes, CHUNK_INDEX_BYTES, chunks.finish())
+        _link_json_if_absent(index_path, index.to_json())
+        return index
 
     def layer(self, digest: str) -> LayerRecord:
         path = self.layer_path(digest)
@@ -179,6 +243,7 @@ class LayerStore:
         hex_digest = _hex_of(digest)
         (self._layers / f"{hex_digest}.erofs").unlink(missing_ok=True)
         (self._layers / f"{hex_digest}.json").unlink(missing_ok=True)
+        (self._layers / f"{hex_digest}.chunks").unlink(missing_ok=True)
 
     def verify(self, digest: str) -> bool:
         """Re-hash a stored layer: False means its bytes no longer match the name."""
@@ -244,8 +309,8 @@ class LayerStore:
 
     # -- internals ------------------------------------------------------
 
-    def _stage(self, source: Path, tmp: Path, *, move: bool) -> tuple[str, int]:
-        """Put the source bytes at ``tmp`` (ours alone) and hash them."""
+    def _stage(self, source: Path, tmp: Path, *, move: bool, chunks: _ChunkHasher) -> tuple[str, int]:
+        """Put the source bytes at ``tmp`` (ours alone) and hash them, whole and per chunk."""
         if move:
             try:
                 os.rename(source, tmp)
@@ -254,9 +319,9 @@ class LayerStore:
                     raise
             else:
                 with open(tmp, "rb") as f:
-                    return _hash_stream(f)
+                    return _hash_stream(f, chunks=chunks)
         with open(source, "rb") as src, open(tmp, "xb") as dst:
-            hex_digest, size_bytes = _hash_stream(src, copy_to=dst)
+            hex_digest, size_bytes = _hash_stream(src, copy_to=dst, chunks=chunks)
             dst.flush()
             os.fsync(dst.fileno())
         if move:
@@ -277,13 +342,43 @@ def _tmp_path(directory: Path, stem: str) -> Path:
     return directory / f".{stem}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
 
 
-def _hash_stream(src: io.BufferedIOBase, copy_to: io.BufferedIOBase | None = None) -> tuple[str, int]:
+class _ChunkHasher:
+    """sha256 of each fixed-size chunk of a byte stream fed in pieces of any size."""
+
+    def __init__(self, chunk_bytes: int) -> None:
+        self._chunk_bytes = chunk_bytes
+        self._current = hashlib.sha256()
+        self._filled = 0
+        self._done: list[str] = []
+
+    def update(self, data: memoryview) -> None:
+        while data:
+            take = min(len(data), self._chunk_bytes - self._filled)
+            self._current.update(data[:take])
+            self._filled += take
+            data = data[take:]
+            if self._filled == self._chunk_bytes:
+                self._done.append(self._current.hexdigest())
+                self._current, self._filled = hashlib.sha256(), 0
+
+    def finish(self) -> tuple[str, ...]:
+        if self._filled:
+            self._done.append(self._current.hexdigest())
+            self._current, self._filled = hashlib.sha256(), 0
+        return tuple(self._done)
+
+
+def _hash_stream(
+    src: io.BufferedIOBase, copy_to: io.BufferedIOBase | None = None, chunks: _ChunkHasher | None = None
+) -> tuple[str, int]:
     digest = hashlib.sha256()
     size_bytes = 0
     buffer = bytearray(_CHUNK_BYTES)
     view = memoryview(buffer)
     while n := src.readinto(buffer):
         digest.update(view[:n])
+        if chunks is not None:
+            chunks.update(view[:n])
         if copy_to is not None:
             copy_to.write(view[:n])
         size_bytes += n

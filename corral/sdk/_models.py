@@ -54,6 +54,7 @@ __all__ = [
     "ImageInfo",
     "ImageConfig",
     "ImageDetail",
+    "LayerChunks",
     "LayerInfo",
     "Environment",
     "NetworkRule",
@@ -534,6 +535,16 @@ class ImageConfig(_Model):
     cmd: list[str] | None = None
     labels: dict[str, str] = Field(default_factory=dict)
     exposed_ports: list[str] = Field(default_factory=list, description='e.g. ["8080/tcp"] (EXPOSE).')
+
+
+class LayerChunks(_Model):
+    """A layer's chunk index: the sha256 of each ``chunk_bytes`` of it, for nodes that fetch it on demand."""
+
+    digest: str
+    size_bytes: int
+    chunk_bytes: int
+    chunks: list[str] = Field(description="sha256 (hex) of each chunk in order; the last may be shorter.")
+    kind: Literal["base", "workspace", "tools", "diff"]
 
 
 class ImageDetail(_Model):

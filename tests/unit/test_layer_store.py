@@ -20,6 +20,7 @@ from corral.images import (
     ensure_base_images,
 )
 from corral.images.bases import debian_mirror
+from corral.images.store import CHUNK_INDEX_BYTES
 from corral.sdk._exceptions import InvalidRequest, NotFound
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting EROFS and chroot need root")
@@ -87,7 +88,7 @@ def test_import_is_idempotent(store: LayerStore, tiny_erofs: Path) -> None:
     first = store.import_layer(tiny_erofs, kind="base", labels={"n": "1"})
     again = store.import_layer(tiny_erofs, kind="diff", labels={"n": "2"})
     assert again == first  # the first record wins
-    assert _store_files(store) == [f"{first.digest[7:]}.erofs", f"{first.digest[7:]}.json"]
+    assert _store_files(store) == [f"{first.digest[7:]}.{suffix}" for suffix in ("chunks", "erofs", "json")]
 
 
 def test_import_move_hands_the_file_over(store: LayerStore, tiny_erofs: Path) -> None:
@@ -158,6 +159,28 @@ def test_images_sorted_by_ref(store: LayerStore, tiny_erofs: Path) -> None:
     assert [image.ref for image in store.images()] == ["alpha:10", "alpha:2", "debian-12:latest", "zeta:latest"]
 
 
+def test_import_records_a_digest_per_chunk(store: LayerStore, tmp_path: Path) -> None:
+    """Every way a layer arrives goes through import_layer, so every layer has a chunk index; its chunks are
+    cut at fixed offsets whatever size the copy loop reads in, and the last one is short."""
+    data = os.urandom(3 * CHUNK_INDEX_BYTES + 1234)
+    (tmp_path / "odd.erofs").write_bytes(data)
+    record = store.import_layer(tmp_path / "odd.erofs", kind="tools")
+    index = store.chunk_index(record.digest)
+    assert (index.size_bytes, index.chunk_bytes, len(index.chunks)) == (len(data), CHUNK_INDEX_BYTES, 4)
+    for n, chunk in enumerate(index.chunks):
+        offset, length = index.chunk_range(n)
+        assert chunk == hashlib.sha256(data[offset : offset + length]).hexdigest()
+    assert index.chunk_range(3) == (3 * CHUNK_INDEX_BYTES, 1234)
+    index_file = store.layer_path(record.digest).with_suffix(".chunks")
+    assert json.loads(index_file.read_text())["chunks"] == list(index.chunks)
+    assert [layer.digest for layer in store.layers()] == [record.digest]  # the index is not taken for a layer
+
+    index_file.unlink()  # a layer imported before chunk indexes: made on first request, once
+    assert store.chunk_index(record.digest) == index and index_file.exists()
+    store.remove(record.digest)
+    assert not index_file.exists()
+
+
 def test_verify_detects_corruption(store: LayerStore, tiny_erofs: Path) -> None:
     digest = store.import_layer(tiny_erofs, kind="base").digest
     assert store.verify(digest)
@@ -189,7 +212,7 @@ def test_concurrent_imports_give_one_file(store: LayerStore, tiny_erofs: Path) -
     assert not errors
     assert digests == [_sha256(tiny_erofs)] * 4
     hex_digest = digests[0][7:]
-    assert _store_files(store) == [f"{hex_digest}.erofs", f"{hex_digest}.json"]  # no temp files left
+    assert _store_files(store) == [f"{hex_digest}.{suffix}" for suffix in ("chunks", "erofs", "json")]  # no temp files
 
 
 def test_stale_temp_files_are_swept(store: LayerStore) -> None:

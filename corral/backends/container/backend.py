@@ -46,7 +46,7 @@ from corral.backends.container.runtime import OciRuntime, Overlay
 from corral.backends.vm.files import GuestTree
 from corral.guard.audit import PACKAGE_PREFIXES, PROTECTED_PREFIXES, EventThrottle, denied_syscall_severity
 from corral.images.erofs import build_erofs
-from corral.images.store import check_layer_file
+from corral.images.lazy import check_layer
 from corral.sdk._exceptions import Conflict, CorralError, InternalError, InvalidRequest, NotFound, SandboxGone
 
 __all__ = ["ContainerBackend"]
@@ -231,7 +231,7 @@ class ContainerBackend(GvisorCheckpoints):
         self._default_runtime = default_runtime
         self._runtimes: dict[str, OciRuntime] = {}
         self._state_root = data_dir / "run"
-        self._mounts = LayerMounts(data_dir / "mnt" / "layers", verify=check_layer_file)
+        self._mounts = LayerMounts(data_dir / "mnt" / "layers", verify=check_layer)
         self._containers: dict[str, _Container] = {}
         self._agent_start_timeout_s = agent_start_timeout_s
         self._layer_idle_unmount_s = layer_idle_unmount_s

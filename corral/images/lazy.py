@@ -1,0 +1,455 @@
+"""Layers a node lacks, mounted at once and filled chunk by chunk as sandboxes read them.
+
+Why FUSE and not fanotify: on this kernel (6.18) ``FAN_PRE_ACCESS`` events do
+arrive for plain reads of a sparse file and the handler may fill the range, and
+EROFS's file-backed *data* reads raise them too, but its *metadata* reads (the
+superblock at mount, inodes, directories: read through the page cache of the
+backing file) raise none, so the mount saw zeros and refused (measured, see
+docs/images.md). A FUSE file sees every read, so EROFS is mounted file-backed
+from ``<mountpoint>/layer.erofs`` served by ``corral-lazyfs`` (native/lazyfs.c).
+
+Trust: the helper serves only chunks this process has marked present, and a
+chunk is marked present only after its bytes, fetched by HTTP Range from the
+layer source, hash to the chunk's entry in the layer's chunk index (made when
+the layer was imported, fetched from the same source, and itself bound to the
+layer: the chunks together must hash to the layer digest, checked once every
+chunk is here). A chunk that fails to fetch or verify is answered as EIO to the
+reader, with an audit event, and retried on the next read; a read waits at
+most ``read_timeout_s``.
+
+Node-side files, under the store's ``partial/`` (same filesystem, so a
+complete layer is renamed into the store, not copied)::
+
+    partial/<hex>.data      sparse copy of the layer, chunks written as they arrive
+    partial/<hex>.present   one byte per chunk, 1 = written and verified
+
+A restarted node resumes: chunks marked present are re-hashed from the data
+file (a crash may have kept the mark but not the bytes) and only the rest is
+fetched. Once every chunk is present the file is imported into the store
+(whole-file sha256 checked there) and later mounts use it directly, without
+FUSE; mounts made while it was filling keep reading through the helper until
+they are unmounted.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import ctypes
+import ctypes.util
+import hashlib
+import io
+import logging
+import os
+import re
+import select
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from corral.images.store import ChunkIndex, LayerStore, check_layer_file
+from corral.sdk._exceptions import InternalError, NotFound, ServerUnavailable
+
+__all__ = ["LAZY_FILE_NAME", "AuditSink", "LayerSource", "OnDemandLayers", "build_lazyfs", "check_layer",
+           "is_on_demand_file"]  # fmt: skip
+
+log = logging.getLogger("corral.images")
+
+LAZY_FILE_NAME = "layer.erofs"
+HELPER_READY_TIMEOUT_S = 10.0
+CHUNK_FETCH_ATTEMPTS = 2
+FETCH_WORKERS = 8
+_MNT_DETACH = 2
+_SANDBOX_IN_CGROUP = re.compile(r"(sb-[a-z0-9]{1,16}-[0-9a-f]{16})")
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+AuditSink = Callable[[str, str, str, dict[str, Any]], None]
+"""``(sandbox_id, kind, severity, detail)``: where a failed chunk is reported (the audit log)."""
+
+
+def build_lazyfs(out_root: Path) -> Path | None:
+    """Compile corral-lazyfs once per source version; None when libfuse3 or /dev/fuse is missing."""
+    source = Path(__file__).parent / "native" / "lazyfs.c"
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    binary = out_root / "bin" / digest / "corral-lazyfs"
+    if binary.exists():
+        return binary
+    compiler, pkg_config = shutil.which("gcc") or shutil.which("cc"), shutil.which("pkg-config")
+    if compiler is None or pkg_config is None or not os.path.exists("/dev/fuse"):
+        return None
+    flags = subprocess.run([pkg_config, "--cflags", "--libs", "fuse3"], capture_output=True, text=True)
+    if flags.returncode != 0:
+        return None
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    tmp = binary.with_name(f".corral-lazyfs.{os.getpid()}")
+    subprocess.run([compiler, "-O2", "-Wall", "-o", str(tmp), str(source), *flags.stdout.split(), "-lpthread"],
+                   check=True, capture_output=True)  # fmt: skip
+    os.replace(tmp, binary)
+    return binary
+
+
+def is_on_demand_file(path: Path) -> bool:
+    """True for a layer file served by corral-lazyfs (verified chunk by chunk, so never hashed whole)."""
+    if path.name != LAZY_FILE_NAME:
+        return False
+    mountpoint = str(path.parent)
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        fields = line.split()
+        if len(fields) > 2 and fields[1] == mountpoint and fields[2] == "fuse.corral-lazyfs":
+            return True
+    return False
+
+
+def check_layer(digest: str, path: Path) -> None:
+    """The check before a layer's first mount: its whole sha256, except for an on-demand file, whose every
+    chunk is checked as it arrives (hashing it whole would fetch all of it)."""
+    if not is_on_demand_file(path):
+        check_layer_file(digest, path)
+
+
+class LayerSource:
+    """The layer store a node fetches from: a Corral gateway's chunk index and blob routes (HTTP Range)."""
+
+    def __init__(self, url: str, api_key: str, *, timeout_s: float) -> None:
+        self.url = url.rstrip("/")
+        self._client = httpx.Client(
+            headers={"Authorization": f"Bearer {api_key}"},
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 5.0)),
+            limits=httpx.Limits(max_connections=FETCH_WORKERS),
+        )
+
+    def chunk_index(self, digest: str) -> tuple[ChunkIndex, str]:
+        """The layer's chunk index and kind."""
+        url = f"{self.url}/v1/layers/{digest}/chunks"
+        try:
+            response = self._client.get(url)
+        except httpx.HTTPError as exc:
+            raise ServerUnavailable(f"cannot fetch the chunk index of layer {digest} from {url}: {exc!r}") from exc
+        if response.status_code == 404:
+            raise NotFound(f"layer {digest} is neither on this node nor in the layer store {url}")
+        if response.status_code != 200:
+            raise ServerUnavailable(f"the layer store answered {response.status_code} for {url}")
+        data = response.json()
+        index = ChunkIndex.from_json(data)
+        if index.digest != digest:
+            raise InternalError(f"the layer store sent the chunk index of {index.digest} for {digest}: refused")
+        return index, str(data.get("kind", "base"))
+
+    def read_range(self, digest: str, offset: int, length: int) -> bytes:
+        """``length`` bytes of the layer from ``offset`` (raises ServerUnavailable on any failure)."""
+        url = f"{self.url}/v1/layers/{digest}/blob"
+        headers = {"Range": f"bytes={offset}-{offset + length - 1}"}
+        try:
+            response = self._client.get(url, headers=headers)
+        except httpx.HTTPError as exc:
+            raise ServerUnavailable(f"cannot fetch {url} {headers['Range']}: {exc!r}") from exc
+        if response.status_code != 206 or len(response.content) != length:
+            raise ServerUnavailable(
+                f"the layer store answered {response.status_code} with {len(response.content)} bytes "
+                f"for {url} {headers['Range']}"
+            )
+        return response.content
+
+    def close(self) -> None:
+        self._client.close()
+
+
+@dataclass
+class _Filling:
+    """One layer being filled: its files, its helper, and what is present."""
+
+    index: ChunkIndex
+    kind: str
+    data_path: Path
+    present_path: Path
+    mountpoint: Path
+    present: bytearray
+    helper: subprocess.Popen[bytes] | None = None
+    data_fd: int = -1
+    present_fd: int = -1
+    in_flight: dict[int, concurrent.futures.Future[bool]] = field(default_factory=dict)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    finishing: bool = False
+    complete: bool = False  # imported into the store: new mounts use the store's file
+
+    @property
+    def file(self) -> Path:
+        return self.mountpoint / LAZY_FILE_NAME
+
+    def missing(self) -> int:
+        return self.present.count(0)
+
+
+class OnDemandLayers:
+    """The node's layers that are mounted before they are here (one corral-lazyfs helper each).
+
+    Thread-safe and independent of any event loop: chunk fetches run on this
+    object's own threads, so a blocked event loop (a mount(2) reading the
+    superblock, say) never stalls the reads it is waiting for.
+    """
+
+    def __init__(
+        self,
+        store: LayerStore,
+        source: LayerSource,
+        *,
+        helper: Path,
+        mount_root: Path,
+        read_timeout_s: float,
+        audit: AuditSink | None = None,
+        node_name: str = "node",
+    ) -> None:
+        self._store = store
+        self._source = source
+        self._helper = helper
+        self._mount_root = mount_root
+        self._read_timeout_s = read_timeout_s
+        self._audit = audit
+        self._node_name = node_name
+        self._partial = store.root / "partial"
+        self._partial.mkdir(parents=True, exist_ok=True)
+        self._layers: dict[str, _Filling] = {}
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(FETCH_WORKERS, thread_name_prefix="corral-chunks")
+
+    def open(self, digest: str) -> Path:
+        """A path to the layer now: the store's file if it is complete, else the helper's file (blocking)."""
+        with contextlib.suppress(NotFound):
+            return self._store.layer_path(digest)
+        with self._lock:
+            filling = self._layers.get(digest)
+            if filling is None:
+                filling = self._layers[digest] = self._start(digest)
+        if filling.complete:
+            return self._store.layer_path(digest)
+        return filling.file
+
+    def path(self, digest: str) -> Path | None:
+        """The helper's file of a layer being filled (None if none is)."""
+        filling = self._layers.get(digest)
+        return filling.file if filling is not None and not filling.complete else None
+
+    def close(self) -> None:
+        """Stop every helper (mounts on top of them read EIO from then on) and the fetch threads."""
+        with self._lock:
+            fillings, self._layers = list(self._layers.values()), {}
+        for filling in fillings:
+            self._stop_helper(filling)
+        self._source.close()  # fetches in flight fail now rather than at their timeout
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for filling in fillings:  # only now: a fetch thread must never write through a reused descriptor
+            _close_files(filling)
+
+    # -- starting ---------------------------------------------------------
+
+    def _start(self, digest: str) -> _Filling:
+        index, kind = self._source.chunk_index(digest)
+        hex_digest = digest.removeprefix("sha256:")
+        data_path = self._partial / f"{hex_digest}.data"
+        present_path = self._partial / f"{hex_digest}.present"
+        with open(data_path, "ab") as f:
+            f.truncate(index.size_bytes)
+        filling = _Filling(
+            index=index,
+            kind=kind,
+            data_path=data_path,
+            present_path=present_path,
+            mountpoint=self._mount_root / hex_digest,
+            present=self._resumed_present(index, data_path, present_path),
+        )
+        try:
+            filling.data_fd = os.open(data_path, os.O_RDWR | os.O_CLOEXEC)
+            filling.present_fd = os.open(present_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            os.pwrite(filling.present_fd, bytes(filling.present), 0)
+            if filling.missing() == 0:
+                self._complete(digest, filling)
+                return filling
+            self._spawn_helper(digest, filling)
+        except BaseException:
+            _close_files(filling)
+            raise
+        log.info("layer %s mounted on demand (%d of %d chunks here)", digest[:19],
+                 len(filling.present) - filling.missing(), len(filling.present))  # fmt: skip
+        return filling
+
+    def _resumed_present(self, index: ChunkIndex, data_path: Path, present_path: Path) -> bytearray:
+        """The present map a restart resumes from: every mark re-checked against the bytes in the data file."""
+        present = bytearray(len(index.chunks))
+        try:
+            marks = present_path.read_bytes()
+        except FileNotFoundError:
+            return present
+        with open(data_path, "rb") as data:
+            for chunk, mark in enumerate(marks[: len(present)]):
+                if mark == 1:
+                    offset, length = index.chunk_range(chunk)
+                    data.seek(offset)
+                    present[chunk] = hashlib.sha256(data.read(length)).hexdigest() == index.chunks[chunk]
+        return present
+
+    def _spawn_helper(self, digest: str, filling: _Filling) -> None:
+        mountpoint = filling.mountpoint
+        mountpoint.mkdir(parents=True, exist_ok=True)
+        if os.path.ismount(mountpoint):  # a helper of an earlier run of this server
+            _libc.umount2(os.fsencode(mountpoint), _MNT_DETACH)
+        index = filling.index
+        argv = [str(self._helper), str(mountpoint), str(filling.data_path), str(index.size_bytes),
+                str(index.chunk_bytes), str(filling.present_path), str(int(self._read_timeout_s * 1000))]  # fmt: skip
+        helper = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, close_fds=True)
+        assert helper.stdout is not None
+        ready = _read_line_within(helper.stdout, HELPER_READY_TIMEOUT_S)
+        if ready != b"R\n":
+            helper.kill()
+            helper.wait()
+            raise InternalError(f"corral-lazyfs did not mount layer {digest} on {mountpoint} (said {ready!r})")
+        filling.helper = helper
+        threading.Thread(target=self._serve, args=(digest, filling), name=f"corral-lazyfs-{digest[7:19]}",
+                         daemon=True).start()  # fmt: skip
+
+    # -- serving ----------------------------------------------------------
+
+    def _serve(self, digest: str, filling: _Filling) -> None:
+        """Answer the helper's requests until it exits: each missing chunk fetched once, in parallel."""
+        helper = filling.helper
+        assert helper is not None and helper.stdout is not None
+        for line in io.BufferedReader(helper.stdout):  # the raw pipe (bufsize=0), read a line at a time
+            fields = line.split()
+            if len(fields) < 3 or fields[0] != b"F":
+                continue
+            reader_pid = int(fields[1])
+            for chunk in map(int, fields[2:]):
+                if not 0 <= chunk < len(filling.present):
+                    continue
+                with filling.lock:
+                    if filling.present[chunk]:
+                        self._answer(filling, b"O", chunk)
+                        continue
+                    future = filling.in_flight.get(chunk)
+                    if future is None:
+                        future = filling.in_flight[chunk] = self._pool.submit(
+                            self._fetch_chunk, digest, filling, chunk, reader_pid
+                        )
+                future.add_done_callback(lambda done, chunk=chunk: self._answer_fetch(filling, chunk, done))
+
+    def _answer_fetch(self, filling: _Filling, chunk: int, done: concurrent.futures.Future[bool]) -> None:
+        ok = not done.cancelled() and done.exception() is None and done.result()
+        self._answer(filling, b"O" if ok else b"E", chunk)
+
+    def _answer(self, filling: _Filling, kind: bytes, chunk: int) -> None:
+        helper = filling.helper
+        if helper is None or helper.stdin is None:
+            return
+        with filling.lock, contextlib.suppress(OSError, ValueError):  # the helper is gone: nobody to tell
+            helper.stdin.write(b"%s %d\n" % (kind, chunk))
+
+    def _fetch_chunk(self, digest: str, filling: _Filling, chunk: int, reader_pid: int) -> bool:
+        """Fetch, verify, write and mark one chunk; False (and an audit event) if it cannot be had."""
+        offset, length = filling.index.chunk_range(chunk)
+        error = ""
+        try:
+            for _attempt in range(CHUNK_FETCH_ATTEMPTS):
+                try:
+                    data = self._source.read_range(digest, offset, length)
+                except ServerUnavailable as exc:
+                    error = str(exc)
+                    continue
+                if hashlib.sha256(data).hexdigest() != filling.index.chunks[chunk]:
+                    error = f"chunk {chunk} (bytes {offset}-{offset + length - 1}) does not match the chunk index"
+                    continue
+                os.pwrite(filling.data_fd, data, offset)
+                with filling.lock:
+                    os.pwrite(filling.present_fd, b"\x01", chunk)
+                    filling.present[chunk] = 1
+                    done = filling.missing() == 0
+                if done:
+                    self._pool.submit(self._complete_logged, digest, filling)
+                return True
+            log.warning("layer %s: %s; the reading process gets EIO", digest[:19], error)
+            self._report(reader_pid, "layer_chunk_unavailable", {
+                "layer": digest, "chunk": chunk, "offset": offset, "length": length, "error": error,
+                "source": self._source.url,
+            })  # fmt: skip
+            return False
+        finally:
+            with filling.lock:
+                filling.in_flight.pop(chunk, None)
+
+    def _report(self, reader_pid: int, kind: str, detail: dict[str, Any]) -> None:
+        if self._audit is None:
+            return
+        sandbox_id = _sandbox_of(reader_pid) or self._node_name
+        try:
+            self._audit(sandbox_id, kind, "warning", {**detail, "pid": reader_pid})
+        except Exception:  # the audit store being down must not turn an EIO into a hang
+            log.exception("could not record %s for %s", kind, sandbox_id)
+
+    # -- finishing --------------------------------------------------------
+
+    def _complete(self, digest: str, filling: _Filling) -> None:
+        """Every chunk is here: the whole file is checked once and becomes an ordinary layer of the store."""
+        with filling.lock:
+            if filling.finishing:
+                return
+            filling.finishing = True
+        started = time.monotonic()
+        record = self._store.import_layer(
+            filling.data_path, kind=filling.kind, labels={"fetched_from": self._source.url}, move=True
+        )
+        if record.digest != digest:  # every chunk matched, so the chunk index itself lied
+            self._store.remove(record.digest)
+            self._report(0, "layer_corrupt", {"layer": digest, "hashes_to": record.digest})
+            raise InternalError(f"layer {digest} was assembled from its chunks but hashes to {record.digest}")
+        filling.present_path.unlink(missing_ok=True)
+        filling.complete = True
+        if filling.helper is not None:  # mounts on top keep it alive; new ones use the store's file
+            _libc.umount2(os.fsencode(filling.mountpoint), _MNT_DETACH)
+        log.info("layer %s is complete on this node (verified in %.2f s)", digest[:19], time.monotonic() - started)
+
+    def _complete_logged(self, digest: str, filling: _Filling) -> None:
+        try:
+            self._complete(digest, filling)
+        except Exception:  # on a pool thread: nobody else would see it; mounts keep reading through the helper
+            log.exception("layer %s: every chunk is here but it could not become a store layer", digest[:19])
+
+    def _stop_helper(self, filling: _Filling) -> None:
+        helper = filling.helper
+        if helper is None:
+            return
+        _libc.umount2(os.fsencode(filling.mountpoint), _MNT_DETACH)
+        with contextlib.suppress(OSError):
+            if helper.stdin is not None:
+                helper.stdin.close()  # the helper's cue to exit
+        try:
+            helper.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            helper.kill()
+            helper.wait()
+
+
+def _close_files(filling: _Filling) -> None:
+    for fd in (filling.data_fd, filling.present_fd):
+        if fd >= 0:
+            os.close(fd)
+    filling.data_fd = filling.present_fd = -1
+
+
+def _read_line_within(stream: IO[bytes], timeout_s: float) -> bytes:
+    """One line from a pipe, or b"" if none came within ``timeout_s``."""
+    ready, _, _ = select.select([stream], [], [], timeout_s)
+    return stream.readline() if ready else b""
+
+
+def _sandbox_of(pid: int) -> str | None:
+    """The sandbox a process belongs to, read from its cgroup path (which names the sandbox)."""
+    try:
+        match = _SANDBOX_IN_CGROUP.search(Path(f"/proc/{pid}/cgroup").read_text())
+    except OSError:
+        return None
+    return match.group(1) if match else None

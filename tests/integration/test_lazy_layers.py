@@ -1,0 +1,216 @@
+"""Layers on demand: a second node mounts a layer it has never seen and fetches only the chunks its sandboxes read.
+
+Real parts throughout: two servers sharing PostgreSQL, the first one the layer source (chunk index and blob
+routes over HTTP on loopback), the second one with an empty layer store, corral-lazyfs (FUSE) under EROFS, and
+busybox sandboxes reading files. Faults are made on the source side: a chunk's bytes changed in the first
+server's store, and the second server killed mid-layer and started again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+import corral
+from corral.embedded import EmbeddedServer
+from corral.images.store import CHUNK_INDEX_BYTES, LayerStore
+
+FILES, FILE_BYTES = 8, 4 << 20  # a 32 MiB tools layer of 8 random files
+TIMEOUT_ENV = {"CORRAL_LAYER_READ_TIMEOUT_S": "8", "CORRAL_LAYER_CHUNK_TIMEOUT_S": "3"}
+
+
+@pytest.fixture
+def data_tree(tmp_path: Path) -> dict[str, str]:
+    """/lazy/f<i> in the layer: random bytes (never deduped or compressible); their sha256 by name."""
+    tree = tmp_path / "tree" / "lazy"
+    tree.mkdir(parents=True)
+    digests = {}
+    for i in range(FILES):
+        data = os.urandom(FILE_BYTES)
+        (tree / f"f{i}").write_bytes(data)
+        digests[f"f{i}"] = hashlib.sha256(data).hexdigest()
+    return digests
+
+
+@pytest.fixture
+def source(tmp_path: Path, postgres_url: str, test_env: dict[str, str]) -> Iterator[EmbeddedServer]:
+    with EmbeddedServer(tmp_path / "a", env={**test_env, "CORRAL_DATABASE_URL": postgres_url}) as first:
+        yield first
+
+
+def _second_env(source: EmbeddedServer, postgres_url: str, test_env: dict[str, str], node_dir: Path) -> dict[str, str]:
+    return {**test_env, **TIMEOUT_ENV, "CORRAL_DATABASE_URL": postgres_url, "CORRAL_NODE_DIR": str(node_dir),
+            "CORRAL_EDGE_ID": "e5", "CORRAL_LAYER_SOURCE_URL": source.url,
+            "CORRAL_LAYER_SOURCE_KEY": source.api_key}  # fmt: skip
+
+
+def _build(source: EmbeddedServer, tmp_path: Path, name: str) -> str:
+    with source.client() as client:
+        client.images.build(name, "dir", path=str(tmp_path / "tree"), no_cache=True)
+        return client.images.inspect(name).layers[-1].digest
+
+
+def _present_bytes(node_dir: Path, digest: str) -> int:
+    marks = (node_dir / "layers" / "partial" / f"{digest[7:]}.present").read_bytes()
+    return marks.count(1) * CHUNK_INDEX_BYTES
+
+
+def _sha256_in(sandbox: corral.Sandbox, name: str) -> corral.ExecResult:
+    return sandbox.exec(f"sha256sum /lazy/{name}", timeout_s=60)
+
+
+def test_the_source_serves_chunk_digests_and_byte_ranges(server: EmbeddedServer, test_env: dict[str, str]) -> None:
+    with server.client() as client:
+        digest = client.images.inspect("busybox").layers[-1].digest
+    store = LayerStore(Path(test_env["CORRAL_NODE_DIR"]) / "layers")
+    blob = store.layer_path(digest).read_bytes()
+    headers = {"Authorization": f"Bearer {server.api_key}"}
+    index = httpx.get(f"{server.url}/v1/layers/{digest}/chunks", headers=headers).json()
+    assert index["size_bytes"] == len(blob) and index["chunk_bytes"] == CHUNK_INDEX_BYTES
+    for n in (0, len(index["chunks"]) - 1):
+        start = n * CHUNK_INDEX_BYTES
+        assert index["chunks"][n] == hashlib.sha256(blob[start : start + CHUNK_INDEX_BYTES]).hexdigest()
+    ranged = httpx.get(f"{server.url}/v1/layers/{digest}/blob", headers={**headers, "Range": "bytes=1000-4999"})
+    assert ranged.status_code == 206 and ranged.content == blob[1000:5000]
+    with server.client() as client:
+        job_key = client.issue_job_token("chunks-test")
+    refused = httpx.get(f"{server.url}/v1/layers/{digest}/chunks", headers={"Authorization": f"Bearer {job_key}"})
+    assert refused.status_code == 403  # like the blob: hidden grading layers stay hidden
+
+
+def test_a_node_reads_a_layer_it_never_had_fetching_only_what_is_read(
+    source: EmbeddedServer, postgres_url: str, tmp_path: Path, test_env: dict[str, str], data_tree: dict[str, str]
+) -> None:
+    digest = _build(source, tmp_path, "lazy-read")
+    node_dir = tmp_path / "node-b"
+    with EmbeddedServer(tmp_path / "b", env=_second_env(source, postgres_url, test_env, node_dir)) as second:
+        with second.client() as client, client.create(environment={"base": "busybox", "tools": "lazy-read"},
+                                                      ttl_s=120) as sandbox:  # fmt: skip
+            assert sandbox.info.edge_id == "e5"
+            assert _sha256_in(sandbox, "f2").stdout.split()[0] == data_tree["f2"]
+            fetched = _present_bytes(node_dir, digest)
+            layer_bytes = FILES * FILE_BYTES
+            # One file of eight, plus metadata and the chunks at its edges.
+            assert FILE_BYTES <= fetched <= FILE_BYTES + 1.5 * (1 << 20), fetched
+            assert fetched < 0.2 * layer_bytes
+            assert not (node_dir / "layers" / "layers" / f"{digest[7:]}.erofs").exists()  # not complete yet
+
+            # Every file read: the layer is complete, checked whole, and an ordinary store file from then on.
+            listing = sandbox.exec("cd /lazy && sha256sum f*", timeout_s=120).stdout
+            assert {line.split()[1]: line.split()[0] for line in listing.splitlines()} == data_tree
+            stored = node_dir / "layers" / "layers" / f"{digest[7:]}.erofs"
+            deadline = time.monotonic() + 30
+            while not stored.exists():
+                assert time.monotonic() < deadline, "the complete layer never reached the node's store"
+                time.sleep(0.2)
+            assert "sha256:" + hashlib.sha256(stored.read_bytes()).hexdigest() == digest
+            assert not (node_dir / "layers" / "partial" / f"{digest[7:]}.data").exists()
+        with second.client() as client, client.create(environment={"base": "busybox", "tools": "lazy-read"},
+                                                      ttl_s=120) as sandbox:  # fmt: skip
+            assert _sha256_in(sandbox, "f7").stdout.split()[0] == data_tree["f7"]
+
+
+def test_layer_fetch_eager_fetches_the_whole_layer_before_the_first_mount(
+    source: EmbeddedServer, postgres_url: str, tmp_path: Path, test_env: dict[str, str], data_tree: dict[str, str]
+) -> None:
+    """The fallback and benchmark baseline: the whole blob, verified, in the node's store before the sandbox runs."""
+    digest = _build(source, tmp_path, "lazy-eager")
+    node_dir = tmp_path / "node-b"
+    env = {**_second_env(source, postgres_url, test_env, node_dir), "CORRAL_LAYER_FETCH": "eager"}
+    with EmbeddedServer(tmp_path / "b", env=env) as second, second.client() as client:
+        with client.create(environment={"base": "busybox", "tools": "lazy-eager"}, ttl_s=120) as sandbox:
+            stored = node_dir / "layers" / "layers" / f"{digest[7:]}.erofs"
+            assert "sha256:" + hashlib.sha256(stored.read_bytes()).hexdigest() == digest
+            assert not list((node_dir / "layers").glob("partial/*.present"))  # nothing went through FUSE
+            assert _sha256_in(sandbox, "f3").stdout.split()[0] == data_tree["f3"]
+
+
+def _corrupt(path: Path, offset: int) -> bytes:
+    """Flip one byte of a stored layer at ``offset`` (the source's copy); returns the original byte."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        original = f.read(1)
+        f.seek(offset)
+        f.write(bytes([original[0] ^ 0xFF]))
+    return original
+
+
+def _offset_of(store_file: Path, content_head: bytes) -> int:
+    offset = store_file.read_bytes().find(content_head)
+    assert offset > 0
+    return offset
+
+
+def test_a_chunk_that_does_not_verify_is_eio_and_an_event_never_bad_bytes(
+    source: EmbeddedServer, postgres_url: str, tmp_path: Path, test_env: dict[str, str], data_tree: dict[str, str]
+) -> None:
+    digest = _build(source, tmp_path, "lazy-corrupt")
+    store_file = LayerStore(Path(test_env["CORRAL_NODE_DIR"]) / "layers").layer_path(digest)
+    head = (tmp_path / "tree" / "lazy" / "f5").read_bytes()[:64]
+    offset = _offset_of(store_file, head) + FILE_BYTES // 2
+    original = _corrupt(store_file, offset)
+    node_dir = tmp_path / "node-b"
+    try:
+        with EmbeddedServer(tmp_path / "b", env=_second_env(source, postgres_url, test_env, node_dir)) as second:
+            with second.client() as client, client.create(environment={"base": "busybox", "tools": "lazy-corrupt"},
+                                                          ttl_s=120) as sandbox:  # fmt: skip
+                started = time.monotonic()
+                result = _sha256_in(sandbox, "f5")
+                # No hash printed at all: the reader never got the bad bytes, only the error.
+                assert (result.exit_code, result.stdout) == (1, ""), result
+                assert "Input/output error" in result.stderr, result
+                assert time.monotonic() - started < 20  # bounded: two tries per chunk, then EIO
+                events = [e for e in sandbox.audit_events() if e.kind == "layer_chunk_unavailable"]
+                assert events and events[0].detail["layer"] == digest
+                assert "does not match the chunk index" in events[0].detail["error"]
+                assert _sha256_in(sandbox, "f4").stdout.split()[0] == data_tree["f4"]  # other chunks still serve
+                _corrupt(store_file, offset)  # the source is fixed: the next read fetches the chunk again
+                assert _sha256_in(sandbox, "f5").stdout.split()[0] == data_tree["f5"]
+    finally:
+        with open(store_file, "r+b") as f:
+            f.seek(offset)
+            f.write(original)
+
+
+def test_a_restarted_node_resumes_a_partial_layer(
+    source: EmbeddedServer, postgres_url: str, tmp_path: Path, test_env: dict[str, str], data_tree: dict[str, str]
+) -> None:
+    digest = _build(source, tmp_path, "lazy-resume")
+    node_dir = tmp_path / "node-b"
+    second = EmbeddedServer(tmp_path / "b", env=_second_env(source, postgres_url, test_env, node_dir))
+    second.start()
+    try:
+        with second.client() as client:
+            sandbox = client.create(environment={"base": "busybox", "tools": "lazy-resume"}, ttl_s=60)
+            assert _sha256_in(sandbox, "f1").stdout.split()[0] == data_tree["f1"]
+        before = _present_bytes(node_dir, digest)
+        assert second.process is not None
+        second.process.kill()  # mid-layer, without a word
+        second.process.wait()
+        # The source's copy of f1 goes bad: a restarted node can only read f1 from the chunks it kept.
+        store_file = LayerStore(Path(test_env["CORRAL_NODE_DIR"]) / "layers").layer_path(digest)
+        head = (tmp_path / "tree" / "lazy" / "f1").read_bytes()[:64]
+        offset = _offset_of(store_file, head) + FILE_BYTES // 2
+        original = _corrupt(store_file, offset)
+        try:
+            second.start()
+            assert _present_bytes(node_dir, digest) == before  # the map survived (and its chunks re-verified)
+            with second.client() as client, client.create(environment={"base": "busybox", "tools": "lazy-resume"},
+                                                          ttl_s=60) as fresh:  # fmt: skip
+                assert _sha256_in(fresh, "f1").stdout.split()[0] == data_tree["f1"]
+                assert _sha256_in(fresh, "f6").stdout.split()[0] == data_tree["f6"]
+            assert FILE_BYTES <= _present_bytes(node_dir, digest) - before <= FILE_BYTES + (1 << 20)
+        finally:
+            with open(store_file, "r+b") as f:
+                f.seek(offset)
+                f.write(original)
+    finally:
+        if not second.running():
+            second.start()
+        second.shutdown()
