@@ -92,10 +92,10 @@ def build_edge(settings: Settings, host: HostSetup, events: EdgeEvents) -> Local
         audit_repeat_window_s=settings.audit_repeat_window_s,
     )
     backend = BackendRouter(
-        {
-            "container": containers,
-            **{
-                kind: VmBackend(
+        [
+            containers,
+            *(
+                VmBackend(
                     kind=kind,
                     data_dir=settings.data_dir,
                     node_dir=settings.node_dir,
@@ -108,8 +108,8 @@ def build_edge(settings: Settings, host: HostSetup, events: EdgeEvents) -> Local
                     cgroup_layout=host.layout,
                 )
                 for kind in ("microvm", "vm")
-            },
-        }
+            ),
+        ]
     )
     capacity = node_capacity(
         settings.cpu_overcommit, settings.memory_overcommit, settings.max_file_bytes,

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from corral.backends.base import (
+    Capability,
+    Checkpointing,
     CommandEvent,
     CommandExit,
     CommandOutput,
@@ -199,6 +201,13 @@ class SimulatedBackend:
 
     def __len__(self) -> int:
         return len(self._sandboxes)
+
+    def offers(self) -> dict[str, frozenset[Capability]]:
+        """It stands in for container sandboxes (any runtime), with none of their optional capabilities."""
+        return {"container": frozenset()}
+
+    def checkpoints(self, sandbox_id: str) -> Checkpointing | None:
+        return None
 
     def _get(self, sandbox_id: str) -> _Simulated:
         sandbox = self._sandboxes.get(sandbox_id)

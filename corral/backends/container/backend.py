@@ -26,9 +26,12 @@ from typing import Any
 
 from corral.backends.agent_command import AgentCommand
 from corral.backends.base import (
+    Capability,
+    Checkpointing,
     CommandSpec,
     ReclaimResult,
     SandboxSpec,
+    offer_key,
 )
 from corral.backends.container import qos
 from corral.backends.container.agent_protocol import (
@@ -70,6 +73,9 @@ class _Container:
 
 
 _CHANGED_PATHS_MAX = 10_000
+_OCI_CAPABILITIES = frozenset({Capability.CPU_CLASSES, Capability.LAYERS})
+_RUNTIME_CAPABILITIES = {"crun": _OCI_CAPABILITIES, "runc": _OCI_CAPABILITIES,
+                         RUNSC: _OCI_CAPABILITIES | {Capability.CHECKPOINTS}}  # fmt: skip
 _TIER_NAMES = frozenset(tier.strip("/") for tier in qos.TIERS.values())  # top-level cgroups sandboxes live under
 _DISK_IMAGE = "disk.img"
 
@@ -426,7 +432,13 @@ class ContainerBackend(GvisorCheckpoints):
     @property
     def runtimes(self) -> list[str]:
         """The OCI runtimes installed on this node, each a level of isolation a create may ask for."""
-        return [name for name in ("crun", "runc", RUNSC) if shutil.which(name)]
+        return [name for name in _RUNTIME_CAPABILITIES if shutil.which(name)]
+
+    def offers(self) -> dict[str, frozenset[Capability]]:
+        return {offer_key(self.name, runtime): _RUNTIME_CAPABILITIES[runtime] for runtime in self.runtimes}
+
+    def checkpoints(self, sandbox_id: str) -> Checkpointing | None:
+        return self if self._get(sandbox_id).runtime.gvisor else None
 
     async def orphans(self, known_ids: set[str]) -> list[str]:
         """Containers in our runtime state that no sandbox record owns."""

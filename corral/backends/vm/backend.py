@@ -38,6 +38,8 @@ from typing import Any
 from corral.backends import checkpoints
 from corral.backends.agent_command import AgentCommand
 from corral.backends.base import (
+    Capability,
+    Checkpointing,
     CommandSpec,
     ReclaimResult,
     SandboxSpec,
@@ -187,6 +189,13 @@ class VmBackend:
         self._ready_lock = asyncio.Lock()
         self._kit: GuestKit | None = None
         self.accelerator: Accelerator | None = None
+
+    def offers(self) -> dict[str, frozenset[Capability]]:
+        """One kind of machine, whatever OCI runtime a create names; no CPU classes yet."""
+        return {self.name: frozenset({Capability.CHECKPOINTS, Capability.LAYERS})}
+
+    def checkpoints(self, sandbox_id: str) -> Checkpointing | None:
+        return self
 
     # -- node setup -----------------------------------------------------------
 
@@ -413,11 +422,12 @@ class VmBackend:
                         return
             else:
                 info = await machine.execute("query-migrate")
-                state = info.get("status") if isinstance(info, dict) else None
+                migration = info if isinstance(info, dict) else {}
+                state = migration.get("status")
                 if state == "completed":
                     return
                 if state in ("failed", "cancelled"):
-                    raise InternalError(f"VM snapshot failed: {info.get('error-desc', state)}")
+                    raise InternalError(f"VM snapshot failed: {migration.get('error-desc', state)}")
             await asyncio.sleep(0.005)
         raise InternalError("VM snapshot/restore did not finish within 120s")
 
