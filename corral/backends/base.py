@@ -127,7 +127,11 @@ class Capability(StrEnum):
     CPU_CLASSES = "cpu_classes"
     """``qos="batch"`` puts it in an idle CPU tier (corral/backends/container/qos.py)."""
     LAYERS = "layers"
-    """Its file changes pack into a layer (``pack_diff``): snapshots, and forks that copy files."""
+    """Its file changes are kept as a writable layer of their own: they pack into a layer (``pack_diff``:
+    snapshots, forks that copy files) and ``changed_paths`` lists them (the trajectory log's provenance)."""
+    RECYCLE = "recycle"
+    """``recycle`` can find a sandbox as good as new after a call, so fncall pools reuse it; without it,
+    ``recycle`` always answers False."""
 
 
 def offer_key(backend: str, runtime: str | None = None) -> str:

@@ -203,8 +203,8 @@ class SimulatedBackend:
         return len(self._sandboxes)
 
     def offers(self) -> dict[str, frozenset[Capability]]:
-        """It stands in for container sandboxes (any runtime), with none of their optional capabilities."""
-        return {"container": frozenset()}
+        """It stands in for container sandboxes (any runtime); it has no layers to pack and no checkpoints."""
+        return {"container": frozenset({Capability.RECYCLE})}
 
     def checkpoints(self, sandbox_id: str) -> Checkpointing | None:
         return None
@@ -260,8 +260,8 @@ class SimulatedBackend:
         return None
 
     async def recycle(self, sandbox_id: str) -> bool:
-        self._get(sandbox_id)
-        return True
+        """As good as new while nothing but its root directory was ever written (commands leave nothing)."""
+        return list(self._get(sandbox_id).files) == ["/"]
 
     async def fs_clock(self, sandbox_id: str) -> float:
         self._get(sandbox_id)

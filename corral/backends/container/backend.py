@@ -73,9 +73,10 @@ class _Container:
 
 
 _CHANGED_PATHS_MAX = 10_000
-_OCI_CAPABILITIES = frozenset({Capability.CPU_CLASSES, Capability.LAYERS})
+_OCI_CAPABILITIES = frozenset({Capability.CPU_CLASSES, Capability.LAYERS, Capability.RECYCLE})
+# gVisor: its processes live in the sentry, so the host cannot tell whether a call left one (no recycle)
 _RUNTIME_CAPABILITIES = {"crun": _OCI_CAPABILITIES, "runc": _OCI_CAPABILITIES,
-                         RUNSC: _OCI_CAPABILITIES | {Capability.CHECKPOINTS}}  # fmt: skip
+                         RUNSC: _OCI_CAPABILITIES - {Capability.RECYCLE} | {Capability.CHECKPOINTS}}  # fmt: skip
 _TIER_NAMES = frozenset(tier.strip("/") for tier in qos.TIERS.values())  # top-level cgroups sandboxes live under
 _DISK_IMAGE = "disk.img"
 
