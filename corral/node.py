@@ -12,8 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from corral.backends.container.backend import ContainerBackend
-from corral.backends.container.host import (
+from corral.backends.common.host import (
     CgroupLayout,
     NativeHelpers,
     become_child_subreaper,
@@ -21,6 +20,7 @@ from corral.backends.container.host import (
     detect_cgroup_layout,
     enter_private_mount_namespace,
 )
+from corral.backends.container.backend import ContainerBackend
 from corral.backends.container.memory import ensure_zram_swap
 from corral.backends.router import BackendRouter
 from corral.backends.vm.backend import VmBackend

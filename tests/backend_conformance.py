@@ -241,7 +241,7 @@ async def _backend(kind: str, node_dir: Path, data_dir: Path) -> AsyncIterator[B
 
         yield SimulatedBackend()
         return
-    from corral.backends.container import host
+    from corral.backends.common import host
 
     layout = host.detect_cgroup_layout()
     helpers = host.build_native_helpers(node_dir)

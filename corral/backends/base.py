@@ -20,7 +20,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, TypeVar
 
-from corral.backends.container.network import AllowRule, DeniedCounts
+from corral.backends.common.network import AllowRule, DeniedCounts
 from corral.sdk._exceptions import InvalidRequest
 from corral.sdk._models import FileInfo
 

@@ -25,7 +25,7 @@ from corral.backends.base import (
     find_offer,
     offer_key,
 )
-from corral.backends.container.network import AllowRule, DeniedCounts
+from corral.backends.common.network import AllowRule, DeniedCounts
 from corral.sdk._exceptions import InvalidRequest, NotFound
 
 __all__ = ["BackendRouter"]

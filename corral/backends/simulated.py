@@ -32,7 +32,7 @@ from corral.backends.base import (
     ReclaimResult,
     SandboxSpec,
 )
-from corral.backends.container.network import AllowRule, DeniedCounts
+from corral.backends.common.network import AllowRule, DeniedCounts
 from corral.sdk._exceptions import Conflict, InvalidRequest, NotFound, PayloadTooLarge
 from corral.sdk._models import FileInfo
 

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol
 
 from corral.backends.base import LayerRef, SandboxSpec
-from corral.backends.container.network import AllowRule
+from corral.backends.common.network import AllowRule
 from corral.edge.local import to_allow_rules
 from corral.edge.protocol import Edge
 from corral.sdk._exceptions import NotFound

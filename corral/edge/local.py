@@ -33,7 +33,7 @@ from corral.backends.base import (
     checkpoints_of,
     split_offer,
 )
-from corral.backends.container.network import AllowRule
+from corral.backends.common.network import AllowRule
 from corral.backends.vm.memory import ksm_merged_bytes
 from corral.edge.host_readings import HostReadings, read_host
 from corral.edge.protocol import EdgeEvents

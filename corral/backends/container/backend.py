@@ -33,20 +33,20 @@ from corral.backends.base import (
     SandboxSpec,
     offer_key,
 )
-from corral.backends.container import qos
-from corral.backends.container.agent_protocol import (
+from corral.backends.common.agent_protocol import (
     AgentConnection,
     IpcCounts,
 )
+from corral.backends.common.guest_tree import GuestTree
+from corral.backends.common.host import CgroupLayout, LayerMounts, NativeHelpers, orphans
+from corral.backends.common.network import AllowRule, DeniedCounts, NetworkFabric
+from corral.backends.container import qos
 from corral.backends.container.files import ConfinedTree
 from corral.backends.container.gvisor import RUNSC, GvisorCheckpoints, adapt_config
-from corral.backends.container.host import CgroupLayout, LayerMounts, NativeHelpers, orphans
 from corral.backends.container.kernel_watch import SeccompDenials, SensitiveReads, session_of
 from corral.backends.container.memory import CgroupMemory, prefetch_swapped
-from corral.backends.container.network import AllowRule, DeniedCounts, NetworkFabric
 from corral.backends.container.oci import AGENT_PATH, ContainerLimits, build_config
 from corral.backends.container.runtime import OciRuntime, Overlay
-from corral.backends.vm.files import GuestTree
 from corral.guard.audit import PACKAGE_PREFIXES, PROTECTED_PREFIXES, EventThrottle, denied_syscall_severity
 from corral.images.erofs import build_erofs
 from corral.images.lazy import check_layer

@@ -36,7 +36,7 @@ from typing import Any
 
 from corral.backends import checkpoints
 from corral.backends.base import SandboxSpec
-from corral.backends.container.agent_protocol import AgentConnection
+from corral.backends.common.agent_protocol import AgentConnection
 from corral.backends.container.oci import AGENT_PATH
 from corral.backends.container.runtime import RUNSC, RUNSC_FLAGS, OciRuntime, Overlay
 from corral.sdk._exceptions import InternalError, InvalidRequest, NotFound, ServerUnavailable

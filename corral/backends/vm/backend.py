@@ -44,12 +44,12 @@ from corral.backends.base import (
     ReclaimResult,
     SandboxSpec,
 )
-from corral.backends.container.agent_protocol import AgentConnection, AgentExit, AgentOutput, ExecOrder
-from corral.backends.container.host import CgroupLayout, orphans
-from corral.backends.container.network import GUEST_LINK_IFNAME, AllowRule, DeniedCounts, NetworkFabric
+from corral.backends.common.agent_protocol import AgentConnection, AgentExit, AgentOutput, ExecOrder
+from corral.backends.common.guest_tree import GuestTree
+from corral.backends.common.host import CgroupLayout, orphans
+from corral.backends.common.network import GUEST_LINK_IFNAME, AllowRule, DeniedCounts, NetworkFabric
 from corral.backends.vm.accel import choose_accelerator
 from corral.backends.vm.cgroup import VmCgroup
-from corral.backends.vm.files import GuestTree
 from corral.backends.vm.guest import GuestKit, ensure_guest_kit
 from corral.backends.vm.network import create_guest_link, delete_namespace, namespace_name
 from corral.backends.vm.qemu import SHM_DIR, Accelerator, Machine, MachineConfig, console_tail, host_tsc_khz
