@@ -227,7 +227,7 @@ def test_capabilities_are_what_the_nodes_declare_for_the_backend_and_runtime() -
         "microvm": ["checkpoints", "layers"],
     }})  # fmt: skip
     sched = scheduler(declared)
-    assert sched.capabilities("container", "runsc") == {"checkpoints", "cpu_classes", "layers"}
-    assert sched.capabilities("container", "crun") == {"cpu_classes", "layers"}
-    assert sched.capabilities("microvm", "crun") == {"checkpoints", "layers"}  # a VM takes no runtime
+    assert sched.capabilities("container", "runsc") == frozenset({"checkpoints", "cpu_classes", "layers"})
+    assert sched.capabilities("container", "crun") == frozenset({"cpu_classes", "layers"})
+    assert sched.capabilities("microvm", "crun") == frozenset({"checkpoints", "layers"})  # a VM takes no runtime
     assert sched.capabilities("vm", "crun") is None and sched.capabilities("container", "kata") is None

@@ -120,7 +120,7 @@ def _parse_stat(line: str, path: str) -> FileInfo:
     return FileInfo(
         path=path,
         name=posixpath.basename(path) or "/",
-        type=_KINDS.get(stat.S_IFMT(mode), "other"),  # type: ignore[arg-type]
+        type=_KINDS.get(stat.S_IFMT(mode), "other"),
         size=int(size),
         mode=stat.S_IMODE(mode),
         mtime=float(mtime),
