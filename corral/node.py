@@ -12,8 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from corral.backends.container.backend import ContainerBackend
-from corral.backends.container.host import (
+from corral.backends.common.host import (
     CgroupLayout,
     NativeHelpers,
     become_child_subreaper,
@@ -21,6 +20,7 @@ from corral.backends.container.host import (
     detect_cgroup_layout,
     enter_private_mount_namespace,
 )
+from corral.backends.container.backend import ContainerBackend
 from corral.backends.container.memory import ensure_zram_swap
 from corral.backends.router import BackendRouter
 from corral.backends.vm.backend import VmBackend
@@ -92,10 +92,10 @@ def build_edge(settings: Settings, host: HostSetup, events: EdgeEvents) -> Local
         audit_repeat_window_s=settings.audit_repeat_window_s,
     )
     backend = BackendRouter(
-        {
-            "container": containers,
-            **{
-                kind: VmBackend(
+        [
+            containers,
+            *(
+                VmBackend(
                     kind=kind,
                     data_dir=settings.data_dir,
                     node_dir=settings.node_dir,
@@ -108,8 +108,8 @@ def build_edge(settings: Settings, host: HostSetup, events: EdgeEvents) -> Local
                     cgroup_layout=host.layout,
                 )
                 for kind in ("microvm", "vm")
-            },
-        }
+            ),
+        ]
     )
     capacity = node_capacity(
         settings.cpu_overcommit, settings.memory_overcommit, settings.max_file_bytes,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 
 from corral.backends.base import CommandEvent, CommandExit, CommandOutput, CommandSpec, CommandStarted
-from corral.backends.container.agent_protocol import AgentConnection, AgentExit, AgentOutput, AgentStarted, ExecOrder
+from corral.backends.common.agent_protocol import AgentConnection, AgentExit, AgentOutput, AgentStarted, ExecOrder
 
 __all__ = ["AgentCommand"]
 

@@ -1,23 +1,39 @@
 """The contract every backend (container, microvm, vm; fncall runs on containers) meets.
 
-The edge drives backends only through ``Backend`` and ``RunningCommand``; the
-shared conformance tests in tests/integration/test_backend_conformance.py run
-against every implementation.
+The edge drives backends only through ``Backend`` and ``RunningCommand``, and
+reads a sandbox's files through the ``FileTree`` its backend hands out.
+What only some backends can do is declared, never probed for: each backend
+lists the kinds of sandbox it ``offers`` (``container/crun``, ``microvm``,
+...) with the ``Capability`` values each has, and a backend whose sandboxes
+have memory checkpoints hands out a ``Checkpointing`` for them (found in one
+place: ``checkpoints_of``). The edge reports the offers in its load, so the
+scheduler and the gateway read the same declarations. The shared
+conformance tests in tests/integration/test_backend_conformance.py run
+against every implementation, each skipping only what it does not declare.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol, TypeVar
 
-from corral.backends.container.files import ConfinedTree
-from corral.backends.container.network import AllowRule, DeniedCounts
+from corral.backends.common.network import AllowRule, DeniedCounts
+from corral.sdk._exceptions import InvalidRequest
+from corral.sdk._models import FileInfo
 
 __all__ = [
     "Backend",
+    "Capability",
+    "Checkpointing",
+    "FileTree",
     "LayerRef",
+    "checkpoints_of",
+    "find_offer",
+    "offer_key",
+    "split_offer",
     "CommandExit",
     "CommandOutput",
     "CommandStarted",
@@ -102,6 +118,97 @@ class ReclaimResult:
     after_bytes: int
 
 
+class Capability(StrEnum):
+    """What a kind of sandbox can do beyond what every backend does (declared in ``Backend.offers``)."""
+
+    CHECKPOINTS = "checkpoints"
+    """Memory and processes are saved with the disk (``Checkpointing``): checkpoints, rewinds, forks that keep
+    running processes, and creates with ``SandboxSpec.restore_from``."""
+    CPU_CLASSES = "cpu_classes"
+    """``qos="batch"`` puts it in an idle CPU tier (corral/backends/container/qos.py)."""
+    LAYERS = "layers"
+    """Its file changes are kept as a writable layer of their own: they pack into a layer (``pack_diff``:
+    snapshots, forks that copy files) and ``changed_paths`` lists them (the trajectory log's provenance)."""
+    RECYCLE = "recycle"
+    """``recycle`` can find a sandbox as good as new after a call, so fncall pools reuse it; without it,
+    ``recycle`` always answers False."""
+
+
+def offer_key(backend: str, runtime: str | None = None) -> str:
+    """How an offer is named: ``backend`` for a backend that takes no OCI runtime, else ``backend/runtime``."""
+    return f"{backend}/{runtime}" if runtime else backend
+
+
+def split_offer(key: str) -> tuple[str, str | None]:
+    """An ``offer_key`` back into (backend, runtime or None)."""
+    backend, _, runtime = key.partition("/")
+    return backend, runtime or None
+
+
+T = TypeVar("T")
+
+
+def find_offer(offers: Mapping[str, T], backend: str, runtime: str | None) -> T | None:
+    """What a create for ``backend`` with ``runtime`` gets from ``offers`` (keyed by ``offer_key``): the backend
+    with that OCI runtime, else the backend's offer that takes none (VMs ignore the runtime); None if neither."""
+    if runtime:
+        found = offers.get(offer_key(backend, runtime))
+        if found is not None:
+            return found
+    return offers.get(backend)
+
+
+class FileTree(Protocol):
+    """One sandbox's root for file operations, confined to it (a context manager: leaving it closes it).
+
+    Paths are absolute inside the sandbox; errors are Corral errors (NotFound, Conflict, PayloadTooLarge, ...)."""
+
+    def __enter__(self) -> FileTree: ...
+
+    def __exit__(self, *exc_info: object) -> None: ...
+
+    def read(self, path: str, *, max_bytes: int) -> bytes: ...
+
+    def write(
+        self, path: str, data: bytes, *, mode: int = 0o644, uid: int | None = None, gid: int | None = None
+    ) -> FileInfo:
+        """Replace the file atomically, making its parent directories."""
+
+    def stat(self, path: str) -> FileInfo:
+        """``path`` itself: a final symlink is not followed."""
+
+    def list(self, path: str) -> list[FileInfo]: ...
+
+    def mkdir(self, path: str, *, parents: bool = True, mode: int = 0o755) -> FileInfo: ...
+
+    def remove(self, path: str, *, recursive: bool = False) -> None: ...
+
+    def extract_tar(self, dest: str, fileobj: BinaryIO, *, max_bytes: int) -> int:
+        """Unpack a tar stream under ``dest``, member by member, confined like every other call; bytes written."""
+
+    def write_tar(self, path: str, fileobj: BinaryIO) -> None:
+        """A tar stream of the tree at ``path``."""
+
+
+class Checkpointing(Protocol):
+    """Memory, process and disk checkpoints of a backend's sandboxes (``Capability.CHECKPOINTS``)."""
+
+    async def checkpoint(self, sandbox_id: str, dest: Path) -> None:
+        """Everything the sandbox is, at one instant, into ``dest``; a create with ``restore_from=dest`` resumes it."""
+
+    async def save_checkpoint(self, sandbox_id: str) -> dict[str, object]:
+        """A named checkpoint kept beside the sandbox (removed with it): id, sandbox_id, created_at, size_bytes."""
+
+    def list_checkpoints(self, sandbox_id: str) -> list[dict[str, object]]:
+        """Its named checkpoints, oldest first."""
+
+    def checkpoint_dir(self, sandbox_id: str, checkpoint_id: str) -> Path:
+        """Where a named checkpoint is (NotFound if it has none of that id)."""
+
+    async def rewind(self, sandbox_id: str, checkpoint_id: str) -> None:
+        """Replace the running sandbox with the one saved in ``checkpoint_id``."""
+
+
 class RunningCommand(Protocol):
     def events(self) -> AsyncIterator[CommandEvent]:
         """Started, then output chunks, then exactly one CommandExit."""
@@ -115,6 +222,13 @@ class RunningCommand(Protocol):
 class Backend(Protocol):
     name: str
 
+    def offers(self) -> dict[str, frozenset[Capability]]:
+        """The kinds of sandbox it runs, by ``offer_key`` (a create's backend, and its OCI runtime for backends that
+        take one), each with the capabilities it has."""
+
+    def checkpoints(self, sandbox_id: str) -> Checkpointing | None:
+        """The checkpoints of the sandbox, None when its kind has no ``Capability.CHECKPOINTS``."""
+
     async def create(self, spec: SandboxSpec) -> str | None:
         """Start the sandbox; when this returns, commands can run in it. Returns a note for its status
         (e.g. a VM running on software emulation), or None."""
@@ -124,7 +238,7 @@ class Backend(Protocol):
 
     def run(self, sandbox_id: str, command: CommandSpec) -> RunningCommand: ...
 
-    def files(self, sandbox_id: str) -> ConfinedTree:
+    def files(self, sandbox_id: str) -> FileTree:
         """The sandbox's root for file operations; the caller closes it."""
 
     async def adopt(self, spec: SandboxSpec) -> str | None:
@@ -137,7 +251,8 @@ class Backend(Protocol):
         """Return (with a reason) when the sandbox stops by itself; cancel to stop waiting."""
 
     async def pack_diff(self, sandbox_id: str, dest: Path) -> None:
-        """Write the sandbox's filesystem changes as a layer file at ``dest``."""
+        """Write the sandbox's filesystem changes as a layer file at ``dest`` (``Capability.LAYERS``; a backend
+        without it raises InvalidRequest)."""
 
     async def findings(self, sandbox_id: str) -> tuple[list[str], int]:
         """What a command may have done that the audit log wants: changed paths in the writable layer under
@@ -186,3 +301,14 @@ class Backend(Protocol):
 
     async def close(self) -> None:
         """Release node resources; running sandboxes keep running."""
+
+
+def checkpoints_of(backend: Backend, spec: SandboxSpec) -> Checkpointing:
+    """The one place a sandbox's checkpoints are looked up: its backend's, or InvalidRequest saying where they are."""
+    found = backend.checkpoints(spec.sandbox_id)
+    if found is None:
+        raise InvalidRequest(
+            f"{offer_key(spec.backend, spec.runtime)} sandboxes have no memory checkpoints: VM sandboxes and gVisor "
+            '(runtime="runsc") containers have them; snapshot() and fork() keep a sandbox\'s files as a layer'
+        )
+    return found

@@ -1,17 +1,31 @@
 """Several backends behind one ``Backend``: the edge stays backend-neutral.
 
-A sandbox's backend is named in its spec (``container``, ``microvm``, ``vm``);
-the router remembers which backend owns each sandbox id from its create or
-adopt and sends every later call there.
+Each backend declares the kinds of sandbox it offers (``Backend.offers``:
+``container/crun``, ``container/runsc``, ``microvm``, ...); a create goes to
+the backend that offers the spec's backend with its runtime
+(``find_offer``), and the router remembers which backend owns each sandbox
+id from its create or adopt and sends every later call there.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from corral.backends.base import Backend, CommandSpec, ReclaimResult, RunningCommand, SandboxSpec
-from corral.backends.container.network import AllowRule, DeniedCounts
+from corral.backends.base import (
+    Backend,
+    Capability,
+    Checkpointing,
+    CommandSpec,
+    FileTree,
+    ReclaimResult,
+    RunningCommand,
+    SandboxSpec,
+    find_offer,
+    offer_key,
+)
+from corral.backends.common.network import AllowRule, DeniedCounts
 from corral.sdk._exceptions import InvalidRequest, NotFound
 
 __all__ = ["BackendRouter"]
@@ -20,20 +34,20 @@ __all__ = ["BackendRouter"]
 class BackendRouter:
     name = "router"
 
-    def __init__(self, backends: dict[str, Backend]) -> None:
-        self.backends = backends
+    def __init__(self, backends: Iterable[Backend]) -> None:
+        self.backends = list(backends)
+        self._by_offer = {key: backend for backend in self.backends for key in backend.offers()}
         self._owner: dict[str, Backend] = {}
 
-    @property
-    def runtimes(self) -> list[str]:
-        """The OCI runtimes of the backends that have them (the container backend's)."""
-        return sorted({name for backend in self.backends.values() for name in getattr(backend, "runtimes", ())})
+    def offers(self) -> dict[str, frozenset[Capability]]:
+        return {key: caps for backend in self.backends for key, caps in backend.offers().items()}
 
     def _for_spec(self, spec: SandboxSpec) -> Backend:
-        backend = self.backends.get(spec.backend)
+        backend = find_offer(self._by_offer, spec.backend, spec.runtime)
         if backend is None:
             raise InvalidRequest(
-                f"backend {spec.backend!r} is not enabled on this node (enabled: {', '.join(sorted(self.backends))})"
+                f"{offer_key(spec.backend, spec.runtime)} sandboxes are not offered on this node "
+                f"(it offers: {', '.join(sorted(self._by_offer))})"
             )
         return backend
 
@@ -57,13 +71,13 @@ class BackendRouter:
         if backend is not None:
             await backend.destroy(sandbox_id)
             return
-        for candidate in self.backends.values():  # an orphan, or one whose create failed half-way
+        for candidate in self.backends:  # an orphan, or one whose create failed half-way
             await candidate.destroy(sandbox_id)
 
     def run(self, sandbox_id: str, command: CommandSpec) -> RunningCommand:
         return self.owner(sandbox_id).run(sandbox_id, command)
 
-    def files(self, sandbox_id: str):  # type: ignore[no-untyped-def]  # ConfinedTree or GuestTree
+    def files(self, sandbox_id: str) -> FileTree:
         return self.owner(sandbox_id).files(sandbox_id)
 
     async def adopt(self, spec: SandboxSpec) -> str | None:
@@ -75,7 +89,7 @@ class BackendRouter:
 
     async def orphans(self, known_ids: set[str]) -> list[str]:
         found: list[str] = []
-        for backend in self.backends.values():
+        for backend in self.backends:
             found += await backend.orphans(known_ids)
         return found
 
@@ -85,28 +99,8 @@ class BackendRouter:
     async def pack_diff(self, sandbox_id: str, dest: Path) -> None:
         await self.owner(sandbox_id).pack_diff(sandbox_id, dest)
 
-    def _checkpointing(self, sandbox_id: str) -> Any:  # noqa: ANN401 - a backend that has checkpoints (VmBackend)
-        backend = self.owner(sandbox_id)
-        if not hasattr(backend, "save_checkpoint"):
-            raise InvalidRequest(
-                f"{backend.name} sandboxes have no memory checkpoints: snapshot() keeps their files as a layer"
-            )
-        return backend
-
-    async def checkpoint(self, sandbox_id: str, dest: Path) -> None:
-        await self._checkpointing(sandbox_id).checkpoint(sandbox_id, dest)
-
-    async def save_checkpoint(self, sandbox_id: str) -> dict[str, object]:
-        return await self._checkpointing(sandbox_id).save_checkpoint(sandbox_id)  # type: ignore[no-any-return]
-
-    def list_checkpoints(self, sandbox_id: str) -> list[dict[str, object]]:
-        return self._checkpointing(sandbox_id).list_checkpoints(sandbox_id)  # type: ignore[no-any-return]
-
-    def checkpoint_dir(self, sandbox_id: str, checkpoint_id: str) -> Path:
-        return self._checkpointing(sandbox_id).checkpoint_dir(sandbox_id, checkpoint_id)  # type: ignore[no-any-return]
-
-    async def rewind(self, sandbox_id: str, checkpoint_id: str) -> None:
-        await self._checkpointing(sandbox_id).rewind(sandbox_id, checkpoint_id)
+    def checkpoints(self, sandbox_id: str) -> Checkpointing | None:
+        return self.owner(sandbox_id).checkpoints(sandbox_id)
 
     async def findings(self, sandbox_id: str) -> tuple[list[str], int]:
         return await self.owner(sandbox_id).findings(sandbox_id)
@@ -139,7 +133,7 @@ class BackendRouter:
         return await self.owner(sandbox_id).set_network(sandbox_id, rules)
 
     async def attach_network_peer(self, name: str, netns_path: str, address: str) -> None:
-        for backend in self.backends.values():
+        for backend in self.backends:
             await backend.attach_network_peer(name, netns_path, address)
 
     async def network_status(self, sandbox_id: str) -> tuple[str | None, DeniedCounts | None]:
@@ -147,14 +141,14 @@ class BackendRouter:
 
     def kernel_events(self) -> list[tuple[str, str, str, dict[str, Any]]]:
         found: list[tuple[str, str, str, dict[str, Any]]] = []
-        for backend in self.backends.values():
+        for backend in self.backends:
             found += backend.kernel_events()
         return found
 
     def housekeeping(self) -> None:
-        for backend in self.backends.values():
+        for backend in self.backends:
             backend.housekeeping()
 
     async def close(self) -> None:
-        for backend in self.backends.values():
+        for backend in self.backends:
             await backend.close()

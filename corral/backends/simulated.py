@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from corral.backends.base import (
+    Capability,
+    Checkpointing,
     CommandEvent,
     CommandExit,
     CommandOutput,
@@ -30,7 +32,7 @@ from corral.backends.base import (
     ReclaimResult,
     SandboxSpec,
 )
-from corral.backends.container.network import AllowRule, DeniedCounts
+from corral.backends.common.network import AllowRule, DeniedCounts
 from corral.sdk._exceptions import Conflict, InvalidRequest, NotFound, PayloadTooLarge
 from corral.sdk._models import FileInfo
 
@@ -200,6 +202,13 @@ class SimulatedBackend:
     def __len__(self) -> int:
         return len(self._sandboxes)
 
+    def offers(self) -> dict[str, frozenset[Capability]]:
+        """It stands in for container sandboxes (any runtime); it has no layers to pack and no checkpoints."""
+        return {"container": frozenset({Capability.RECYCLE})}
+
+    def checkpoints(self, sandbox_id: str) -> Checkpointing | None:
+        return None
+
     def _get(self, sandbox_id: str) -> _Simulated:
         sandbox = self._sandboxes.get(sandbox_id)
         if sandbox is None:
@@ -251,8 +260,8 @@ class SimulatedBackend:
         return None
 
     async def recycle(self, sandbox_id: str) -> bool:
-        self._get(sandbox_id)
-        return True
+        """As good as new while nothing but its root directory was ever written (commands leave nothing)."""
+        return list(self._get(sandbox_id).files) == ["/"]
 
     async def fs_clock(self, sandbox_id: str) -> float:
         self._get(sandbox_id)

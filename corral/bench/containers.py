@@ -38,7 +38,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from corral.backends.container import host, oci
+from corral.backends.common import host
+from corral.backends.container import oci
 from corral.config import Settings
 from corral.embedded import EmbeddedServer
 from corral.images.store import LayerStore

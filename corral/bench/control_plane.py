@@ -102,7 +102,7 @@ async def simulated_cluster(
                              ttl_check_interval_s=3600)  # fmt: skip
     for index in range(nodes):
         edge_id = f"n{index}"
-        backend = BackendRouter({"container": SimulatedBackend()})
+        backend = BackendRouter([SimulatedBackend()])
         node = dataclasses.replace(capacity, labels=labels[index]) if index < len(labels) else capacity
         edges[edge_id] = LocalEdge(edge_id, backend, node, service, host_reader=host_reader)
     await service.start()

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from corral.backends.container import host
+from corral.backends.common import host
 from corral.sdk import ExecResult
 
 __all__ = ["bench_session", "emit", "ms_since", "require_success", "throwaway_postgres"]

@@ -35,8 +35,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from corral.backends.container import host
-from corral.backends.container.host import _mount
+from corral.backends.common import host
+from corral.backends.common.host import _mount
 from corral.bench.containers import summarize
 from corral.config import Settings
 from corral.embedded import EmbeddedServer, linked_node_dir

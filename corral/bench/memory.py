@@ -41,7 +41,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from corral.backends.container import host
+from corral.backends.common import host
 from corral.bench.harness import ResultTable, bench_session, emit, ms_since, require_success
 from corral.embedded import EmbeddedServer, linked_node_dir
 from corral.images.store import LayerStore

@@ -35,7 +35,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from corral.backends.container import host
+from corral.backends.common import host
 from corral.backends.vm.accel import probe_boot
 from corral.backends.vm.guest import GuestKit, ensure_guest_kit
 from corral.backends.vm.memory import KSM_DIR, ksm_merged_bytes

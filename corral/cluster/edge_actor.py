@@ -34,7 +34,7 @@ from corral.backends.base import LayerRef, SandboxSpec
 from corral.config import Settings
 from corral.edge.adoption import RECONCILE_EVERY_BEATS, end_stale, readopt
 from corral.edge.local import LocalEdge
-from corral.edge.protocol import Edge
+from corral.edge.protocol import EDGE_METHODS
 from corral.guard.audit import AuditLog
 from corral.images.fetch import layer_fetcher
 from corral.images.store import LayerStore
@@ -43,24 +43,28 @@ from corral.sdk._exceptions import InvalidRequest
 from corral.sdk._models import SandboxState
 from corral.state.db import StateStore
 
-__all__ = ["ACTOR_NAMESPACE", "EdgeActor", "NodeEdge", "actor_name", "node_resource", "CALLABLE"]
+__all__ = [
+    "ACTOR_NAMESPACE", "ACTOR_OWN", "CALLABLE", "ON_NODE", "STREAMING", "WIRE_NAMES", "EdgeActor", "NodeEdge",
+    "actor_name", "node_resource",
+]  # fmt: skip
 
 log = logging.getLogger("corral.cluster")
 
 T = TypeVar("T")
 
 ACTOR_NAMESPACE = "corral"
-# NodeEdge's own methods, beside the Edge ones
-_NODE_METHODS = {"create", "pack_diff_bytes", "checkpoint_on_node", "discard_checkpoint"}
-# LocalEdge's checkpoint methods beyond the Edge protocol (VM and gVisor sandboxes)
-_EXTRA_METHODS = {"shutdown", "save_checkpoint", "list_checkpoints", "checkpoint_dir", "rewind"}
-CALLABLE = (
-    frozenset(
-        name for name in dir(Edge) if not name.startswith("_") and name not in {"start", "close", "edge_id", "remote"}
-    )
-    | _EXTRA_METHODS
-)
-"""Edge methods a gateway may call on the actor (``start`` and ``close`` are the actor's own business)."""
+ACTOR_OWN = frozenset({"start", "adopt", "close"})
+"""Edge methods that do not cross to the actor: it starts its edge, adopts its node's sandboxes and closes itself."""
+WIRE_NAMES = {"pack_diff": "pack_diff_bytes", "checkpoint": "checkpoint_on_node"}
+"""Edge methods that take a path on the gateway's machine: RayEdge calls the node-side variant instead (the diff
+comes back as bytes, the checkpoint stays in a scratch directory on the node)."""
+STREAMING = frozenset({"exec_stream"})
+"""Edge methods that yield: called through ``EdgeActor.stream``."""
+CALLABLE = frozenset(WIRE_NAMES.get(name, name) for name in EDGE_METHODS - ACTOR_OWN - STREAMING)
+"""What a gateway may call through ``EdgeActor.call``: derived from the Edge protocol, so a method added there is
+callable here."""
+ON_NODE = frozenset({"create", "discard_checkpoint", *WIRE_NAMES.values()})
+"""The callable methods ``NodeEdge`` answers itself; the rest go to its ``LocalEdge``."""
 
 
 def actor_name(edge_id: str) -> str:
@@ -195,19 +199,16 @@ class EdgeActor:
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """One Edge method, run on the edge's own loop."""
-        if method in _NODE_METHODS:
-            target: Any = self._node
-        elif method in CALLABLE:
-            target = self._node.edge
-        else:
+        if method not in CALLABLE:
             raise InvalidRequest(f"the edge has no method {method!r}")
+        target: Any = self._node if method in ON_NODE else self._node.edge
         return await asyncio.wrap_future(self._run(getattr(target, method)(*args, **kwargs)))
 
     async def stream(self, method: str, *args: Any) -> AsyncIterator[Any]:
         """An Edge method that yields (exec_stream), item by item (a Ray streaming generator)."""
-        if method != "exec_stream":
+        if method not in STREAMING:
             raise InvalidRequest(f"the edge has no streaming method {method!r}")
-        items = self._node.edge.exec_stream(*args)
+        items = getattr(self._node.edge, method)(*args)
         while True:
             try:
                 yield await asyncio.wrap_future(self._run(items.__anext__()))

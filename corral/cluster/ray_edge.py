@@ -17,7 +17,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
-from corral.cluster.edge_actor import ACTOR_NAMESPACE, actor_name
+from corral.cluster.edge_actor import ACTOR_NAMESPACE, WIRE_NAMES, actor_name
 from corral.sdk._exceptions import CorralError, InternalError, ServerUnavailable
 from corral.sdk._models import ExecEvent, ExecRequest
 
@@ -25,7 +25,9 @@ __all__ = ["RayEdge", "RayEdges"]
 
 
 class RayEdge:
-    """``Edge`` over the named actor of one node; any Edge method not defined here is forwarded as is."""
+    """``Edge`` over the named actor of one node: every Edge method not defined here is forwarded as is (the actor
+    accepts exactly those, see edge_actor.CALLABLE); those defined here are the actor's own business or cross
+    under another name (edge_actor.WIRE_NAMES)."""
 
     remote = True
 
@@ -76,16 +78,14 @@ class RayEdge:
         raise InternalError("a Ray edge adopts its sandboxes itself when it starts")
 
     async def pack_diff(self, sandbox_id: str, dest: Path) -> None:
-        data = await self._call("pack_diff_bytes", sandbox_id)
+        data = await self._call(WIRE_NAMES["pack_diff"], sandbox_id)
         await asyncio.to_thread(dest.write_bytes, data)
 
     async def checkpoint(self, sandbox_id: str, dest: Path) -> Path:
         """Checkpoint into a scratch dir on the sandbox's node (``dest`` is the gateway's); returns that dir,
         which its forks restore from there (``discard_checkpoint`` removes it)."""
-        return await self._call("checkpoint_on_node", sandbox_id)  # type: ignore[no-any-return]
-
-    async def discard_checkpoint(self, path: Path) -> None:
-        await self._call("discard_checkpoint", path)
+        written: Path = await self._call(WIRE_NAMES["checkpoint"], sandbox_id)
+        return written
 
     async def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
         actor = await self._actor()

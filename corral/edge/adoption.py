@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol
 
 from corral.backends.base import LayerRef, SandboxSpec
-from corral.backends.container.network import AllowRule
+from corral.backends.common.network import AllowRule
 from corral.edge.local import to_allow_rules
 from corral.edge.protocol import Edge
 from corral.sdk._exceptions import NotFound
@@ -86,7 +86,7 @@ async def readopt(
 class _RunsSandboxes(Protocol):
     edge_id: str
 
-    def sandbox_ids(self) -> set[str]: ...
+    async def sandbox_ids(self) -> set[str]: ...
 
     async def destroy(self, sandbox_id: str) -> None: ...
 
@@ -95,7 +95,7 @@ async def end_stale(edge: _RunsSandboxes, store: StateStore) -> list[str]:
     """End what runs on ``edge`` but is no longer active in the records: killed by a gateway that could not
     reach the node, or marked lost while the node was cut off and now back. Returns their ids."""
     active = await asyncio.to_thread(store.active_ids, edge.edge_id)
-    stale = sorted(edge.sandbox_ids() - active)
+    stale = sorted(await edge.sandbox_ids() - active)
     for sandbox_id in stale:
         log.warning("edge %s: ending %s, which its record says is no longer active", edge.edge_id, sandbox_id)
         await edge.destroy(sandbox_id)

@@ -18,19 +18,22 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from corral.backends.base import (
     Backend,
+    Checkpointing,
     CommandExit,
     CommandOutput,
     CommandSpec,
     CommandStarted,
+    FileTree,
     RunningCommand,
     SandboxSpec,
+    checkpoints_of,
+    split_offer,
 )
-from corral.backends.container.files import ConfinedTree
-from corral.backends.container.network import AllowRule
+from corral.backends.common.network import AllowRule
 from corral.backends.vm.memory import ksm_merged_bytes
 from corral.edge.host_readings import HostReadings, read_host
 from corral.edge.protocol import EdgeEvents
@@ -50,6 +53,7 @@ from corral.sdk._models import (
 __all__ = ["LocalEdge", "NodeCapacity"]
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _FINISHED_COMMANDS_KEPT = 256
 _HOUSEKEEPING_INTERVAL_S = 1.0
@@ -149,7 +153,7 @@ def to_allow_rules(allow: list[NetworkRule]) -> tuple[AllowRule, ...]:
     return tuple(AllowRule(cidr=r.cidr, ports=tuple(r.ports), protocol=r.protocol) for r in allow)
 
 
-def _lookup_owner(tree: ConfinedTree, user: str) -> tuple[int, int]:
+def _lookup_owner(tree: FileTree, user: str) -> tuple[int, int]:
     """The uid and gid that ``user`` (name, uid or uid:gid) has in the sandbox's own /etc/passwd."""
     uid_text, _, gid_text = user.partition(":")
     if uid_text.isdigit():
@@ -212,6 +216,8 @@ class LocalEdge:
     # -- admission and lifecycle -------------------------------------------
 
     async def load(self) -> EdgeLoad:
+        offers = self._backend.offers()
+        kinds = [split_offer(key) for key in offers]
         return EdgeLoad(
             edge_id=self.edge_id,
             node_cpu=self._capacity.cpu,
@@ -221,8 +227,9 @@ class LocalEdge:
             cpu_capacity=self._capacity.cpu * self._capacity.cpu_overcommit,
             memory_committed_mb=self._committed.memory_mb,
             memory_capacity_mb=int(self._capacity.memory_mb * self._capacity.memory_overcommit),
-            backends=sorted(getattr(self._backend, "backends", None) or [self._backend.name]),
-            runtimes=sorted(getattr(self._backend, "runtimes", ())),
+            backends=sorted({backend for backend, _ in kinds}),
+            runtimes=sorted({runtime for _, runtime in kinds if runtime is not None}),
+            offers={key: sorted(capabilities) for key, capabilities in offers.items()},
             labels=self._capacity.labels,
         )
 
@@ -361,7 +368,7 @@ class LocalEdge:
             await self._backend.destroy(orphan)
         return alive
 
-    def sandbox_ids(self) -> set[str]:
+    async def sandbox_ids(self) -> set[str]:
         """The sandboxes this edge runs (started; not those still starting)."""
         return set(self._sandboxes) - self._starting
 
@@ -487,13 +494,13 @@ class LocalEdge:
                 elif isinstance(event, CommandOutput):
                     text = decoders[event.stream].decode(event.data)
                     if text:
-                        yield ExecEvent(type=event.stream, data=text)  # type: ignore[arg-type]
+                        yield ExecEvent(type=event.stream, data=text)
                 else:
                     command.exit = event
                     for name, decoder in decoders.items():
                         tail = decoder.decode(b"", final=True)
                         if tail:
-                            yield ExecEvent(type=name, data=tail)  # type: ignore[arg-type]
+                            yield ExecEvent(type=name, data=tail)
                     yield ExecEvent(type="exit", command_id=command.command_id, result=command.result())
         finally:
             if command.exit is None:
@@ -619,37 +626,40 @@ class LocalEdge:
             sandbox.watcher.cancel()  # its end is ours to report: "shutdown", not "exited"
         return await self._backend.shutdown(sandbox_id, timeout_s)
 
+    async def _checkpoints(self, sandbox_id: str, *, resume: bool) -> Checkpointing:
+        sandbox = await self._active(sandbox_id) if resume else self._get(sandbox_id)
+        return checkpoints_of(self._backend, sandbox.spec)
+
     async def checkpoint(self, sandbox_id: str, dest: Path) -> Path:
         """Memory, processes and disk into ``dest``; returns where they are (``dest``)."""
-        await self._active(sandbox_id)
-        await self._backend.checkpoint(sandbox_id, dest)  # type: ignore[attr-defined]
+        await (await self._checkpoints(sandbox_id, resume=True)).checkpoint(sandbox_id, dest)
         return dest
 
+    async def discard_checkpoint(self, path: Path) -> None:
+        """A checkpoint of this edge is where ``checkpoint`` was asked to write it: the caller owns that place."""
+        raise InvalidRequest(f"{path} is not a checkpoint this edge wrote somewhere of its own")
+
     async def save_checkpoint(self, sandbox_id: str) -> dict[str, object]:
-        await self._active(sandbox_id)
-        return await self._backend.save_checkpoint(sandbox_id)  # type: ignore[attr-defined,no-any-return]
+        return await (await self._checkpoints(sandbox_id, resume=True)).save_checkpoint(sandbox_id)
 
     async def list_checkpoints(self, sandbox_id: str) -> list[dict[str, object]]:
-        self._get(sandbox_id)
-        return self._backend.list_checkpoints(sandbox_id)  # type: ignore[attr-defined,no-any-return]
+        return (await self._checkpoints(sandbox_id, resume=False)).list_checkpoints(sandbox_id)
 
     async def checkpoint_dir(self, sandbox_id: str, checkpoint_id: str) -> Path:
-        self._get(sandbox_id)
-        return self._backend.checkpoint_dir(sandbox_id, checkpoint_id)  # type: ignore[attr-defined,no-any-return]
+        return (await self._checkpoints(sandbox_id, resume=False)).checkpoint_dir(sandbox_id, checkpoint_id)
 
     async def rewind(self, sandbox_id: str, checkpoint_id: str) -> None:
-        await self._active(sandbox_id)
-        await self._backend.rewind(sandbox_id, checkpoint_id)  # type: ignore[attr-defined]
+        await (await self._checkpoints(sandbox_id, resume=True)).rewind(sandbox_id, checkpoint_id)
 
     # -- files --------------------------------------------------------------
 
-    async def _in_tree(self, sandbox_id: str, operation, *args, **kwargs):  # type: ignore[no-untyped-def]
+    async def _in_tree(self, sandbox_id: str, operation: Callable[[FileTree], R]) -> R:
         await self._active(sandbox_id)
         tree = self._backend.files(sandbox_id)
 
-        def call():  # type: ignore[no-untyped-def]
+        def call() -> R:
             with tree:
-                return operation(tree, *args, **kwargs)
+                return operation(tree)
 
         return await asyncio.to_thread(call)
 
@@ -660,7 +670,7 @@ class LocalEdge:
         """Files (and the directories made for them) belong to the sandbox's user, as if it wrote them."""
         sandbox = await self._active(sandbox_id)
 
-        def write(tree: ConfinedTree) -> FileInfo:
+        def write(tree: FileTree) -> FileInfo:
             if sandbox.owner is None:
                 sandbox.owner = _lookup_owner(tree, sandbox.spec.user)
             uid, gid = sandbox.owner
@@ -685,7 +695,7 @@ class LocalEdge:
         return await self._in_tree(sandbox_id, lambda t: t.extract_tar(path, io.BytesIO(data), max_bytes=limit))
 
     async def download_tar(self, sandbox_id: str, path: str) -> bytes:
-        def pack(tree) -> bytes:  # type: ignore[no-untyped-def]
+        def pack(tree: FileTree) -> bytes:
             buffer = io.BytesIO()
             tree.write_tar(path, buffer)
             return buffer.getvalue()
@@ -719,12 +729,16 @@ def node_capacity(
     max_file_bytes: int,
     *,
     labels: dict[str, str] | None = None,
-    **pressure: float,
+    memory_reserve_mb: int = NodeCapacity.memory_reserve_mb,
+    memory_full_pressure_pct: float = NodeCapacity.memory_full_pressure_pct,
+    pressure_pause_idle_s: float = NodeCapacity.pressure_pause_idle_s,
 ) -> NodeCapacity:
     """This machine's cores and RAM, with the configured overcommit (and pressure limits and labels, see
     NodeCapacity)."""
     memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1 << 20)
     cpu = float(os.cpu_count() or 1)
     return NodeCapacity(
-        cpu, memory_mb, cpu_overcommit, memory_overcommit, max_file_bytes, labels=dict(labels or {}), **pressure
-    )  # type: ignore[arg-type]
+        cpu, memory_mb, cpu_overcommit, memory_overcommit, max_file_bytes, memory_reserve_mb=memory_reserve_mb,
+        memory_full_pressure_pct=memory_full_pressure_pct, pressure_pause_idle_s=pressure_pause_idle_s,
+        labels=dict(labels or {}),
+    )  # fmt: skip

@@ -2,7 +2,11 @@
 
 Edges will run on other nodes (as Ray actors), so the gateway talks to them
 only through ``Edge``: every argument and result is a plain model or bytes.
-``LocalEdge`` (edge/local.py) is the in-process implementation.
+``LocalEdge`` (edge/local.py) is the in-process implementation, ``RayEdge``
+(cluster/ray_edge.py) the one that calls a node's edge actor, whose callable
+surface is derived from ``EDGE_METHODS`` (cluster/edge_actor.py). So every
+method the gateway calls is declared here, and nothing else is: what is not
+here does not cross to another node.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from corral.sdk._models import (
     NodeStats,
 )
 
-__all__ = ["Edge", "EdgeDirectory", "EdgeEvents", "new_sandbox_id", "edge_of"]
+__all__ = ["EDGE_METHODS", "Edge", "EdgeDirectory", "EdgeEvents", "new_sandbox_id", "edge_of"]
 
 _ID_PATTERN = re.compile(r"^sb-([a-z0-9]{1,16})-([0-9a-f]{16})$")
 
@@ -79,6 +83,9 @@ class Edge(Protocol):
         """Take back sandboxes that outlived a restart: "running", "paused", or None when gone."""
 
     async def destroy(self, sandbox_id: str) -> None: ...
+
+    async def sandbox_ids(self) -> set[str]:
+        """The sandboxes this edge runs (started, not still starting): what the records must account for."""
 
     async def pause(self, sandbox_id: str, wait_reclaim: bool) -> tuple[int, int]:
         """Freeze it and reclaim its memory; (bytes before, bytes resident when this returns)."""
@@ -133,6 +140,24 @@ class Edge(Protocol):
     async def pack_diff(self, sandbox_id: str, dest: Path) -> None:
         """Write the sandbox's filesystem changes (whiteouts kept) as an EROFS layer file."""
 
+    async def checkpoint(self, sandbox_id: str, dest: Path) -> Path:
+        """Memory, processes and disk into ``dest`` (VM and gVisor sandboxes; others are refused); returns where
+        they are: ``dest``, or a scratch directory on the sandbox's node when ``dest`` is not on it."""
+
+    async def discard_checkpoint(self, path: Path) -> None:
+        """Remove a checkpoint that ``checkpoint`` wrote somewhere other than where it was asked to."""
+
+    async def save_checkpoint(self, sandbox_id: str) -> dict[str, object]:
+        """A named checkpoint kept beside the sandbox (removed with it): its id, time and size."""
+
+    async def list_checkpoints(self, sandbox_id: str) -> list[dict[str, object]]: ...
+
+    async def checkpoint_dir(self, sandbox_id: str, checkpoint_id: str) -> Path:
+        """Where a named checkpoint is on the sandbox's node (forks restore from it there)."""
+
+    async def rewind(self, sandbox_id: str, checkpoint_id: str) -> None:
+        """Replace the running sandbox with the state saved in one of its named checkpoints."""
+
     async def set_network(self, sandbox_id: str, allow: list[NetworkRule]) -> tuple[str, int, int]:
         """Replace its egress allowlist (plugging it in if needed): (address, denied egress, denied ingress)."""
 
@@ -142,6 +167,10 @@ class Edge(Protocol):
         """Plug a service namespace (e.g. a package mirror) into this node's sandbox network."""
 
     async def close(self) -> None: ...
+
+
+EDGE_METHODS = frozenset(name for name, value in vars(Edge).items() if callable(value) and not name.startswith("_"))
+"""Every method of the ``Edge`` protocol, by name (what a remote edge must answer)."""
 
 
 class EdgeDirectory(Protocol):

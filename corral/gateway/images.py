@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+from corral.backends.base import Capability
 from corral.edge.protocol import edge_of
 from corral.gateway.dockerfile_build import DockerfileBuild, PullImage
 from corral.gateway.service import SandboxService
@@ -59,7 +60,7 @@ def layer_info(layer: CatalogueLayer) -> LayerInfo:
     return LayerInfo(
         digest=layer.digest,
         size_bytes=layer.size_bytes,
-        kind=layer.kind,  # type: ignore[arg-type]
+        kind=layer.kind,
         parents=list(layer.parents),
         source=layer.source,
         labels=layer.labels,
@@ -308,7 +309,7 @@ class ImageService:
 
     async def import_archive(self, name: str, archive: Path, *, fmt: str, layer_kind: str | None) -> ImageInfo:
         """An uploaded tar or OCI archive (saved at ``archive``) becomes a tagged layer."""
-        request = BuildRequest(name=name, kind=fmt, path=str(archive), layer_kind=layer_kind)  # type: ignore[arg-type]
+        request = BuildRequest(name=name, kind=fmt, path=str(archive), layer_kind=layer_kind)
         async for event in self.build(request):
             if event.type == "done" and event.image is not None:
                 return event.image
@@ -323,7 +324,7 @@ class ImageService:
         sensitive paths, disk limit). Containers get its filesystem; VMs and gVisor (runsc) containers get its memory,
         processes and disks too (a checkpoint restored once per child)."""
         parent = self._sandboxes.record(sandbox_id)
-        if parent["backend"] in ("microvm", "vm") or parent["runtime"] == "runsc":
+        if self._sandboxes.has_capability(parent, Capability.CHECKPOINTS):
             return await self._fork_checkpointed(sandbox_id, parent, request)
         if request.checkpoint is not None:
             raise InvalidRequest(

@@ -10,13 +10,14 @@ its edges still run (or marks it lost, never forgets it).
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
-from corral.backends.base import LayerRef, SandboxSpec
+from corral.backends.base import Capability, LayerRef, SandboxSpec, offer_key
 from corral.edge.adoption import end_stale, readopt
 from corral.edge.local import to_allow_rules
 from corral.edge.protocol import Edge, EdgeDirectory, edge_of, new_sandbox_id
@@ -343,6 +344,10 @@ class SandboxService:
         }  # fmt: skip
         return CreateSandboxRequest(**{**values, **overrides})
 
+    def has_capability(self, record: dict[str, Any], capability: Capability) -> bool:
+        """Whether a recorded sandbox's kind (backend and runtime) has ``capability``, as its nodes declare it."""
+        return capability in (self.scheduler.capabilities(record["backend"], record["runtime"]) or ())
+
     def layers_of(self, sandbox_id: str) -> list[str]:
         return list(self.record(sandbox_id)["layers"])
 
@@ -351,11 +356,16 @@ class SandboxService:
 
     def _prepare(self, request: CreateSandboxRequest) -> tuple[CreateSandboxRequest, str, tuple[LayerRef, ...]]:
         """Validate a create and resolve its layers: (request with defaults, listed image name, layers)."""
-        for key in request.env:
-            if not key or "=" in key or "\0" in key:
-                raise InvalidRequest(f"invalid environment variable name {key!r}")
-        if request.qos != "latency" and request.backend != "container":
-            raise InvalidRequest(f"qos {request.qos!r} needs backend container: VM sandboxes have no CPU classes yet")
+        for name in request.env:
+            if not name or "=" in name or "\0" in name:
+                raise InvalidRequest(f"invalid environment variable name {name!r}")
+        runtime = request.runtime or self._default_runtime
+        capabilities = self.scheduler.capabilities(request.backend, runtime)
+        if request.qos != "latency" and capabilities is not None and Capability.CPU_CLASSES not in capabilities:
+            raise InvalidRequest(
+                f"qos {request.qos!r} needs a backend with CPU classes (container): "
+                f"{offer_key(request.backend, runtime)} sandboxes have none yet"
+            )
         if request.idle_pause_s is None and self._default_idle_pause_s is not None:
             request = request.model_copy(update={"idle_pause_s": self._default_idle_pause_s})
         now = time.monotonic()
@@ -418,7 +428,7 @@ class SandboxService:
             try:
                 edge_id = on_edge or self.scheduler.place(
                     cpu=request.cpu, memory_mb=request.memory_mb, backend=request.backend,
-                    runtime=request.runtime or self._default_runtime if request.backend == "container" else None,
+                    runtime=request.runtime or self._default_runtime,
                     layers=digests, selector=request.node_selector, exclude=frozenset(refused),
                     max_in_flight=max_in_flight,
                 )  # fmt: skip
@@ -468,7 +478,7 @@ class SandboxService:
             try:
                 await self._writes.insert(record)
                 try:
-                    note = await self._edge_for(edge_id).create(spec)
+                    note = await self.edge(spec.sandbox_id).create(spec)
                 finally:
                     self.scheduler.started(spec.sandbox_id)
                     self._create_finished.set()
@@ -486,7 +496,7 @@ class SandboxService:
                 self._store.end(spec.sandbox_id, SandboxState.ENDED, "error", str(exc) or type(exc).__name__)
                 raise
             if not await self._writes.mark_running(spec.sandbox_id, note):
-                await self._edge_for(edge_id).destroy(spec.sandbox_id)  # killed while it was starting
+                await self.edge(spec.sandbox_id).destroy(spec.sandbox_id)  # killed while it was starting
                 self.scheduler.release(spec.sandbox_id)
                 self._raise_if_ended(self.get(spec.sandbox_id))
             if edge_id not in self._edges:
@@ -563,10 +573,10 @@ class SandboxService:
             await self._destroy(sandbox_id, "killed")
         return self.get(sandbox_id)
 
-    def cluster_nodes(self) -> list[ClusterNode]:
+    def cluster_nodes(self) -> builtins.list[ClusterNode]:
         return [ClusterNode.model_validate(row) for row in self._store.nodes()]
 
-    async def node_stats(self) -> list[NodeStats]:
+    async def node_stats(self) -> builtins.list[NodeStats]:
         """Stats of this process's edges, and of every remote node that is up and answers."""
         stats = [await edge.stats() for edge in self._edges.values()]
         if self._remote is not None:
@@ -580,7 +590,7 @@ class SandboxService:
         saved = await self.call(sandbox_id, lambda edge: edge.save_checkpoint(sandbox_id))
         return CheckpointInfo.model_validate(saved)
 
-    async def list_checkpoints(self, sandbox_id: str) -> list[CheckpointInfo]:
+    async def list_checkpoints(self, sandbox_id: str) -> builtins.list[CheckpointInfo]:
         self._raise_if_ended(self.get(sandbox_id))
         found = await self.call(sandbox_id, lambda edge: edge.list_checkpoints(sandbox_id))
         return [CheckpointInfo.model_validate(item) for item in found]

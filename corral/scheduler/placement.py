@@ -21,6 +21,7 @@ import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from corral.backends.base import find_offer, split_offer
 from corral.sdk._exceptions import CapacityExhausted, InvalidRequest
 from corral.sdk._models import EdgeLoad
 
@@ -41,14 +42,17 @@ class NodeView:
     node_memory_mb: int
     cpu_capacity: float  # cores × CPU overcommit
     memory_capacity_mb: int  # MiB × memory overcommit
-    backends: frozenset[str]  # empty: not reported, any backend is tried
-    runtimes: frozenset[str] = frozenset()  # OCI runtimes for container sandboxes; empty: not reported
+    offers: dict[str, frozenset[str]]  # offer key (backend or backend/runtime) -> capabilities; empty: not reported
     cpu_committed: float = 0.0
     memory_committed_mb: int = 0
     sandboxes: int = 0
     in_flight: int = 0  # creates placed here that have not returned yet
     layers: set[str] = field(default_factory=set)
     labels: dict[str, str] = field(default_factory=dict)
+    backends: frozenset[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.backends = frozenset(split_offer(key)[0] for key in self.offers)
 
     def fits(self, cpu: float, memory_mb: int) -> bool:
         return (
@@ -59,10 +63,12 @@ class NodeView:
         )
 
     def runs(self, backend: str | None, runtime: str | None = None) -> bool:
-        """The backend, and for container sandboxes the OCI runtime (the isolation: crun, runc, runsc)."""
-        if backend is not None and self.backends and backend not in self.backends:
-            return False
-        return runtime is None or backend not in (None, "container") or not self.runtimes or runtime in self.runtimes
+        """The backend, and the OCI runtime (the isolation: crun, runc, runsc) for a backend that takes one."""
+        if backend is None or not self.offers:
+            return True
+        if runtime is None:
+            return backend in self.backends
+        return find_offer(self.offers, backend, runtime) is not None
 
     def matches(self, selector: Mapping[str, str]) -> bool:
         return all(self.labels.get(key) == value for key, value in selector.items())
@@ -92,6 +98,7 @@ class Scheduler:
         self._placed: dict[str, _Placed] = {}
         self._starting: set[str] = set()
         self._largest = (0.0, 0)  # the most cores and memory of any node
+        self._offers: dict[str, frozenset[str]] = {}  # what the nodes declare they run, with its capabilities
         self._rng = rng or random.Random()
 
     def add_node(self, load: EdgeLoad) -> NodeView:
@@ -99,13 +106,20 @@ class Scheduler:
         node = NodeView(
             edge_id=load.edge_id, node_cpu=load.node_cpu, node_memory_mb=load.node_memory_mb,
             cpu_capacity=load.cpu_capacity, memory_capacity_mb=load.memory_capacity_mb,
-            backends=frozenset(load.backends), runtimes=frozenset(load.runtimes), labels=dict(load.labels),
+            offers={key: frozenset(capabilities) for key, capabilities in load.offers.items()},
+            labels=dict(load.labels),
         )  # fmt: skip
+        self._offers.update(node.offers)
         if load.edge_id not in self.nodes:
             self._ids.append(load.edge_id)
         self.nodes[load.edge_id] = node
         self._largest = (max(self._largest[0], node.node_cpu), max(self._largest[1], node.node_memory_mb))
         return node
+
+    def capabilities(self, backend: str, runtime: str | None) -> frozenset[str] | None:
+        """What the nodes declare a sandbox of ``backend`` with ``runtime`` can do (Capability values); None
+        when no node has said it runs one."""
+        return find_offer(self._offers, backend, runtime)
 
     def refresh(self, load: EdgeLoad) -> NodeView:
         """Take a node's own report (its heartbeat) as what is committed there, plus the creates this scheduler
@@ -193,7 +207,7 @@ class Scheduler:
         if backend is not None and not any(node.runs(backend) for node in nodes):
             raise InvalidRequest(f"no node runs backend {backend!r}")
         if not any(node.runs(backend, runtime) for node in nodes):
-            raise InvalidRequest(f"no node has the runtime {runtime!r} for {backend or 'container'} sandboxes")
+            raise InvalidRequest(f"no node has the runtime {runtime!r} for {backend} sandboxes")
         if selector:
             labelled = [node for node in nodes if node.matches(selector)]
             if not labelled:

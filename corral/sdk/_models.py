@@ -71,7 +71,8 @@ __all__ = [
 ]
 
 DEFAULT_CPU = 1.0
-DEFAULT_QOS = "latency"  # CPU class of a sandbox that names none: the normal weight every sandbox had before
+# CPU class of a sandbox that names none: the normal weight every sandbox had before
+DEFAULT_QOS: Literal["latency", "batch"] = "latency"
 DEFAULT_MEMORY_MB = 512
 DEFAULT_PIDS_MAX = 256
 DEFAULT_TTL_S = 3600
@@ -662,6 +663,11 @@ class EdgeLoad(_Model):
     backends: list[str] = Field(default_factory=list, description="Backends the node runs; empty: not reported.")
     runtimes: list[str] = Field(
         default_factory=list, description="OCI runtimes the node has for container sandboxes; empty: not reported."
+    )
+    offers: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="The kinds of sandbox the node runs (`backend`, or `backend/runtime` for a backend that takes an "
+        "OCI runtime) with the capabilities each declares (checkpoints, cpu_classes, layers); empty: not reported.",
     )
     labels: dict[str, str] = Field(
         default_factory=dict, description="The node's labels (CORRAL_NODE_LABELS), matched by node_selector."

@@ -114,7 +114,7 @@ async def test_a_refusing_node_is_skipped_and_ended_sandboxes_give_back_room(tmp
                              ttl_check_interval_s=3600)  # fmt: skip
     for edge_id, reserve_mb in (("n0", 1 << 40), ("n1", 0)):
         capacity = NodeCapacity(8, 16384, 4, 1, settings.max_file_bytes, memory_reserve_mb=reserve_mb)
-        edges[edge_id] = LocalEdge(edge_id, BackendRouter({"container": SimulatedBackend()}), capacity, service)
+        edges[edge_id] = LocalEdge(edge_id, BackendRouter([SimulatedBackend()]), capacity, service)
     await service.start()
     try:
         infos = await asyncio.gather(*(service.create(_request("r")) for _ in range(20)))

@@ -19,7 +19,7 @@ import pytest
 
 import corral
 from corral.backends.base import LayerRef, SandboxSpec
-from corral.backends.container.host import build_native_helpers
+from corral.backends.common.host import build_native_helpers
 from corral.backends.vm.accel import probe_boot, probe_kvm
 from corral.backends.vm.backend import VmBackend
 from corral.backends.vm.guest import ensure_guest_kit
@@ -319,7 +319,7 @@ def test_mergeable_guest_memory_is_merged_by_ksm_and_still_forks(tmp_path: Path,
 
 
 def test_qemu_runs_in_a_cgroup_capped_at_the_sandboxes_cpu_and_memory(server: EmbeddedServer) -> None:
-    from corral.backends.container.host import CgroupLayout, detect_cgroup_layout
+    from corral.backends.common.host import CgroupLayout, detect_cgroup_layout
     from corral.backends.vm.cgroup import QEMU_OVERHEAD_MB, VmCgroup
 
     with server.client() as client:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from corral.backends.container.agent_protocol import (
+from corral.backends.common.agent_protocol import (
     AgentConnection,
     AgentExit,
     AgentOutput,
@@ -18,7 +18,7 @@ from corral.backends.container.agent_protocol import (
     ExecOrder,
     IpcCounts,
 )
-from corral.backends.container.host import build_native_helpers
+from corral.backends.common.host import build_native_helpers
 
 
 def test_exec_order_rejects_nul() -> None:

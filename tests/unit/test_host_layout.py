@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from corral.backends.container.host import CgroupLayout, detect_cgroup_layout
+from corral.backends.common.host import CgroupLayout, detect_cgroup_layout
 
 PURE_V2 = """\
 sysfs /sys sysfs rw,nosuid,nodev,noexec,relatime 0 0

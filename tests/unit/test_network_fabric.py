@@ -19,7 +19,7 @@ from itertools import count
 
 import pytest
 
-from corral.backends.container.network import AllowRule, DeniedCounts, NetworkFabric, _existing_netns
+from corral.backends.common.network import AllowRule, DeniedCounts, NetworkFabric, _existing_netns
 from corral.sdk._exceptions import Conflict, InvalidRequest, NotFound
 
 RUN = secrets.token_hex(3)

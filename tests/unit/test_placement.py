@@ -14,10 +14,11 @@ LAYER = "sha256:" + "a" * 64
 
 def load(edge_id: str, *, cpu: float = 2, memory_mb: int = 24576, cpu_cap: float = 128, mem_cap: int = 98304,
          backends: tuple[str, ...] = ("container",), labels: dict[str, str] | None = None) -> EdgeLoad:  # fmt: skip
+    """``backends``: offer keys (``backend`` or ``backend/runtime``), as an edge reports them."""
     return EdgeLoad(
         edge_id=edge_id, node_cpu=cpu, node_memory_mb=memory_mb, sandboxes=0, cpu_committed=0,
-        cpu_capacity=cpu_cap, memory_committed_mb=0, memory_capacity_mb=mem_cap, backends=list(backends),
-        labels=labels or {},
+        cpu_capacity=cpu_cap, memory_committed_mb=0, memory_capacity_mb=mem_cap,
+        offers={key: [] for key in backends}, labels=labels or {},
     )  # fmt: skip
 
 
@@ -189,8 +190,8 @@ def test_too_big_for_every_matching_node_is_invalid() -> None:
 
 
 def test_runtime_filters_container_nodes_and_names_a_missing_one() -> None:
-    plain = load("plain").model_copy(update={"runtimes": ["crun", "runc"]})
-    gvisor = load("gvisor").model_copy(update={"runtimes": ["crun", "runsc"]})
+    plain = load("plain", backends=("container/crun", "container/runc"))
+    gvisor = load("gvisor", backends=("container/crun", "container/runsc"))
     vm = load("vm", backends=("microvm",))
     sched = scheduler(plain, gvisor, vm)
     assert {sched.place(cpu=1, memory_mb=512, backend="container", runtime="runsc") for _ in range(20)} == {"gvisor"}
@@ -218,3 +219,15 @@ def test_a_removed_node_is_no_longer_placed_on() -> None:
     assert {sched.place(cpu=1, memory_mb=512) for _ in range(20)} == {"a"}
     sched.release("on-b")  # what was placed there is forgotten: releasing it later is harmless
     sched.remove_node("b")
+
+
+def test_capabilities_are_what_the_nodes_declare_for_the_backend_and_runtime() -> None:
+    declared = load("a").model_copy(update={"offers": {
+        "container/crun": ["cpu_classes", "layers"], "container/runsc": ["checkpoints", "cpu_classes", "layers"],
+        "microvm": ["checkpoints", "layers"],
+    }})  # fmt: skip
+    sched = scheduler(declared)
+    assert sched.capabilities("container", "runsc") == frozenset({"checkpoints", "cpu_classes", "layers"})
+    assert sched.capabilities("container", "crun") == frozenset({"cpu_classes", "layers"})
+    assert sched.capabilities("microvm", "crun") == frozenset({"checkpoints", "layers"})  # a VM takes no runtime
+    assert sched.capabilities("vm", "crun") is None and sched.capabilities("container", "kata") is None

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from corral.backends.common.guest_tree import _parse_stat
 from corral.backends.vm.backend import _parse_stamp
-from corral.backends.vm.files import _parse_stat
 from corral.backends.vm.guest import GuestKitError, extract_vmlinux, module_closure
 from corral.backends.vm.qemu import MachineConfig, kernel_command_line, machine_argv, timing_arguments
 

@@ -10,66 +10,52 @@ namespace (see native/launch.c). Commands run through corral-agent.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from corral.backends.agent_command import AgentCommand
 from corral.backends.base import (
+    Capability,
+    Checkpointing,
     CommandSpec,
+    FileTree,
     ReclaimResult,
     SandboxSpec,
+    offer_key,
 )
-from corral.backends.container import qos
-from corral.backends.container.agent_protocol import (
+from corral.backends.common.agent_protocol import (
     AgentConnection,
     IpcCounts,
 )
-from corral.backends.container.files import ConfinedTree
-from corral.backends.container.gvisor import RUNSC, GvisorCheckpoints, adapt_config
-from corral.backends.container.host import CgroupLayout, LayerMounts, NativeHelpers, orphans
+from corral.backends.common.host import CgroupLayout, LayerMounts, NativeHelpers, orphans
+from corral.backends.common.network import AllowRule, DeniedCounts, NetworkFabric
+from corral.backends.container import qos
+from corral.backends.container.gvisor import RUNSC, Gvisor
+from corral.backends.container.isolation import Container, Isolation, PlainOci
 from corral.backends.container.kernel_watch import SeccompDenials, SensitiveReads, session_of
 from corral.backends.container.memory import CgroupMemory, prefetch_swapped
-from corral.backends.container.network import AllowRule, DeniedCounts, NetworkFabric
 from corral.backends.container.oci import AGENT_PATH, ContainerLimits, build_config
 from corral.backends.container.runtime import OciRuntime, Overlay
-from corral.backends.vm.files import GuestTree
 from corral.guard.audit import PACKAGE_PREFIXES, PROTECTED_PREFIXES, EventThrottle, denied_syscall_severity
 from corral.images.erofs import build_erofs
 from corral.images.lazy import check_layer
-from corral.sdk._exceptions import Conflict, CorralError, InternalError, InvalidRequest, NotFound, SandboxGone
+from corral.sdk._exceptions import Conflict, CorralError, InternalError, NotFound, SandboxGone
 
 __all__ = ["ContainerBackend"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _Container:
-    spec: SandboxSpec
-    runtime: OciRuntime
-    agent: AgentConnection
-    init_pid: int
-    memory: CgroupMemory
-    paused: bool = False
-    baseline: frozenset[str] = frozenset()  # its writable layer right after start (for recycle)
-    reclaim: asyncio.Future[ReclaimResult] | None = None  # pushing memory out while paused
-    stop_reclaim: threading.Event = field(default_factory=threading.Event)
-    prefetch: asyncio.Future[int] | None = None  # swap-in after a resume
-    replacing: bool = False  # gVisor: being restored from a checkpoint, its agent's end is not the sandbox's
-
-
 _CHANGED_PATHS_MAX = 10_000
+_RUNTIMES = ("crun", "runc", RUNSC)
 _TIER_NAMES = frozenset(tier.strip("/") for tier in qos.TIERS.values())  # top-level cgroups sandboxes live under
 _DISK_IMAGE = "disk.img"
 
@@ -80,13 +66,6 @@ def _read_int(path: str) -> int:
         return int(os.read(fd, 64))
     finally:
         os.close(fd)
-
-
-def _comm(pid: str) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return None  # gone meanwhile
 
 
 def _run_quietly(argv: list[str]) -> subprocess.CompletedProcess[str]:
@@ -207,8 +186,9 @@ def _pristine_state(upper: Path, init_pid: int) -> frozenset[str]:
     return frozenset(state)
 
 
-class ContainerBackend(GvisorCheckpoints):
-    """Runs container sandboxes on this node with crun (default), runc or runsc (gVisor)."""
+class ContainerBackend:
+    """Runs container sandboxes on this node with crun (default), runc or runsc (gVisor); what differs by runtime
+    is the sandbox's ``Isolation`` (isolation.py), to which this backend is ``ContainerParts``."""
 
     name = "container"
 
@@ -232,8 +212,8 @@ class ContainerBackend(GvisorCheckpoints):
         self._runtimes: dict[str, OciRuntime] = {}
         self._state_root = data_dir / "run"
         self._mounts = LayerMounts(data_dir / "mnt" / "layers", verify=check_layer)
-        self._containers: dict[str, _Container] = {}
-        self._agent_start_timeout_s = agent_start_timeout_s
+        self._containers: dict[str, Container] = {}
+        self.agent_start_timeout_s = agent_start_timeout_s
         self._layer_idle_unmount_s = layer_idle_unmount_s
         self._create_slots = asyncio.Semaphore(create_concurrency)
         # One router namespace per server (its data dir), created when the first sandbox needs a network.
@@ -245,6 +225,8 @@ class ContainerBackend(GvisorCheckpoints):
         self._kernel_events = EventThrottle(window_s=audit_repeat_window_s)
         self._sandbox_of_session: dict[int, str] = {}
         self._own_session = session_of(os.getpid())
+        plain = PlainOci(self)
+        self._isolations: dict[str, Isolation] = {"crun": plain, "runc": plain, RUNSC: Gvisor(self)}
 
     def runtime(self, name: str | None) -> OciRuntime:
         name = name or self._default_runtime
@@ -257,8 +239,20 @@ class ContainerBackend(GvisorCheckpoints):
         root = self._dir / sandbox_id
         return root / "disk" if (root / _DISK_IMAGE).exists() else root
 
-    def _upper(self, sandbox_id: str) -> Path:
+    def upper(self, sandbox_id: str) -> Path:
         return self._layer_root(sandbox_id) / "upper"
+
+    def work(self, sandbox_id: str) -> Path:
+        return self._layer_root(sandbox_id) / "work"
+
+    def sandbox_dir(self, sandbox_id: str) -> Path:
+        return self._dir / sandbox_id
+
+    def replace(self, sandbox_id: str, container: Container | None) -> None:
+        if container is None:
+            self._containers.pop(sandbox_id, None)
+        else:
+            self._containers[sandbox_id] = container
 
     def resident_bytes(self, sandbox_id: str) -> int:
         container = self._containers.get(sandbox_id)
@@ -279,23 +273,18 @@ class ContainerBackend(GvisorCheckpoints):
 
     async def create(self, spec: SandboxSpec) -> str | None:
         runtime = self.runtime(spec.runtime)
-        if runtime.gvisor and spec.network is not None:
-            raise InvalidRequest(
-                "runsc sandboxes have loopback only: gVisor's netstack reads its interfaces at start and cannot be "
-                "plugged into the sandbox network afterwards; use crun or runc for a network"
-            )
-        if spec.restore_from is not None and not runtime.gvisor:
-            raise InvalidRequest("only runsc (gVisor) container sandboxes start from a memory checkpoint")
+        isolation = self._isolations[runtime.name]
+        isolation.refuse(spec)
         root = self._dir / spec.sandbox_id
         bundle = root / "bundle"
         try:  # a disk that cannot be made or a layer that cannot be mounted leaves nothing behind
             bundle.joinpath("rootfs").mkdir(parents=True, exist_ok=True)
             if spec.disk_mb is not None:
                 await asyncio.to_thread(_make_disk, root, spec.disk_mb)
-            upper, work = self._upper(spec.sandbox_id), self._layer_root(spec.sandbox_id) / "work"
+            upper, work = self.upper(spec.sandbox_id), self.work(spec.sandbox_id)
             for path in (upper, work):
                 path.mkdir(parents=True, exist_ok=True)
-            lowers = await self._acquire_layers(spec)
+            lowers = await self.acquire_layers(spec)
         except BaseException:
             await asyncio.to_thread(_remove_sandbox_dir, root)
             raise
@@ -311,27 +300,22 @@ class ContainerBackend(GvisorCheckpoints):
             agent_binary=self._helpers.agent,
             log_denials=runtime.name == "crun",
         )
-        if runtime.gvisor:
-            config = adapt_config(config, self._ctl_dir(spec.sandbox_id))
-        (bundle / "config.json").write_text(json.dumps(config))
+        (bundle / "config.json").write_text(json.dumps(isolation.config(config, spec.sandbox_id)))
         agent: AgentConnection | None = None
         try:
             async with self._create_slots:
-                overlay = Overlay(lowers, upper, work)
-                if runtime.gvisor:
-                    init_pid, agent = await self._start_gvisor(runtime, spec, bundle, overlay)
-                else:
-                    init_pid, agent = await self._start_oci(runtime, spec, bundle, overlay)
-            # What a pristine sandbox holds, for recycle (never granted to gVisor sandboxes: skip it there).
-            baseline = frozenset() if runtime.gvisor else await asyncio.to_thread(_pristine_state, upper, init_pid)
+                init_pid, agent = await isolation.start(runtime, spec, bundle, Overlay(lowers, upper, work))
+            # What a pristine sandbox holds, for recycle (where its isolation allows recycling at all).
+            recycles = Capability.RECYCLE in isolation.capabilities
+            baseline = await asyncio.to_thread(_pristine_state, upper, init_pid) if recycles else frozenset()
         except BaseException:
             if agent is not None:
                 agent.close()
             await runtime.kill_and_delete(spec.sandbox_id)
-            self._release_layers(spec)
+            self.release_layers(spec)
             await asyncio.to_thread(_remove_sandbox_dir, root)
             raise
-        container = _Container(spec, runtime, agent, init_pid, self._memory(spec), baseline=baseline)
+        container = Container(spec, runtime, isolation, agent, init_pid, self._memory(spec), baseline=baseline)
         self._containers[spec.sandbox_id] = container
         self._watch_kernel(container)
         if spec.network is not None:
@@ -342,25 +326,7 @@ class ContainerBackend(GvisorCheckpoints):
                 raise
         return None
 
-    async def _start_oci(
-        self, runtime: OciRuntime, spec: SandboxSpec, bundle: Path, overlay: Overlay
-    ) -> tuple[int, AgentConnection]:
-        """crun or runc: the agent is the container's init, on the socket it inherits as fd 3."""
-        edge_end, agent_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        agent = AgentConnection(edge_end)
-        try:
-            try:
-                init_pid = await runtime.run_detached(spec.sandbox_id, bundle, overlay, agent_end)
-            finally:
-                agent_end.close()
-            self._apply_qos(spec)
-            await agent.start(self._agent_start_timeout_s)
-        except BaseException:
-            agent.close()
-            raise
-        return init_pid, agent
-
-    async def _acquire_layers(self, spec: SandboxSpec) -> list[Path]:
+    async def acquire_layers(self, spec: SandboxSpec) -> list[Path]:
         """Mountpoints of the sandbox's layers, top first (overlayfs lowerdir order)."""
         acquired: list[Path] = []
         try:
@@ -372,71 +338,59 @@ class ContainerBackend(GvisorCheckpoints):
             raise
         return acquired
 
-    def _release_layers(self, spec: SandboxSpec) -> None:
+    def release_layers(self, spec: SandboxSpec) -> None:
         for layer in spec.layers:
             self._mounts.release(layer.mount_key)
 
     async def adopt(self, spec: SandboxSpec) -> str | None:
         runtime = self.runtime(spec.runtime)
+        isolation = self._isolations[runtime.name]
         state = await runtime.state(spec.sandbox_id)
         if state is None or state.status not in ("running", "paused"):
             await self.destroy(spec.sandbox_id)
             return None
-        await self._acquire_layers(spec)  # counted like a new sandbox; released on destroy
+        await self.acquire_layers(spec)  # counted like a new sandbox; released on destroy
         if spec.disk_mb is not None:
             await asyncio.to_thread(_remount_disk, self._dir / spec.sandbox_id)
         paused = state.status == "paused"
         try:
             if paused:  # a new agent in a frozen cgroup would freeze before its hello
                 await runtime.resume(spec.sandbox_id)
-            agent = await self._reattach(runtime, spec)
+            agent = await isolation.reattach(runtime, spec)
             if paused:
                 await runtime.pause(spec.sandbox_id)
         except Exception:
             log.exception("could not re-attach to sandbox %s", spec.sandbox_id)
-            self._release_layers(spec)
+            self.release_layers(spec)
             await self.destroy(spec.sandbox_id)
             return None
-        container = _Container(spec, runtime, agent, state.pid, self._memory(spec), paused=paused)
+        container = Container(spec, runtime, isolation, agent, state.pid, self._memory(spec), paused=paused)
         self._containers[spec.sandbox_id] = container
         self._watch_kernel(container)
         if spec.network is not None:  # the router namespace died with the old server: plug in again
             await self._plug(container, spec.network)
         return "paused" if paused else "running"
 
-    async def _reattach(self, runtime: OciRuntime, spec: SandboxSpec) -> AgentConnection:
-        """An agent for a sandbox an earlier edge started: gVisor's init agent connects again by itself; crun and
-        runc get a second agent through exec."""
-        if runtime.gvisor:
-            return await self._accept_agent(spec.sandbox_id)
-        edge_end, agent_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        agent = AgentConnection(edge_end)
-        try:
-            try:
-                log_file = self._dir / spec.sandbox_id / "runtime.log"
-                await runtime.exec_attached(spec.sandbox_id, agent_end, AGENT_PATH, log_file)
-            finally:
-                agent_end.close()
-            await agent.start(self._agent_start_timeout_s)
-        except BaseException:
-            agent.close()
-            raise
-        return agent
-
     @property
     def runtimes(self) -> list[str]:
         """The OCI runtimes installed on this node, each a level of isolation a create may ask for."""
-        return [name for name in ("crun", "runc", RUNSC) if shutil.which(name)]
+        return [name for name in _RUNTIMES if shutil.which(name)]
+
+    def offers(self) -> dict[str, frozenset[Capability]]:
+        return {offer_key(self.name, runtime): self._isolations[runtime].capabilities for runtime in self.runtimes}
+
+    def checkpoints(self, sandbox_id: str) -> Checkpointing | None:
+        return self.container(sandbox_id).isolation.checkpoints()
 
     async def orphans(self, known_ids: set[str]) -> list[str]:
         """Containers in our runtime state that no sandbox record owns."""
         found: list[str] = []
-        for name in ("crun", "runc", RUNSC):
+        for name in _RUNTIMES:
             if shutil.which(name) and (self._state_root / name).exists():
                 found += [cid for cid in await self.runtime(name).list_ids() if cid not in known_ids]
         return found
 
-    def _get(self, sandbox_id: str) -> _Container:
+    def container(self, sandbox_id: str) -> Container:
         container = self._containers.get(sandbox_id)
         if container is None:
             raise NotFound(f"no running container for sandbox {sandbox_id}")
@@ -447,20 +401,15 @@ class ContainerBackend(GvisorCheckpoints):
         return container
 
     def run(self, sandbox_id: str, command: CommandSpec) -> AgentCommand:
-        container = self._get(sandbox_id)
+        container = self.container(sandbox_id)
         return AgentCommand(container.agent, command, container.memory.oom_kills)
 
-    def files(self, sandbox_id: str) -> ConfinedTree | GuestTree:
-        container = self._get(sandbox_id)
-        if container.runtime.gvisor:  # the sentry serves its root: the host cannot open it
-            return GuestTree(container.agent, asyncio.get_running_loop())
-        try:
-            return ConfinedTree(f"/proc/{container.init_pid}/root")
-        except NotFound as exc:
-            raise Conflict(f"sandbox {sandbox_id} is not running") from exc
+    def files(self, sandbox_id: str) -> FileTree:
+        container = self.container(sandbox_id)
+        return container.isolation.files(container)
 
     async def wait_ended(self, sandbox_id: str) -> str:
-        container = self._get(sandbox_id)
+        container = self.container(sandbox_id)
         while True:
             agent = container.agent
             await agent.closed.wait()
@@ -482,44 +431,20 @@ class ContainerBackend(GvisorCheckpoints):
         if container is not None:
             container.agent.close()
             await container.runtime.kill_and_delete(sandbox_id)
-            self._release_layers(container.spec)
+            self.release_layers(container.spec)
         else:
-            for name in ("crun", "runc", RUNSC):
+            for name in _RUNTIMES:
                 if shutil.which(name):
                     await self.runtime(name).kill_and_delete(sandbox_id)
         await asyncio.to_thread(_remove_sandbox_dir, self._dir / sandbox_id)
-
-    async def rewind(self, sandbox_id: str, checkpoint_id: str) -> None:
-        """gVisor: replace the running sandbox with the one saved in ``checkpoint_id`` (memory, processes, files)."""
-        container = self._gvisor(sandbox_id)
-        source = self.checkpoint_dir(sandbox_id, checkpoint_id)
-        spec = dataclasses.replace(container.spec, restore_from=str(source))
-        container.replacing = True
-        upper, work = self._upper(sandbox_id), self._layer_root(sandbox_id) / "work"
-        try:
-            container.agent.close()
-            await container.runtime.kill_and_delete(sandbox_id)
-            for path in (upper, work):
-                await asyncio.to_thread(shutil.rmtree, path, True)
-                path.mkdir()
-            lowers = await self._acquire_layers(spec)
-            self._release_layers(spec)  # the sandbox still holds its own reference
-            bundle = self._dir / sandbox_id / "bundle"
-            init_pid, agent = await self._start_gvisor(container.runtime, spec, bundle, Overlay(lowers, upper, work))
-        except BaseException:
-            self._containers.pop(sandbox_id, None)  # its watcher reports it ended
-            await container.runtime.kill_and_delete(sandbox_id)
-            self._release_layers(spec)
-            raise
-        self._containers[sandbox_id] = _Container(container.spec, container.runtime, agent, init_pid, container.memory)
 
     async def pack_diff(self, sandbox_id: str, dest: Path) -> None:
         """Pack the sandbox's writable layer (whiteouts and opaque dirs kept) into an EROFS file.
 
         The sandbox is frozen meanwhile, so the layer is a consistent point in
         time; the agent's mountpoint is left out."""
-        container = self._get(sandbox_id)
-        upper = self._upper(sandbox_id)
+        container = self.container(sandbox_id)
+        upper = self.upper(sandbox_id)
         was_paused = container.paused
         if not was_paused:
             await container.runtime.pause(sandbox_id)
@@ -544,10 +469,10 @@ class ContainerBackend(GvisorCheckpoints):
                 return now / 1e9
             await asyncio.sleep(0.0005)
 
-    def _netns(self, container: _Container) -> str:
+    def _netns(self, container: Container) -> str:
         return f"/proc/{container.init_pid}/ns/net"
 
-    async def _plug(self, container: _Container, rules: tuple[AllowRule, ...]) -> str:
+    async def _plug(self, container: Container, rules: tuple[AllowRule, ...]) -> str:
         fabric = await self.network_fabric()
         return await asyncio.to_thread(fabric.attach, container.spec.sandbox_id, self._netns(container), rules)
 
@@ -565,9 +490,8 @@ class ContainerBackend(GvisorCheckpoints):
         await asyncio.to_thread(fabric.attach_peer, name, netns_path, address)
 
     async def set_network(self, sandbox_id: str, rules: tuple[AllowRule, ...]) -> str:
-        container = self._get(sandbox_id)
-        if container.runtime.gvisor:
-            raise InvalidRequest("runsc sandboxes have loopback only: create a crun or runc sandbox for a network")
+        container = self.container(sandbox_id)
+        container.isolation.refuse_network()
         address = self._fabric.address_of(sandbox_id)
         if address is None:
             return await self._plug(container, rules)
@@ -575,15 +499,15 @@ class ContainerBackend(GvisorCheckpoints):
         return address
 
     async def network_status(self, sandbox_id: str) -> tuple[str | None, DeniedCounts | None]:
-        container = self._get(sandbox_id)
+        container = self.container(sandbox_id)
         address = self._fabric.address_of(sandbox_id)
         if address is None:
             return None, None
         return address, await asyncio.to_thread(self._fabric.denied, self._netns(container))
 
     async def findings(self, sandbox_id: str) -> tuple[list[str], int]:
-        container = self._get(sandbox_id)
-        upper = self._upper(sandbox_id)
+        container = self.container(sandbox_id)
+        upper = self.upper(sandbox_id)
         prefixes = (*PACKAGE_PREFIXES, *PROTECTED_PREFIXES, *container.spec.protected_paths)
         changed = _changed_under(upper, prefixes)  # a dozen stats in the usual case: no thread hop
         if container.spec.sensitive_paths:  # files written or directories replaced since get marks too
@@ -595,7 +519,7 @@ class ContainerBackend(GvisorCheckpoints):
             pid_limit_hits = 0
         return changed, pid_limit_hits
 
-    async def _no_ipc_objects(self, container: _Container) -> bool:
+    async def _no_ipc_objects(self, container: Container) -> bool:
         """A new IPC namespace starts empty, so any SysV object was left by a call. False when the agent does
         not answer in time."""
         try:
@@ -607,8 +531,8 @@ class ContainerBackend(GvisorCheckpoints):
     async def recycle(self, sandbox_id: str) -> bool:
         """Kill every process but the agent; True if nothing of the last use is left (no process, no file,
         no IPC object differs from right after start), so the sandbox can serve another caller as new."""
-        container = self._get(sandbox_id)
-        if container.runtime.gvisor:  # its processes live in the sentry: the host cannot count them
+        container = self.container(sandbox_id)
+        if Capability.RECYCLE not in container.isolation.capabilities:
             return False
         pids = str(self._cgroup_file(sandbox_id, "pids", "pids.current"))
         if _read_int(pids) > 1:  # something outlived the call
@@ -619,13 +543,13 @@ class ContainerBackend(GvisorCheckpoints):
             await asyncio.sleep(0.002)
         else:
             return False
-        state = _pristine_state(self._upper(sandbox_id), container.init_pid)  # small: cheaper than a thread hop
+        state = _pristine_state(self.upper(sandbox_id), container.init_pid)  # small: cheaper than a thread hop
         if state != container.baseline or _TOO_MANY in state:
             return False
         return await self._no_ipc_objects(container)
 
     def _cgroup_file(self, sandbox_id: str, controller: str, name: str) -> Path:
-        return self._cgroup_dir(qos.cgroup_path(sandbox_id, self._get(sandbox_id).spec.qos), controller) / name
+        return self._cgroup_dir(qos.cgroup_path(sandbox_id, self.container(sandbox_id).spec.qos), controller) / name
 
     def _cgroup_dir(self, cgroup_path: str, controller: str) -> Path:
         relative = cgroup_path.lstrip("/")
@@ -633,7 +557,7 @@ class ContainerBackend(GvisorCheckpoints):
             return Path("/sys/fs/cgroup") / relative
         return Path("/sys/fs/cgroup") / controller / relative
 
-    def _apply_qos(self, spec: SandboxSpec) -> None:
+    def apply_qos(self, spec: SandboxSpec) -> None:
         """What config.json cannot say about its CPU class: on v2 the weight itself (the runtime's own
         shares → weight map differs by version), and the batch tier's cpu.idle and lowest weight (the
         runtime made the tier as the sandbox's parent; setting it again is harmless)."""
@@ -656,25 +580,21 @@ class ContainerBackend(GvisorCheckpoints):
 
     async def changed_paths(self, sandbox_id: str, since: float) -> list[str]:
         """Paths in the sandbox's writable layer changed (written, created or deleted) at or after ``since``."""
-        self._get(sandbox_id)
-        upper = self._upper(sandbox_id)
+        self.container(sandbox_id)
+        upper = self.upper(sandbox_id)
         return await asyncio.to_thread(_changed_since, upper, since)
 
     async def shutdown(self, sandbox_id: str, timeout_s: float) -> bool:
         """SIGTERM to every process (the agents ignore it), then wait until only agents are left."""
-        container = self._get(sandbox_id)
+        container = self.container(sandbox_id)
         if container.paused:
             await self.resume(sandbox_id)
         await container.runtime.signal_all(sandbox_id, "TERM")
         procs = self._cgroup_file(sandbox_id, "pids", "cgroup.procs")
         deadline = time.monotonic() + timeout_s
-        agent_name = Path(AGENT_PATH).name  # the init agent, and a second one re-attached after a restart
         while time.monotonic() < deadline:
             try:
-                if container.runtime.gvisor:  # the sentry's host processes are not the sandbox's
-                    if len(await container.runtime.process_ids(sandbox_id)) <= 1:
-                        return True
-                elif all(_comm(pid) in (agent_name, None) for pid in procs.read_text().split()):
+                if await container.isolation.only_agents_left(container, procs):
                     return True
             except OSError:
                 return True
@@ -685,7 +605,7 @@ class ContainerBackend(GvisorCheckpoints):
         """Freeze every process (state and memory kept), then push the memory out in the background.
 
         Returns once frozen (a few ms) unless ``wait_reclaim``; ``after_bytes`` is what is resident then."""
-        container = self._get(sandbox_id)
+        container = self.container(sandbox_id)
         if not container.paused:
             await container.runtime.pause(sandbox_id)
             container.paused = True
@@ -700,7 +620,7 @@ class ContainerBackend(GvisorCheckpoints):
         return ReclaimResult(before, container.memory.usage_bytes())
 
     async def resume(self, sandbox_id: str) -> None:
-        container = self._get(sandbox_id)
+        container = self.container(sandbox_id)
         if container.reclaim is not None and not container.reclaim.done():
             container.stop_reclaim.set()  # the reclaim stops after its current chunk
             await container.reclaim
@@ -715,10 +635,10 @@ class ContainerBackend(GvisorCheckpoints):
         orphans.reap()
         self._mounts.unmount_idle(self._layer_idle_unmount_s)
 
-    def _root(self, container: _Container) -> str:
+    def _root(self, container: Container) -> str:
         return f"/proc/{container.init_pid}/root"
 
-    def _watch_kernel(self, container: _Container) -> None:
+    def _watch_kernel(self, container: Container) -> None:
         """Map the container's audit sessions (its init's, and an adopted agent's) to it, and mark its
         sensitive paths."""
         sandbox_id = container.spec.sandbox_id

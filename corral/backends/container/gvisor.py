@@ -27,21 +27,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
+import shutil
 import socket
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from pathlib import Path
 from typing import Any
 
 from corral.backends import checkpoints
-from corral.backends.base import SandboxSpec
-from corral.backends.container.agent_protocol import AgentConnection
+from corral.backends.base import Capability, Checkpointing, FileTree, SandboxSpec
+from corral.backends.common.agent_protocol import AgentConnection
+from corral.backends.common.guest_tree import GuestTree
+from corral.backends.container.isolation import Container, ContainerParts
 from corral.backends.container.oci import AGENT_PATH
 from corral.backends.container.runtime import RUNSC, RUNSC_FLAGS, OciRuntime, Overlay
 from corral.sdk._exceptions import InternalError, InvalidRequest, NotFound, ServerUnavailable
 
-__all__ = ["BUSYBOX", "CTL_DIR", "RUNSC", "RUNSC_FLAGS", "TOOL_PATH", "GvisorCheckpoints", "adapt_config"]
+__all__ = ["BUSYBOX", "CTL_DIR", "RUNSC", "RUNSC_FLAGS", "TOOL_PATH", "Gvisor", "adapt_config"]
 
 BUSYBOX = Path("/bin/busybox")
 TOOL_PATH = "/.corral/busybox"
@@ -102,38 +106,66 @@ def _copy_tree(source: Path, dest: Path) -> None:
         raise InternalError(f"cannot copy the sandbox's writable layer: {run.stderr.strip()}")
 
 
-class GvisorCheckpoints:
-    """gVisor sandboxes' start and agent connection, and their memory and process checkpoints with the VM
-    backends' interface (mixed into ContainerBackend; crun and runc sandboxes are refused checkpoints: their
-    snapshots are file layers)."""
+class Gvisor:
+    """The runsc isolation (see the module docstring) of ContainerBackend: the agent connects to the edge's
+    socket, files go through it, and memory and process checkpoints have the VM backends' interface
+    (``Checkpointing``); crun and runc sandboxes (``PlainOci``) keep their snapshots as file layers only."""
 
-    _dir: Path
-    _agent_start_timeout_s: float
+    # No recycle: the sandbox's processes live in the sentry, so the host cannot tell whether a call left one.
+    capabilities = frozenset({Capability.CPU_CLASSES, Capability.LAYERS, Capability.CHECKPOINTS})
 
-    def _get(self, sandbox_id: str) -> Any: ...  # noqa: ANN401 - ContainerBackend's _Container
-    def _upper(self, sandbox_id: str) -> Path: ...
+    def __init__(self, parts: ContainerParts) -> None:
+        self._parts = parts
+
+    def refuse(self, spec: SandboxSpec) -> None:
+        if spec.network is not None:
+            raise InvalidRequest(
+                "runsc sandboxes have loopback only: gVisor's netstack reads its interfaces at start and cannot be "
+                "plugged into the sandbox network afterwards; use crun or runc for a network"
+            )
+
+    def refuse_network(self) -> None:
+        raise InvalidRequest("runsc sandboxes have loopback only: create a crun or runc sandbox for a network")
+
+    def config(self, config: dict[str, Any], sandbox_id: str) -> dict[str, Any]:
+        return adapt_config(config, self._ctl_dir(sandbox_id))
+
+    def files(self, container: Container) -> FileTree:
+        """The sentry serves its root, which the host cannot open: through the agent, as for VMs."""
+        return GuestTree(container.agent, asyncio.get_running_loop())
+
+    async def only_agents_left(self, container: Container, procs: Path) -> bool:
+        """The sentry's host processes are not the sandbox's: ask runsc for the sandbox's own."""
+        return len(await container.runtime.process_ids(container.spec.sandbox_id)) <= 1
+
+    def checkpoints(self) -> Checkpointing | None:
+        return self
 
     def _ctl_dir(self, sandbox_id: str) -> Path:
-        return self._dir / sandbox_id / "ctl"
+        return self._parts.sandbox_dir(sandbox_id) / "ctl"
 
-    async def _accept_agent(self, sandbox_id: str, starting: Any = None) -> AgentConnection:  # noqa: ANN401
-        """Listen, run ``starting`` (an awaitable that starts or restores the sandbox), and take the agent's
-        connection and greeting."""
+    async def _accept_agent(self, sandbox_id: str, starting: Awaitable[None] | None = None) -> AgentConnection:
+        """Listen, run ``starting`` (starts or restores the sandbox), and take the agent's connection and greeting."""
+        timeout_s = self._parts.agent_start_timeout_s
         with _listening(self._ctl_dir(sandbox_id)) as listener:
             if starting is not None:
                 await starting
             loop = asyncio.get_running_loop()
             try:
-                conn, _ = await asyncio.wait_for(loop.sock_accept(listener), self._agent_start_timeout_s)
+                conn, _ = await asyncio.wait_for(loop.sock_accept(listener), timeout_s)
             except TimeoutError:
                 raise ServerUnavailable(
-                    f"the agent of sandbox {sandbox_id} did not connect within {self._agent_start_timeout_s:.0f}s"
+                    f"the agent of sandbox {sandbox_id} did not connect within {timeout_s:.0f}s"
                 ) from None
         agent = AgentConnection(conn)
-        await agent.start(self._agent_start_timeout_s)
+        await agent.start(timeout_s)
         return agent
 
-    async def _start_gvisor(
+    async def reattach(self, runtime: OciRuntime, spec: SandboxSpec) -> AgentConnection:
+        """Its init agent connects again by itself."""
+        return await self._accept_agent(spec.sandbox_id)
+
+    async def start(
         self, runtime: OciRuntime, spec: SandboxSpec, bundle: Path, overlay: Overlay
     ) -> tuple[int, AgentConnection]:
         """A new gVisor sandbox, or one restored from ``spec.restore_from`` over a copy of that instant's
@@ -154,19 +186,10 @@ class GvisorCheckpoints:
         agent = await self._accept_agent(spec.sandbox_id, start())
         return pid_box[0], agent
 
-    def _gvisor(self, sandbox_id: str) -> Any:  # noqa: ANN401
-        container = self._get(sandbox_id)
-        if not container.runtime.gvisor:
-            raise InvalidRequest(
-                f'{container.runtime.name} sandboxes have no memory checkpoints: create with runtime="runsc" '
-                "(gVisor) for those; snapshot() and fork() keep a container's files as a layer"
-            )
-        return container
-
     async def checkpoint(self, sandbox_id: str, dest: Path) -> None:
         """Memory, processes and the writable layer of a gVisor sandbox into ``dest``, at one instant."""
-        container = self._gvisor(sandbox_id)
-        runtime: OciRuntime = container.runtime
+        container = self._parts.container(sandbox_id)
+        runtime = container.runtime
         dest.mkdir(parents=True, exist_ok=True)
         was_paused = container.paused
         container.replacing = True  # the agent's going is not the sandbox's end
@@ -177,7 +200,7 @@ class GvisorCheckpoints:
             await runtime.pause(sandbox_id)  # no file changes between the memory image and the layer copy
             try:
                 await runtime.checkpoint(sandbox_id, dest / IMAGE_DIR)  # it flushes the sentry's file cache first
-                await asyncio.to_thread(_copy_tree, self._upper(sandbox_id), dest / "upper")
+                await asyncio.to_thread(_copy_tree, self._parts.upper(sandbox_id), dest / "upper")
             finally:
                 await runtime.resume(sandbox_id)
         finally:
@@ -189,20 +212,45 @@ class GvisorCheckpoints:
             finally:
                 container.replacing = False
 
+    async def rewind(self, sandbox_id: str, checkpoint_id: str) -> None:
+        """Replace the running sandbox with the one saved in ``checkpoint_id`` (memory, processes, files)."""
+        container = self._parts.container(sandbox_id)
+        source = self.checkpoint_dir(sandbox_id, checkpoint_id)
+        spec = dataclasses.replace(container.spec, restore_from=str(source))
+        container.replacing = True
+        upper, work = self._parts.upper(sandbox_id), self._parts.work(sandbox_id)
+        try:
+            container.agent.close()
+            await container.runtime.kill_and_delete(sandbox_id)
+            for path in (upper, work):
+                await asyncio.to_thread(shutil.rmtree, path, True)
+                path.mkdir()
+            lowers = await self._parts.acquire_layers(spec)
+            self._parts.release_layers(spec)  # the sandbox still holds its own reference
+            bundle = self._parts.sandbox_dir(sandbox_id) / "bundle"
+            init_pid, agent = await self.start(container.runtime, spec, bundle, Overlay(lowers, upper, work))
+        except BaseException:
+            self._parts.replace(sandbox_id, None)  # its watcher reports it ended
+            await container.runtime.kill_and_delete(sandbox_id)
+            self._parts.release_layers(spec)
+            raise
+        replaced = Container(container.spec, container.runtime, self, agent, init_pid, container.memory)
+        self._parts.replace(sandbox_id, replaced)
+
     def _checkpoints(self, sandbox_id: str) -> Path:
-        return self._dir / sandbox_id / "checkpoints"
+        return self._parts.sandbox_dir(sandbox_id) / "checkpoints"
 
     async def save_checkpoint(self, sandbox_id: str) -> dict[str, object]:
         """A named checkpoint kept beside the sandbox (and removed with it)."""
-        self._gvisor(sandbox_id)
+        self._parts.container(sandbox_id)
         return await checkpoints.save_checkpoint(
             self._checkpoints(sandbox_id), sandbox_id, lambda dest: self.checkpoint(sandbox_id, dest)
         )
 
     def list_checkpoints(self, sandbox_id: str) -> list[dict[str, object]]:
-        self._gvisor(sandbox_id)
+        self._parts.container(sandbox_id)
         return checkpoints.list_checkpoints(self._checkpoints(sandbox_id))
 
     def checkpoint_dir(self, sandbox_id: str, checkpoint_id: str) -> Path:
-        self._gvisor(sandbox_id)
+        self._parts.container(sandbox_id)
         return checkpoints.find_checkpoint(self._checkpoints(sandbox_id), sandbox_id, checkpoint_id)

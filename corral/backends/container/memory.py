@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 
 from corral.backends.base import ReclaimResult
-from corral.backends.container.host import CgroupLayout
+from corral.backends.common.host import CgroupLayout
 
 __all__ = ["CgroupMemory", "ensure_zram_swap", "prefetch_swapped", "swap_total_bytes"]
 

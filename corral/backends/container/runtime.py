@@ -16,7 +16,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from corral.backends.container.host import orphans
+from corral.backends.common.host import orphans
 from corral.sdk._exceptions import InternalError, InvalidRequest
 
 __all__ = ["RUNSC", "RUNSC_FLAGS", "OciRuntime", "OciRuntimeFailed", "ContainerState", "Overlay"]

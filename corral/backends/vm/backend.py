@@ -38,16 +38,18 @@ from typing import Any
 from corral.backends import checkpoints
 from corral.backends.agent_command import AgentCommand
 from corral.backends.base import (
+    Capability,
+    Checkpointing,
     CommandSpec,
     ReclaimResult,
     SandboxSpec,
 )
-from corral.backends.container.agent_protocol import AgentConnection, AgentExit, AgentOutput, ExecOrder
-from corral.backends.container.host import CgroupLayout, orphans
-from corral.backends.container.network import GUEST_LINK_IFNAME, AllowRule, DeniedCounts, NetworkFabric
+from corral.backends.common.agent_protocol import AgentConnection, AgentExit, AgentOutput, ExecOrder
+from corral.backends.common.guest_tree import GuestTree
+from corral.backends.common.host import CgroupLayout, orphans
+from corral.backends.common.network import GUEST_LINK_IFNAME, AllowRule, DeniedCounts, NetworkFabric
 from corral.backends.vm.accel import choose_accelerator
 from corral.backends.vm.cgroup import VmCgroup
-from corral.backends.vm.files import GuestTree
 from corral.backends.vm.guest import GuestKit, ensure_guest_kit
 from corral.backends.vm.network import create_guest_link, delete_namespace, namespace_name
 from corral.backends.vm.qemu import SHM_DIR, Accelerator, Machine, MachineConfig, console_tail, host_tsc_khz
@@ -187,6 +189,15 @@ class VmBackend:
         self._ready_lock = asyncio.Lock()
         self._kit: GuestKit | None = None
         self.accelerator: Accelerator | None = None
+
+    def offers(self) -> dict[str, frozenset[Capability]]:
+        """One kind of machine, whatever OCI runtime a create names; no CPU classes yet, never pooled. A microvm's
+        changes are an overlay's upper directory; a full VM's are inside its root disk, with no layer of their own."""
+        layers = {Capability.LAYERS} if self.name == "microvm" else set()
+        return {self.name: frozenset({Capability.CHECKPOINTS, *layers})}
+
+    def checkpoints(self, sandbox_id: str) -> Checkpointing | None:
+        return self
 
     # -- node setup -----------------------------------------------------------
 
@@ -413,11 +424,12 @@ class VmBackend:
                         return
             else:
                 info = await machine.execute("query-migrate")
-                state = info.get("status") if isinstance(info, dict) else None
+                migration = info if isinstance(info, dict) else {}
+                state = migration.get("status")
                 if state == "completed":
                     return
                 if state in ("failed", "cancelled"):
-                    raise InternalError(f"VM snapshot failed: {info.get('error-desc', state)}")
+                    raise InternalError(f"VM snapshot failed: {migration.get('error-desc', state)}")
             await asyncio.sleep(0.005)
         raise InternalError("VM snapshot/restore did not finish within 120s")
 

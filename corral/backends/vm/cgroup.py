@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from corral.backends.container.host import CgroupLayout
+from corral.backends.common.host import CgroupLayout
 
 __all__ = ["VmCgroup", "QEMU_OVERHEAD_MB", "CFS_PERIOD_US"]
 

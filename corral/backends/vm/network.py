@@ -13,7 +13,7 @@ import hashlib
 import os
 import subprocess
 
-from corral.backends.container.network import GUEST_LINK_IFNAME
+from corral.backends.common.network import GUEST_LINK_IFNAME
 from corral.sdk._exceptions import InternalError
 
 __all__ = ["GUEST_ADDRESS", "GUEST_GATEWAY", "namespace_name", "create_guest_link", "delete_namespace"]

@@ -14,7 +14,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from corral.backends.container.host import build_native_helpers, native_helper_paths
+from corral.backends.common.host import build_native_helpers, native_helper_paths
 from corral.backends.vm.accel import cached_accelerator, choose_accelerator
 from corral.backends.vm.backend import DEFAULT_DISK_MB, root_disk_image, root_disk_path
 from corral.backends.vm.guest import GuestKitError, ensure_guest_kit, guest_kit_paths

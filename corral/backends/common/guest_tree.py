@@ -1,9 +1,10 @@
-"""File operations inside a VM guest, through its agent.
+"""File operations inside a VM guest or a gVisor sandbox, through its agent.
 
-The host cannot open a guest's files, so each operation is a short script run
-by the project's own busybox (EXEC with the tool flag) inside the sandbox's
-root: the guest's kernel resolves every path, symlinks included, within that
-root. The class offers the same methods as ConfinedTree, synchronously, for the
+The host cannot open such a sandbox's files (a guest kernel, or gVisor's
+sentry, serves its root), so each operation is a short script run by the
+project's own busybox (EXEC with the tool flag) inside the sandbox's root:
+the sandbox's kernel resolves every path, symlinks included, within that
+root. The class is a ``FileTree`` (backends/base.py), synchronous, for the
 edge's worker threads; the agent traffic itself runs on the event loop.
 """
 
@@ -16,7 +17,7 @@ import stat
 import tarfile
 from typing import BinaryIO
 
-from corral.backends.container.agent_protocol import AgentConnection, AgentExit, AgentOutput, ExecOrder
+from corral.backends.common.agent_protocol import AgentConnection, AgentExit, AgentOutput, ExecOrder
 from corral.sdk._exceptions import (
     Conflict,
     CorralError,
@@ -119,7 +120,7 @@ def _parse_stat(line: str, path: str) -> FileInfo:
     return FileInfo(
         path=path,
         name=posixpath.basename(path) or "/",
-        type=_KINDS.get(stat.S_IFMT(mode), "other"),  # type: ignore[arg-type]
+        type=_KINDS.get(stat.S_IFMT(mode), "other"),
         size=int(size),
         mode=stat.S_IMODE(mode),
         mtime=float(mtime),

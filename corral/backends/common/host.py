@@ -1,4 +1,4 @@
-"""Privileged host setup for container sandboxes, kept in one place.
+"""Privileged host setup for every backend's sandboxes (containers, gVisor, VMs), kept in one place.
 
 Everything here needs root and touches the host: detecting the cgroup layout,
 moving the edge into a private mount namespace, mounting EROFS layers once per

@@ -1,0 +1,304 @@
+"""The checks every backend must pass, run against the ``Backend`` protocol directly (no edge, no gateway).
+
+``python -m tests.backend_conformance KIND NODE_DIR DATA_DIR`` builds the backend for KIND (``container/crun``,
+``container/runsc``, ``microvm``, ``vm``, ``simulated``), runs every check in order on one sandbox (checks that
+need a sandbox of their own make one) and prints one JSON line per check: passed, skipped (naming the capability
+the kind does not declare) or failed (with the traceback). It is a process of its own because a container
+backend needs a private mount namespace (crun refuses hybrid cgroups otherwise), which the multi-threaded
+pytest process cannot enter; tests/integration/test_backend_conformance.py turns each line into a test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import tempfile
+import traceback
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TypeVar
+
+from corral.backends.base import (
+    Backend,
+    Capability,
+    CommandExit,
+    CommandOutput,
+    CommandSpec,
+    CommandStarted,
+    FileTree,
+    LayerRef,
+    SandboxSpec,
+    split_offer,
+)
+from corral.edge.protocol import new_sandbox_id
+from corral.images.store import LayerStore
+from corral.sdk import CorralError, NotFound
+
+__all__ = ["CHECKS", "run"]
+
+R = TypeVar("R")
+_IMAGES = {"vm": "debian-12-systemd"}  # a full VM boots its image's own init; the rest run busybox
+_HOUSEKEEPING_INTERVAL_S = 0.5
+_PROCESSES = "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done"  # every command line; no ps needed
+_EROFS_MAGIC = bytes.fromhex("e2e1f5e0")  # at byte 1024 of an EROFS image (little-endian 0xE0F5E1E2)
+
+
+class Skipped(Exception):  # noqa: N818 - an outcome, not an error
+    """The kind does not declare what the check needs."""
+
+
+@dataclass
+class Case:
+    kind: str
+    backend: Backend
+    offer: str  # the offer key under test (its backend, and runtime if it takes one)
+    capabilities: frozenset[Capability]
+    base: SandboxSpec  # the shared sandbox's spec; ``fresh()`` makes specs for sandboxes of a check's own
+    scratch: Path
+
+    @property
+    def sandbox_id(self) -> str:
+        return self.base.sandbox_id
+
+    def fresh(self, **changes: object) -> SandboxSpec:
+        return replace(self.base, sandbox_id=new_sandbox_id("cf"), **changes)  # type: ignore[arg-type]
+
+    def needs(self, capability: Capability) -> None:
+        if capability not in self.capabilities:
+            raise Skipped(f"{self.kind} does not declare {capability.value}")
+
+    async def run(self, sandbox_id: str, script: str, stdin: bytes | None = None) -> tuple[int, str, str, list[str]]:
+        """(exit code, stdout, stderr, event kinds in order) of ``/bin/sh -c script``."""
+        command = CommandSpec(["/bin/sh", "-c", script], {"PATH": "/usr/bin:/bin"}, "/", "root", 30.0, 1 << 20, stdin)
+        out, err, kinds, code = bytearray(), bytearray(), [], -1
+        async for event in self.backend.run(sandbox_id, command).events():
+            kinds.append(type(event).__name__)
+            if isinstance(event, CommandOutput):
+                (out if event.stream == "stdout" else err).extend(event.data)
+            elif isinstance(event, CommandExit):
+                code = event.exit_code
+        return code, out.decode(), err.decode(), kinds
+
+    async def files(self, sandbox_id: str, operation: Callable[[FileTree], R]) -> R:
+        """A file operation in a worker thread, on a tree taken on the loop, as the edge runs them (a guest's tree
+        talks to the agent through the loop)."""
+        tree = self.backend.files(sandbox_id)
+
+        def call() -> R:
+            with tree:
+                return operation(tree)
+
+        return await asyncio.to_thread(call)
+
+
+async def check_offers(case: Case) -> None:
+    offers = case.backend.offers()
+    assert case.offer in offers, offers
+    assert all(isinstance(capability, Capability) for caps in offers.values() for capability in caps)
+    has_checkpoints = case.backend.checkpoints(case.sandbox_id) is not None
+    assert has_checkpoints == (Capability.CHECKPOINTS in case.capabilities)
+
+
+async def check_exec(case: Case) -> None:
+    code, out, err, kinds = await case.run(case.sandbox_id, "echo conformance")
+    assert (code, out, err) == (0, "conformance\n", "")
+    assert kinds[0] == CommandStarted.__name__ and kinds[-1] == CommandExit.__name__
+    assert kinds.count(CommandExit.__name__) == 1
+    assert (await case.run(case.sandbox_id, "exit 3"))[0] == 3
+
+
+async def check_files(case: Case) -> None:
+    sid = case.sandbox_id
+    info = await case.files(sid, lambda t: t.write("/tmp/conformance/a.txt", b"alpha", mode=0o640))
+    assert info.size == 5 and info.type == "file"
+    assert await case.files(sid, lambda t: t.read("/tmp/conformance/a.txt", max_bytes=1024)) == b"alpha"
+    assert (await case.files(sid, lambda t: t.stat("/tmp/conformance/a.txt"))).mode & 0o777 == 0o640
+    await case.files(sid, lambda t: t.mkdir("/tmp/conformance/d", parents=True))
+    listed = await case.files(sid, lambda t: t.list("/tmp/conformance"))
+    assert sorted(entry.name for entry in listed) == ["a.txt", "d"]
+    await case.files(sid, lambda t: t.remove("/tmp/conformance", recursive=True))
+    try:
+        await case.files(sid, lambda t: t.stat("/tmp/conformance/a.txt"))
+    except NotFound:
+        return
+    raise AssertionError("a removed file is still there")
+
+
+async def check_pause_resume(case: Case) -> None:
+    reclaim = await case.backend.pause(case.sandbox_id, wait_reclaim=True)
+    assert reclaim.before_bytes >= 0 and reclaim.after_bytes >= 0
+    await case.backend.resume(case.sandbox_id)
+    assert (await case.run(case.sandbox_id, "echo awake"))[1] == "awake\n"
+
+
+async def check_stats(case: Case) -> None:
+    assert case.backend.resident_bytes(case.sandbox_id) > 0
+    assert case.backend.disk_usage(case.sandbox_id) is None  # no disk_mb
+    changed, pid_limit_hits = await case.backend.findings(case.sandbox_id)
+    assert isinstance(changed, list) and pid_limit_hits == 0
+
+
+async def check_changed_paths(case: Case) -> None:
+    """(Outside /tmp: gVisor mounts a tmpfs of its own there, whose files are in no layer.)"""
+    case.needs(Capability.LAYERS)
+    since = await case.backend.fs_clock(case.sandbox_id)
+    await case.files(case.sandbox_id, lambda t: t.write("/data/changed.txt", b"new"))
+    assert "/data/changed.txt" in await case.backend.changed_paths(case.sandbox_id, since)
+
+
+async def check_snapshot(case: Case) -> None:
+    case.needs(Capability.LAYERS)
+    await case.files(case.sandbox_id, lambda t: t.write("/data/kept.txt", b"in the layer"))
+    dest = case.scratch / "diff.erofs"
+    await case.backend.pack_diff(case.sandbox_id, dest)
+    with open(dest, "rb") as layer:
+        layer.seek(1024)
+        assert layer.read(4) == _EROFS_MAGIC
+
+
+async def check_fork(case: Case) -> None:
+    """A checkpoint restored as a new sandbox has the parent's files and its running processes."""
+    case.needs(Capability.CHECKPOINTS)
+    checkpoints = case.backend.checkpoints(case.sandbox_id)
+    assert checkpoints is not None
+    await case.files(case.sandbox_id, lambda t: t.write("/tmp/fork.txt", b"before the checkpoint"))
+    background = CommandSpec(["/bin/sh", "-c", "sleep 600"], {}, "/", "root", 900.0, 1024, None)
+    events = case.backend.run(case.sandbox_id, background).events()
+    assert isinstance(await anext(events), CommandStarted)
+    dest = case.scratch / "checkpoint"
+    await checkpoints.checkpoint(case.sandbox_id, dest)
+    # (gVisor's checkpoint lets the agent go, and this stream with it; the process lives on, as the child shows)
+    child = case.fresh(restore_from=str(dest))
+    await case.backend.create(child)
+    try:
+        assert await case.files(child.sandbox_id, lambda t: t.read("/tmp/fork.txt", max_bytes=64)) == (
+            b"before the checkpoint"
+        )
+        assert "sleep 600" in (await case.run(child.sandbox_id, _PROCESSES))[1]
+    finally:
+        await case.backend.destroy(child.sandbox_id)
+    named = await checkpoints.save_checkpoint(case.sandbox_id)
+    assert [info["id"] for info in checkpoints.list_checkpoints(case.sandbox_id)] == [named["id"]]
+    assert checkpoints.checkpoint_dir(case.sandbox_id, str(named["id"])).is_dir()
+
+
+async def check_recycle(case: Case) -> None:
+    """fncall pools: a sandbox is reused only when the call left nothing; a kind without recycle never is."""
+    if Capability.RECYCLE not in case.capabilities:
+        assert not await case.backend.recycle(case.sandbox_id)
+        raise Skipped(f"{case.kind} does not declare recycle (and refused it, as it must)")
+    spec = case.fresh()
+    await case.backend.create(spec)
+    try:
+        assert (await case.run(spec.sandbox_id, "echo pure"))[0] == 0
+        assert await case.backend.recycle(spec.sandbox_id)
+        await case.files(spec.sandbox_id, lambda t: t.write("/tmp/left-behind", b"x"))
+        assert not await case.backend.recycle(spec.sandbox_id)
+    finally:
+        await case.backend.destroy(spec.sandbox_id)
+
+
+async def check_destroy(case: Case) -> None:
+    """Last: the shared sandbox goes, twice (idempotent), and nothing answers for it afterwards."""
+    await case.backend.destroy(case.sandbox_id)
+    await case.backend.destroy(case.sandbox_id)
+    try:
+        await case.run(case.sandbox_id, "true")
+    except CorralError:
+        return
+    raise AssertionError("a destroyed sandbox still runs commands")
+
+
+CHECKS: dict[str, Callable[[Case], Awaitable[None]]] = {
+    check.__name__.removeprefix("check_"): check
+    for check in (
+        check_offers, check_exec, check_files, check_pause_resume, check_stats, check_changed_paths,
+        check_snapshot, check_fork, check_recycle, check_destroy,
+    )
+}  # fmt: skip
+
+
+def _layers(node_dir: Path, image: str) -> tuple[LayerRef, ...]:
+    store = LayerStore(node_dir / "layers")
+    record = next(record for record in store.images() if record.name == image)
+    return tuple(LayerRef(digest, store.layer_path(digest)) for digest in record.layers)
+
+
+async def _keep_house(backend: Backend) -> None:
+    """What the edge does about once a second: a runtime's exited processes are reaped here, as our children."""
+    while True:
+        await asyncio.sleep(_HOUSEKEEPING_INTERVAL_S)
+        backend.housekeeping()
+
+
+@contextlib.asynccontextmanager
+async def _backend(kind: str, node_dir: Path, data_dir: Path) -> AsyncIterator[Backend]:
+    if kind == "simulated":
+        from corral.backends.simulated import SimulatedBackend
+
+        yield SimulatedBackend()
+        return
+    from corral.backends.common import host
+
+    layout = host.detect_cgroup_layout()
+    helpers = host.build_native_helpers(node_dir)
+    backend: Backend
+    if kind.startswith("container/"):
+        from corral.backends.container.backend import ContainerBackend
+
+        host.enter_private_mount_namespace(layout)
+        host.become_child_subreaper()
+        backend = ContainerBackend(
+            data_dir=data_dir, helpers=helpers, layout=layout, default_runtime="crun", agent_start_timeout_s=30,
+            layer_idle_unmount_s=60, create_concurrency=4, audit_repeat_window_s=30,
+        )  # fmt: skip
+    else:
+        from corral.backends.vm.backend import VmBackend
+
+        backend = VmBackend(kind=kind, data_dir=data_dir, node_dir=node_dir, guest_agent=helpers.agent,
+                            boot_timeout_s=120, cgroup_layout=layout)  # fmt: skip
+    upkeep = asyncio.get_running_loop().create_task(_keep_house(backend))
+    try:
+        yield backend
+    finally:
+        upkeep.cancel()
+        await backend.close()
+
+
+async def run(kind: str, node_dir: Path, data_dir: Path) -> AsyncIterator[dict[str, str]]:
+    """Every check on ``kind``, in order, each as {check, outcome, detail} once it is done."""
+    async with _backend(kind, node_dir, data_dir) as backend:
+        offer = "container" if kind == "simulated" else kind
+        backend_name, runtime = split_offer(offer)
+        image = _IMAGES.get(kind, "busybox")
+        base = SandboxSpec(
+            sandbox_id=new_sandbox_id("cf"), image=image, layers=_layers(node_dir, image), runtime=runtime or "crun",
+            cpu=1, memory_mb=256, pids_max=256, backend=backend_name,
+        )  # fmt: skip
+        with tempfile.TemporaryDirectory(dir=data_dir, prefix="scratch-") as scratch:
+            case = Case(kind, backend, offer, backend.offers()[offer], base, Path(scratch))
+            await backend.create(base)
+            try:
+                for name, check in CHECKS.items():
+                    try:
+                        await check(case)
+                    except Skipped as why:
+                        yield {"check": name, "outcome": "skipped", "detail": str(why)}
+                    except Exception:
+                        yield {"check": name, "outcome": "failed", "detail": traceback.format_exc()}
+                    else:
+                        yield {"check": name, "outcome": "passed", "detail": ""}
+            finally:
+                await backend.destroy(base.sandbox_id)
+
+
+async def _main(kind: str, node_dir: Path, data_dir: Path) -> None:
+    async for result in run(kind, node_dir, data_dir):
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(_main(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])))
