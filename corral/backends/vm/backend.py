@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import io
 import json
 import logging
 import math
@@ -30,9 +31,9 @@ import subprocess
 import tarfile
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from corral.backends import checkpoints
@@ -57,7 +58,14 @@ from corral.guard.audit import PROTECTED_PREFIXES
 from corral.images.erofs import build_erofs
 from corral.sdk._exceptions import Conflict, InternalError, InvalidRequest, NotFound, SandboxGone, ServerUnavailable
 
-__all__ = ["VmBackend", "MIN_GUEST_MEMORY_MB", "DEFAULT_DISK_MB", "root_disk_image", "root_disk_path"]
+__all__ = [
+    "VmBackend",
+    "MIN_GUEST_MEMORY_MB",
+    "DEFAULT_DISK_MB",
+    "guest_upper_members",
+    "root_disk_image",
+    "root_disk_path",
+]
 
 log = logging.getLogger("corral.vm")
 
@@ -95,6 +103,41 @@ def _scratch_template(vm_dir: Path, size_mb: int) -> Path:
         os.chmod(tmp, 0o444)
         os.replace(tmp, path)
     return path
+
+
+# guest_upper_members did the checking; where tarfile has extraction filters (Python 3.11.4+), tell it so, since
+# its own "tar" filter would refuse the absolute symlinks an upper dir legitimately holds.
+_CHECKED_ALREADY: dict[str, Any] = {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}
+
+
+def guest_upper_members(archive: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
+    """The members of a guest's tar of its overlay upper dir, refusing any that would write outside the tree.
+
+    The guest is not trusted, and Debian 12's own Python (3.11.2) predates tarfile's extraction filters, so the
+    checks are here: no absolute or ``..`` names, nothing at or below a path the archive made a symlink (tarfile
+    would write through it), no hard link out of the tree, no device but an overlayfs whiteout (character 0:0).
+    Symlink targets are kept as they are, absolute ones too: they resolve inside a sandbox, never here."""
+    symlinks: set[PurePosixPath] = set()
+
+    def inside(name: str, what: str) -> PurePosixPath:
+        path = PurePosixPath(name)
+        parts = [part for part in path.parts if part not in ("", ".")]
+        if path.is_absolute() or ".." in parts:
+            raise InternalError(f"the guest's layer archive has {what} outside its tree: {name!r}")
+        relative = PurePosixPath(*parts)
+        if relative in symlinks or any(parent in symlinks for parent in relative.parents):
+            raise InternalError(f"the guest's layer archive has {what} through a symlink it made: {name!r}")
+        return relative
+
+    for member in archive:
+        path = inside(member.name, "a member")
+        if member.islnk():
+            inside(member.linkname, "a hard link")
+        if member.isdev() and not (member.ischr() and member.devmajor == 0 and member.devminor == 0):
+            raise InternalError(f"the guest's layer archive has a device node that is not a whiteout: {member.name!r}")
+        if member.issym():
+            symlinks.add(path)
+        yield member
 
 
 def root_disk_path(vm_dir: Path, layers: tuple[Path, ...], size_mb: int) -> Path:
@@ -653,10 +696,8 @@ class VmBackend:
             tree.mkdir()
 
             def unpack() -> None:
-                import io
-
                 with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as archive:
-                    archive.extractall(tree, filter="tar")  # whiteouts are character devices: kept
+                    archive.extractall(tree, members=guest_upper_members(archive), **_CHECKED_ALREADY)
 
             await asyncio.to_thread(unpack)
             await asyncio.to_thread(build_erofs, tree, dest)
