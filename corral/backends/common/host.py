@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import enum
+import errno
 import hashlib
 import os
 import shutil
@@ -49,6 +50,22 @@ def _check(result: int, what: str) -> None:
     if result != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _mount_erofs(image_file: Path, target: Path) -> None:
+    """Mount a layer file read-only, straight from the file (no loop device)."""
+    try:
+        _mount(str(image_file), str(target), "erofs", _MS_RDONLY, None)
+    except OSError as exc:
+        if exc.errno != errno.ENOTBLK:
+            raise
+        # The kernel backs EROFS by a file only on filesystems that can serve it (ext4, xfs, btrfs, FUSE), not
+        # tmpfs (measured: ENOTBLK), and falls back to wanting a block device.
+        raise OSError(
+            exc.errno,
+            f"{exc.strerror}: EROFS cannot mount {image_file} from the filesystem it is on (tmpfs, for one); keep "
+            "the node dir (CORRAL_NODE_DIR) and the data dir on a disk filesystem such as ext4 or xfs",
+        ) from None
 
 
 def _mount(source: str, target: str, fstype: str, flags: int, data: str | None) -> None:
@@ -140,7 +157,7 @@ class LayerMounts:
                 target = self._root / key.replace(":", "-").replace("#", "-")
                 target.mkdir(parents=True, exist_ok=True)
                 if not os.path.ismount(target):
-                    _mount(str(image_file), str(target), "erofs", _MS_RDONLY, None)
+                    _mount_erofs(image_file, target)
                 mount = self._mounts[key] = _LayerMount(target)
             mount.users += 1
             mount.idle_since = None
