@@ -6,7 +6,8 @@
 # The machine is `debootstrap --variant=minbase bookworm` plus make and python3 (what every machine of this
 # kind starts with), and a clone of this repo's HEAD in /root/corral. It gets a root of its own with pivot_root
 # (not chroot: the kernel refuses user namespaces, which gVisor needs, inside a chroot) in a private mount
-# namespace, so its mounts vanish with it; it shares this machine's kernel, network and cgroups. It then runs
+# namespace and a PID namespace, so its mounts and processes vanish with it; it shares this machine's kernel,
+# network and cgroups. It then runs
 # `make demo` (timed), `make demo` again, `scripts/setup.sh --check` and `make test`, and prints the times.
 # Without --keep the machine is made anew; with it, a machine left by an earlier run is reused (its packages,
 # venv and images are already there, so only a clean clone of HEAD is new).
@@ -49,7 +50,9 @@ bash scripts/setup.sh --check
 make test; rc=$?; t3=$(date +%s)
 echo "fresh-machine: make test: exit $rc in $((t3 - t2)) s"
 exit $rc'
-exec unshare --mount --propagation private bash -c '
+# A PID namespace of its own too: when its first process ends (or this script is killed), the kernel ends every
+# process the machine started, servers and sandboxes included.
+exec unshare --mount --propagation private --pid --fork --kill-child bash -c '
     set -e
     root="$1"
     mount --bind "$root" "$root"   # a machine'"'"'s / is a mount point (the server makes it private)

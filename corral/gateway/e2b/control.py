@@ -204,8 +204,8 @@ def _selector(request: Request) -> tuple[dict[str, str], list[str]]:
     return labels, states
 
 
-def _started_after(text: str | None) -> float | None:
-    """``startedAfter`` (RFC 3339, with ``Z`` or an offset) as Unix seconds."""
+def _started_after(text: str | None) -> dt.datetime | None:
+    """``startedAfter`` (RFC 3339, with ``Z`` or an offset)."""
     if not text:
         return None
     try:
@@ -214,7 +214,7 @@ def _started_after(text: str | None) -> float | None:
         raise E2BError(400, f"startedAfter {text!r} is not an RFC 3339 time (e.g. 2026-12-01T09:00:00Z)") from None
     if moment.tzinfo is None:
         raise E2BError(400, f"startedAfter {text!r} has no time zone: add Z or an offset such as +02:00")
-    return moment.timestamp()
+    return moment
 
 
 @router.get("/v2/sandboxes")
@@ -226,8 +226,8 @@ async def list_sandboxes(request: Request) -> JSONResponse:
         labels[TEMPLATE_LABEL] = request.query_params["template"]
     infos = services(request).sandboxes.list(states=states, labels=labels)
     started_after = _started_after(request.query_params.get("startedAfter"))
-    if started_after is not None:
-        infos = [info for info in infos if info.created_at >= started_after]
+    if started_after is not None:  # compared as shown (startedAt: microseconds, rounded), not as stored (a float)
+        infos = [info for info in infos if dt.datetime.fromtimestamp(info.created_at, dt.UTC) >= started_after]
     order = request.query_params.get("order", "desc").lower()  # the API spec's default: newest first
     if order not in ("asc", "desc"):
         raise E2BError(400, f"order {order!r} is neither asc nor desc")
