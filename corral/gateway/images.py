@@ -1,5 +1,5 @@
 """Images and layers behind the HTTP API: list, inspect, tag, remove, build,
-import, and snapshot a sandbox as a layer.
+import, pull from a registry, and snapshot a sandbox as a layer.
 
 Builds that need no sandbox run in worker threads (corral/images/builders.py);
 `commands` builds and git setup steps run in a builder sandbox created
@@ -13,14 +13,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from corral.edge.protocol import edge_of
 from corral.gateway.service import SandboxService
 from corral.images.builders import LayerBuilder, Progress
-from corral.images.catalogue import Catalogue, CatalogueLayer, input_key
+from corral.images.catalogue import Catalogue, CatalogueLayer, ImageOrigin, input_key
+from corral.images.pull import ImagePuller
 from corral.images.store import ImageRecord, parse_ref
 from corral.sdk._exceptions import CorralError, InternalError, InvalidRequest, error_from_response
 from corral.sdk._models import (
@@ -29,9 +30,11 @@ from corral.sdk._models import (
     CreateSandboxRequest,
     ExecRequest,
     ForkRequest,
+    ImageConfig,
     ImageDetail,
     ImageInfo,
     LayerInfo,
+    PullEvent,
     SandboxInfo,
     SnapshotInfo,
 )
@@ -44,10 +47,24 @@ _BUILDER_MEMORY_MB = 2048
 _FAILED_OUTPUT_LINES = 40
 
 
-def image_info(image: ImageRecord) -> ImageInfo:
+def image_info(image: ImageRecord, origin: ImageOrigin | None = None) -> ImageInfo:
     return ImageInfo(
-        name=image.ref, layers=list(image.layers), size_bytes=image.size_bytes, created_at=image.created_at
-    )
+        name=image.ref, layers=list(image.layers), size_bytes=image.size_bytes, created_at=image.created_at,
+        **_origin_fields(origin),
+    )  # fmt: skip
+
+
+def _origin_fields(origin: ImageOrigin | None) -> dict[str, Any]:
+    """ImageInfo/ImageDetail's source, manifest_digest and config of a pulled image."""
+    if origin is None:
+        return {}
+    config = origin.config
+    env = dict(str(entry).partition("=")[::2] for entry in config.get("Env") or [])
+    image_config = ImageConfig(
+        env=env, working_dir=config.get("WorkingDir"), user=config.get("User"), entrypoint=config.get("Entrypoint"),
+        cmd=config.get("Cmd"), labels=config.get("Labels") or {},
+    )  # fmt: skip
+    return {"source": origin.source, "manifest_digest": origin.manifest_digest, "config": image_config}
 
 
 def layer_info(layer: CatalogueLayer) -> LayerInfo:
@@ -62,14 +79,50 @@ def layer_info(layer: CatalogueLayer) -> LayerInfo:
     )
 
 
+Event = TypeVar("Event", BuildEvent, PullEvent)
+
+
+async def _event_stream(run: Callable[[], Awaitable[Event]], events: asyncio.Queue[Event],
+                        failed: Callable[[dict[str, str]], Event], what: str) -> AsyncIterator[Event]:  # fmt: skip
+    """Run ``run`` in a task (it puts progress events on ``events``); yield them, then its final event, or the
+    error event ``failed`` makes of what it raised. The task is cancelled if the consumer goes away."""
+
+    async def settle() -> None:
+        try:
+            events.put_nowait(await run())  # in order after every progress event put from the loop's thread
+        except CorralError as exc:
+            events.put_nowait(failed(exc.to_body()["error"]))
+        except Exception as exc:
+            log.exception("%s failed", what)
+            events.put_nowait(failed(InternalError(f"{what} failed: {exc!r}").to_body()["error"]))
+
+    task = asyncio.get_running_loop().create_task(settle())
+    try:
+        while True:
+            event = await events.get()
+            yield event
+            if event.type != "progress":
+                return
+    finally:
+        if not task.done():
+            task.cancel()
+
+
 class ImageService:
     def __init__(
-        self, catalogue: Catalogue, builder: LayerBuilder, sandboxes: SandboxService, *, disk_budget_mb: int | None
+        self,
+        catalogue: Catalogue,
+        builder: LayerBuilder,
+        sandboxes: SandboxService,
+        *,
+        disk_budget_mb: int | None,
+        puller: ImagePuller | None = None,
     ) -> None:
         self._catalogue = catalogue
         self._builder = builder
         self._sandboxes = sandboxes
         self._disk_budget_mb = disk_budget_mb
+        self._puller = puller
 
     def _enforce_budget(self, progress: Progress, keep: frozenset[str] = frozenset()) -> None:
         """After the store grew: drop untagged, unused layers, least recently used first, to fit the budget."""
@@ -83,7 +136,7 @@ class ImageService:
     # -- catalogue --------------------------------------------------------
 
     def images(self) -> list[ImageInfo]:
-        return [image_info(image) for image in self._catalogue.images()]
+        return [image_info(image, self._catalogue.origin(image.ref)) for image in self._catalogue.images()]
 
     def inspect(self, ref: str) -> ImageDetail:
         image = self._catalogue.resolve(ref)
@@ -92,6 +145,7 @@ class ImageService:
             layers=[layer_info(self._catalogue.layer(d)) for d in image.layers],
             size_bytes=image.size_bytes,
             created_at=image.created_at,
+            **_origin_fields(self._catalogue.origin(image.ref)),
         )
 
     def layer_file(self, digest: str) -> tuple[Path, str]:
@@ -106,11 +160,34 @@ class ImageService:
         if (layers is None) == (source is None):
             raise InvalidRequest("give either `layers` (digests, bottom first) or `source` (an image ref) to tag")
         digests = list(self._catalogue.resolve(source).layers) if source else list(layers or [])
+        origin = self._catalogue.origin(source) if source else None  # a pulled image's config comes along
         name, version = parse_ref(ref)
-        return image_info(self._catalogue.tag(name, digests, version=version))
+        return image_info(self._catalogue.tag(name, digests, version=version, origin=origin), origin)
 
     def untag(self, ref: str) -> ImageInfo:
-        return image_info(self._catalogue.untag(ref))
+        origin = self._catalogue.origin(ref)
+        return image_info(self._catalogue.untag(ref), origin)
+
+    # -- pulls ------------------------------------------------------------
+
+    async def pull(self, reference: str) -> AsyncIterator[PullEvent]:
+        """Pull a registry image (joining a pull of it under way), yielding progress, then ``done`` or ``error``."""
+        if self._puller is None:
+            raise InternalError("this server was started without a registry puller")
+        puller = self._puller
+        events: asyncio.Queue[PullEvent] = asyncio.Queue()
+
+        async def run() -> PullEvent:
+            result = await puller.pull(reference, events.put_nowait)
+            self._enforce_budget(lambda _: None)
+            return PullEvent(
+                type="done", image=image_info(result.image, result.origin), layers_pulled=result.layers_pulled,
+                layers_reused=result.layers_reused, bytes_transferred=result.bytes_transferred,
+            )  # fmt: skip
+
+        async for event in _event_stream(run, events, lambda error: PullEvent(type="error", error=error),
+                                         f"pull of {reference}"):  # fmt: skip
+            yield event
 
     def remove_layer(self, digest: str) -> None:
         self._catalogue.remove_layer(digest, in_use=digest in self._sandboxes.layers_in_use())
@@ -131,27 +208,13 @@ class ImageService:
             else:
                 loop.call_soon_threadsafe(events.put_nowait, event)
 
-        async def run() -> None:
-            try:
-                image, cached = await self._build(request, progress)
-                events.put_nowait(BuildEvent(type="done", image=image_info(image), cached=cached))
-            except CorralError as exc:
-                events.put_nowait(BuildEvent(type="error", error={"code": exc.code, "message": exc.message}))
-            except Exception as exc:
-                log.exception("build of %s failed", request.name)
-                error = InternalError(f"build failed: {exc!r}")
-                events.put_nowait(BuildEvent(type="error", error={"code": error.code, "message": error.message}))
+        async def run() -> BuildEvent:
+            image, cached = await self._build(request, progress)
+            return BuildEvent(type="done", image=image_info(image), cached=cached)
 
-        task = loop.create_task(run())
-        try:
-            while True:
-                event = await events.get()
-                yield event
-                if event.type != "progress":
-                    return
-        finally:
-            if not task.done():
-                task.cancel()
+        async for event in _event_stream(run, events, lambda error: BuildEvent(type="error", error=error),
+                                         f"build of {request.name}"):  # fmt: skip
+            yield event
 
     async def _build(self, request: BuildRequest, progress: Progress) -> tuple[ImageRecord, bool]:
         name, version = parse_ref(request.name)

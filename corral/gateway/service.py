@@ -23,6 +23,7 @@ from corral.edge.protocol import Edge, EdgeDirectory, edge_of, new_sandbox_id
 from corral.guard.audit import AuditLog
 from corral.images.catalogue import Catalogue
 from corral.images.fetch import LayerFetcher
+from corral.images.pull import ImagePuller
 from corral.scheduler.placement import NodesBusy, Scheduler
 from corral.sdk._exceptions import (
     CapacityExhausted,
@@ -64,6 +65,9 @@ _ROOT_CACHE_S = 1.0  # an image's resolution is reused this long (a tag moved by
 _ROOTS_CACHED = 1024
 _TOUCH_EVERY_S = 60.0  # a layer's last use (LRU eviction order) is recorded at most this often
 _PROGRESS_EVERY = 1000  # a progress line per this many results
+DEFAULT_CWD = "/"  # a create's cwd and user when neither it nor its image names one
+DEFAULT_USER = "root"
+ImageDefaults = tuple[dict[str, str], str | None, str | None]  # env, cwd, user from the images' configs
 
 
 class _GroupCommit:
@@ -139,8 +143,10 @@ class SandboxService:
         remote_edges: EdgeDirectory | None = None,
         heartbeat_s: float = 1.0,
         node_lost_after_s: float = 15.0,
+        puller: ImagePuller | None = None,
     ) -> None:
         self._heartbeat_s = heartbeat_s
+        self._puller = puller  # registry images a create names are pulled on first use
         self._node_lost_after_s = node_lost_after_s
         self._watcher: asyncio.Task[None] | None = None
         self._store = store
@@ -155,7 +161,8 @@ class SandboxService:
         self._reaper: asyncio.Task[None] | None = None
         self.scheduler = Scheduler()
         self._writes = _GroupCommit(store)
-        self._roots: dict[tuple[Any, ...], tuple[float, list[str], str]] = {}  # create's root → (until, stack, name)
+        # create's root → (until, stack, listed name, the images' env/cwd/user defaults)
+        self._roots: dict[tuple[Any, ...], tuple[float, list[str], str, ImageDefaults]] = {}
         self._touched: dict[str, float] = {}  # layer digest → when its last use was recorded (monotonic)
         self._create_finished = asyncio.Event()  # a create returned: a node may have a slot for a batch
 
@@ -274,15 +281,45 @@ class SandboxService:
                     stack.append(digest)
         return stack
 
-    def _resolve_root(self, request: CreateSandboxRequest) -> tuple[list[str], str]:
-        """The sandbox's layers (bottom first) and the name it is listed under."""
+    @staticmethod
+    def _image_refs(request: CreateSandboxRequest) -> list[str]:
+        """The image refs a create stacks (none when it names layers)."""
         if request.layers:
-            return self.stack(request.layers), "+".join(d.split(":")[-1][:12] for d in request.layers)
+            return []
         if request.environment is not None:
             env = request.environment
-            parts = [env.base, *(p for p in (env.workspace, env.tools) if p), *env.extra]
-            return self.stack(parts), "+".join(parts)
-        return self.stack([request.image]), self._catalogue.resolve(request.image).ref
+            return [env.base, *(p for p in (env.workspace, env.tools) if p), *env.extra]
+        return [request.image]
+
+    def _resolve_root(self, request: CreateSandboxRequest) -> tuple[list[str], str, ImageDefaults]:
+        """The sandbox's layers (bottom first), the name it is listed under, and its images' defaults."""
+        if request.layers:
+            return self.stack(request.layers), "+".join(d.split(":")[-1][:12] for d in request.layers), ({}, None, None)
+        refs = self._image_refs(request)
+        name = "+".join(refs) if request.environment is not None else self._catalogue.resolve(request.image).ref
+        return self.stack(refs), name, self._image_defaults(refs)
+
+    def _image_defaults(self, refs: list[str]) -> ImageDefaults:
+        """Env, WorkingDir and User of the pulled images among ``refs``; an upper image's win."""
+        env: dict[str, str] = {}
+        cwd = user = None
+        for ref in refs:
+            origin = None if ref.startswith("sha256:") else self._catalogue.origin(ref)
+            if origin is None:
+                continue
+            for entry in origin.config.get("Env") or []:
+                key, sep, value = str(entry).partition("=")
+                if sep and key:
+                    env[key] = value
+            cwd = origin.config.get("WorkingDir") or cwd
+            user = origin.config.get("User") or user
+        return env, cwd, user
+
+    async def _pull_missing(self, request: CreateSandboxRequest) -> None:
+        """Registry images the create names that are not here yet: pulled, once per gateway however many wait."""
+        if self._puller is not None:
+            for ref in self._image_refs(request):
+                await self._puller.ensure(ref)
 
     def record(self, sandbox_id: str) -> dict[str, Any]:
         record = self._store.get(sandbox_id)
@@ -344,8 +381,6 @@ class SandboxService:
 
     def _prepare(self, request: CreateSandboxRequest) -> tuple[CreateSandboxRequest, str, tuple[LayerRef, ...]]:
         """Validate a create and resolve its layers: (request with defaults, listed image name, layers)."""
-        if not request.cwd.startswith("/"):
-            raise InvalidRequest(f"cwd must be an absolute path, got {request.cwd!r}")
         for key in request.env:
             if not key or "=" in key or "\0" in key:
                 raise InvalidRequest(f"invalid environment variable name {key!r}")
@@ -358,12 +393,18 @@ class SandboxService:
                tuple(request.layers or ()), self._catalogue.generation)  # fmt: skip
         cached = self._roots.get(key)
         if cached is not None and cached[0] > now:
-            digests, image_name = cached[1], cached[2]
+            digests, image_name, (env, cwd, user) = cached[1], cached[2], cached[3]
         else:
-            digests, image_name = self._resolve_root(request)
+            digests, image_name, (env, cwd, user) = self._resolve_root(request)
             if len(self._roots) >= _ROOTS_CACHED:
                 self._roots.clear()
-            self._roots[key] = (now + _ROOT_CACHE_S, digests, image_name)
+            self._roots[key] = (now + _ROOT_CACHE_S, digests, image_name, (env, cwd, user))
+        request = request.model_copy(update={
+            "env": {**env, **request.env}, "cwd": request.cwd or cwd or DEFAULT_CWD,
+            "user": request.user or user or DEFAULT_USER,
+        })  # fmt: skip
+        if not (request.cwd or "").startswith("/"):
+            raise InvalidRequest(f"cwd must be an absolute path, got {request.cwd!r}")
         layers = self._layer_refs(digests)  # a stat per layer file: a layer removed since is still noticed
         plain = {d.partition("#")[0] for d in digests}  # an alias is a second mount of the same layer
         stale = [d for d in plain if self._touched.get(d, -_TOUCH_EVERY_S) < now - _TOUCH_EVERY_S]
@@ -377,6 +418,7 @@ class SandboxService:
     ) -> SandboxInfo:
         """``restore_from``: a checkpoint directory on edge ``on_edge``'s node (a fork of a VM or gVisor sandbox:
         memory, processes, disk), so the sandbox starts there."""
+        await self._pull_missing(request)
         await self._fetch_layers(request)
         request, image_name, layers = self._prepare(request)
         return await self._create_placed(request, image_name, layers, restore_from=restore_from, on_edge=on_edge)
@@ -385,7 +427,7 @@ class SandboxService:
         """Layers this node lacks come from the shared layer store, once (when one is configured)."""
         if self._layer_fetcher is None:
             return
-        digests, _ = self._resolve_root(request)
+        digests, _, _ = self._resolve_root(request)
         for entry in digests:
             await self._layer_fetcher.ensure(entry.partition("#")[0])
 
@@ -432,8 +474,8 @@ class SandboxService:
                 pids_max=request.pids_max,
                 qos=request.qos,
                 env=request.env,
-                cwd=request.cwd,
-                user=request.user,
+                cwd=request.cwd or DEFAULT_CWD,
+                user=request.user or DEFAULT_USER,
                 idle_pause_s=request.idle_pause_s,
                 network=to_allow_rules(request.network.allow) if request.network is not None else None,
                 protected_paths=tuple(request.protected_paths),
@@ -499,6 +541,7 @@ class SandboxService:
         """
         if not 1 <= count <= MAX_BATCH:
             raise InvalidRequest(f"count must be between 1 and {MAX_BATCH}, got {count}")
+        await self._pull_missing(request)
         await self._fetch_layers(request)
         request, image_name, layers = self._prepare(request)
         started = time.perf_counter()

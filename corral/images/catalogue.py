@@ -20,11 +20,12 @@ from sqlalchemy import delete, insert, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 
+from corral.images.registry import Reference, is_registry_reference, parse_reference
 from corral.images.store import DEFAULT_VERSION, ImageRecord, LayerRecord, LayerStore, check_name, parse_ref
 from corral.sdk._exceptions import Conflict, InvalidRequest, NotFound
 from corral.state.db import build_cache, image_tags, layers
 
-__all__ = ["Catalogue", "CatalogueLayer", "input_key"]
+__all__ = ["Catalogue", "CatalogueLayer", "ImageOrigin", "input_key"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,33 @@ class CatalogueLayer:
     source: dict[str, Any]
     labels: dict[str, str]
     created_at: float
+
+
+@dataclass(frozen=True)
+class ImageOrigin:
+    """Where a tag's image came from (a registry pull) and the config sandboxes created from it start with."""
+
+    source: str  # the registry reference pulled, e.g. 127.0.0.1:5000/ns/img:tag
+    manifest_digest: str  # of the image manifest (linux/amd64's, when the reference named an index)
+    index_digest: str | None
+    config: dict[str, Any]  # the image config's Env, WorkingDir, User, Entrypoint, Cmd, Labels (OCI names)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"source": self.source, "manifest_digest": self.manifest_digest, "index_digest": self.index_digest,
+                "config": self.config}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ImageOrigin:
+        return cls(source=str(data["source"]), manifest_digest=str(data["manifest_digest"]),
+                   index_digest=data.get("index_digest"), config=dict(data.get("config") or {}))  # fmt: skip
+
+
+def _tag_key(ref: str) -> tuple[str, str]:
+    """(name, version) of a local ref (``name[:version]``) or a registry reference (``host/repo[:tag|@digest]``)."""
+    if is_registry_reference(ref):
+        reference = parse_reference(ref)
+        return reference.name, reference.version
+    return parse_ref(ref)
 
 
 def input_key(inputs: dict[str, Any]) -> str:
@@ -98,6 +126,17 @@ class Catalogue:
             created_at=row.created_at,
         )
 
+    def layer_from_oci(self, oci_digest: str) -> CatalogueLayer | None:
+        """The layer pulled from this OCI layer digest, if it is still here (catalogue and store)."""
+        rows = self._rows(select(layers.c.digest).where(layers.c.source["oci_digest"].as_string() == oci_digest))
+        for row in rows:
+            try:
+                self.store.layer_path(row.digest)
+            except NotFound:
+                continue
+            return self.layer(row.digest)
+        return None
+
     def layers(self) -> list[CatalogueLayer]:
         return [self.layer(row.digest) for row in self._rows(select(layers.c.digest).order_by(layers.c.created_at))]
 
@@ -140,30 +179,57 @@ class Catalogue:
 
     # -- tags -----------------------------------------------------------
 
-    def tag(self, name: str, layer_digests: Sequence[str], *, version: str = DEFAULT_VERSION) -> ImageRecord:
-        """Point ``name:version`` at layers (bottom first); a tag may move, a digest never changes."""
+    def tag(
+        self,
+        name: str,
+        layer_digests: Sequence[str],
+        *,
+        version: str = DEFAULT_VERSION,
+        origin: ImageOrigin | None = None,
+    ) -> ImageRecord:
+        """Point ``name:version`` at layers (bottom first); a tag may move, a digest never changes.
+        ``origin``: the registry image (and config) it is, when tagged from a pulled image."""
         check_name(name, "image name")
         check_name(version, "image version")
+        return self._tag(name, version, layer_digests, origin)
+
+    def tag_pulled(self, reference: Reference, layer_digests: Sequence[str], origin: ImageOrigin) -> ImageRecord:
+        """Record a pulled image under its registry reference (``host/repo`` and its tag or digest)."""
+        return self._tag(reference.name, reference.version, layer_digests, origin)
+
+    def origin(self, ref: str) -> ImageOrigin | None:
+        """The registry image a tag was pulled as, with its config; None for images built here."""
+        name, version = _tag_key(ref)
+        rows = self._rows(select(image_tags.c.origin).where(image_tags.c.name == name, image_tags.c.version == version))
+        return ImageOrigin.from_json(rows[0].origin) if rows and rows[0].origin else None
+
+    def _tag(self, name: str, version: str, layer_digests: Sequence[str], origin: ImageOrigin | None) -> ImageRecord:
         if isinstance(layer_digests, str) or not layer_digests:
             raise InvalidRequest("an image needs a non-empty list of layer digests, bottom first")
         for digest in layer_digests:
             self.layer(digest)
             self.store.layer_path(digest)
         now = time.time()
+        origin_json = origin.to_json() if origin is not None else None
         self.generation += 1
         with self._engine.begin() as conn:
             moved = conn.execute(
                 update(image_tags)
                 .where(image_tags.c.name == name, image_tags.c.version == version)
-                .values(layers=list(layer_digests), updated_at=now)
+                .values(layers=list(layer_digests), updated_at=now, origin=origin_json)
             ).rowcount
             if not moved:
                 conn.execute(
                     insert(image_tags).values(
-                        name=name, version=version, layers=list(layer_digests), created_at=now, updated_at=now
-                    )
+                        name=name,
+                        version=version,
+                        layers=list(layer_digests),
+                        created_at=now,
+                        updated_at=now,
+                        origin=origin_json,
+                    )  # fmt: skip
                 )
-        return self.resolve(f"{name}:{version}")
+        return self._resolve_key(name, version)
 
     def untag(self, ref: str) -> ImageRecord:
         image = self.resolve(ref)
@@ -175,12 +241,15 @@ class Catalogue:
         return image
 
     def resolve(self, ref: str) -> ImageRecord:
-        """``name`` (meaning ``name:latest``) or ``name:version`` to its record."""
-        name, version = parse_ref(ref)
+        """``name`` (meaning ``name:latest``), ``name:version`` or a pulled registry reference to its record."""
+        return self._resolve_key(*_tag_key(ref))
+
+    def _resolve_key(self, name: str, version: str) -> ImageRecord:
         rows = self._rows(select(image_tags).where(image_tags.c.name == name, image_tags.c.version == version))
         if not rows:
             available = ", ".join(image.ref for image in self.images()) or "none: run scripts/setup.sh"
-            raise NotFound(f"image {name}:{version} not found; available: {available}")
+            wanted = f"{name}@{version}" if version.startswith("sha256:") else f"{name}:{version}"
+            raise NotFound(f"image {wanted} not found; available: {available}")
         return self._image(rows[0])
 
     def images(self) -> list[ImageRecord]:

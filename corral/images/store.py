@@ -64,7 +64,8 @@ class ImageRecord:
 
     @property
     def ref(self) -> str:
-        return f"{self.name}:{self.version}"
+        # A registry image pulled by digest has the digest as its version: host/repo@sha256:...
+        return f"{self.name}{'@' if self.version.startswith('sha256:') else ':'}{self.version}"
 
 
 def check_layer_file(digest: str, path: Path) -> None:

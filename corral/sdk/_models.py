@@ -51,8 +51,12 @@ __all__ = [
     "CommandInfo",
     "FileInfo",
     "MkdirRequest",
+    "is_registry_reference",
+    "ImageConfig",
     "ImageInfo",
     "ImageDetail",
+    "PullRequest",
+    "PullEvent",
     "LayerInfo",
     "Environment",
     "NetworkRule",
@@ -113,6 +117,14 @@ class NetworkStatus(_Model):
     denied_ingress_packets: int = 0
 
 
+def is_registry_reference(ref: str) -> bool:
+    """True when ``ref`` names an image in an OCI registry: its first component is a host (it has a dot or a
+    port, or is localhost), e.g. ``127.0.0.1:5000/ns/img:tag``; ``busybox`` and ``debian-12:latest`` are local
+    names. A create from a registry image not pulled yet pulls it first (no implicit docker.io: name the host)."""
+    first, slash, _ = ref.partition("/")
+    return bool(slash) and ("." in first or ":" in first or first == "localhost")
+
+
 class Environment(_Model):
     """Independently versioned layers composed at create time: tools over workspace over base."""
 
@@ -144,9 +156,13 @@ class CreateSandboxRequest(_Model):
     )
     memory_mb: int = Field(DEFAULT_MEMORY_MB, gt=0, description="Memory limit in MiB; exceeding it OOM-kills.")
     pids_max: int = Field(DEFAULT_PIDS_MAX, ge=8, le=65536, description="Maximum processes inside the sandbox.")
-    env: dict[str, str] = Field(default_factory=dict)
-    cwd: str = "/"
-    user: str = Field("root", description="User name or uid[:gid] that commands run as by default.")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Environment of commands, over the image's own (a pulled image's Env)."
+    )
+    cwd: str | None = Field(None, description="Working directory of commands; default: the image's, else /.")
+    user: str | None = Field(
+        None, description="User name or uid[:gid] that commands run as by default; default: the image's, else root."
+    )
     labels: dict[str, str] = Field(default_factory=dict)
     node_selector: dict[str, str] = Field(
         default_factory=dict,
@@ -501,11 +517,26 @@ class MkdirRequest(_Model):
     mode: int = 0o755
 
 
+class ImageConfig(_Model):
+    """What an image pulled from a registry says about running it (its OCI image config); sandboxes created
+    from it get its env and working directory (and user) unless the create says otherwise."""
+
+    env: dict[str, str] = Field(default_factory=dict, description="Env, as a mapping.")
+    working_dir: str | None = None
+    user: str | None = None
+    entrypoint: list[str] | None = None
+    cmd: list[str] | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
 class ImageInfo(_Model):
-    name: str = Field(description="name:version")
+    name: str = Field(description="name:version (host/repo:tag or host/repo@digest for pulled images)")
     layers: list[str] = Field(description="Layer digests, bottom first.")
     size_bytes: int
     created_at: float
+    source: str | None = Field(None, description="The registry reference it was pulled from; null if built here.")
+    manifest_digest: str | None = Field(None, description="Digest of the pulled image manifest (linux/amd64).")
+    config: ImageConfig | None = Field(None, description="The pulled image's config; null if built here.")
 
 
 class LayerInfo(_Model):
@@ -523,6 +554,9 @@ class ImageDetail(_Model):
     layers: list[LayerInfo] = Field(description="Bottom first.")
     size_bytes: int
     created_at: float
+    source: str | None = Field(None, description="The registry reference it was pulled from; null if built here.")
+    manifest_digest: str | None = Field(None, description="Digest of the pulled image manifest (linux/amd64).")
+    config: ImageConfig | None = Field(None, description="The pulled image's config; null if built here.")
 
 
 class TagRequest(_Model):
@@ -572,6 +606,25 @@ class BuildEvent(_Model):
     message: str | None = None
     image: ImageInfo | None = None
     cached: bool | None = None
+    error: dict[str, str] | None = None
+
+
+class PullRequest(_Model):
+    reference: str = Field(description="host[:port]/repository[:tag][@sha256:...] of an OCI registry.")
+
+
+class PullEvent(_Model):
+    """One line of a streamed pull: progress (bytes of the layers to download), then ``done`` or ``error``."""
+
+    type: Literal["progress", "done", "error"]
+    message: str | None = None
+    layer: str | None = Field(None, description="The OCI layer digest this line is about.")
+    bytes_done: int | None = Field(None, description="Layer bytes downloaded so far, of bytes_total.")
+    bytes_total: int | None = Field(None, description="Compressed bytes of the layers not already here.")
+    image: ImageInfo | None = None
+    layers_pulled: int | None = None
+    layers_reused: int | None = Field(None, description="Layers already here from earlier pulls: not downloaded.")
+    bytes_transferred: int | None = Field(None, description="Bytes received from the registry by this pull.")
     error: dict[str, str] | None = None
 
 

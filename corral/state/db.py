@@ -100,6 +100,7 @@ image_tags = Table(
     Column("layers", JSON, nullable=False),  # digests, bottom first
     Column("created_at", Float, nullable=False),
     Column("updated_at", Float, nullable=False),
+    Column("origin", JSON, nullable=True),  # pulled images: registry reference, manifest digest, image config
 )
 
 build_cache = Table(

@@ -1,0 +1,225 @@
+"""Pull images from OCI registries into the layer store: one EROFS layer per OCI layer.
+
+Each OCI layer is unpacked on its own (whiteouts and opaque directories as
+overlayfs keeps them) and packed with mkfs.erofs, so overlayfs stacks the
+layers exactly as a container engine would, and a layer two images share is
+one EROFS file: mounted once per node, one page cache. The OCI layer digest a
+layer came from is kept in its catalogue record (``source.oci_digest``), so a
+later pull of any image with that layer skips it before downloading a byte.
+erofs-utils 1.5 has no ``--tar``, hence the tree in between.
+
+A gateway pulls each reference once at a time: concurrent pulls of the same
+reference (a burst of creates from an image not yet here) wait on one
+future, and concurrent pulls of different images sharing a layer wait on one
+download of it. The image config (Env, WorkingDir, User, Entrypoint, Cmd,
+Labels) is kept with the tag, so sandboxes created from it start with its
+environment and working directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from corral.images.builders import LayerBuilder
+from corral.images.catalogue import Catalogue, ImageOrigin
+from corral.images.registry import (
+    Descriptor,
+    ImageManifest,
+    Reference,
+    RegistryClient,
+    RegistryConfig,
+    is_registry_reference,
+    parse_reference,
+)
+from corral.images.store import ImageRecord
+from corral.images.unpack import unpack_oci_layer
+from corral.sdk._exceptions import NotFound
+from corral.sdk._models import PullEvent
+
+__all__ = ["ImagePuller", "PullResult", "kept_config"]
+
+log = logging.getLogger("corral.images")
+
+PullProgress = Callable[[PullEvent], None]
+_PROGRESS_EVERY_BYTES = 1 << 20
+_KEPT_CONFIG_FIELDS = ("Env", "WorkingDir", "User", "Entrypoint", "Cmd", "Labels")
+
+
+@dataclass(frozen=True)
+class PullResult:
+    image: ImageRecord
+    origin: ImageOrigin
+    layers_pulled: int
+    layers_reused: int
+    bytes_transferred: int  # manifests, config and layer blobs received from the registry
+
+
+def kept_config(image_config: dict[str, Any]) -> dict[str, Any]:
+    """The parts of an OCI image config sandboxes use: its "config" object's Env, WorkingDir, User, ..."""
+    inner = image_config.get("config")
+    if not isinstance(inner, dict):
+        return {}
+    return {key: inner[key] for key in _KEPT_CONFIG_FIELDS if inner.get(key) not in (None, "", [], {})}
+
+
+class ImagePuller:
+    """Pulls registry references into the catalogue; one instance per gateway."""
+
+    def __init__(self, catalogue: Catalogue, builder: LayerBuilder, config: RegistryConfig, *,
+                 max_layer_bytes: int) -> None:  # fmt: skip
+        self._catalogue = catalogue
+        self._builder = builder
+        self._config = config
+        self._max_layer_bytes = max_layer_bytes
+        self._pulls: dict[str, asyncio.Task[PullResult]] = {}
+        self._listeners: dict[str, list[PullProgress]] = {}
+        self._layers: dict[str, asyncio.Future[str]] = {}  # OCI layer digest -> its EROFS layer digest
+        self.pulls = 0  # pulls that reached a registry (a joined or skipped pull does not count)
+
+    async def ensure(self, ref: str) -> None:
+        """Pull ``ref`` if it names a registry image the catalogue does not have yet; else nothing."""
+        if not is_registry_reference(ref):
+            return
+        try:
+            self._catalogue.resolve(ref)
+        except NotFound:
+            await self.pull(ref)
+
+    async def pull(self, ref: str, progress: PullProgress | None = None) -> PullResult:
+        """Pull ``ref`` (again: a tag may have moved), or wait for the pull of it already under way.
+
+        The pull runs in a task of the puller's own, so a caller that goes away (a client that disconnects)
+        does not cancel it for the others waiting on it.
+        """
+        reference = parse_reference(ref)
+        key = str(reference)
+        listeners = self._listeners.setdefault(key, [])
+        if progress is not None:
+            listeners.append(progress)
+        try:
+            task = self._pulls.get(key)
+            if task is None:
+                task = asyncio.get_running_loop().create_task(self._pull(reference, key))
+                self._pulls[key] = task
+                task.add_done_callback(lambda done: self._pull_done(key, done))
+            elif progress is not None:
+                progress(PullEvent(type="progress", message=f"waiting for the pull of {key} under way"))
+            return await asyncio.shield(task)
+        finally:
+            if progress is not None:
+                listeners.remove(progress)
+            if not listeners and key not in self._pulls:
+                self._listeners.pop(key, None)
+
+    def _pull_done(self, key: str, task: asyncio.Task[PullResult]) -> None:
+        if self._pulls.get(key) is task:
+            del self._pulls[key]
+        if not self._listeners.get(key):
+            self._listeners.pop(key, None)
+        if not task.cancelled():
+            task.exception()  # retrieved: whoever waited got it; nobody else has to
+
+    async def aclose(self) -> None:
+        """Cancel the pulls under way (server shutdown) and wait for them to stop."""
+        tasks = list(self._pulls.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _emit(self, key: str, event: PullEvent) -> None:
+        for listener in list(self._listeners.get(key, ())):
+            listener(event)
+
+    async def _pull(self, reference: Reference, key: str) -> PullResult:
+        started = time.monotonic()
+        self.pulls += 1
+        async with RegistryClient(self._config) as registry:
+            manifest = await registry.manifest(reference)
+            image_config = await registry.config(manifest)
+            missing = [blob for blob in manifest.layers if self._known_layer(blob.digest) is None]
+            total = sum(blob.size_bytes for blob in missing)
+            self._emit(key, PullEvent(
+                type="progress", bytes_done=0, bytes_total=total,
+                message=f"{reference}: {len(manifest.layers)} layers, {len(missing)} to download "
+                        f"({total / 1e6:.1f} MB), manifest {manifest.digest[:19]}…",
+            ))  # fmt: skip
+            done = [0]
+            digests: list[str] = []
+            pulled = 0
+            for number, blob in enumerate(manifest.layers, 1):
+                known = self._known_layer(blob.digest)
+                if known is not None:
+                    digests.append(known)
+                    self._emit(key, PullEvent(type="progress", layer=blob.digest,
+                                              message=f"layer {number}/{len(manifest.layers)} {blob.digest[:19]}… "
+                                                      "already here"))  # fmt: skip
+                    continue
+                digests.append(await self._layer(registry, manifest, blob, tuple(digests), key, done, total))
+                pulled += 1
+                self._emit(key, PullEvent(type="progress", layer=blob.digest, bytes_done=done[0], bytes_total=total,
+                                          message=f"layer {number}/{len(manifest.layers)} {blob.digest[:19]}… "
+                                                  f"{blob.size_bytes / 1e6:.1f} MB"))  # fmt: skip
+            origin = ImageOrigin(
+                source=str(reference), manifest_digest=manifest.digest, index_digest=manifest.index_digest,
+                config=kept_config(image_config),
+            )  # fmt: skip
+            image = self._catalogue.tag_pulled(reference, digests, origin)
+            transferred = registry.bytes_transferred
+        log.info("pulled %s (%d layers, %d new, %.1f MB received) in %.2f s", reference, len(digests), pulled,
+                 transferred / 1e6, time.monotonic() - started)  # fmt: skip
+        return PullResult(image=image, origin=origin, layers_pulled=pulled,
+                          layers_reused=len(digests) - pulled, bytes_transferred=transferred)  # fmt: skip
+
+    def _known_layer(self, oci_digest: str) -> str | None:
+        layer = self._catalogue.layer_from_oci(oci_digest)
+        return layer.digest if layer is not None else None
+
+    async def _layer(self, registry: RegistryClient, manifest: ImageManifest, blob: Descriptor,
+                     parents: tuple[str, ...], key: str, done: list[int], total: int) -> str:  # fmt: skip
+        """The EROFS layer of one OCI layer: downloaded, verified, unpacked and packed, once per gateway."""
+        pending = self._layers.get(blob.digest)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._layers[blob.digest] = future
+        try:
+            last_reported = [0]
+
+            def on_bytes(count: int) -> None:
+                done[0] += count
+                if done[0] - last_reported[0] >= _PROGRESS_EVERY_BYTES:
+                    last_reported[0] = done[0]
+                    self._emit(key, PullEvent(type="progress", layer=blob.digest, bytes_done=done[0],
+                                              bytes_total=total))  # fmt: skip
+
+            with self._builder.scratch("pull-") as scratch:
+                blob_path = scratch / "blob"
+                await registry.download_blob(manifest.reference, blob, blob_path, on_bytes=on_bytes)
+                source = {"builder": "registry", "oci_digest": blob.digest, "media_type": blob.media_type,
+                          "reference": str(manifest.reference)}  # fmt: skip
+                layer_digest = await asyncio.to_thread(self._pack, blob_path, scratch / "tree", blob, parents, source)
+            future.set_result(layer_digest)
+            return layer_digest
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()
+            raise
+        finally:
+            del self._layers[blob.digest]
+
+    def _pack(self, blob_path: Path, tree: Path, blob: Descriptor, parents: tuple[str, ...],
+              source: dict[str, Any]) -> str:  # fmt: skip
+        tree.mkdir()
+        tree.chmod(0o755)  # the layer's "/": overlayfs takes the root's mode from the top layer
+        with open(blob_path, "rb") as layer_tar:
+            unpack_oci_layer(layer_tar, tree, max_bytes=self._max_layer_bytes, what=f"layer {blob.digest[:19]}…")
+        blob_path.unlink()
+        kind = "base" if not parents else "diff"
+        layer = self._builder.pack_tree(tree, kind=kind, parents=parents, source=source, progress=lambda _: None)
+        return layer.digest
