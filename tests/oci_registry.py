@@ -222,10 +222,13 @@ def _write_index(directory: Path, top: dict[str, object]) -> None:
     (directory / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [top]}))
 
 
-def push(layout: Path, tag: str, registry: Registry, repository: str, *, creds: str | None = None) -> None:
-    """skopeo copy the layout's ``tag`` (every platform of an index) to ``registry/repository:tag``."""
+def push(layout: Path, tag: str, registry: Registry, repository: str, *, creds: str | None = None,
+         docker_format: bool = False) -> None:  # fmt: skip
+    """skopeo copy the layout's ``tag`` (every platform of an index) to ``registry/repository:tag``;
+    ``docker_format``: as a Docker v2 schema 2 manifest instead of OCI."""
     argv = ["skopeo", "copy", "--all", "--quiet", "--dest-tls-verify=false"]
     argv += ["--dest-creds", creds] if creds else []
+    argv += ["--format", "v2s2"] if docker_format else []
     argv += [f"oci:{layout}:{tag}", f"docker://{registry.address}/{repository}:{tag}"]
     run = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     if run.returncode != 0:

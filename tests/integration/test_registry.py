@@ -14,6 +14,8 @@ import asyncio
 import base64
 import json
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,7 @@ from corral.images.registry import RegistryClient, RegistryConfig, parse_referen
 from corral.images.store import LayerStore
 from corral.server import registry_config
 from corral.state.db import StateStore
+from tests.conftest import REPO
 from tests.oci_registry import (
     Blob,
     Registry,
@@ -111,11 +114,13 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Images]:
         app = image_blobs(app_layers, APP_CONFIG)
         app2_layers = [*app_layers[:3], layer_tar({"srv": None, "srv/six": b"6" * 10_000}),
                        layer_tar({"srv": None, "srv/seven": b"7" * 12_000})]  # fmt: skip
-        app2 = image_blobs(app2_layers, {"Env": ["PATH=/usr/bin:/bin", "WHO=app2"], "WorkingDir": "/srv"})
+        app2 = image_blobs(app2_layers, {"Env": ["PATH=/usr/bin:/bin", "WHO=app2"], "WorkingDir": "/srv",
+                                         "User": "user"})  # fmt: skip
         plain = [base, layer_tar({"etc": None, "etc/flavour": b"burst\n"})]
         for name, blobs in (("ns/app", app), ("ns/app2", app2), ("ns/burst", image_blobs(plain, {})),
                             ("ns/corrupt", image_blobs([base, layer_tar({"x": b"x" * 5000})], {}))):  # fmt: skip
             push(write_layout(tmp / name.replace("/", "-"), "v1", blobs), "v1", anon, name)
+        push(tmp / "ns-app", "v1", anon, "ns/docker-app", docker_format=True)  # the same image, Docker v2 schema 2
         platforms = [(image_blobs([base, layer_tar({"platform": f"{arch}\n".encode()})], {}, arch), arch)
                      for arch in ("arm64", "amd64", "ppc64le")]  # fmt: skip
         push(write_index_layout(tmp / "multi", "v1", platforms), "v1", anon, "ns/multi")
@@ -200,8 +205,9 @@ def test_second_image_sharing_three_layers_transfers_only_the_other_two(images: 
     assert first.image is not None and done.image is not None
     assert done.image.layers[:3] == first.image.layers[:3]  # the same EROFS layers: one mount, one page cache
     with rclient.create(environment={"base": images.ref("ns/app2")}, ttl_s=300) as sandbox:
-        result = sandbox.exec('pwd; echo "$WHO"; ls /srv; ls /data/old')
-        assert result.stdout.split() == ["/srv", "app2", "seven", "six", "new"]
+        result = sandbox.exec('pwd; echo "$WHO"; ls /srv; ls /data/old; id -u')
+        assert result.stdout.split() == ["/srv", "app2", "seven", "six", "new", "1000"]  # User "user" is uid 1000
+        assert sandbox.info.user == "user"
 
 
 async def test_concurrent_creates_of_one_ref_do_one_pull(images: Images, registry_server: EmbeddedServer) -> None:
@@ -217,6 +223,35 @@ async def test_concurrent_creates_of_one_ref_do_one_pull(images: Images, registr
     log = images.anon.access_log()[since:]
     assert [e["method"] for e in log if e["path"] == "/v2/ns/burst/manifests/v1"] == ["GET"]
     assert len([e for e in log if e["path"].startswith("/v2/ns/burst/blobs/")]) == 3  # config + 2 layers, once each
+
+
+def test_docker_v2_schema2_manifest_shares_the_oci_images_layers(images: Images, rclient: corral.Client) -> None:
+    rclient.images.pull(images.ref("ns/app"))
+    since = len(images.anon.access_log())
+    done = rclient.images.pull(images.ref("ns/docker-app"))
+    assert (done.layers_pulled, done.layers_reused) == (0, 5)  # the same layer blobs, so not one downloaded
+    assert images.anon.blob_bytes_sent("ns/docker-app", since=since) == len(images.app[1].data)  # the config only
+    assert done.image is not None and done.image.manifest_digest != images.app[0].digest  # another manifest
+    assert done.image.layers == [layer.digest for layer in rclient.images.inspect(images.ref("ns/app")).layers]
+    assert done.image.config is not None and done.image.config.working_dir == "/opt/app"
+
+
+def test_cli_pull_ls_inspect(images: Images, registry_server: EmbeddedServer) -> None:
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "corral.cli.main", *args], env=registry_server.env(),
+                              cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+
+    ref = images.ref("ns/burst", "v1")
+    pulled = cli("images", "pull", ref)
+    assert pulled.returncode == 0 and f"pulled {ref}: 2 layers" in pulled.stdout, pulled.stderr
+    listed = cli("images", "ls")
+    row = next(line for line in listed.stdout.splitlines() if ref in line)
+    cells = [cell.strip() for cell in row.split("│") if cell.strip()]
+    with registry_server.client() as client:
+        manifest_digest = client.images.inspect(ref).manifest_digest
+    assert manifest_digest is not None and cells[0] == ref and cells[-2:] == [ref, manifest_digest[:19]]
+    inspected = cli("images", "inspect", ref)
+    assert f"pulled from {ref}, manifest {manifest_digest}" in inspected.stdout
 
 
 def test_index_picks_linux_amd64(images: Images, rclient: corral.Client) -> None:
