@@ -369,6 +369,18 @@ def bench_layers(
     )
 
 
+@app.command("bench-pull")
+def bench_pull(
+    runs: Annotated[int, typer.Option(help="Runs, each in a fresh store.")] = 3,
+    layer_mib: Annotated[int, typer.Option(help="Size of each of the 5 layers (random bytes).")] = 16,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Pull from a local OCI registry (docker-registry): cold, shared-base and warm pulls against a plain download."""
+    from corral.bench.pull import run_pull_benchmark
+
+    run_pull_benchmark(runs=runs, layer_mib=layer_mib, as_json=as_json, console=console)
+
+
 @app.command("bench-lifecycle")
 def bench_lifecycle(
     runs: Annotated[int, typer.Option(help="Samples per timing.")] = 10,

@@ -1,11 +1,11 @@
 """Pulling images from OCI registries, end to end against real registries on loopback.
 
-Two docker-registry processes (one anonymous, one with bcrypt htpasswd auth) get images this module builds
-itself (tarfile → OCI layout → skopeo copy). A Corral server of the module's own pulls from them (both
-listed in CORRAL_INSECURE_REGISTRIES, the auth one's credentials in an auth.json), and sandboxes run from
-what it pulled. Bytes are counted on the registry side, from its access log. The client-level tests run
-the registry client and the puller in this process against the same registries (and a small front server
-for bearer tokens, redirects and broken connections).
+Two docker-registry processes (one anonymous, one with bcrypt htpasswd auth; corral/bench/registry.py) get
+images this module builds itself (tarfile → OCI layout → skopeo copy). A Corral server of the module's own
+pulls from them (both listed in CORRAL_INSECURE_REGISTRIES, the auth one's credentials in an auth.json), and
+sandboxes run from what it pulled. Bytes are counted on the registry side, from its access log. The
+client-level tests run the registry client and the puller in this process against the same registries (and
+a small front server for bearer tokens, redirects and broken connections: tests/oci_registry.py).
 """
 
 from __future__ import annotations
@@ -23,6 +23,18 @@ from pathlib import Path
 import pytest
 
 import corral
+from corral.bench.registry import (
+    Blob,
+    Registry,
+    htpasswd_file,
+    image_blobs,
+    layer_tar,
+    push,
+    start_registry,
+    tree_members,
+    write_index_layout,
+    write_layout,
+)
 from corral.config import Settings
 from corral.embedded import EmbeddedServer
 from corral.images.bases import build_busybox_rootfs
@@ -34,19 +46,7 @@ from corral.images.store import LayerStore
 from corral.server import registry_config
 from corral.state.db import StateStore
 from tests.conftest import REPO
-from tests.oci_registry import (
-    Blob,
-    Registry,
-    RegistryFront,
-    htpasswd_file,
-    image_blobs,
-    layer_tar,
-    push,
-    start_registry,
-    tree_members,
-    write_index_layout,
-    write_layout,
-)
+from tests.oci_registry import RegistryFront
 
 pytestmark = pytest.mark.skipif(shutil.which("docker-registry") is None or shutil.which("skopeo") is None,
                                 reason="needs docker-registry and skopeo (apt)")  # fmt: skip
