@@ -59,10 +59,9 @@ def _origin_fields(origin: ImageOrigin | None) -> dict[str, Any]:
     if origin is None:
         return {}
     config = origin.config
-    env = dict(str(entry).partition("=")[::2] for entry in config.get("Env") or [])
     image_config = ImageConfig(
-        env=env, working_dir=config.get("WorkingDir"), user=config.get("User"), entrypoint=config.get("Entrypoint"),
-        cmd=config.get("Cmd"), labels=config.get("Labels") or {},
+        env=origin.env, working_dir=config.get("WorkingDir"), user=config.get("User"),
+        entrypoint=config.get("Entrypoint"), cmd=config.get("Cmd"), labels=config.get("Labels") or {},
     )  # fmt: skip
     return {"source": origin.source, "manifest_digest": origin.manifest_digest, "config": image_config}
 

@@ -307,10 +307,7 @@ class SandboxService:
             origin = None if ref.startswith("sha256:") else self._catalogue.origin(ref)
             if origin is None:
                 continue
-            for entry in origin.config.get("Env") or []:
-                key, sep, value = str(entry).partition("=")
-                if sep and key:
-                    env[key] = value
+            env.update(origin.env)
             cwd = origin.config.get("WorkingDir") or cwd
             user = origin.config.get("User") or user
         return env, cwd, user

@@ -48,6 +48,12 @@ class ImageOrigin:
     index_digest: str | None
     config: dict[str, Any]  # the image config's Env, WorkingDir, User, Entrypoint, Cmd, Labels (OCI names)
 
+    @property
+    def env(self) -> dict[str, str]:
+        """The config's Env ("KEY=value" entries) as a mapping; a later entry wins."""
+        pairs = (str(entry).partition("=") for entry in self.config.get("Env") or [])
+        return {key: value for key, sep, value in pairs if key and sep}
+
     def to_json(self) -> dict[str, Any]:
         return {"source": self.source, "manifest_digest": self.manifest_digest, "index_digest": self.index_digest,
                 "config": self.config}  # fmt: skip

@@ -94,11 +94,7 @@ class Reference:
 
     @property
     def version(self) -> str:
-        """The catalogue version: the digest when pinned by one, else the tag."""
-        return self.digest or self.tag or "latest"
-
-    @property
-    def manifest_ref(self) -> str:
+        """What is asked of the registry and the catalogue version: the digest when pinned by one, else the tag."""
         return self.digest or self.tag or "latest"
 
     def __str__(self) -> str:
@@ -235,7 +231,7 @@ class RegistryClient:
         """The reference's image manifest for linux/amd64 (through an index or manifest list if it names one)."""
         digest_wanted = reference.digest
         index_digest = None
-        target = reference.manifest_ref
+        target = reference.version
         for _ in range(MAX_INDEX_DEPTH):
             body, media_type, digest = await self._manifest_bytes(reference, target)
             if digest_wanted is not None and digest != digest_wanted:
