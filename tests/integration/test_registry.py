@@ -252,6 +252,21 @@ def test_cli_pull_ls_inspect(images: Images, registry_server: EmbeddedServer) ->
     assert manifest_digest is not None and cells[0] == ref and cells[-2:] == [ref, manifest_digest[:19]]
     inspected = cli("images", "inspect", ref)
     assert f"pulled from {ref}, manifest {manifest_digest}" in inspected.stdout
+    removed = cli("images", "rm", ref)
+    assert removed.returncode == 0 and f"untagged {ref}" in removed.stdout, removed.stderr
+    since = len(images.anon.access_log())
+    again = cli("images", "pull", ref)  # the layers are still here: only the manifest and config come again
+    assert again.returncode == 0 and "(2 already here)" in again.stdout, again.stderr
+    assert [e["path"].split("/")[-2] for e in images.anon.access_log()[since:]] == ["manifests", "blobs"]
+
+
+def test_pull_by_digest(images: Images, rclient: corral.Client) -> None:
+    pinned = f"{images.anon.address}/ns/app@{images.app[0].digest}"
+    done = rclient.images.pull(pinned)
+    assert done.image is not None and done.image.name == pinned and done.image.manifest_digest == images.app[0].digest
+    assert rclient.images.inspect(pinned).source == pinned
+    with pytest.raises(corral.NotFound):
+        rclient.images.pull(f"{images.anon.address}/ns/app@sha256:{'0' * 64}")
 
 
 def test_index_picks_linux_amd64(images: Images, rclient: corral.Client) -> None:
