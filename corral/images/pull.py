@@ -11,7 +11,8 @@ erofs-utils 1.5 has no ``--tar``, hence the tree in between.
 A gateway pulls each reference once at a time: concurrent pulls of the same
 reference (a burst of creates from an image not yet here) wait on one
 future, and concurrent pulls of different images sharing a layer wait on one
-download of it. The image config (Env, WorkingDir, User, Entrypoint, Cmd,
+download of it. A pull downloads its layers in a task of their own while the
+layer before is unpacked and packed, in order. The image config (Env, WorkingDir, User, Entrypoint, Cmd,
 Labels) is kept with the tag, so sandboxes created from it start with its
 environment and working directory.
 """
@@ -39,7 +40,7 @@ from corral.images.registry import (
 )
 from corral.images.store import ImageRecord
 from corral.images.unpack import unpack_oci_layer
-from corral.sdk._exceptions import NotFound
+from corral.sdk._exceptions import NotFound, ServerUnavailable
 from corral.sdk._models import PullEvent
 
 __all__ = ["ImagePuller", "PullResult", "kept_config"]
@@ -149,22 +150,24 @@ class ImagePuller:
                 message=f"{reference}: {len(manifest.layers)} layers, {len(missing)} to download "
                         f"({total / 1e6:.1f} MB), manifest {manifest.digest[:19]}…",
             ))  # fmt: skip
-            done = [0]
-            digests: list[str] = []
-            pulled = 0
-            for number, blob in enumerate(manifest.layers, 1):
-                known = self._known_layer(blob.digest)
-                if known is not None:
-                    digests.append(known)
-                    self._emit(key, PullEvent(type="progress", layer=blob.digest,
-                                              message=f"layer {number}/{len(manifest.layers)} {blob.digest[:19]}… "
-                                                      "already here"))  # fmt: skip
-                    continue
-                digests.append(await self._layer(registry, manifest, blob, tuple(digests), key, done, total))
-                pulled += 1
-                self._emit(key, PullEvent(type="progress", layer=blob.digest, bytes_done=done[0], bytes_total=total,
-                                          message=f"layer {number}/{len(manifest.layers)} {blob.digest[:19]}… "
-                                                  f"{blob.size_bytes / 1e6:.1f} MB"))  # fmt: skip
+            # The missing layers no other pull is fetching are this pull's; the others' are waited for.
+            ours: dict[str, asyncio.Future[str]] = {}
+            theirs: dict[str, asyncio.Future[str]] = {}
+            for blob in missing:
+                if blob.digest in self._layers:
+                    theirs.setdefault(blob.digest, self._layers[blob.digest])
+                elif blob.digest not in ours:
+                    ours[blob.digest] = self._layers[blob.digest] = asyncio.get_running_loop().create_future()
+            try:
+                digests = await self._fetch_layers(registry, manifest, key, ours, theirs, total)
+            finally:
+                for digest, future in ours.items():
+                    if not future.done():
+                        future.set_exception(ServerUnavailable(f"the pull that was fetching layer {digest} failed"))
+                        future.exception()  # retrieved: other pulls waiting on it get it
+                    if self._layers.get(digest) is future:
+                        del self._layers[digest]
+            pulled = len(ours)
             origin = ImageOrigin(
                 source=str(reference), manifest_digest=manifest.digest, index_digest=manifest.index_digest,
                 config=kept_config(image_config),
@@ -180,38 +183,62 @@ class ImagePuller:
         layer = self._catalogue.layer_from_oci(oci_digest)
         return layer.digest if layer is not None else None
 
-    async def _layer(self, registry: RegistryClient, manifest: ImageManifest, blob: Descriptor,
-                     parents: tuple[str, ...], key: str, done: list[int], total: int) -> str:  # fmt: skip
-        """The EROFS layer of one OCI layer: downloaded, verified, unpacked and packed, once per gateway."""
-        pending = self._layers.get(blob.digest)
-        if pending is not None:
-            return await asyncio.shield(pending)
-        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._layers[blob.digest] = future
-        try:
-            last_reported = [0]
+    async def _fetch_layers(self, registry: RegistryClient, manifest: ImageManifest, key: str,
+                            ours: dict[str, asyncio.Future[str]], theirs: dict[str, asyncio.Future[str]],
+                            total: int) -> list[str]:  # fmt: skip
+        """The image's EROFS layers, bottom first. This pull's layers are downloaded one after the other in a
+        task of their own while the one before is unpacked and packed (in order: each layer's record names the
+        layers below it); at most one downloaded blob waits for its turn."""
+        done = [0]
+        last_reported = [0]
 
-            def on_bytes(count: int) -> None:
-                done[0] += count
-                if done[0] - last_reported[0] >= _PROGRESS_EVERY_BYTES:
-                    last_reported[0] = done[0]
+        def on_bytes(count: int) -> None:
+            done[0] += count
+            if done[0] - last_reported[0] >= _PROGRESS_EVERY_BYTES:
+                last_reported[0] = done[0]
+                self._emit(key, PullEvent(type="progress", bytes_done=done[0], bytes_total=total))
+
+        with self._builder.scratch("pull-") as scratch:
+            downloaded: asyncio.Queue[Path] = asyncio.Queue(maxsize=1)
+
+            async def download_ours() -> None:
+                for index, digest in enumerate(ours):
+                    blob = next(blob for blob in manifest.layers if blob.digest == digest)
+                    path = scratch / f"{index}.blob"
+                    await registry.download_blob(manifest.reference, blob, path, on_bytes=on_bytes)
+                    await downloaded.put(path)
+
+            downloads = asyncio.get_running_loop().create_task(download_ours())
+            try:
+                digests: list[str] = []
+                for number, blob in enumerate(manifest.layers, 1):
+                    where = f"layer {number}/{len(manifest.layers)} {blob.digest[:19]}…"
+                    if blob.digest in ours and not ours[blob.digest].done():
+                        path = await _next(downloaded, downloads)
+                        source = {"builder": "registry", "oci_digest": blob.digest, "media_type": blob.media_type,
+                                  "reference": str(manifest.reference)}  # fmt: skip
+                        ours[blob.digest].set_result(await asyncio.to_thread(
+                            self._pack, path, scratch / f"tree-{number}", blob, tuple(digests), source))  # fmt: skip
+                        message = f"{where} {blob.size_bytes / 1e6:.1f} MB"
+                    elif blob.digest in ours:  # the same layer twice in one image
+                        message = f"{where} already here"
+                    elif blob.digest in theirs:
+                        message = f"{where} from a pull of another image"
+                        await asyncio.shield(theirs[blob.digest])
+                    else:
+                        message = f"{where} already here"
+                    future = ours.get(blob.digest) or theirs.get(blob.digest)
+                    digest = future.result() if future is not None else self._known_layer(blob.digest)
+                    if digest is None:
+                        raise ServerUnavailable(f"{where} of {manifest.reference} was removed while it was pulled")
+                    digests.append(digest)
                     self._emit(key, PullEvent(type="progress", layer=blob.digest, bytes_done=done[0],
-                                              bytes_total=total))  # fmt: skip
-
-            with self._builder.scratch("pull-") as scratch:
-                blob_path = scratch / "blob"
-                await registry.download_blob(manifest.reference, blob, blob_path, on_bytes=on_bytes)
-                source = {"builder": "registry", "oci_digest": blob.digest, "media_type": blob.media_type,
-                          "reference": str(manifest.reference)}  # fmt: skip
-                layer_digest = await asyncio.to_thread(self._pack, blob_path, scratch / "tree", blob, parents, source)
-            future.set_result(layer_digest)
-            return layer_digest
-        except BaseException as exc:
-            future.set_exception(exc)
-            future.exception()
-            raise
-        finally:
-            del self._layers[blob.digest]
+                                              bytes_total=total, message=message))  # fmt: skip
+                await downloads
+                return digests
+            finally:
+                downloads.cancel()
+                await asyncio.gather(downloads, return_exceptions=True)
 
     def _pack(self, blob_path: Path, tree: Path, blob: Descriptor, parents: tuple[str, ...],
               source: dict[str, Any]) -> str:  # fmt: skip
@@ -223,3 +250,15 @@ class ImagePuller:
         kind = "base" if not parents else "diff"
         layer = self._builder.pack_tree(tree, kind=kind, parents=parents, source=source, progress=lambda _: None)
         return layer.digest
+
+
+async def _next(downloaded: asyncio.Queue[Path], downloads: asyncio.Task[None]) -> Path:
+    """The next downloaded blob, or the error that ended the downloads."""
+    getter = asyncio.ensure_future(downloaded.get())
+    try:
+        await asyncio.wait({getter, downloads}, return_when=asyncio.FIRST_COMPLETED)
+        if not getter.done() and downloads.exception() is not None:
+            raise downloads.exception()  # type: ignore[misc]
+        return await getter
+    finally:
+        getter.cancel()
