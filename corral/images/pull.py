@@ -12,9 +12,9 @@ A gateway pulls each reference once at a time: concurrent pulls of the same
 reference (a burst of creates from an image not yet here) wait on one
 future, and concurrent pulls of different images sharing a layer wait on one
 download of it. A pull downloads its layers in a task of their own while the
-layer before is unpacked and packed, in order. The image config (Env, WorkingDir, User, Entrypoint, Cmd,
-Labels) is kept with the tag, so sandboxes created from it start with its
-environment and working directory.
+layer before is unpacked and packed, in order. The image config (Env,
+WorkingDir, User, Entrypoint, Cmd, Labels) is kept with the tag, so sandboxes
+created from it start with its environment and working directory.
 """
 
 from __future__ import annotations
