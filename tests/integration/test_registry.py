@@ -384,3 +384,15 @@ async def test_puller_reuses_layers_across_images_and_joins_concurrent_pulls(ima
     assert (second.layers_pulled, second.layers_reused) == (2, 3)
     assert second.bytes_transferred == len(images.app2[0].data) + _blob_bytes([images.app2[0], images.app2[1],
                                                                                *images.app2[5:]])  # fmt: skip
+
+
+async def test_concurrent_pulls_of_images_sharing_layers_download_each_once(images: Images,
+                                                                           puller: ImagePuller) -> None:  # fmt: skip
+    since = len(images.anon.access_log())
+    app, app2 = await asyncio.gather(puller.pull(images.ref("ns/app")), puller.pull(images.ref("ns/app2")))
+    assert app.layers_pulled + app2.layers_pulled == 7  # 5 + 2: the 3 shared layers came once, in one of them
+    assert app.image.layers[:3] == app2.image.layers[:3]
+    layer_gets = [e["path"].rsplit("/", 1)[-1] for e in images.anon.access_log()[since:]
+                  if e["method"] == "GET" and "/blobs/" in e["path"]]  # fmt: skip
+    layers = {blob.digest for blob in [*images.app[2:], *images.app2[2:]]}
+    assert sorted(d for d in layer_gets if d in layers) == sorted(layers)  # each layer blob GET once
