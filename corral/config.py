@@ -7,10 +7,10 @@ field descriptions, so document a new setting here.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from corral.sdk._config import default_config_path
 
@@ -140,6 +140,24 @@ class Settings(BaseSettings):
     layer_chunk_timeout_s: float = Field(
         10.0, gt=0, description="on_demand: the HTTP timeout of one chunk request (tried twice before EIO)."
     )
+    insecure_registries: Annotated[list[str], NoDecode] = Field(
+        [],
+        description="Registries (host:port, comma-separated) pulled from over plain HTTP. Every other registry is "
+        "reached over https only.",
+    )
+    registry_credentials: dict[str, str] = Field(
+        {},
+        description='Registry credentials as JSON, {"host:port": "user:password"}; they answer a registry\'s Basic '
+        "challenge or get its Bearer token. Over the auth file's for the same registry.",
+    )
+    registry_auth_file: Path | None = Field(
+        None,
+        description='A docker-style auth.json ({"auths": {"host:port": {"auth": base64 of user:password}}}) with '
+        "registry credentials; read at start.",
+    )
+    pull_max_layer_bytes: int = Field(
+        32 << 30, gt=0, description="The most file bytes one pulled OCI layer may unpack to; a bigger one is refused."
+    )
     vm_accel: Literal["auto", "kvm", "tcg"] = Field(
         "auto",
         description="microvm/vm accelerator: auto boots a probe guest under KVM (bounded) and falls back to TCG.",
@@ -158,6 +176,13 @@ class Settings(BaseSettings):
     vm_boot_timeout_s: float = Field(
         90.0, gt=0, description="How long a microvm/vm guest may take to boot before its create fails."
     )
+
+    @field_validator("insecure_registries", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [item.strip() for item in value.split(",") if item.strip()]
+        return value
 
     @property
     def database(self) -> str:

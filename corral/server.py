@@ -34,6 +34,8 @@ from corral.guard.audit import AuditLog
 from corral.images.builders import LayerBuilder
 from corral.images.catalogue import Catalogue
 from corral.images.fetch import layer_fetcher
+from corral.images.pull import ImagePuller
+from corral.images.registry import RegistryConfig, load_auth_file
 from corral.images.store import LayerStore
 from corral.node import build_edge, prepare_host
 from corral.state.db import StateStore
@@ -101,6 +103,15 @@ def _ray_edges():  # type: ignore[no-untyped-def]
     return RayEdges()
 
 
+def registry_config(settings: Settings) -> RegistryConfig:
+    """How this server reaches registries: plain-HTTP ones, and credentials (the setting's over the file's)."""
+    credentials = load_auth_file(settings.registry_auth_file) if settings.registry_auth_file else {}
+    for registry, pair in settings.registry_credentials.items():
+        user, _, password = pair.partition(":")
+        credentials[registry] = (user, password)
+    return RegistryConfig(insecure=frozenset(settings.insecure_registries), credentials=credentials)
+
+
 def serve(settings: Settings) -> None:
     tune_gc()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -124,6 +135,10 @@ def serve(settings: Settings) -> None:
         audit_log = AuditLog(store.engine)
         fetcher = layer_fetcher(settings, catalogue.store, api_key, audit=audit_log.record)
         edges = {}
+        builder = LayerBuilder(catalogue, settings.data_dir / "build", settings.max_file_bytes)
+        puller = ImagePuller(
+            catalogue, builder, registry_config(settings), max_layer_bytes=settings.pull_max_layer_bytes
+        )
         service = SandboxService(
             store=store,
             catalogue=catalogue,
@@ -136,14 +151,15 @@ def serve(settings: Settings) -> None:
             node_lost_after_s=settings.node_lost_after_s,
             layer_fetcher=fetcher,
             remote_edges=_ray_edges() if host is None else None,
+            puller=puller,
         )
         if host is not None:
             edges[settings.edge_id] = build_edge(settings, host, service)
         try:
             await service.start()  # inside: edges that started are closed again if a later one fails
-            builder = LayerBuilder(catalogue, settings.data_dir / "build", settings.max_file_bytes)
             log.info("serving on %s (%d images)", url, len(catalogue.images()))
-            images = ImageService(catalogue, builder, service, disk_budget_mb=settings.layer_disk_budget_mb)
+            images = ImageService(catalogue, builder, service, disk_budget_mb=settings.layer_disk_budget_mb,
+                                  puller=puller)  # fmt: skip
             trajectories = Trajectories(
                 TrajectoryLog(store.engine), service, max_logged_file_bytes=settings.max_logged_file_bytes
             )
@@ -165,6 +181,7 @@ def serve(settings: Settings) -> None:
                 )  # fmt: skip
             finally:
                 await fncall.close()
+                await puller.aclose()
                 trajectories.flush()
         finally:
             await service.close()

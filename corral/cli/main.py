@@ -16,10 +16,11 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Column, Table
 
 from corral.cli.cluster import cluster_app
-from corral.sdk import Client, CorralError, SandboxInfo
+from corral.sdk import Client, CorralError, PullEvent, SandboxInfo
 
 app = typer.Typer(help="Corral: sandboxes for agentic RL.", no_args_is_help=True, add_completion=False)
 # Piped output (CI logs, scripts) gets full-width tables instead of wrapped 80-column ones.
@@ -76,7 +77,9 @@ def serve(
 
 @app.command()
 def create(
-    image: Annotated[str, typer.Argument(help="Image name, see `corral images`.")] = "busybox",
+    image: Annotated[
+        str, typer.Argument(help="Image name (see `corral images`) or a registry reference, pulled on first use.")
+    ] = "busybox",
     cpu: float = 1.0,
     qos: Annotated[str, typer.Option(help="CPU class: latency (default) or batch (runs on what others leave).")] = (
         "latency"
@@ -88,8 +91,8 @@ def create(
         list[str] | None, typer.Option("--node-selector", help="Only on a node with this key=value label, repeatable.")
     ] = None,
     env: Annotated[list[str] | None, typer.Option("--env", "-e", help="NAME=value, repeatable.")] = None,
-    user: Annotated[str | None, typer.Option(help="Default user of commands (default: the image's).")] = None,
-    cwd: Annotated[str | None, typer.Option(help="Default directory of commands (default: the image's).")] = None,
+    user: Annotated[str | None, typer.Option(help="Default: the image's user, else root.")] = None,
+    cwd: Annotated[str | None, typer.Option(help="Default: the image's working directory, else /.")] = None,
     workspace: Annotated[str | None, typer.Option(help="Workspace image stacked over IMAGE.")] = None,
     tools: Annotated[str | None, typer.Option(help="Tools image stacked on top.")] = None,
 ) -> None:
@@ -201,17 +204,20 @@ def images_ls(layers: Annotated[bool, typer.Option("--layers", help="List layers
             table.add_row(layer.digest[:19], layer.kind, _size(layer.size_bytes), str(layer.source.get("builder")),
                           _when(layer.created_at))  # fmt: skip
     else:
-        table = Table("IMAGE", "LAYERS", "SIZE MiB", "CREATED")
+        table = Table("IMAGE", "LAYERS", "SIZE MiB", "CREATED", "SOURCE", "MANIFEST")
         for image in client.images.list():
-            table.add_row(image.name, str(len(image.layers)), _size(image.size_bytes), _when(image.created_at))
+            table.add_row(image.name, str(len(image.layers)), _size(image.size_bytes), _when(image.created_at),
+                          image.source or "-", (image.manifest_digest or "-")[:19])  # fmt: skip
     console.print(table)
 
 
 @images_app.command("inspect")
 def images_inspect(ref: str) -> None:
-    """Show an image's layers, bottom first, with how each was built."""
+    """Show an image's layers, bottom first, with how each was built (and a pulled image's source and config)."""
     detail = _client().images.inspect(ref)
     console.print(f"{detail.name}: {len(detail.layers)} layers, {_size(detail.size_bytes)} MiB")
+    if detail.source:
+        console.print(f"pulled from {detail.source}, manifest {detail.manifest_digest}", markup=False)
     config = detail.config.model_dump(exclude_defaults=True)  # env, working dir, user ... sandboxes start with
     if config:
         console.print(f"config: {json.dumps(config)}", markup=False, highlight=False)
@@ -317,6 +323,29 @@ def _build_dockerfile(
     console.print(f"built {image.name}: {len(image.layers)} layers, {_size(image.size_bytes)} MiB")
 
 
+@images_app.command("pull")
+def images_pull(
+    reference: Annotated[str, typer.Argument(help="host[:port]/repository[:tag][@sha256:...] of an OCI registry.")],
+) -> None:
+    """Pull an image from an OCI registry into the server (layers already there are not downloaded)."""
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  console=console, transient=True) as progress:  # fmt: skip
+        bar = progress.add_task(f"pulling {reference}", total=None)
+
+        def show(event: PullEvent) -> None:
+            if event.message:
+                progress.console.print(event.message, style="dim", markup=False, highlight=False)
+            if event.bytes_total is not None:
+                progress.update(bar, total=event.bytes_total, completed=event.bytes_done or 0)
+
+        done = _client().images.pull(reference, on_progress=show)
+    image = done.image
+    if image is not None:
+        console.print(f"pulled {image.name}: {len(image.layers)} layers ({done.layers_reused} already here), "
+                      f"{(done.bytes_transferred or 0) / 1e6:.1f} MB received, manifest {image.manifest_digest}",
+                      markup=False, highlight=False)  # fmt: skip
+
+
 @images_app.command("import")
 def images_import(
     archive: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="A local file, uploaded.")],
@@ -384,6 +413,18 @@ def bench_images(
 
     run_images_benchmark(runs=runs, warm_runs=warm_runs, data_mib=data_mib, read_pct=read_pct, as_json=as_json,
                          console=console)  # fmt: skip
+
+
+@app.command("bench-pull")
+def bench_pull(
+    runs: Annotated[int, typer.Option(help="Runs, each in a fresh store.")] = 3,
+    layer_mib: Annotated[int, typer.Option(help="Size of each of the 5 layers (random bytes).")] = 16,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Pull from a local OCI registry (docker-registry): cold, shared-base and warm pulls against a plain download."""
+    from corral.bench.pull import run_pull_benchmark
+
+    run_pull_benchmark(runs=runs, layer_mib=layer_mib, as_json=as_json, console=console)
 
 
 @app.command("bench-lifecycle")

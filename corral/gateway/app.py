@@ -58,6 +58,7 @@ from corral.sdk._models import (
     NodeStats,
     PauseResult,
     PoolStats,
+    PullRequest,
     ReplayRequest,
     ReplayResult,
     RunCodeRequest,
@@ -228,17 +229,12 @@ def create_app(service_factory, max_file_bytes: int, upload_dir: Path) -> FastAP
     async def list_images(images: Images) -> list[ImageInfo]:
         return images.images()
 
-    @app.get("/v1/images/{ref}", dependencies=[Auth])
+    @app.get("/v1/images/{ref:path}", dependencies=[Auth])
     async def inspect_image(ref: str, images: Images) -> ImageDetail:
+        """A local image (name:version) or a pulled one (host/repo:tag, host/repo@digest)."""
         return images.inspect(ref)
 
-    @app.put("/v1/images/{ref}")
-    async def tag_image(ref: str, body: TagRequest, images: Images, caller: CallerDep) -> ImageInfo:
-        """Point ``ref`` at layers, or at another image's layers; a tag may move."""
-        caller.require_admin("tag images")
-        return images.tag(ref, layers=body.layers, source=body.source)
-
-    @app.delete("/v1/images/{ref}")
+    @app.delete("/v1/images/{ref:path}")
     async def untag_image(ref: str, images: Images, caller: CallerDep) -> ImageInfo:
         """Remove the tag; its layers stay until `DELETE /v1/layers/{digest}`."""
         caller.require_admin("remove images")
@@ -284,6 +280,21 @@ def create_app(service_factory, max_file_bytes: int, upload_dir: Path) -> FastAP
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
+    @app.post(
+        "/v1/images/pull",
+        response_class=StreamingResponse,
+        responses={200: {"content": {"application/x-ndjson": {}}, "description": "One PullEvent per line."}},
+    )
+    async def pull_image(body: PullRequest, images: Images, caller: CallerDep) -> StreamingResponse:
+        """Pull an image from an OCI registry (each layer once per gateway); a create naming one pulls it too."""
+        caller.require_admin("pull images")
+
+        async def lines() -> AsyncIterator[bytes]:
+            async for event in images.pull(body.reference):
+                yield event.model_dump_json(exclude_none=True).encode() + b"\n"
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
     @app.put("/v1/images/import/{ref}")
     async def import_image(
         ref: str,
@@ -300,6 +311,12 @@ def create_app(service_factory, max_file_bytes: int, upload_dir: Path) -> FastAP
         with tempfile.NamedTemporaryFile(dir=upload_dir, prefix="upload-") as upload:
             await save_body(request, upload)
             return await images.import_archive(ref, Path(upload.name), fmt=format, layer_kind=layer_kind)
+
+    @app.put("/v1/images/{ref:path}")  # after import/{ref}, which it would match
+    async def tag_image(ref: str, body: TagRequest, images: Images, caller: CallerDep) -> ImageInfo:
+        """Point ``ref`` at layers, or at another image's layers; a tag may move."""
+        caller.require_admin("tag images")
+        return images.tag(ref, layers=body.layers, source=body.source)
 
     @app.post("/v1/sandboxes/{sandbox_id}/snapshot")
     async def snapshot_sandbox(

@@ -39,7 +39,6 @@ from corral.images.dockerfile import (
     is_local_archive,
     json_array,
     key_values,
-    looks_like_registry_ref,
     parse_copy,
     parse_dockerfile,
     sources_digest,
@@ -50,8 +49,8 @@ from corral.images.dockerfile import (
 from corral.images.image_config import ImageConfig
 from corral.images.store import ImageRecord, parse_ref
 from corral.images.unpack import extract_tar
-from corral.sdk._exceptions import InvalidRequest, NotFound
-from corral.sdk._models import BuildEvent, BuildRequest, ExecRequest, NetworkPolicy
+from corral.sdk._exceptions import CorralError, InvalidRequest, NotFound
+from corral.sdk._models import BuildEvent, BuildRequest, ExecRequest, NetworkPolicy, is_registry_reference
 
 if TYPE_CHECKING:
     from corral.gateway.images import ImageService
@@ -160,19 +159,21 @@ class DockerfileBuild:
         return _StageState(stack=list(image.layers), config=image.config.model_copy(deep=True))
 
     async def _image(self, ref: str, instruction: Instruction) -> ImageRecord:
-        """A Corral image ``name[:version]``, or a registry reference through the puller."""
-        if not looks_like_registry_ref(ref):
+        """A Corral image ``name[:version]``, or a registry reference (``host[:port]/repo...``) through the puller."""
+        if not is_registry_reference(ref):
             try:
                 return self._catalogue.resolve(ref)
             except (NotFound, InvalidRequest) as exc:
-                if self._puller is None:
-                    raise type(exc)(f"{instruction.where()}: {exc.message}") from None
+                raise type(exc)(f"{instruction.where()}: {exc.message}") from None
         if self._puller is None:
             raise InvalidRequest(
                 f"{instruction.where()}: {ref!r} is a registry reference, and this server does not pull from "
                 "registries: import the image (`corral images import --oci`) and use its Corral name"
             )
-        return await self._puller(ref, self._progress)
+        try:
+            return await self._puller(ref, self._progress)
+        except CorralError as exc:
+            raise type(exc)(f"{instruction.where()}: {exc.message}") from None
 
     # -- one instruction --------------------------------------------------
 

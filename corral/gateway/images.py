@@ -1,5 +1,5 @@
 """Images and layers behind the HTTP API: list, inspect, tag, remove, build,
-import, and snapshot a sandbox as a layer.
+import, pull from a registry, and snapshot a sandbox as a layer.
 
 Builds that need no sandbox run in worker threads (corral/images/builders.py);
 `commands` builds and git setup steps run in a builder sandbox created
@@ -14,16 +14,17 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from corral.backends.base import Capability
 from corral.edge.protocol import edge_of
-from corral.gateway.dockerfile_build import DockerfileBuild, PullImage
+from corral.gateway.dockerfile_build import DockerfileBuild
 from corral.gateway.service import SandboxService
 from corral.images.builders import LayerBuilder, Progress
 from corral.images.catalogue import Catalogue, CatalogueLayer, input_key
+from corral.images.pull import ImagePuller
 from corral.images.store import ImageRecord, parse_ref
 from corral.sdk._exceptions import CorralError, InternalError, InvalidRequest, error_from_response
 from corral.sdk._models import (
@@ -38,6 +39,7 @@ from corral.sdk._models import (
     LayerChunks,
     LayerInfo,
     NetworkPolicy,
+    PullEvent,
     SandboxInfo,
     SnapshotInfo,
 )
@@ -51,9 +53,15 @@ _FAILED_OUTPUT_LINES = 40
 
 
 def image_info(image: ImageRecord) -> ImageInfo:
-    return ImageInfo(
-        name=image.ref, layers=list(image.layers), size_bytes=image.size_bytes, created_at=image.created_at
-    )
+    return ImageInfo(name=image.ref, layers=list(image.layers), size_bytes=image.size_bytes,
+                     created_at=image.created_at, config=image.config, **_origin_fields(image))  # fmt: skip
+
+
+def _origin_fields(image: ImageRecord) -> dict[str, Any]:
+    """ImageInfo/ImageDetail's source and manifest_digest: a pulled image's, else none."""
+    if image.origin is None:
+        return {}
+    return {"source": image.origin.source, "manifest_digest": image.origin.manifest_digest}
 
 
 def layer_info(layer: CatalogueLayer) -> LayerInfo:
@@ -68,6 +76,35 @@ def layer_info(layer: CatalogueLayer) -> LayerInfo:
     )
 
 
+Event = TypeVar("Event", BuildEvent, PullEvent)
+
+
+async def _event_stream(run: Callable[[], Awaitable[Event]], events: asyncio.Queue[Event],
+                        failed: Callable[[dict[str, str]], Event], what: str) -> AsyncIterator[Event]:  # fmt: skip
+    """Run ``run`` in a task (it puts progress events on ``events``); yield them, then its final event, or the
+    error event ``failed`` makes of what it raised. The task is cancelled if the consumer goes away."""
+
+    async def settle() -> None:
+        try:
+            events.put_nowait(await run())  # in order after every progress event put from the loop's thread
+        except CorralError as exc:
+            events.put_nowait(failed(exc.to_body()["error"]))
+        except Exception as exc:
+            log.exception("%s failed", what)
+            events.put_nowait(failed(InternalError(f"{what} failed: {exc!r}").to_body()["error"]))
+
+    task = asyncio.get_running_loop().create_task(settle())
+    try:
+        while True:
+            event = await events.get()
+            yield event
+            if event.type != "progress":
+                return
+    finally:
+        if not task.done():
+            task.cancel()
+
+
 class ImageService:
     def __init__(
         self,
@@ -76,9 +113,9 @@ class ImageService:
         sandboxes: SandboxService,
         *,
         disk_budget_mb: int | None,
-        puller: PullImage | None = None,
+        puller: ImagePuller | None = None,
     ) -> None:
-        """``puller``: fetches a registry reference into the catalogue (Dockerfile FROM of a registry image)."""
+        """``puller``: pulls registry references into the catalogue (``pull``, and a Dockerfile's FROM of one)."""
         self._catalogue = catalogue
         self._builder = builder
         self._sandboxes = sandboxes
@@ -107,6 +144,7 @@ class ImageService:
             size_bytes=image.size_bytes,
             created_at=image.created_at,
             config=image.config,
+            **_origin_fields(image),
         )
 
     def layer_file(self, digest: str) -> tuple[Path, str]:
@@ -129,11 +167,38 @@ class ImageService:
         source_image = self._catalogue.resolve(source) if source else None
         digests = list(source_image.layers) if source_image else list(layers or [])
         name, version = parse_ref(ref)
-        config = source_image.config if source_image else None
-        return image_info(self._catalogue.tag(name, digests, version=version, config=config))
+        config, origin = (source_image.config, source_image.origin) if source_image else (None, None)
+        return image_info(self._catalogue.tag(name, digests, version=version, config=config, origin=origin))
 
     def untag(self, ref: str) -> ImageInfo:
         return image_info(self._catalogue.untag(ref))
+
+    # -- pulls ------------------------------------------------------------
+
+    async def pull(self, reference: str) -> AsyncIterator[PullEvent]:
+        """Pull a registry image (joining a pull of it under way), yielding progress, then ``done`` or ``error``."""
+        if self._puller is None:
+            raise InternalError("this server was started without a registry puller")
+        puller = self._puller
+        events: asyncio.Queue[PullEvent] = asyncio.Queue()
+
+        async def run() -> PullEvent:
+            result = await puller.pull(reference, events.put_nowait)
+            self._enforce_budget(lambda _: None)
+            return PullEvent(
+                type="done", image=image_info(result.image), layers_pulled=result.layers_pulled,
+                layers_reused=result.layers_reused, bytes_transferred=result.bytes_transferred,
+            )  # fmt: skip
+
+        async for event in _event_stream(run, events, lambda error: PullEvent(type="error", error=error),
+                                         f"pull of {reference}"):  # fmt: skip
+            yield event
+
+    async def _pull_base(self, reference: str, progress: Progress) -> ImageRecord:
+        """A Dockerfile's FROM of a registry image: the catalogue's copy, else pulled now (its lines as progress).
+        The disk budget is enforced when the build ends, not here: it would evict the build's earlier stages."""
+        assert self._puller is not None  # only handed to builds when there is one
+        return await self._puller.ensure(reference, lambda event: progress(event.message) if event.message else None)
 
     def remove_layer(self, digest: str) -> None:
         self._catalogue.remove_layer(digest, in_use=digest in self._sandboxes.layers_in_use())
@@ -156,34 +221,19 @@ class ImageService:
         def progress(message: str) -> None:
             emit(BuildEvent(type="progress", message=message))
 
-        async def run() -> None:
-            try:
-                if request.kind == "dockerfile":
-                    build = DockerfileBuild(
-                        self, self._catalogue, self._sandboxes, request, emit=emit, puller=self._puller
-                    )
-                    image, cached = await build.run()
-                    self._enforce_budget(progress)
-                else:
-                    image, cached = await self._build(request, progress)
-                events.put_nowait(BuildEvent(type="done", image=image_info(image), cached=cached))
-            except CorralError as exc:
-                events.put_nowait(BuildEvent(type="error", error={"code": exc.code, "message": exc.message}))
-            except Exception as exc:
-                log.exception("build of %s failed", request.name)
-                error = InternalError(f"build failed: {exc!r}")
-                events.put_nowait(BuildEvent(type="error", error={"code": error.code, "message": error.message}))
+        async def run() -> BuildEvent:
+            if request.kind == "dockerfile":
+                pull_base = self._pull_base if self._puller is not None else None
+                build = DockerfileBuild(self, self._catalogue, self._sandboxes, request, emit=emit, puller=pull_base)
+                image, cached = await build.run()
+                self._enforce_budget(progress)
+            else:
+                image, cached = await self._build(request, progress)
+            return BuildEvent(type="done", image=image_info(image), cached=cached)
 
-        task = loop.create_task(run())
-        try:
-            while True:
-                event = await events.get()
-                yield event
-                if event.type != "progress":
-                    return
-        finally:
-            if not task.done():
-                task.cancel()
+        async for event in _event_stream(run, events, lambda error: BuildEvent(type="error", error=error),
+                                         f"build of {request.name}"):  # fmt: skip
+            yield event
 
     async def _build(self, request: BuildRequest, progress: Progress) -> tuple[ImageRecord, bool]:
         name, version = parse_ref(request.name)

@@ -26,6 +26,7 @@ from corral.images.catalogue import Catalogue
 from corral.images.fetch import LayerFetcher
 from corral.images.image_config import ImageConfig, sandbox_defaults
 from corral.images.image_config import merge as merge_configs
+from corral.images.pull import ImagePuller
 from corral.scheduler.placement import NodesBusy, Scheduler
 from corral.sdk._exceptions import (
     CapacityExhausted,
@@ -50,6 +51,7 @@ from corral.sdk._models import (
     PauseResult,
     SandboxInfo,
     SandboxState,
+    is_registry_reference,
 )
 from corral.state.db import StateStore
 
@@ -142,8 +144,10 @@ class SandboxService:
         remote_edges: EdgeDirectory | None = None,
         heartbeat_s: float = 1.0,
         node_lost_after_s: float = 15.0,
+        puller: ImagePuller | None = None,
     ) -> None:
         self._heartbeat_s = heartbeat_s
+        self._puller = puller  # registry images a create names are pulled on first use
         self._node_lost_after_s = node_lost_after_s
         self._watcher: asyncio.Task[None] | None = None
         self._store = store
@@ -279,18 +283,34 @@ class SandboxService:
                     stack.append(digest)
         return stack
 
+    @staticmethod
+    def _image_refs(request: CreateSandboxRequest) -> list[str]:
+        """The image refs a create stacks, bottom first (none when it names layers)."""
+        if request.layers:
+            return []
+        if request.environment is not None:
+            env = request.environment
+            return [env.base, *(p for p in (env.workspace, env.tools) if p), *env.extra]
+        return [request.image]
+
     def _resolve_root(self, request: CreateSandboxRequest) -> tuple[list[str], str, ImageConfig]:
         """The sandbox's layers (bottom first), the name it is listed under, and the image config it starts
         with (an environment's images merged in order; none for bare layers)."""
         if request.layers:
             return self.stack(request.layers), "+".join(d.split(":")[-1][:12] for d in request.layers), ImageConfig()
+        refs = self._image_refs(request)
         if request.environment is not None:
-            env = request.environment
-            parts = [env.base, *(p for p in (env.workspace, env.tools) if p), *env.extra]
-            config = merge_configs(self._catalogue.resolve(p).config for p in parts if not p.startswith("sha256:"))
-            return self.stack(parts), "+".join(parts), config
+            config = merge_configs(self._catalogue.resolve(p).config for p in refs if not p.startswith("sha256:"))
+            return self.stack(refs), "+".join(refs), config
         image = self._catalogue.resolve(request.image)
-        return self.stack([request.image]), image.ref, image.config
+        return self.stack(refs), image.ref, image.config
+
+    async def _pull_missing(self, request: CreateSandboxRequest) -> None:
+        """Registry images the create names that are not here yet: pulled, once per gateway however many wait."""
+        if self._puller is not None:
+            for ref in self._image_refs(request):
+                if is_registry_reference(ref):
+                    await self._puller.ensure(ref)
 
     def record(self, sandbox_id: str) -> dict[str, Any]:
         record = self._store.get(sandbox_id)
@@ -396,6 +416,7 @@ class SandboxService:
     ) -> SandboxInfo:
         """``restore_from``: a checkpoint directory on edge ``on_edge``'s node (a fork of a VM or gVisor sandbox:
         memory, processes, disk), so the sandbox starts there."""
+        await self._pull_missing(request)
         await self._fetch_layers(request)
         request, image_name, layers = self._prepare(request)
         return await self._create_placed(request, image_name, layers, restore_from=restore_from, on_edge=on_edge)
@@ -519,6 +540,7 @@ class SandboxService:
         """
         if not 1 <= count <= MAX_BATCH:
             raise InvalidRequest(f"count must be between 1 and {MAX_BATCH}, got {count}")
+        await self._pull_missing(request)
         await self._fetch_layers(request)
         request, image_name, layers = self._prepare(request)
         started = time.perf_counter()

@@ -20,7 +20,16 @@ from sqlalchemy import delete, insert, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 
-from corral.images.store import DEFAULT_VERSION, ImageRecord, LayerRecord, LayerStore, check_name, parse_ref
+from corral.images.registry import Reference, is_registry_reference, parse_reference
+from corral.images.store import (
+    DEFAULT_VERSION,
+    ImageOrigin,
+    ImageRecord,
+    LayerRecord,
+    LayerStore,
+    check_name,
+    parse_ref,
+)
 from corral.sdk._exceptions import Conflict, InvalidRequest, NotFound
 from corral.sdk._models import ImageConfig
 from corral.state.db import build_cache, image_tags, layers
@@ -37,6 +46,14 @@ class CatalogueLayer:
     source: dict[str, Any]
     labels: dict[str, str]
     created_at: float
+
+
+def _tag_key(ref: str) -> tuple[str, str]:
+    """(name, version) of a local ref (``name[:version]``) or a registry reference (``host/repo[:tag|@digest]``)."""
+    if is_registry_reference(ref):
+        reference = parse_reference(ref)
+        return reference.name, reference.version
+    return parse_ref(ref)
 
 
 def input_key(inputs: dict[str, Any]) -> str:
@@ -99,6 +116,17 @@ class Catalogue:
             created_at=row.created_at,
         )
 
+    def layer_from_oci(self, oci_digest: str) -> CatalogueLayer | None:
+        """The layer pulled from this OCI layer digest, if it is still here (catalogue and store)."""
+        rows = self._rows(select(layers.c.digest).where(layers.c.source["oci_digest"].as_string() == oci_digest))
+        for row in rows:
+            try:
+                self.store.layer_path(row.digest)
+            except NotFound:
+                continue
+            return self.layer(row.digest)
+        return None
+
     def layers(self) -> list[CatalogueLayer]:
         return [self.layer(row.digest) for row in self._rows(select(layers.c.digest).order_by(layers.c.created_at))]
 
@@ -148,11 +176,28 @@ class Catalogue:
         *,
         version: str = DEFAULT_VERSION,
         config: ImageConfig | None = None,
+        origin: ImageOrigin | None = None,
     ) -> ImageRecord:
         """Point ``name:version`` at layers (bottom first) with their image config; a tag may move (and takes the
-        new config, none if not given), a digest never changes."""
+        new config, none if not given), a digest never changes. ``origin``: the registry pull it came from."""
         check_name(name, "image name")
         check_name(version, "image version")
+        return self._tag(name, version, layer_digests, config, origin)
+
+    def tag_pulled(
+        self, reference: Reference, layer_digests: Sequence[str], config: ImageConfig, origin: ImageOrigin
+    ) -> ImageRecord:
+        """Record a pulled image under its registry reference (``host/repo`` and its tag or digest)."""
+        return self._tag(reference.name, reference.version, layer_digests, config, origin)
+
+    def _tag(
+        self,
+        name: str,
+        version: str,
+        layer_digests: Sequence[str],
+        config: ImageConfig | None,
+        origin: ImageOrigin | None,
+    ) -> ImageRecord:
         if isinstance(layer_digests, str) or not layer_digests:
             raise InvalidRequest("an image needs a non-empty list of layer digests, bottom first")
         for digest in layer_digests:
@@ -160,12 +205,13 @@ class Catalogue:
             self.store.layer_path(digest)
         now = time.time()
         stored_config = config.model_dump() if config is not None else None
+        origin_json = origin.to_json() if origin is not None else None
         self.generation += 1
         with self._engine.begin() as conn:
             moved = conn.execute(
                 update(image_tags)
                 .where(image_tags.c.name == name, image_tags.c.version == version)
-                .values(layers=list(layer_digests), updated_at=now, config=stored_config)
+                .values(layers=list(layer_digests), updated_at=now, config=stored_config, origin=origin_json)
             ).rowcount
             if not moved:
                 conn.execute(
@@ -176,9 +222,10 @@ class Catalogue:
                         created_at=now,
                         updated_at=now,
                         config=stored_config,
+                        origin=origin_json,
                     )  # fmt: skip
                 )
-        return self.resolve(f"{name}:{version}")
+        return self._resolve_key(name, version)
 
     def untag(self, ref: str) -> ImageRecord:
         image = self.resolve(ref)
@@ -190,12 +237,15 @@ class Catalogue:
         return image
 
     def resolve(self, ref: str) -> ImageRecord:
-        """``name`` (meaning ``name:latest``) or ``name:version`` to its record."""
-        name, version = parse_ref(ref)
+        """``name`` (meaning ``name:latest``), ``name:version`` or a pulled registry reference to its record."""
+        return self._resolve_key(*_tag_key(ref))
+
+    def _resolve_key(self, name: str, version: str) -> ImageRecord:
         rows = self._rows(select(image_tags).where(image_tags.c.name == name, image_tags.c.version == version))
         if not rows:
             available = ", ".join(image.ref for image in self.images()) or "none: run scripts/setup.sh"
-            raise NotFound(f"image {name}:{version} not found; available: {available}")
+            wanted = f"{name}@{version}" if version.startswith("sha256:") else f"{name}:{version}"
+            raise NotFound(f"image {wanted} not found; available: {available}")
         return self._image(rows[0])
 
     def images(self) -> list[ImageRecord]:
@@ -214,6 +264,7 @@ class Catalogue:
             created_at=row.created_at,
             size_bytes=sum(sizes.get(d, 0) for d in row.layers),
             config=ImageConfig.model_validate(row.config or {}),
+            origin=ImageOrigin.from_json(row.origin) if row.origin else None,
         )
 
     # -- build cache ----------------------------------------------------

@@ -36,7 +36,6 @@ __all__ = [
     "Instruction",
     "Stage",
     "key_values",
-    "looks_like_registry_ref",
     "parse_copy",
     "parse_dockerfile",
     "substitute",
@@ -271,11 +270,6 @@ def _split_flags(instruction: Instruction, value: str | None = None) -> tuple[di
         flags[name.lower()] = flag_value
         rest = rest.lstrip()
     return flags, rest
-
-
-def looks_like_registry_ref(ref: str) -> bool:
-    """``registry:5000/ns/img:tag``, ``ns/img`` or ``img@sha256:…``: not a Corral ``name[:version]``."""
-    return "/" in ref or "@" in ref
 
 
 # -- the build context ---------------------------------------------------

@@ -40,6 +40,7 @@ __all__ = [
     "LAYER_KINDS",
     "DEFAULT_VERSION",
     "ChunkIndex",
+    "ImageOrigin",
     "ImageRecord",
     "LayerRecord",
     "LayerStore",
@@ -100,6 +101,24 @@ class ChunkIndex:
 
 
 @dataclass(frozen=True)
+class ImageOrigin:
+    """Where a pulled image came from. Its config is the image's ``config`` like any other image's; which OCI
+    layer each of its layers was made from is in the layer's record (``source.oci_digest``)."""
+
+    source: str  # the registry reference pulled, e.g. 127.0.0.1:5000/ns/img:tag
+    manifest_digest: str  # of the image manifest (linux/amd64's, when the reference named an index)
+    index_digest: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"source": self.source, "manifest_digest": self.manifest_digest, "index_digest": self.index_digest}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ImageOrigin:
+        return cls(source=str(data["source"]), manifest_digest=str(data["manifest_digest"]),
+                   index_digest=data.get("index_digest"))  # fmt: skip
+
+
+@dataclass(frozen=True)
 class ImageRecord:
     name: str
     version: str
@@ -107,10 +126,12 @@ class ImageRecord:
     created_at: float
     size_bytes: int
     config: ImageConfig = field(default_factory=ImageConfig)  # env, working dir, user ... (image_config.py)
+    origin: ImageOrigin | None = None  # a registry pull's provenance; None for images built or imported here
 
     @property
     def ref(self) -> str:
-        return f"{self.name}:{self.version}"
+        # A registry image pulled by digest has the digest as its version: host/repo@sha256:...
+        return f"{self.name}{'@' if self.version.startswith('sha256:') else ':'}{self.version}"
 
 
 def check_layer_file(digest: str, path: Path) -> None:

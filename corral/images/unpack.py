@@ -20,6 +20,12 @@ OCI layers go through the same code plus whiteouts: ``dir/.wh.name`` deletes
 ``dir/name`` left by lower layers; ``dir/.wh..wh..opq`` deletes every child of
 ``dir`` this layer has not itself written. Layer blobs are checked against
 their sha256 before they are applied. On error the caller deletes dest.
+
+``unpack_oci_layer`` unpacks one layer on its own instead (a pulled image keeps
+each OCI layer as an EROFS layer of its own, stacked by overlayfs), so its
+whiteouts become overlayfs ones: ``.wh.name`` a 0/0 character device ``name``,
+``.wh..wh..opq`` the ``trusted.overlay.opaque=y`` xattr on the directory. An
+entry the same layer also writes wins over its whiteout, as the OCI spec says.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ try:
 except ImportError:  # optional: only zstd-compressed layers need it
     _zstandard = None
 
-__all__ = ["MAX_MEMBERS", "MAX_PATH_DEPTH", "OciImageInfo", "extract_tar", "unpack_oci_archive"]
+__all__ = ["MAX_MEMBERS", "MAX_PATH_DEPTH", "OciImageInfo", "extract_tar", "unpack_oci_archive", "unpack_oci_layer"]
 
 MAX_MEMBERS = 1_000_000
 # Bounds the recursion of shutil.rmtree and the fds it holds when a whiteout deletes a deep tree.
@@ -64,6 +70,7 @@ _FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXE
 _IMPLICIT_DIR_MODE = 0o755
 _WHITEOUT = ".wh."
 _OPAQUE = ".wh..wh..opq"
+_OVERLAY_OPAQUE_XATTR = "trusted.overlay.opaque"
 _REF_NAME = "org.opencontainers.image.ref.name"
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _COMPRESSED_MAGIC = (b"\x1f\x8b", _ZSTD_MAGIC, b"BZh", b"\xfd7zXZ\x00")
@@ -93,6 +100,23 @@ def extract_tar(source: BinaryIO, dest: Path, *, max_bytes: int, progress: Progr
     writer = _TreeWriter(dest, max_bytes=max_bytes, progress=progress)
     try:
         writer.apply_tar(source, whiteouts=False, what="the uploaded archive")
+        writer.finish()
+        return writer.members_extracted
+    finally:
+        writer.close()
+
+
+def unpack_oci_layer(
+    source: BinaryIO, dest: Path, *, max_bytes: int, what: str, progress: Progress | None = None
+) -> int:
+    """Unpack one OCI layer tar (plain, gzip or zstd) into the empty ``dest`` with overlayfs whiteouts.
+
+    The tree is the layer alone, ready for mkfs.erofs and for stacking over the layers below it.
+    Returns the number of members extracted (whiteouts included). Needs root (whiteouts are device nodes).
+    """
+    writer = _TreeWriter(dest, max_bytes=max_bytes, progress=progress, overlay_whiteouts=True)
+    try:
+        writer.apply_tar(source, whiteouts=True, what=what)
         writer.finish()
         return writer.members_extracted
     finally:
@@ -135,7 +159,10 @@ def unpack_oci_archive(archive: Path, dest: Path, *, max_bytes: int, progress: P
 class _TreeWriter:
     """Applies tar streams to one destination tree, never following a symlink inside it."""
 
-    def __init__(self, dest: Path, *, max_bytes: int, progress: Progress | None) -> None:
+    def __init__(
+        self, dest: Path, *, max_bytes: int, progress: Progress | None, overlay_whiteouts: bool = False
+    ) -> None:
+        """``overlay_whiteouts``: record whiteouts as overlayfs ones instead of deleting what lower layers left."""
         dest = Path(dest)
         if not dest.is_dir():
             raise InvalidRequest(f"unpack destination {dest} is not a directory: create it empty first")
@@ -145,6 +172,9 @@ class _TreeWriter:
         self._max_bytes = max_bytes
         self._progress = progress or _ignore
         self._as_root = os.geteuid() == 0
+        self._overlay_whiteouts = overlay_whiteouts
+        if overlay_whiteouts and not self._as_root:
+            raise InternalError("unpacking an OCI layer with its whiteouts needs root (they are device nodes)")
         self._bytes_written = 0
         self._members_seen = 0
         self.members_extracted = 0
@@ -269,6 +299,9 @@ class _TreeWriter:
             os.close(target_fd)
 
     def _whiteout(self, parts: tuple[str, ...], name: str) -> None:
+        if self._overlay_whiteouts:
+            self._overlay_whiteout(parts, name)
+            return
         dir_parts, marker = parts[:-1], parts[-1]
         if marker == _OPAQUE:
             layer_paths = self._layer_paths
@@ -296,6 +329,25 @@ class _TreeWriter:
             self._clear(dir_fd, dir_parts + (target,))
         finally:
             os.close(dir_fd)
+
+    def _overlay_whiteout(self, parts: tuple[str, ...], name: str) -> None:
+        """The whiteout as overlayfs stores it, in this layer's own tree (nothing below it is here to delete)."""
+        dir_parts, marker = parts[:-1], parts[-1]
+        layer_paths = self._layer_paths
+        assert layer_paths is not None  # whiteouts are only read in OCI layers
+        if marker.startswith(_WHITEOUT + _WHITEOUT) and marker != _OPAQUE:
+            self._progress(f"skipped whiteout metadata {'/'.join(parts)}")
+            return
+        target = marker[len(_WHITEOUT) :]
+        if marker != _OPAQUE and target in ("", ".", ".."):
+            raise InvalidRequest(f"malformed whiteout {name!r} in layer")
+        dir_fd = self._parent(dir_parts, name)
+        if marker == _OPAQUE:
+            os.setxattr(dir_fd, _OVERLAY_OPAQUE_XATTR, b"y")
+        elif dir_parts + (target,) not in layer_paths:  # an entry this layer writes itself stays
+            os.mknod(target, stat.S_IFCHR | 0o000, os.makedev(0, 0), dir_fd=dir_fd)
+        layer_paths.update(dir_parts[:end] for end in range(1, len(dir_parts) + 1))
+        self.members_extracted += 1
 
     def _clear(self, parent_fd: int, parts: tuple[str, ...], *, keep_dir: bool = False) -> bool:
         """Remove the entry ``parts`` (in ``parent_fd``) if any; True if it is a directory kept by ``keep_dir``."""

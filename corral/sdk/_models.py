@@ -51,10 +51,13 @@ __all__ = [
     "CommandInfo",
     "FileInfo",
     "MkdirRequest",
-    "ImageInfo",
+    "is_registry_reference",
     "ImageConfig",
+    "ImageInfo",
     "ImageDetail",
     "LayerChunks",
+    "PullRequest",
+    "PullEvent",
     "LayerInfo",
     "Environment",
     "NetworkRule",
@@ -114,6 +117,14 @@ class NetworkStatus(_Model):
     allow: list[NetworkRule] | None
     denied_egress_packets: int = 0
     denied_ingress_packets: int = 0
+
+
+def is_registry_reference(ref: str) -> bool:
+    """True when ``ref`` names an image in an OCI registry: its first component is a host (it has a dot or a
+    port, or is localhost), e.g. ``127.0.0.1:5000/ns/img:tag``; ``busybox`` and ``debian-12:latest`` are local
+    names. A create from a registry image not pulled yet pulls it first (no implicit docker.io: name the host)."""
+    first, slash, _ = ref.partition("/")
+    return bool(slash) and ("." in first or ":" in first or first == "localhost")
 
 
 class Environment(_Model):
@@ -508,23 +519,6 @@ class MkdirRequest(_Model):
     mode: int = 0o755
 
 
-class ImageInfo(_Model):
-    name: str = Field(description="name:version")
-    layers: list[str] = Field(description="Layer digests, bottom first.")
-    size_bytes: int
-    created_at: float
-
-
-class LayerInfo(_Model):
-    digest: str
-    size_bytes: int
-    kind: Literal["base", "workspace", "tools", "diff"]
-    parents: list[str] = Field(description="Layers it was built on, bottom first.")
-    source: dict[str, Any] = Field(description="The builder and its inputs.")
-    labels: dict[str, str]
-    created_at: float
-
-
 class ImageConfig(_Model):
     """What an image says about the processes run from it (the OCI image config's ``config`` object, in
     Corral's names). Sandboxes created from the image get ``env``, ``working_dir`` and ``user`` as defaults."""
@@ -536,6 +530,26 @@ class ImageConfig(_Model):
     cmd: list[str] | None = None
     labels: dict[str, str] = Field(default_factory=dict)
     exposed_ports: list[str] = Field(default_factory=list, description='e.g. ["8080/tcp"] (EXPOSE).')
+
+
+class ImageInfo(_Model):
+    name: str = Field(description="name:version (host/repo:tag or host/repo@digest for pulled images)")
+    layers: list[str] = Field(description="Layer digests, bottom first.")
+    size_bytes: int
+    created_at: float
+    source: str | None = Field(None, description="The registry reference it was pulled from; null if built here.")
+    manifest_digest: str | None = Field(None, description="Digest of the pulled image manifest (linux/amd64).")
+    config: ImageConfig = Field(default_factory=ImageConfig)
+
+
+class LayerInfo(_Model):
+    digest: str
+    size_bytes: int
+    kind: Literal["base", "workspace", "tools", "diff"]
+    parents: list[str] = Field(description="Layers it was built on, bottom first.")
+    source: dict[str, Any] = Field(description="The builder and its inputs.")
+    labels: dict[str, str]
+    created_at: float
 
 
 class LayerChunks(_Model):
@@ -553,6 +567,8 @@ class ImageDetail(_Model):
     layers: list[LayerInfo] = Field(description="Bottom first.")
     size_bytes: int
     created_at: float
+    source: str | None = Field(None, description="The registry reference it was pulled from; null if built here.")
+    manifest_digest: str | None = Field(None, description="Digest of the pulled image manifest (linux/amd64).")
     config: ImageConfig = Field(default_factory=ImageConfig)
 
 
@@ -616,6 +632,25 @@ class BuildEvent(_Model):
     steps: int | None = Field(None, description="... of this many.")
     image: ImageInfo | None = None
     cached: bool | None = None
+    error: dict[str, str] | None = None
+
+
+class PullRequest(_Model):
+    reference: str = Field(description="host[:port]/repository[:tag][@sha256:...] of an OCI registry.")
+
+
+class PullEvent(_Model):
+    """One line of a streamed pull: progress (bytes of the layers to download), then ``done`` or ``error``."""
+
+    type: Literal["progress", "done", "error"]
+    message: str | None = None
+    layer: str | None = Field(None, description="The OCI layer digest this line is about.")
+    bytes_done: int | None = Field(None, description="Layer bytes downloaded so far, of bytes_total.")
+    bytes_total: int | None = Field(None, description="Compressed bytes of the layers not already here.")
+    image: ImageInfo | None = None
+    layers_pulled: int | None = None
+    layers_reused: int | None = Field(None, description="Layers already here from earlier pulls: not downloaded.")
+    bytes_transferred: int | None = Field(None, description="Bytes received from the registry by this pull.")
     error: dict[str, str] | None = None
 
 

@@ -54,6 +54,8 @@ from corral.sdk._models import (
     NodeStats,
     PauseResult,
     PoolStats,
+    PullEvent,
+    PullRequest,
     ReplayRequest,
     ReplayResult,
     RunCodeRequest,
@@ -62,6 +64,7 @@ from corral.sdk._models import (
     SnapshotInfo,
     TagRequest,
     TrajectoryStep,
+    is_registry_reference,
 )
 from corral.sdk._transport import sync_http_transport
 
@@ -70,6 +73,7 @@ __all__ = ["Client", "Sandbox", "Files", "Images"]
 DEFAULT_TIMEOUT_S = 60.0
 VM_CREATE_TIMEOUT_S = 600.0
 BATCH_TIMEOUT_S = 3600.0  # a batch stream may go quiet while its creates run (a progress line per 1,000)
+PULL_TIMEOUT_S = 3600.0  # a create from a registry image not pulled yet waits for the pull (GBs)
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -291,6 +295,21 @@ class Images:
                    "build_args": build_args or {}, "target": target, "no_cache": no_cache, "network": network,
                    "timeout_s": timeout_s}  # fmt: skip
         return self.build(name, "dockerfile", on_progress=on_progress, **options)
+
+    def pull(self, reference: str, *, on_progress: Callable[[PullEvent], None] | None = None) -> PullEvent:
+        """Pull ``host[:port]/repo[:tag|@digest]`` from its OCI registry into the server; returns the ``done``
+        event (the image, layers pulled and reused, bytes received). Layers already here are not downloaded;
+        a pull of the same reference under way is joined. ``on_progress`` gets every progress event."""
+        body = _validated(PullRequest, {"reference": reference}).model_dump()
+        for line in self._transport.stream_lines("POST", "/v1/images/pull", json=body, timeout_s=PULL_TIMEOUT_S):
+            event = PullEvent.model_validate_json(line)
+            if event.type == "progress" and on_progress is not None:
+                on_progress(event)
+            elif event.type == "error":
+                raise error_from_response(0, {"error": event.error})
+            elif event.type == "done":
+                return event
+        raise ServerUnavailable("the pull stream ended without a result")
 
     def import_archive(
         self, ref: str, archive: str | Path | bytes, *, format: str = "tar", layer_kind: str | None = None
@@ -626,9 +645,11 @@ class Client:
         node_selector: dict[str, str] | None = None,
     ) -> Sandbox:
         """Create a sandbox from ``image``, an ``environment`` ({base, workspace, tools}), or ``layers``;
-        ``node_selector``: only on a node whose labels include each of its key=value pairs. ``env`` is added to
-        the image's environment; ``cwd`` and ``user`` default to the image's (its WORKDIR and USER), else / and
-        root."""
+        ``node_selector``: only on a node whose labels include each of its key=value pairs.
+
+        ``image`` (or an environment part) may be a registry reference (``127.0.0.1:5000/ns/img:tag``): the
+        server pulls it on first use, once however many creates wait for it. ``env`` goes over the image's
+        own; ``cwd`` and ``user`` default to the image's (a pulled image's WorkingDir and User), else / and root."""
         fields = {
             "image": image, "environment": environment, "layers": layers, "backend": backend, "runtime": runtime,
             "cpu": cpu, "qos": qos, "memory_mb": memory_mb, "pids_max": pids_max, "env": env or {}, "cwd": cwd,
@@ -640,6 +661,10 @@ class Client:
         body = _validated(CreateSandboxRequest, fields)
         # A VM boots (and its first create on a node may build its disk): give it the server's own bound.
         wait_s = None if body.backend == "container" else VM_CREATE_TIMEOUT_S
+        parts = body.environment
+        refs = [body.image] if parts is None else [parts.base, parts.workspace or "", parts.tools or "", *parts.extra]
+        if not body.layers and any(is_registry_reference(ref) for ref in refs):
+            wait_s = max(wait_s or 0.0, PULL_TIMEOUT_S)  # it may wait for a pull
         response = self._transport.request(
             "POST", "/v1/sandboxes", json=body.model_dump(mode="json"), timeout_s=wait_s
         )

@@ -101,6 +101,7 @@ image_tags = Table(
     Column("created_at", Float, nullable=False),
     Column("updated_at", Float, nullable=False),
     Column("config", JSON, nullable=True),  # ImageConfig (env, working dir, user, ...); null = none
+    Column("origin", JSON, nullable=True),  # pulled images: ImageOrigin (registry reference, manifest digest)
 )
 
 build_cache = Table(
