@@ -22,6 +22,12 @@ class Settings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="Address the HTTP API listens on.")
     port: int = Field(7070, description="Port the HTTP API listens on.")
+    http_keepalive_s: int = Field(
+        620,
+        gt=0,
+        description="How long the HTTP API keeps an idle client connection open. Longer than any client keeps one "
+        "(the e2b SDK: 300 s, Corral's SDK: 60 s), so the server never closes a connection a client is sending on.",
+    )
     data_dir: Path = Field(
         Path("/var/lib/corral/server"), description="This server's state: database, sandboxes, runtime state."
     )

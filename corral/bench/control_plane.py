@@ -183,7 +183,10 @@ async def _http_burst(nodes: int, store: StateStore, scratch: Path, count: int) 
             )  # fmt: skip
 
     app = create_app(services, 1 << 20, scratch / "uploads")
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, loop="asyncio", log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(
+            app, host="127.0.0.1", port=port, loop="asyncio", log_level="warning",
+            timeout_keep_alive=Settings.model_fields["http_keepalive_s"].default,
+        )  # fmt: skip)
     async with asyncio.TaskGroup() as group:
         serving = group.create_task(server.serve())
         while not server.started:

@@ -68,7 +68,7 @@ from corral.sdk._models import (
     TrajectoryStep,
     is_registry_reference,
 )
-from corral.sdk._transport import async_http_transport
+from corral.sdk._transport import POOL_LIMITS, async_http_transport
 
 __all__ = ["AsyncClient", "AsyncSandbox", "AsyncFiles", "AsyncImages"]
 
@@ -90,7 +90,7 @@ class _AsyncTransport:
             base_url=url,
             headers={"Authorization": f"Bearer {api_key}"},
             timeout=httpx.Timeout(timeout_s),
-            transport=async_http_transport(httpx.Limits(max_connections=1000, max_keepalive_connections=100)),
+            transport=async_http_transport(POOL_LIMITS),
         )
 
     @staticmethod

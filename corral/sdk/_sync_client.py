@@ -66,7 +66,7 @@ from corral.sdk._models import (
     TrajectoryStep,
     is_registry_reference,
 )
-from corral.sdk._transport import sync_http_transport
+from corral.sdk._transport import POOL_LIMITS, sync_http_transport
 
 __all__ = ["Client", "Sandbox", "Files", "Images"]
 
@@ -88,7 +88,7 @@ class _SyncTransport:
             base_url=url,
             headers={"Authorization": f"Bearer {api_key}"},
             timeout=httpx.Timeout(timeout_s),
-            transport=sync_http_transport(httpx.Limits(max_connections=1000, max_keepalive_connections=100)),
+            transport=sync_http_transport(POOL_LIMITS),
         )
 
     @staticmethod

@@ -18,7 +18,12 @@ from typing import Any
 import httpcore
 import httpx
 
-__all__ = ["async_http_transport", "sync_http_transport"]
+__all__ = ["POOL_LIMITS", "async_http_transport", "sync_http_transport"]
+
+# An idle connection is dropped by the client after 60 s, long before the server's 620 s
+# (``Settings.http_keepalive_s``): the side that closes an idle connection must be the side that
+# would send on it next, or a request sent as the server closes is lost (httpx.ReadError).
+POOL_LIMITS = httpx.Limits(max_connections=1000, max_keepalive_connections=100, keepalive_expiry=60.0)
 
 
 def _readable(sock: socket.socket) -> bool:

@@ -174,6 +174,32 @@ async def test_async_client_matches_sync(aclient: corral.AsyncClient) -> None:
     assert (await aclient.get(sandbox.id)).info.state == corral.SandboxState.ENDED
 
 
+def test_idle_connection_outlives_clients_keepalive(server: EmbeddedServer) -> None:
+    """The server keeps an idle connection open longer than clients keep theirs (uvicorn's default of 5 s
+    equalled httpx's: under the 100-create burst a kill sent as the server closed its idle connection
+    was lost, httpx.ReadError). Proven on one socket: a second request after 6 s idle is answered on it."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    from corral.sdk._transport import POOL_LIMITS
+
+    assert POOL_LIMITS.keepalive_expiry is not None and POOL_LIMITS.keepalive_expiry < 620
+    address = urlsplit(server.url)
+    connection = http.client.HTTPConnection(address.hostname or "127.0.0.1", address.port, timeout=10)
+    try:
+        connection.request("GET", "/healthz")
+        first = connection.getresponse()
+        assert (first.status, json.loads(first.read())["status"]) == (200, "ok")
+        socket_before = connection.sock
+        time.sleep(6)
+        connection.request("GET", "/healthz")
+        second = connection.getresponse()
+        assert (second.status, json.loads(second.read())["status"]) == (200, "ok")
+        assert connection.sock is socket_before
+    finally:
+        connection.close()
+
+
 async def test_hundred_concurrent_creates(aclient: corral.AsyncClient) -> None:
     import asyncio
 
