@@ -183,10 +183,11 @@ async def _http_burst(nodes: int, store: StateStore, scratch: Path, count: int) 
             )  # fmt: skip
 
     app = create_app(services, 1 << 20, scratch / "uploads")
-    server = uvicorn.Server(uvicorn.Config(
-            app, host="127.0.0.1", port=port, loop="asyncio", log_level="warning",
-            timeout_keep_alive=Settings.model_fields["http_keepalive_s"].default,
-        )  # fmt: skip)
+    keepalive_s = Settings.model_fields["http_keepalive_s"].default
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, loop="asyncio", log_level="warning", timeout_keep_alive=keepalive_s
+    )
+    server = uvicorn.Server(config)
     async with asyncio.TaskGroup() as group:
         serving = group.create_task(server.serve())
         while not server.started:
