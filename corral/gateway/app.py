@@ -26,6 +26,8 @@ from corral.gateway.auth import Caller
 from corral.gateway.e2b import include_e2b
 from corral.gateway.fncall import FnCallService
 from corral.gateway.images import ImageService
+from corral.gateway.metrics import CONTENT_TYPE, Levels
+from corral.gateway.request_timing import RequestTiming
 from corral.gateway.service import SandboxService
 from corral.gateway.trajectory import Trajectories
 from corral.sdk._exceptions import CorralError, InvalidRequest, PayloadTooLarge
@@ -163,6 +165,7 @@ def create_app(service_factory, max_file_bytes: int, upload_dir: Path) -> FastAP
             yield
 
     app = FastAPI(title="Corral", version="0.1.0", lifespan=lifespan, responses=_ERROR_RESPONSES)  # type: ignore[arg-type]
+    app.add_middleware(RequestTiming)
 
     @app.exception_handler(CorralError)
     async def corral_error(_request: Request, exc: CorralError) -> JSONResponse:
@@ -197,6 +200,20 @@ def create_app(service_factory, max_file_bytes: int, upload_dir: Path) -> FastAP
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})
+    async def metrics(svc: Service, images: Images, fncalls: FnCalls, caller: CallerDep) -> Response:
+        """Prometheus text format: this gateway's counters and histograms, and each node's levels as read now
+        (docs/observability.md). The server key only: it shows every job's numbers."""
+        caller.require_admin("read the server's metrics")
+        layers = await asyncio.to_thread(images.layers)
+        levels = Levels(
+            nodes=await svc.node_stats(),
+            pools=fncalls.stats(),
+            layer_cache_bytes=sum(layer.size_bytes for layer in layers),
+            layer_count=len(layers),
+        )
+        return Response(await asyncio.to_thread(svc.metrics.render, levels), media_type=CONTENT_TYPE)
 
     @app.post("/v1/fncall", dependencies=[Auth], response_model=FnCallResult, openapi_extra=_FNCALL_BODY)
     async def fncall(request: Request, fncalls: FnCalls) -> Response:

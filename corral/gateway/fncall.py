@@ -254,6 +254,7 @@ class FnCallService:
                 warm=len(pool.idle),
                 target=pool.target,
                 in_use=pool.in_use,
+                waiting=sum(not waiter.done() for waiter in pool.waiters),
                 hits=pool.hits,
                 misses=pool.misses,
                 recycled=pool.recycled,

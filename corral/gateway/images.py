@@ -375,15 +375,18 @@ class ImageService:
         processes and disks too (a checkpoint restored once per child)."""
         parent = self._sandboxes.record(sandbox_id)
         if self._sandboxes.has_capability(parent, Capability.CHECKPOINTS):
-            return await self._fork_checkpointed(sandbox_id, parent, request)
-        if request.checkpoint is not None:
+            children = await self._fork_checkpointed(sandbox_id, parent, request)
+        elif request.checkpoint is not None:
             raise InvalidRequest(
                 "only VM and runsc sandboxes have checkpoints; a crun or runc container forks from its files"
             )
-        snap = await self.snapshot(sandbox_id, None)
-        child = self._sandboxes.request_like(parent, labels={**request.labels, "corral.forked_from": sandbox_id},
-                                             layers=snap.layers)  # fmt: skip
-        return list(await asyncio.gather(*(self._sandboxes.create(child) for _ in range(request.count))))
+        else:
+            snap = await self.snapshot(sandbox_id, None)
+            child = self._sandboxes.request_like(parent, labels={**request.labels, "corral.forked_from": sandbox_id},
+                                                 layers=snap.layers)  # fmt: skip
+            children = list(await asyncio.gather(*(self._sandboxes.create(child) for _ in range(request.count))))
+        self._sandboxes.metrics.operations.labels("forked").inc(len(children))
+        return children
 
     async def _fork_checkpointed(self, sandbox_id: str, parent: dict, request: ForkRequest) -> list[SandboxInfo]:  # type: ignore[type-arg]
         # The same devices as the checkpoint it restores: a VM with a NIC needs one in its children too.

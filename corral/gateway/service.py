@@ -21,6 +21,7 @@ from corral.backends.base import Capability, LayerRef, SandboxSpec, offer_key
 from corral.edge.adoption import end_stale, readopt
 from corral.edge.local import to_allow_rules
 from corral.edge.protocol import Edge, EdgeDirectory, edge_of, new_sandbox_id
+from corral.gateway.metrics import GatewayMetrics
 from corral.guard.audit import AuditLog
 from corral.images.catalogue import Catalogue
 from corral.images.fetch import LayerFetcher
@@ -146,6 +147,7 @@ class SandboxService:
         node_lost_after_s: float = 15.0,
         puller: ImagePuller | None = None,
     ) -> None:
+        self.metrics = GatewayMetrics()
         self._heartbeat_s = heartbeat_s
         self._puller = puller  # registry images a create names are pulled on first use
         self._node_lost_after_s = node_lost_after_s
@@ -200,6 +202,7 @@ class SandboxService:
                     message = (f"its node {edge_id} went silent: no heartbeat for {self._node_lost_after_s:g}s "
                                "(the machine or its server stopped)")  # fmt: skip
                     lost = self._store.mark_node_lost(edge_id, before, message)
+                    self.metrics.ended.labels("lost").inc(lost)
                     log.warning("node %s marked lost after %.0fs of silence; %d sandboxes lost", edge_id,
                                 self._node_lost_after_s, lost)  # fmt: skip
                 if self._remote is not None:
@@ -233,14 +236,18 @@ class SandboxService:
     def ended(self, sandbox_id: str, reason: str, message: str) -> None:
         self.scheduler.release(sandbox_id)
         self._store.end(sandbox_id, SandboxState.ENDED, reason, message)
+        self.metrics.ended.labels(reason).inc()
 
     def paused(self, sandbox_id: str, at: float) -> None:
         self._store.mark_paused(sandbox_id, at)
+        self.metrics.operations.labels("paused").inc()
 
     def resumed(self, sandbox_id: str, at: float) -> None:
         self._store.mark_resumed(sandbox_id, at)
+        self.metrics.operations.labels("resumed").inc()
 
     def audit(self, sandbox_id: str, kind: str, severity: str, detail: dict[str, Any]) -> None:
+        self.metrics.audit.labels(kind, severity).inc()
         if self.audit_log is not None:
             self.audit_log.record(sandbox_id, kind, severity, detail)
 
@@ -458,6 +465,7 @@ class SandboxService:
                 await self._create_finished.wait()
                 continue
             except CapacityExhausted as exc:
+                self.metrics.creates.labels(request.backend, "refused").inc()
                 if not refused:
                     raise
                 why = "; ".join(f"{edge}: {reason}" for edge, reason in refused.items())
@@ -496,6 +504,7 @@ class SandboxService:
                 "protected_paths": request.protected_paths, "disk_mb": request.disk_mb,
                 "sensitive_paths": request.sensitive_paths, "node_selector": request.node_selector,
             }  # fmt: skip
+            started_s = time.perf_counter()
             try:
                 await self._writes.insert(record)
                 try:
@@ -507,6 +516,7 @@ class SandboxService:
                 self.scheduler.release(spec.sandbox_id)
                 self._store.end(spec.sandbox_id, SandboxState.ENDED, "refused", exc.message)
                 refused[edge_id] = exc.message
+                self.metrics.refusals.labels(edge_id, exc.code).inc()
                 if on_edge is not None:
                     raise CapacityExhausted(
                         f"node {on_edge}, which holds the checkpoint, refused: {exc.message}"
@@ -515,6 +525,7 @@ class SandboxService:
             except BaseException as exc:
                 self.scheduler.release(spec.sandbox_id)
                 self._store.end(spec.sandbox_id, SandboxState.ENDED, "error", str(exc) or type(exc).__name__)
+                self.metrics.creates.labels(request.backend, "failed").inc()
                 raise
             if not await self._writes.mark_running(spec.sandbox_id, note):
                 await self.edge(spec.sandbox_id).destroy(spec.sandbox_id)  # killed while it was starting
@@ -522,6 +533,8 @@ class SandboxService:
                 self._raise_if_ended(self.get(spec.sandbox_id))
             if edge_id not in self._edges:
                 self.scheduler.forget(spec.sandbox_id)  # its node's heartbeat counts it from now on
+            self.metrics.creates.labels(request.backend, "created").inc()
+            self.metrics.create_seconds.labels(request.backend).observe(time.perf_counter() - started_s)
             return StateStore.to_info({**record, "state": SandboxState.RUNNING.value, "status_message": note})
 
     async def create_many(
@@ -645,6 +658,7 @@ class SandboxService:
         duration_ms = (time.perf_counter() - started) * 1000
         if info.state != SandboxState.PAUSED:
             self._store.mark_paused(sandbox_id, time.time())
+            self.metrics.operations.labels("paused").inc()
         return PauseResult(
             sandbox=self.get(sandbox_id),
             memory_before_bytes=before,
@@ -654,9 +668,12 @@ class SandboxService:
         )
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
-        self._raise_if_ended(self.get(sandbox_id))
+        info = self.get(sandbox_id)
+        self._raise_if_ended(info)
         await self.call(sandbox_id, lambda edge: edge.resume(sandbox_id))
         self._store.mark_resumed(sandbox_id, time.time())
+        if info.state == SandboxState.PAUSED:
+            self.metrics.operations.labels("resumed").inc()
         return self.get(sandbox_id)
 
     async def bulk(self, request: BulkRequest) -> BulkResult:
@@ -685,6 +702,7 @@ class SandboxService:
             await edge.destroy(sandbox_id)
         self.scheduler.release(sandbox_id)
         self._store.end(sandbox_id, SandboxState.ENDED, reason, message)
+        self.metrics.ended.labels(reason).inc()
 
     def set_ttl(self, sandbox_id: str, ttl_s: float | None) -> SandboxInfo:
         info = self.get(sandbox_id)

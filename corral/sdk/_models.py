@@ -424,6 +424,7 @@ class PoolStats(_Model):
     warm: int = Field(description="Idle sandboxes ready for a call.")
     target: int = Field(description="How many it keeps warm now (grows and shrinks with load).")
     in_use: int
+    waiting: int = Field(0, description="Calls waiting in line for a sandbox of this pool.")
     hits: int
     misses: int
     recycled: int = Field(description="Sandboxes reused after a call that left nothing behind.")

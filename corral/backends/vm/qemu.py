@@ -222,7 +222,9 @@ class Machine:
         return state != "Z"
 
     async def qmp(self) -> QMPClient:
-        if self._qmp is None or not self._qmp.runstate.name == "RUNNING":
+        if self._qmp is not None and self._qmp.runstate.name != "RUNNING":
+            await self.close_monitor()  # a dropped monitor: its disconnect collects the reader's EOFError
+        if self._qmp is None:
             client = QMPClient(f"corral-{self.config.name}")
             for _ in range(100):
                 try:
