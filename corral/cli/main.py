@@ -268,7 +268,9 @@ def images_build(
     on: Annotated[list[str] | None, typer.Option(help="Image or layer to run commands on, repeatable.")] = None,
     run: Annotated[list[str] | None, typer.Option(help="A command to run (commands build, git setup).")] = None,
     kind: Annotated[str | None, typer.Option(help="Layer kind: base, workspace, tools or diff.")] = None,
-    no_cache: Annotated[bool, typer.Option(help="Build even if identical inputs were built before.")] = False,
+    no_cache: Annotated[
+        bool, typer.Option("--no-cache", help="Build even if identical inputs were built before.")
+    ] = False,
     dockerfile: Annotated[Path | None, typer.Option(help="A Dockerfile (on the server's machine) to build.")] = None,
     context: Annotated[Path | None, typer.Option(help="dockerfile: the build context (default: its dir).")] = None,
     build_arg: Annotated[list[str] | None, typer.Option(help="dockerfile: K=V for an ARG, repeatable.")] = None,

@@ -171,6 +171,11 @@ def test_cli_scratch_with_copy_from_a_stage(server: EmbeddedServer, tmp_path: Pa
     assert built.returncode == 0, built.stderr
     assert "Step 3/5 : COPY --from=tools /bin/busybox /bin/busybox" in built.stdout
     assert "built df-scratch:latest: 2 layers" in built.stdout
+    again = cli("images", "build", "df-scratch", "--dockerfile", str(context / "Dockerfile"))
+    assert again.returncode == 0 and "COPY hello.txt /greeting/ (cached)" in again.stdout, again.stdout
+    rebuilt = cli("images", "build", "df-scratch", "--dockerfile", str(context / "Dockerfile"), "--no-cache")
+    assert rebuilt.returncode == 0, rebuilt.stderr  # a flag: typer once offered it as --no-cache/--no-no-cache
+    assert "(cached)" not in rebuilt.stdout and "built df-scratch:latest: 2 layers" in rebuilt.stdout
     assert (
         'config: {"env": {"GREETING_DIR": "/greeting"}, "user": "0"}' in cli("images", "inspect", "df-scratch").stdout
     )
