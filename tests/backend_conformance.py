@@ -237,7 +237,7 @@ async def _keep_house(backend: Backend) -> None:
 @contextlib.asynccontextmanager
 async def _backend(kind: str, node_dir: Path, data_dir: Path) -> AsyncIterator[Backend]:
     if kind == "simulated":
-        from corral.backends.simulated import SimulatedBackend
+        from corral.testing.simulated import SimulatedBackend
 
         yield SimulatedBackend()
         return

@@ -43,7 +43,6 @@ from rich.console import Console
 from rich.table import Table
 
 from corral.backends.router import BackendRouter
-from corral.backends.simulated import SimulatedBackend
 from corral.bench.harness import emit, throwaway_postgres
 from corral.config import Settings
 from corral.edge.host_readings import HostReadings, read_host
@@ -63,6 +62,7 @@ from corral.sdk import AsyncClient
 from corral.sdk._models import CreateSandboxRequest
 from corral.server import Services, tune_gc
 from corral.state.db import StateStore
+from corral.testing.simulated import SimulatedBackend
 from corral.trajectory import TrajectoryLog
 
 __all__ = ["run_control_plane_benchmark", "simulated_cluster"]

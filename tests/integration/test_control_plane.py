@@ -1,6 +1,6 @@
 """Batch creation and placement at scale: real containers over HTTP (small N), simulated nodes in process (large N).
 
-The simulated backend (corral/backends/simulated.py) isolates nothing and only keeps state; everything
+The simulated backend (corral/testing/simulated.py) isolates nothing and only keeps state; everything
 else here is real: the SandboxService, the scheduler, LocalEdge admission, the state store (SQLite or
 PostgreSQL).
 """
@@ -16,7 +16,6 @@ import pytest
 
 import corral
 from corral.backends.router import BackendRouter
-from corral.backends.simulated import SimulatedBackend
 from corral.bench import control_plane
 from corral.config import Settings
 from corral.edge.local import LocalEdge, NodeCapacity
@@ -25,6 +24,7 @@ from corral.images.catalogue import Catalogue
 from corral.images.store import LayerStore
 from corral.sdk._models import BatchEvent, CreateSandboxRequest, ExecRequest
 from corral.state.db import StateStore
+from corral.testing.simulated import SimulatedBackend
 
 
 def test_batch_of_real_containers_over_http(client: corral.Client) -> None:

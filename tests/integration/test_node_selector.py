@@ -1,5 +1,5 @@
 """Node labels and node selectors end to end: over simulated nodes (the service, scheduler, LocalEdges and state
-store are real; the backend only keeps state, corral/backends/simulated.py), and through a real server, the SDK
+store are real; the backend only keeps state, corral/testing/simulated.py), and through a real server, the SDK
 and the CLI."""
 
 from __future__ import annotations
