@@ -97,6 +97,12 @@ class Settings(BaseSettings):
         description="Repeats of a kernel-reported audit event (a refused syscall, a read of a sensitive path) "
         "in one sandbox are counted and reported at most once per this many seconds.",
     )
+    events_retention_s: float = Field(
+        7 * 86400.0,
+        gt=0,
+        description="The event stream (GET /v1/events) keeps events this long; a client resuming from an older "
+        "id gets what is left.",
+    )
     layer_idle_unmount_s: float = Field(
         60.0, ge=0, description="A layer no sandbox has used for this long is unmounted (its sandboxes keep theirs)."
     )

@@ -152,6 +152,7 @@ def serve(settings: Settings) -> None:
             layer_fetcher=fetcher,
             remote_edges=_ray_edges() if host is None else None,
             puller=puller,
+            events_retention_s=settings.events_retention_s,
         )
         if host is not None:
             edges[settings.edge_id] = build_edge(settings, host, service)

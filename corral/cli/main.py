@@ -20,7 +20,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, Trans
 from rich.table import Column, Table
 
 from corral.cli.cluster import cluster_app
-from corral.sdk import Client, CorralError, PullEvent, SandboxInfo
+from corral.sdk import Client, CorralError, Event, PullEvent, SandboxInfo
 
 app = typer.Typer(help="Corral: sandboxes for agentic RL.", no_args_is_help=True, add_completion=False)
 # Piped output (CI logs, scripts) gets full-width tables instead of wrapped 80-column ones.
@@ -168,6 +168,42 @@ def nodes(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
             (mine.refusing or "-") if mine else "-",
         )  # fmt: skip
     console.print(table)
+
+
+def _event_line(event: Event) -> str:
+    """One event as a line: id, time, kind, whose, and what (the end's reason, the finding, the node's loss)."""
+    detail = event.detail
+    if event.kind == "sandbox.ended":
+        what = f"{detail.get('state')} ({detail.get('reason')})" + (
+            f": {detail['message']}" if detail.get("message") else ""
+        )
+    elif event.kind == "audit":
+        what = f"{detail.get('severity')} {detail.get('kind')} {json.dumps(detail.get('detail', {}))}"
+    elif event.kind == "node.lost":
+        what = f"{detail.get('sandboxes_lost', 0)} sandboxes lost: {detail.get('message', '')}"
+    else:
+        what = ""
+    stamp = datetime.datetime.fromtimestamp(event.at).strftime("%H:%M:%S.%f")[:-3]
+    return f"{event.id:>8}  {stamp}  {event.kind:<16} {event.sandbox_id or event.edge_id or '-'}  {what}".rstrip()
+
+
+@app.command("events")
+def events(
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new events.")] = False,
+    after: Annotated[int, typer.Option("--after", help="Start after this event id (resume).")] = 0,
+    sandbox: Annotated[str | None, typer.Option("--sandbox", help="Only this sandbox's events.")] = None,
+    kind: Annotated[list[str] | None, typer.Option("--kind", "-k", help="Only this kind, repeatable.")] = None,
+    label: Annotated[list[str] | None, typer.Option("--label", "-l", help="key=value filter, repeatable.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON event per line.")] = False,
+) -> None:
+    """Sandbox and node events and audit findings, oldest first; -f follows (resume with --after ID)."""
+    with _client() as client:
+        try:
+            for event in client.events(after_id=after, follow=follow, sandbox_id=sandbox, kinds=kind,
+                                       labels=_labels(label)):  # fmt: skip
+                print(event.model_dump_json() if as_json else _event_line(event), flush=True)
+        except KeyboardInterrupt:
+            pass
 
 
 @app.command("rm")

@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from corral.gateway.auth import Caller
 from corral.gateway.e2b import include_e2b
+from corral.gateway.event_stream import follow_events
 from corral.gateway.fncall import FnCallService
 from corral.gateway.images import ImageService
 from corral.gateway.metrics import CONTENT_TYPE, Levels
@@ -72,6 +73,8 @@ from corral.sdk._models import (
     TagRequest,
     TrajectoryStep,
 )
+from corral.state.db import EVENT_KINDS
+from corral.state.events import EventFilter
 
 __all__ = ["create_app"]
 
@@ -153,6 +156,17 @@ class JobToken(BaseModel):
 
 class UploadResult(BaseModel):
     members: int
+
+
+def _label_pairs(items: list[str] | None) -> dict[str, str]:
+    """``label=key=value`` query parameters as a dict."""
+    labels = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise InvalidRequest(f"label filter {item!r} must look like key=value")
+        labels[key] = value
+    return labels
 
 
 def create_app(service_factory, max_file_bytes: int, upload_dir: Path) -> FastAPI:  # type: ignore[no-untyped-def]
@@ -355,13 +369,7 @@ def create_app(service_factory, max_file_bytes: int, upload_dir: Path) -> FastAP
         state: Annotated[list[str] | None, Query(description="Filter by state; default creating and running.")] = None,
         label: Annotated[list[str] | None, Query(description="key=value; all must match.")] = None,
     ) -> list[SandboxInfo]:
-        labels = {}
-        for item in label or []:
-            key, sep, value = item.partition("=")
-            if not sep:
-                raise InvalidRequest(f"label filter {item!r} must look like key=value")
-            labels[key] = value
-        return svc.list(states=state, labels=caller.check_labels(labels))
+        return svc.list(states=state, labels=caller.check_labels(_label_pairs(label)))
 
     @app.get("/v1/sandboxes/{sandbox_id}", dependencies=[Auth])
     async def get_sandbox(sandbox_id: str, svc: Service) -> SandboxInfo:
@@ -497,6 +505,29 @@ def create_app(service_factory, max_file_bytes: int, upload_dir: Path) -> FastAP
             await svc.audit_log.wait(wait_s)
             events = svc.audit_log.events(after_id=after_id, severity=severity)
         return [AuditEvent.model_validate(e) for e in events]
+
+    @app.get(
+        "/v1/events",
+        response_class=StreamingResponse,
+        responses={200: {"content": {"application/x-ndjson": {}}, "description": "One Event per line."}},
+    )
+    async def event_stream(
+        svc: Service,
+        caller: CallerDep,
+        after_id: Annotated[int, Query(ge=0, description="Resume after this event id (0: from the oldest kept).")] = 0,
+        follow: Annotated[bool, Query(description="Keep the stream open and send new events as they happen.")] = False,
+        sandbox_id: Annotated[str | None, Query(description="Only this sandbox's events.")] = None,
+        kind: Annotated[list[str] | None, Query(description="Only these kinds (repeat the parameter).")] = None,
+        label: Annotated[list[str] | None, Query(description="Only sandboxes with these labels, key=value.")] = None,
+    ) -> StreamingResponse:
+        """What happens to sandboxes and nodes, and audit findings, oldest first, NDJSON. Node events need the
+        server's key; a job token sees its own job's sandboxes. A blank line is sent every 15 s of quiet."""
+        unknown = sorted(set(kind or []) - set(EVENT_KINDS))
+        if unknown:
+            raise InvalidRequest(f"unknown event kind {unknown[0]!r}: one of {', '.join(EVENT_KINDS)}")
+        wanted = EventFilter(sandbox_id=sandbox_id, kinds=kind, labels=_label_pairs(label), job=caller.job)
+        return StreamingResponse(follow_events(svc.events, after_id, wanted, follow),
+                                 media_type="application/x-ndjson")  # fmt: skip
 
     @app.get("/v1/sandboxes/{sandbox_id}/network", dependencies=[Auth])
     async def network_status(sandbox_id: str, svc: Service) -> NetworkStatus:

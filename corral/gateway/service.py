@@ -55,6 +55,7 @@ from corral.sdk._models import (
     is_registry_reference,
 )
 from corral.state.db import StateStore
+from corral.state.events import EventLog
 
 __all__ = ["SandboxService"]
 
@@ -70,6 +71,7 @@ _ROOT_CACHE_S = 1.0  # an image's resolution is reused this long (a tag moved by
 _ROOTS_CACHED = 1024
 _TOUCH_EVERY_S = 60.0  # a layer's last use (LRU eviction order) is recorded at most this often
 _PROGRESS_EVERY = 1000  # a progress line per this many results
+_EVENTS_PRUNE_EVERY_S = 300.0  # events older than the retention are deleted this often
 
 
 class _GroupCommit:
@@ -146,8 +148,12 @@ class SandboxService:
         heartbeat_s: float = 1.0,
         node_lost_after_s: float = 15.0,
         puller: ImagePuller | None = None,
+        events_retention_s: float = 7 * 86400.0,
     ) -> None:
         self.metrics = GatewayMetrics()
+        self.events = EventLog(store.engine)
+        self._events_retention_s = events_retention_s
+        self._events_pruned_at = 0.0
         self._heartbeat_s = heartbeat_s
         self._puller = puller  # registry images a create names are pulled on first use
         self._node_lost_after_s = node_lost_after_s
@@ -207,6 +213,9 @@ class SandboxService:
                                 self._node_lost_after_s, lost)  # fmt: skip
                 if self._remote is not None:
                     self._sync_remote_nodes(before)
+                if now - self._events_pruned_at > _EVENTS_PRUNE_EVERY_S:
+                    self._events_pruned_at = now
+                    await asyncio.to_thread(self.events.prune, self._events_retention_s)
             except Exception:
                 log.exception("node watcher failed; retrying")
             await asyncio.sleep(self._heartbeat_s)

@@ -17,6 +17,8 @@ from typing import Any
 from sqlalchemy import JSON, Column, Float, Integer, MetaData, String, Table, insert, select
 from sqlalchemy.engine import Engine
 
+from corral.state.db import sandboxes, write_events
+
 __all__ = [
     "AuditLog",
     "EventThrottle",
@@ -176,12 +178,20 @@ class AuditLog:
         audit_metadata.create_all(engine)
 
     def record(self, sandbox_id: str, kind: str, severity: str, detail: dict[str, Any]) -> None:
+        """The finding, and its line in the event stream (GET /v1/events), in one transaction."""
+        now = time.time()
         with self._engine.begin() as conn:
-            conn.execute(
-                insert(audit_events).values(
-                    sandbox_id=sandbox_id, at=time.time(), kind=kind, severity=severity, detail=detail
-                )
-            )
+            audit_id = conn.execute(
+                insert(audit_events).values(sandbox_id=sandbox_id, at=now, kind=kind, severity=severity, detail=detail)
+            ).inserted_primary_key[0]
+            owner = conn.execute(
+                select(sandboxes.c.edge_id, sandboxes.c.job).where(sandboxes.c.id == sandbox_id)
+            ).first()
+            if owner is not None:
+                finding = {"audit_id": audit_id, "kind": kind, "severity": severity, "detail": detail}
+                event = {"at": now, "kind": "audit", "sandbox_id": sandbox_id, "edge_id": owner.edge_id,
+                         "job": owner.job, "detail": finding}  # fmt: skip
+                write_events(conn, [event], postgres=False)
         self._new.set()
 
     def events(

@@ -47,6 +47,7 @@ __all__ = [
     "CheckpointInfo",
     "ExecRequest",
     "ExecResult",
+    "Event",
     "ExecEvent",
     "CommandInfo",
     "FileInfo",
@@ -429,6 +430,21 @@ class PoolStats(_Model):
     misses: int
     recycled: int = Field(description="Sandboxes reused after a call that left nothing behind.")
     replaced: int = Field(description="Sandboxes thrown away after a call that changed something.")
+
+
+class Event(_Model):
+    """One line of the event stream (GET /v1/events): what happened to a sandbox or a node."""
+
+    id: int = Field(description="Increasing across the cluster; pass the last one seen as after_id to resume.")
+    at: float = Field(description="Unix time.")
+    kind: Literal[
+        "sandbox.running", "sandbox.paused", "sandbox.resumed", "sandbox.ended", "node.up", "node.lost",
+        "node.back", "audit",
+    ] = Field(description="sandbox.ended carries state (ended, lost), reason and message; audit carries the finding "
+                          "(audit_id, kind, severity, detail); node.lost how many sandboxes it took.")  # fmt: skip
+    sandbox_id: str | None = None
+    edge_id: str | None = None
+    detail: dict[str, Any] = Field(default_factory=dict)
 
 
 class AuditEvent(_Model):

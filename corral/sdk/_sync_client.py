@@ -34,6 +34,7 @@ from corral.sdk._models import (
     CommandInfo,
     CreateSandboxRequest,
     Environment,
+    Event,
     ExecEvent,
     ExecRequest,
     ExecResult,
@@ -73,6 +74,7 @@ __all__ = ["Client", "Sandbox", "Files", "Images"]
 DEFAULT_TIMEOUT_S = 60.0
 VM_CREATE_TIMEOUT_S = 600.0
 BATCH_TIMEOUT_S = 3600.0  # a batch stream may go quiet while its creates run (a progress line per 1,000)
+EVENTS_QUIET_S = 30.0  # a followed event stream sends a blank line every 15 s of quiet
 PULL_TIMEOUT_S = 3600.0  # a create from a registry image not pulled yet waits for the pull (GBs)
 M = TypeVar("M", bound=BaseModel)
 
@@ -798,6 +800,29 @@ class Client:
         """Plug a namespace of the server's machine (a package mirror, an uplink) into the sandbox network."""
         body = {"name": name, "netns_path": netns_path, "address": address}
         self._transport.request("POST", "/v1/network/peers", json=body)
+
+    def events(
+        self,
+        *,
+        after_id: int = 0,
+        follow: bool = False,
+        sandbox_id: str | None = None,
+        kinds: list[str] | None = None,
+        labels: dict[str, str] | None = None,
+    ) -> Iterator[Event]:
+        """What happened to sandboxes and nodes, and audit findings, oldest first, from ``after_id`` on.
+        ``follow``: keep going as new events happen (until the caller stops iterating); resume a lost stream
+        with the last id seen. Node events need the server's key."""
+        params: dict[str, Any] = {
+            "after_id": after_id,
+            "follow": follow,
+            **({"sandbox_id": sandbox_id} if sandbox_id else {}),
+            **({"kind": kinds} if kinds else {}),
+            **({"label": [f"{key}={value}" for key, value in labels.items()]} if labels else {}),
+        }
+        lines = self._transport.stream_lines("GET", "/v1/events", params=params, timeout_s=EVENTS_QUIET_S)
+        for line in lines:
+            yield Event.model_validate_json(line)
 
     def audit_events(
         self, *, after_id: int = 0, severity: str | None = None, wait_s: float = 0.0

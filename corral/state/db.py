@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,18 @@ from sqlalchemy.types import ARRAY
 
 from corral.sdk._models import SandboxInfo, SandboxState
 
-__all__ = ["SandboxRecord", "StateStore", "layers", "image_tags", "build_cache", "job_tokens", "nodes"]
+__all__ = [
+    "EVENT_KINDS",
+    "SandboxRecord",
+    "StateStore",
+    "events",
+    "write_events",
+    "layers",
+    "image_tags",
+    "build_cache",
+    "job_tokens",
+    "nodes",
+]
 
 metadata = MetaData()
 
@@ -131,6 +143,25 @@ job_tokens = Table(
     Column("created_at", Float, nullable=False),
 )
 
+# What happened, in order: the lifecycle of sandboxes and nodes and the audit findings, one row each, read by
+# GET /v1/events (corral/state/events.py). Written in the same transaction as the change it reports, so a
+# client resuming from an id misses nothing and sees nothing that did not happen.
+events = Table(
+    "events",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("at", Float, nullable=False, index=True),  # Unix time; retention deletes by it
+    Column("kind", String(32), nullable=False),  # EVENT_KINDS
+    Column("sandbox_id", String(64), nullable=True, index=True),
+    Column("edge_id", String(32), nullable=True),
+    Column("job", String(128), nullable=True, index=True),  # the sandbox's job label: a job token sees its own
+    Column("detail", JSON, nullable=False),
+)
+EVENT_KINDS = (
+    "sandbox.running", "sandbox.paused", "sandbox.resumed", "sandbox.ended", "node.up", "node.lost", "node.back",
+    "audit",
+)  # fmt: skip
+
 SandboxRecord = dict[str, Any]
 JOB_LABEL = "job"
 _IN_CHUNK = 500  # ids per IN (...) list: SQLite caps the parameters of one statement
@@ -204,6 +235,25 @@ def _copy_rows(conn: Connection, table: Table, rows: list[dict[str, Any]]) -> No
                             for name, default, is_json in fields])  # fmt: skip
 
 
+def _sandbox_events(
+    conn: Connection, kind: str, rows: Iterable[Sequence[Any]], at: float, detail: dict[str, Any], postgres: bool
+) -> None:
+    """One event per sandbox row (id, edge_id, job: what an UPDATE ... RETURNING gave back)."""
+    batch = [{"at": at, "kind": kind, "sandbox_id": sandbox_id, "edge_id": edge_id, "job": job, "detail": detail}
+             for sandbox_id, edge_id, job in rows]  # fmt: skip
+    write_events(conn, batch, postgres)
+
+
+def write_events(conn: Connection, batch: list[dict[str, Any]], postgres: bool) -> None:
+    """Event rows in the caller's transaction; a burst's many by COPY on PostgreSQL."""
+    if not batch:
+        return
+    if postgres and len(batch) > 1:
+        _copy_rows(conn, events, batch)
+    else:
+        conn.execute(events.insert(), batch)
+
+
 def _json_text(value: Any) -> str:  # noqa: ANN401 - any JSON value
     """``json.dumps(value)``; the values most records hold (None, an empty list or dict) without the encoder,
     which costs a microsecond a call to set up (seven JSON columns a record)."""
@@ -248,13 +298,7 @@ class StateStore:
 
     def mark_running(self, sandbox_id: str, status_message: str | None = None) -> bool:
         """creating → running; False if the sandbox was ended meanwhile (killed while it started)."""
-        with self._engine.begin() as conn:
-            result = conn.execute(
-                update(sandboxes)
-                .where(sandboxes.c.id == sandbox_id, sandboxes.c.state == SandboxState.CREATING.value)
-                .values(state=SandboxState.RUNNING.value, status_message=status_message)
-            )
-            return result.rowcount > 0
+        return sandbox_id in self.mark_running_many({sandbox_id: status_message})
 
     def mark_running_many(self, notes: dict[str, str | None]) -> set[str]:
         """creating → running for several sandboxes in one transaction (id → status note); returns the ids
@@ -273,20 +317,26 @@ class StateStore:
                         update(sandboxes)
                         .where(_creating_among(chunk, self._postgres))
                         .values(state=SandboxState.RUNNING.value, status_message=note)
-                        .returning(sandboxes.c.id)
+                        .returning(sandboxes.c.id, sandboxes.c.edge_id, sandboxes.c.job)
                     )
-                    marked.update(row[0] for row in conn.execute(statement))
+                    rows = conn.execute(statement).all()
+                    _sandbox_events(conn, "sandbox.running", rows, time.time(), {}, self._postgres)
+                    marked.update(row.id for row in rows)
         return marked
 
     def end(self, sandbox_id: str, state: SandboxState, reason: str, message: str | None = None) -> bool:
         """Mark an active sandbox ended; False if it had already ended."""
+        now = time.time()
         with self._engine.begin() as conn:
-            result = conn.execute(
+            rows = conn.execute(
                 update(sandboxes)
                 .where(sandboxes.c.id == sandbox_id, sandboxes.c.state.in_(_ACTIVE))
-                .values(state=state.value, end_reason=reason, ended_at=time.time(), status_message=message)
-            )
-            return result.rowcount > 0
+                .values(state=state.value, end_reason=reason, ended_at=now, status_message=message)
+                .returning(sandboxes.c.id, sandboxes.c.edge_id, sandboxes.c.job)
+            ).all()
+            detail = {"state": state.value, "reason": reason, "message": message}
+            _sandbox_events(conn, "sandbox.ended", rows, now, detail, self._postgres)
+            return bool(rows)
 
     # -- nodes (the watcher) ----------------------------------------------
 
@@ -320,7 +370,13 @@ class StateStore:
                    if e not in known]  # fmt: skip
             if new:
                 conn.execute(nodes.insert(), new)
-        return {edge_id for edge_id, state in known.items() if state == "lost"}
+            back = {edge_id for edge_id, state in known.items() if state == "lost"}
+            batch = [{"at": now, "kind": "node.up", "sandbox_id": None, "edge_id": row["edge_id"], "job": None,
+                      "detail": {}} for row in new]  # fmt: skip
+            batch += [{"at": now, "kind": "node.back", "sandbox_id": None, "edge_id": edge_id, "job": None,
+                       "detail": {}} for edge_id in sorted(back)]  # fmt: skip
+            write_events(conn, batch, self._postgres)
+        return back
 
     def active_ids(self, edge_id: str) -> set[str]:
         """Ids of the sandboxes the records say are active on an edge."""
@@ -349,8 +405,14 @@ class StateStore:
                 update(sandboxes)
                 .where(sandboxes.c.edge_id == edge_id, sandboxes.c.state.in_(_ACTIVE))
                 .values(state=SandboxState.LOST.value, end_reason="lost", ended_at=now, status_message=message)
-            )
-            return ended.rowcount
+                .returning(sandboxes.c.id, sandboxes.c.edge_id, sandboxes.c.job)
+            ).all()
+            node_lost = {"at": now, "kind": "node.lost", "sandbox_id": None, "edge_id": edge_id, "job": None,
+                         "detail": {"message": message, "sandboxes_lost": len(ended)}}  # fmt: skip
+            write_events(conn, [node_lost], self._postgres)
+            detail = {"state": SandboxState.LOST.value, "reason": "lost", "message": message}
+            _sandbox_events(conn, "sandbox.ended", ended, now, detail, self._postgres)
+            return len(ended)
 
     def nodes(self) -> list[dict[str, Any]]:
         with self._engine.connect() as conn:
@@ -379,11 +441,13 @@ class StateStore:
 
     def mark_paused(self, sandbox_id: str, at: float) -> None:
         with self._engine.begin() as conn:
-            conn.execute(
+            rows = conn.execute(
                 update(sandboxes)
                 .where(sandboxes.c.id == sandbox_id, sandboxes.c.state == SandboxState.RUNNING.value)
                 .values(state=SandboxState.PAUSED.value, paused_at=at)
-            )
+                .returning(sandboxes.c.id, sandboxes.c.edge_id, sandboxes.c.job)
+            ).all()
+            _sandbox_events(conn, "sandbox.paused", rows, at, {}, self._postgres)
 
     def mark_resumed(self, sandbox_id: str, at: float) -> None:
         """paused → running; unless paused time counts, the TTL moves on by the time spent paused."""
@@ -398,6 +462,15 @@ class StateStore:
                 update(sandboxes)
                 .where(sandboxes.c.id == sandbox_id)
                 .values(state=SandboxState.RUNNING.value, paused_at=None, expires_at=expires_at)
+            )
+            paused_s = at - row["paused_at"] if row["paused_at"] is not None else None
+            _sandbox_events(
+                conn,
+                "sandbox.resumed",
+                [(row["id"], row["edge_id"], row["job"])],
+                at,
+                {"paused_s": paused_s},
+                self._postgres,
             )
 
     def expired(self, now: float) -> list[str]:
