@@ -8,19 +8,24 @@ CORRAL_API_KEY or the config file that `serve` wrote).
 from __future__ import annotations
 
 import datetime
+import io
 import json
+import posixpath
+import shlex
 import sys
+import tarfile
 import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.live import Live
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Column, Table
 
 from corral.cli.cluster import cluster_app
-from corral.sdk import Client, CorralError, Event, PullEvent, SandboxInfo
+from corral.sdk import Client, CorralError, Event, PullEvent, SandboxInfo, TrajectoryStep
 
 app = typer.Typer(help="Corral: sandboxes for agentic RL.", no_args_is_help=True, add_completion=False)
 # Piped output (CI logs, scripts) gets full-width tables instead of wrapped 80-column ones.
@@ -396,6 +401,190 @@ def images_import(
     """Upload an archive as a new layer."""
     image = _client().images.import_archive(name, archive, format="oci" if oci else "tar", layer_kind=kind)
     console.print(f"imported {image.name}: {', '.join(d[:19] for d in image.layers)}")
+
+
+@app.command()
+def pause(
+    sandbox_id: str,
+    wait: Annotated[
+        bool, typer.Option("--wait", help="Return once its memory is given back, not just frozen.")
+    ] = False,
+) -> None:
+    """Freeze a sandbox (processes and memory kept) and give its memory back; any request resumes it."""
+    result = _client().get(sandbox_id).pause(wait_reclaim=wait)
+    freed = (result.memory_before_bytes - result.memory_after_bytes) / (1 << 20)
+    pending = " (more on its way out)" if result.reclaim_pending else ""
+    console.print(f"{sandbox_id} paused in {result.duration_ms:.0f} ms; {freed:.1f} MiB given back{pending}")
+
+
+@app.command()
+def resume(sandbox_id: str) -> None:
+    """Resume a paused sandbox (any request to it would too)."""
+    info = _client().get(sandbox_id).resume()
+    console.print(f"{info.id} {info.state.value}")
+
+
+@app.command()
+def fork(
+    sandbox_id: str,
+    count: Annotated[int, typer.Option("--count", "-n", help="How many children.")] = 1,
+    label: Annotated[list[str] | None, typer.Option("--label", "-l", help="key=value for the children.")] = None,
+) -> None:
+    """New sandboxes from this one as it is now (VMs and gVisor: memory and processes too); prints their ids."""
+    for child in _client().get(sandbox_id).fork(count, labels=_labels(label)):
+        print(child.id)
+
+
+def _sandbox_path(spec: str) -> tuple[str, str] | None:
+    """``SANDBOX_ID:/path`` as (id, path); a local path gives None."""
+    sandbox_id, sep, path = spec.partition(":")
+    if sep and sandbox_id.startswith("sb-") and path.startswith("/"):
+        return sandbox_id, path
+    return None
+
+
+@app.command("cp")
+def copy(
+    source: Annotated[str, typer.Argument(help="SANDBOX_ID:/path or a local path.")],
+    dest: Annotated[str, typer.Argument(help="SANDBOX_ID:/path or a local path.")],
+) -> None:
+    """Copy a file or a directory into or out of a sandbox, like `docker cp` (directories travel as tar)."""
+    src, dst = _sandbox_path(source), _sandbox_path(dest)
+    if (src is None) == (dst is None):
+        raise typer.BadParameter("one side must be SANDBOX_ID:/absolute/path and the other a local path")
+    client = _client()
+    if dst is not None:  # into the sandbox
+        local = Path(source)
+        if not local.exists():
+            raise typer.BadParameter(f"{local} does not exist")
+        files = client.get(dst[0]).files
+        if local.is_dir():
+            buffer = io.BytesIO()
+            with tarfile.open(fileobj=buffer, mode="w") as archive:
+                archive.add(local, arcname=".")
+            members = files.upload_tar(dst[1], buffer.getvalue())
+            console.print(f"copied {members} entries to {dest}")
+        else:
+            target = dst[1] + local.name if dst[1].endswith("/") else dst[1]
+            info = files.write(target, local.read_bytes(), mode=local.stat().st_mode & 0o7777)
+            console.print(f"copied {info.size} bytes to {dst[0]}:{target}")
+        return
+    assert src is not None
+    files = client.get(src[0]).files
+    local = Path(dest)
+    if files.stat(src[1]).type == "dir":
+        # As `docker cp`: into an existing directory as a child of it, else as that new directory.
+        name = posixpath.basename(src[1].rstrip("/"))
+        into = local if local.is_dir() else local.parent
+        renamed = None if local.is_dir() else local.name
+        into.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(fileobj=io.BytesIO(files.download_tar(src[1])), mode="r:") as archive:
+            count = _extract_within(archive, into, name, renamed)
+        console.print(f"copied {count} entries from {source} to {into / (renamed or name)}/")
+    else:
+        target = local / posixpath.basename(src[1]) if local.is_dir() else local
+        target.write_bytes(files.read(src[1]))
+        console.print(f"copied {target.stat().st_size} bytes to {target}")
+
+
+# The checks are ours (below): where tarfile has filters, tell it so instead of letting it apply its default.
+_CHECKED_HERE: dict[str, str] = {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}
+
+
+def _extract_within(archive: tarfile.TarFile, dest: Path, top: str, renamed: str | None) -> int:
+    """Extract a sandbox's tar of directory ``top`` under ``dest`` (as ``renamed`` if given) and nowhere else:
+    the sandbox is not trusted, and Debian 12's Python (3.11.2) has no tarfile extraction filters. Every
+    member's path, resolved through what is already on disk (a symlink the archive made earlier included),
+    and every link's target must stay under ``dest``; devices and FIFOs are skipped; setuid and setgid bits
+    are dropped."""
+    root = dest.resolve()
+    count = 0
+    for member in archive:
+        if renamed is not None and (member.name == top or member.name.startswith(top + "/")):
+            member.name = renamed + member.name[len(top) :]
+        target = (root / member.name).resolve()
+        if target != root and root not in target.parents:
+            raise typer.BadParameter(f"the sandbox's archive has {member.name!r}, outside {dest}: nothing more copied")
+        if member.issym() or member.islnk():
+            base = target.parent if member.issym() else root
+            linked = (base / member.linkname).resolve()
+            if linked != root and root not in linked.parents:
+                console.print(f"skipped {member.name}: it links outside ({member.linkname})")
+                continue
+        elif not (member.isfile() or member.isdir()):
+            continue
+        member.mode &= 0o1777
+        archive.extract(member, root, set_attrs=member.isfile(), numeric_owner=True, **_CHECKED_HERE)
+        count += 1
+    return count
+
+
+def _step_line(step: TrajectoryStep) -> str:
+    request, result = step.request, step.result or {}
+    if step.kind.startswith("exec") or step.kind == "start":
+        cmd = request.get("cmd")
+        what = shlex.join(cmd) if isinstance(cmd, list) else str(cmd)
+        outcome = f"exit {result.get('exit_code')}" if "exit_code" in result else step.state
+    elif step.kind == "write_file":
+        what, outcome = str(request.get("path")), step.state
+    else:
+        what, outcome = step.step_id, step.state
+    took = f"{(step.finished_at - step.started_at) * 1000:.0f} ms" if step.finished_at else "-"
+    return f"{step.seq:>5}  {_when(step.started_at)}  {step.kind:<11} {outcome:<8} {took:>8}  {what}"
+
+
+@app.command()
+def logs(
+    sandbox_id: str,
+    output: Annotated[
+        bool, typer.Option("--output", "-o", help="Also print each command's stdout and stderr.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON step per line.")] = False,
+) -> None:
+    """A sandbox's trajectory: every command and file write, in order, with results."""
+    for step in _client().get(sandbox_id).trajectory():
+        if as_json:
+            print(step.model_dump_json())
+            continue
+        print(_step_line(step))
+        if output and step.result:
+            for stream in ("stdout", "stderr"):
+                text = step.result.get(stream) or ""
+                for line in text.splitlines():
+                    print(f"{'':>7}{stream}: {line}")
+
+
+def _top_table(client: Client) -> Table:
+    table = Table("node", "sandboxes", "cpu committed", "load", "memory committed", "resident", "reclaimed",
+                  "mem pressure", "refusing")  # fmt: skip
+    for node in client.nodes():
+        counts = ", ".join(f"{backend} {sum(states.values())}" for backend, states in node.sandboxes.items())
+        table.add_row(
+            node.edge_id, counts or "0", f"{node.cpu_committed:g}/{node.cpu_capacity:g}", f"{node.load_1m:.2f}",
+            f"{node.memory_committed_mb}/{node.memory_capacity_mb} MiB", f"{node.memory_resident_mb:.0f} MiB",
+            f"{node.memory_reclaimed_mb:.0f} MiB", f"{node.pressure.get('memory_some', 0.0):.1f}%",
+            node.refusing or "-",
+        )  # fmt: skip
+    return table
+
+
+@app.command()
+def top(
+    interval_s: Annotated[float, typer.Option("--interval", help="Seconds between refreshes.")] = 2.0,
+    once: Annotated[bool, typer.Option("--once", help="Print one table and exit.")] = False,
+) -> None:
+    """Nodes live: sandboxes, CPU and memory committed and used, reclaim, pressure (Ctrl-C ends)."""
+    with _client() as client:
+        if once:
+            console.print(_top_table(client))
+            return
+        try:
+            with Live(_top_table(client), console=console, refresh_per_second=4) as live:
+                while True:
+                    time.sleep(interval_s)
+                    live.update(_top_table(client))
+        except KeyboardInterrupt:
+            pass
 
 
 @app.command()
