@@ -21,11 +21,19 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.live import Live
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TransferSpeedColumn,
+)
 from rich.table import Column, Table
 
 from corral.cli.cluster import cluster_app
-from corral.sdk import Client, CorralError, Event, PullEvent, SandboxInfo, TrajectoryStep
+from corral.sdk import BatchEvent, Client, CorralError, Event, PullEvent, SandboxInfo, TrajectoryStep
 
 app = typer.Typer(help="Corral: sandboxes for agentic RL.", no_args_is_help=True, add_completion=False)
 # Piped output (CI logs, scripts) gets full-width tables instead of wrapped 80-column ones.
@@ -100,13 +108,32 @@ def create(
     cwd: Annotated[str | None, typer.Option(help="Default: the image's working directory, else /.")] = None,
     workspace: Annotated[str | None, typer.Option(help="Workspace image stacked over IMAGE.")] = None,
     tools: Annotated[str | None, typer.Option(help="Tools image stacked on top.")] = None,
+    count: Annotated[int, typer.Option("--count", "-n", help="Create this many in one batch, with progress.")] = 1,
 ) -> None:
-    """Create a sandbox and print its id (IMAGE is the base when --workspace/--tools compose an environment)."""
+    """Create sandboxes and print their ids, one per line (IMAGE is the base when --workspace/--tools compose an
+    environment). With --count, one batch request: ids as they become ready, a progress bar on stderr."""
     environment = {"base": image, "workspace": workspace, "tools": tools} if workspace or tools else None
-    sandbox = _client().create(image, cpu=cpu, qos=qos, memory_mb=memory_mb, ttl_s=ttl_s, labels=_labels(label),
-                               env=_labels(env), user=user, cwd=cwd, environment=environment,
-                               node_selector=_labels(node_selector))  # fmt: skip
-    console.print(sandbox.id)
+    args = {"cpu": cpu, "qos": qos, "memory_mb": memory_mb, "ttl_s": ttl_s, "labels": _labels(label),
+            "env": _labels(env), "user": user, "cwd": cwd, "environment": environment,
+            "node_selector": _labels(node_selector)}  # fmt: skip
+    if count == 1:
+        print(_client().create(image, **args).id)
+        return
+    failures: list[str] = []
+
+    def failed(event: BatchEvent) -> None:
+        if event.type == "error":
+            failures.append(f"#{event.index}: {(event.error or {}).get('message', 'failed')}")
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with _client() as client, Progress(*columns, console=err_console, transient=True) as progress:
+        bar = progress.add_task(f"creating {count} x {image}", total=count)
+        for sandbox in client.create_many(count, image, on_progress=failed, **args):
+            print(sandbox.id, flush=True)
+            progress.advance(bar)
+    if failures:
+        err_console.print(f"{len(failures)} of {count} creates failed; the first: {failures[0]}", markup=False)
+        raise typer.Exit(1)
 
 
 @app.command("exec")

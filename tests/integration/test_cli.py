@@ -74,3 +74,15 @@ def test_logs_and_top(server: EmbeddedServer, client: corral.Client) -> None:
         assert any("write_file" in line and "/notes.txt" in line for line in logs), logs
         top = _cli(server, "top", "--once").stdout
         assert "e0" in top and "container" in top and "MiB" in top
+
+
+def test_create_a_batch_with_progress(server: EmbeddedServer, client: corral.Client) -> None:
+    created = _cli(server, "create", "busybox", "-n", "3", "--memory-mb", "64", "-l", "cli-batch=1")
+    ids = created.stdout.split()
+    try:
+        assert len(ids) == 3 and len(set(ids)) == 3
+        listed = {s.id for s in client.list(labels={"cli-batch": "1"})}
+        assert listed == set(ids)
+    finally:
+        for sandbox_id in ids:
+            client.kill(sandbox_id)
