@@ -22,6 +22,14 @@ class Settings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="Address the HTTP API listens on.")
     port: int = Field(7070, description="Port the HTTP API listens on.")
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="Server log lines on stderr: text, or one JSON object per line (ts, level, logger, "
+        "message, sandbox_id, edge_id).",
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="The least severe log lines written (info: every create, kill, pause and resume)."
+    )
     http_keepalive_s: int = Field(
         620,
         gt=0,

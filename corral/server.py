@@ -37,6 +37,7 @@ from corral.images.fetch import layer_fetcher
 from corral.images.pull import ImagePuller
 from corral.images.registry import RegistryConfig, load_auth_file
 from corral.images.store import LayerStore
+from corral.logs import configure_logging
 from corral.node import build_edge, prepare_host
 from corral.state.db import StateStore
 from corral.trajectory import TrajectoryLog
@@ -114,7 +115,7 @@ def registry_config(settings: Settings) -> RegistryConfig:
 
 def serve(settings: Settings) -> None:
     tune_gc()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_format, settings.log_level, settings.edge_id)
     if settings.engine == "ray":
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         host = None
@@ -202,5 +203,6 @@ def serve(settings: Settings) -> None:
         loop="asyncio",
         http="httptools",
         log_level="warning",
+        log_config=None,  # its lines go through configure_logging's handler (text or JSON)
         timeout_keep_alive=settings.http_keepalive_s,
     )

@@ -31,6 +31,7 @@ from corral.gateway.metrics import CONTENT_TYPE, Levels
 from corral.gateway.request_timing import RequestTiming
 from corral.gateway.service import SandboxService
 from corral.gateway.trajectory import Trajectories
+from corral.logs import current_sandbox
 from corral.sdk._exceptions import CorralError, InvalidRequest, PayloadTooLarge
 from corral.sdk._models import (
     AuditEvent,
@@ -95,6 +96,8 @@ async def _authenticate(
     services = request.app.state.service
     caller: Caller = services.tokens.caller(credentials.credentials if credentials else None)
     sandbox_id = request.path_params.get("sandbox_id")
+    if sandbox_id is not None:
+        current_sandbox.set(sandbox_id)  # on every log line written while serving this request
     if caller.job is not None and sandbox_id is not None:
         caller.check_owner(sandbox_id, services.sandboxes.record(sandbox_id)["labels"])
     return caller

@@ -246,6 +246,7 @@ class SandboxService:
         self.scheduler.release(sandbox_id)
         self._store.end(sandbox_id, SandboxState.ENDED, reason, message)
         self.metrics.ended.labels(reason).inc()
+        log.info("ended: %s: %s", reason, message, extra={"sandbox_id": sandbox_id})
 
     def paused(self, sandbox_id: str, at: float) -> None:
         self._store.mark_paused(sandbox_id, at)
@@ -542,8 +543,11 @@ class SandboxService:
                 self._raise_if_ended(self.get(spec.sandbox_id))
             if edge_id not in self._edges:
                 self.scheduler.forget(spec.sandbox_id)  # its node's heartbeat counts it from now on
+            took_s = time.perf_counter() - started_s
             self.metrics.creates.labels(request.backend, "created").inc()
-            self.metrics.create_seconds.labels(request.backend).observe(time.perf_counter() - started_s)
+            self.metrics.create_seconds.labels(request.backend).observe(took_s)
+            log.info("created on %s in %.0f ms: %s (%s)", edge_id, took_s * 1000, spec.image, request.backend,
+                     extra={"sandbox_id": spec.sandbox_id})  # fmt: skip
             return StateStore.to_info({**record, "state": SandboxState.RUNNING.value, "status_message": note})
 
     async def create_many(
@@ -668,6 +672,7 @@ class SandboxService:
         if info.state != SandboxState.PAUSED:
             self._store.mark_paused(sandbox_id, time.time())
             self.metrics.operations.labels("paused").inc()
+            log.info("paused in %.0f ms", duration_ms)  # the request's sandbox (corral.logs.current_sandbox)
         return PauseResult(
             sandbox=self.get(sandbox_id),
             memory_before_bytes=before,
@@ -712,6 +717,7 @@ class SandboxService:
         self.scheduler.release(sandbox_id)
         self._store.end(sandbox_id, SandboxState.ENDED, reason, message)
         self.metrics.ended.labels(reason).inc()
+        log.info("ended: %s", reason, extra={"sandbox_id": sandbox_id})
 
     def set_ttl(self, sandbox_id: str, ttl_s: float | None) -> SandboxInfo:
         info = self.get(sandbox_id)
