@@ -35,7 +35,8 @@ APT_PACKAGES=(erofs-utils:mkfs.erofs crun:crun runc:runc busybox-static:busybox 
               qemu-utils:qemu-img cpio:cpio kmod:modprobe e2fsprogs:mkfs.ext4
               fuse3:fusermount3 libfuse3-dev pkg-config:pkg-config  # FUSE: corral-lazyfs, layers on demand
               procps:sysctl git:git  # sysctl in sandbox network namespaces; git workspaces
-              docker-registry:docker-registry skopeo:skopeo apache2-utils:htpasswd)  # registry tests
+              docker-registry:docker-registry skopeo:skopeo apache2-utils:htpasswd  # registry tests
+              chromium:chromium chromium-driver:chromedriver)  # the web dashboard's browser tests
 RUNSC_MIN_DATE=20230101  # bookworm's runsc (2022) has only the slow ptrace platform; backports' has systrap
 E2B_OLD_VERSION=2.30.0   # an E2B SDK from before the /v2 endpoints, for tests/e2b/test_e2b_old_sdk.py
 E2B_OLD_DIR="$VENV/e2b-$E2B_OLD_VERSION"

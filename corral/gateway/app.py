@@ -18,8 +18,9 @@ from typing import IO, Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field, ValidationError
 
 from corral.gateway.auth import Caller
@@ -78,6 +79,8 @@ from corral.state.db import EVENT_KINDS
 from corral.state.events import EventFilter
 
 __all__ = ["create_app"]
+
+DASHBOARD_DIR = Path(__file__).with_name("dashboard")
 
 _bearer = HTTPBearer(auto_error=False)
 _ERROR_RESPONSES = {
@@ -522,6 +525,7 @@ def create_app(service_factory, max_file_bytes: int, upload_dir: Path) -> FastAP
         sandbox_id: Annotated[str | None, Query(description="Only this sandbox's events.")] = None,
         kind: Annotated[list[str] | None, Query(description="Only these kinds (repeat the parameter).")] = None,
         label: Annotated[list[str] | None, Query(description="Only sandboxes with these labels, key=value.")] = None,
+        from_now: Annotated[bool, Query(description="Start after the newest event (instead of after_id).")] = False,
     ) -> StreamingResponse:
         """What happens to sandboxes and nodes, and audit findings, oldest first, NDJSON. Node events need the
         server's key; a job token sees its own job's sandboxes. A blank line is sent every 15 s of quiet."""
@@ -529,6 +533,8 @@ def create_app(service_factory, max_file_bytes: int, upload_dir: Path) -> FastAP
         if unknown:
             raise InvalidRequest(f"unknown event kind {unknown[0]!r}: one of {', '.join(EVENT_KINDS)}")
         wanted = EventFilter(sandbox_id=sandbox_id, kinds=kind, labels=_label_pairs(label), job=caller.job)
+        if from_now:
+            after_id = await asyncio.to_thread(svc.events.last_id)
         return StreamingResponse(follow_events(svc.events, after_id, wanted, follow),
                                  media_type="application/x-ndjson")  # fmt: skip
 
@@ -666,6 +672,13 @@ def create_app(service_factory, max_file_bytes: int, upload_dir: Path) -> FastAP
     async def download_tar(sandbox_id: str, path: PathQuery, svc: Service) -> Response:
         data = await svc.call(sandbox_id, lambda edge: edge.download_tar(sandbox_id, path))
         return Response(data, media_type="application/x-tar")
+
+    app.mount("/ui", StaticFiles(directory=DASHBOARD_DIR, html=True), name="dashboard")
+
+    @app.get("/", include_in_schema=False)
+    async def dashboard_home() -> RedirectResponse:
+        """The web dashboard (corral/gateway/dashboard): it asks for the key and uses this same API."""
+        return RedirectResponse("/ui/")
 
     include_e2b(app, max_file_bytes)  # E2B's API and envd protocol on the same port (corral/gateway/e2b)
     return app

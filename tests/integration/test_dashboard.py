@@ -1,0 +1,124 @@
+"""The web dashboard in a real headless browser (Debian's chromium through chromedriver and selenium), against a
+live server: every page shows what the API holds, and a screenshot of each is kept (issue 21).
+
+Screenshots go to test-artifacts/dashboard/ at the repo's root (ignored by git), for a person to look at.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+import corral
+from corral.embedded import EmbeddedServer
+from tests.conftest import REPO
+
+webdriver = pytest.importorskip("selenium.webdriver")
+from selenium.webdriver.chrome.options import Options  # noqa: E402
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.remote.webdriver import WebDriver  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+ARTIFACTS = REPO / "test-artifacts" / "dashboard"
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None or CHROMEDRIVER is None, reason="chromium and chromium-driver come with scripts/setup.sh"
+)
+
+
+@pytest.fixture
+def browser() -> Iterator[WebDriver]:
+    profile = tempfile.mkdtemp(prefix="corral-chromium-")
+    options = Options()
+    options.binary_location = CHROMIUM or ""
+    # Flags as this machine kind needs them (no sandbox as root; no background traffic: the network is closed).
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", f"--user-data-dir={profile}", "--window-size=1400,1000"):  # fmt: skip
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER or ""), options=options)
+    driver.set_page_load_timeout(60)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def _text_appears(driver: WebDriver, text: str, timeout_s: float = 30) -> str:
+    WebDriverWait(driver, timeout_s).until(lambda d: text in d.find_element(By.ID, "view").text)
+    return driver.find_element(By.ID, "view").text
+
+
+def _screenshot(driver: WebDriver, name: str) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    path = ARTIFACTS / f"{name}.png"
+    assert driver.save_screenshot(str(path))
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, f"{path}: {len(data)} bytes"
+
+
+def test_every_page_shows_the_servers_state(browser: WebDriver, server: EmbeddedServer, client: corral.Client) -> None:
+    mark = uuid.uuid4().hex[:10]
+    client.fncall("echo from-a-pool", image="busybox")
+    with client.create("busybox", memory_mb=64, labels={"dash": mark}) as sandbox:
+        sandbox.exec("echo dashboard-$((6*7))")
+        sandbox.exec("sleep 3", timeout_s=0.3)  # an audit finding: timeout
+
+        browser.get(f"{server.url}/")
+        browser.find_element(By.ID, "key").send_keys(server.api_key)
+        browser.find_element(By.CSS_SELECTOR, "#login button").click()
+        nodes = _text_appears(browser, "memory committed")
+        assert "e0" in nodes and "container" in nodes
+        _screenshot(browser, "nodes")
+
+        browser.get(f"{server.url}/ui/#/sandboxes?label=dash={mark}")
+        listed = _text_appears(browser, sandbox.id)
+        assert "Sandboxes (1)" in listed and f"dash={mark}" in listed
+        _screenshot(browser, "sandboxes")
+
+        browser.find_element(By.LINK_TEXT, sandbox.id).click()
+        detail = _text_appears(browser, "dashboard-42")
+        assert "Trajectory (2 steps)" in detail and "echo dashboard-$((6*7))" in detail
+        assert "timeout" in detail and "loopback only" in detail
+        _screenshot(browser, "sandbox")
+
+        browser.get(f"{server.url}/ui/#/pools")
+        assert "busybox" in _text_appears(browser, "waiting")
+        _screenshot(browser, "pools")
+
+        browser.get(f"{server.url}/ui/#/images")
+        images = _text_appears(browser, "Layers (")
+        assert "busybox:latest" in images and "debian-12" in images
+        _screenshot(browser, "images")
+
+
+def test_the_live_view_counts_a_burst(browser: WebDriver, server: EmbeddedServer, client: corral.Client) -> None:
+    browser.get(f"{server.url}/ui/")
+    browser.find_element(By.ID, "key").send_keys(server.api_key)
+    browser.find_element(By.CSS_SELECTOR, "#login button").click()
+    _text_appears(browser, "memory committed")
+    browser.get(f"{server.url}/ui/#/burst")
+    _text_appears(browser, "since this page opened")
+    sandboxes = list(client.create_many(5, "busybox", memory_mb=64, labels={"dash-burst": "1"}))
+    try:
+        _text_appears(browser, "created 5,")
+    finally:
+        for sandbox in sandboxes:
+            sandbox.kill()
+    _text_appears(browser, "ended 5,")
+    bars = browser.find_elements(By.CSS_SELECTOR, "#live-chart rect.bar")
+    assert bars, "the chart drew no bars"
+    _screenshot(browser, "live")
+
+
+def test_a_wrong_key_is_refused_on_the_page(browser: WebDriver, server: EmbeddedServer) -> None:
+    browser.get(f"{server.url}/ui/")
+    browser.find_element(By.ID, "key").send_keys("ck_wrong")
+    browser.find_element(By.CSS_SELECTOR, "#login button").click()
+    WebDriverWait(browser, 30).until(lambda d: "not accepted" in d.find_element(By.ID, "login-error").text)
