@@ -10,10 +10,15 @@ stream with an ``unavailable`` frame.
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import httpx
 import pytest
-from e2b import FileType, InvalidArgumentException, Sandbox, SandboxException
+from e2b import FileType, InvalidArgumentException, Sandbox, SandboxException, SandboxNotRunningException
+
+from corral.embedded import EmbeddedServer
+from corral.gateway.e2b.common import frame
 
 _LINKS = """
 set -e
@@ -85,3 +90,41 @@ def test_list_dir_follows_a_link_to_a_directory_but_not_links_inside(linked: San
         linked.files.list("link-file")
     with pytest.raises(SandboxException, match="cyclic symlink"):
         linked.files.list("cyclic")
+
+
+def _start_stream(sandbox: Sandbox) -> httpx.Response:
+    headers = {
+        "E2b-Sandbox-Id": sandbox.sandbox_id,
+        "E2b-Sandbox-Port": "49983",
+        "X-Access-Token": sandbox._envd_access_token,
+        "Content-Type": "application/connect+json",
+    }
+    body = frame({"process": {"cmd": "/bin/bash", "args": ["-c", "echo up; sleep 600"]}})
+    url = f"{os.environ['E2B_SANDBOX_URL']}/process.Process/Start"
+    return httpx.Client(timeout=30).send(httpx.Request("POST", url, headers=headers, content=body), stream=True)
+
+
+def test_a_kill_while_a_command_streams_drops_the_connection(e2b_env: dict[str, str], server: EmbeddedServer) -> None:
+    sandbox = Sandbox.create("base")
+    try:
+        response = _start_stream(sandbox)
+        chunks = response.iter_raw()
+        received = next(chunks)  # the start event: the command runs
+        threading.Timer(0.5, sandbox.kill).start()
+        with pytest.raises(httpx.RemoteProtocolError):  # the chunked body never ends: aborted, not closed
+            for chunk in chunks:
+                received += chunk
+        assert b"end" not in received and b"unavailable" not in received
+    finally:
+        sandbox.kill()
+    assert "without completing response" not in server.log_path.read_text()  # dropped on purpose: not logged
+    again = Sandbox.create("base")
+    try:
+        handle = again.commands.run("sleep 600", background=True)
+        threading.Timer(0.5, again.kill).start()
+        started = time.monotonic()
+        with pytest.raises(SandboxNotRunningException, match="killed"):
+            handle.wait()
+        assert time.monotonic() - started < 30
+    finally:
+        again.kill()

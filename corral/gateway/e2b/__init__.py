@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from corral.gateway.e2b import control, envd, interpreter
-from corral.gateway.e2b.common import e2b_api_key
+from corral.gateway.e2b.common import e2b_api_key, quiet_aborted_streams
 from corral.gateway.e2b.metrics import sample
 from corral.gateway.e2b.processes import ProcessTable
 from corral.gateway.e2b.watch import Watchers
@@ -40,15 +40,26 @@ class E2BFacade:
         self.processes = ProcessTable(services.trajectories)
         self.watchers = Watchers(services.sandboxes)
         self.kernels = interpreter.Kernels(self.processes, services.sandboxes)
+        self._killing: set[str] = set()
 
     async def metrics(self, info: SandboxInfo) -> dict[str, Any]:
         return await sample(self._sandboxes, info)
 
-    async def forget(self, sandbox_id: str) -> None:
-        """The sandbox ended: drop its processes, kernels and watchers."""
-        self.kernels.forget(sandbox_id)
-        self.watchers.forget(sandbox_id)
-        await self.processes.forget(sandbox_id)
+    async def kill(self, sandbox_id: str) -> None:
+        """Kill it and drop its processes, kernels and watchers. It counts as gone from the start, so the
+        streams the kill breaks are dropped (not ended with an error) and ``/health`` already says 502."""
+        self._killing.add(sandbox_id)
+        self.processes.stopping(sandbox_id)
+        try:
+            await self._sandboxes.kill(sandbox_id)
+        finally:
+            self.kernels.forget(sandbox_id)
+            self.watchers.forget(sandbox_id)
+            await self.processes.forget(sandbox_id)
+            self._killing.discard(sandbox_id)
+
+    def killing(self, sandbox_id: str) -> bool:
+        return sandbox_id in self._killing
 
     async def close(self) -> None:
         await self.processes.close()
@@ -68,6 +79,7 @@ def include_e2b(app: FastAPI, max_file_bytes: int) -> None:
                 await app.state.e2b.close()
 
     app.router.lifespan_context = lifespan
+    quiet_aborted_streams()
     app.include_router(control.router)
     app.include_router(envd.router)
     app.include_router(interpreter.router)

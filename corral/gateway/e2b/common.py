@@ -8,42 +8,51 @@ Errors: E2B's control plane answers ``{"code": <status>, "message"}``; its
 proxy answers a data-plane request for a sandbox that is gone with a 502
 whose message says "was not found", which the SDK turns into
 ``SandboxNotRunningException``. Corral's errors are mapped to those shapes.
+A stream whose sandbox goes away is dropped, as E2B's proxy drops it: the
+SDK then asks ``/health`` and reports the sandbox killed (``ConnectStream``).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import contextvars
 import datetime as dt
 import hashlib
 import hmac
 import json
+import logging
 import struct
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
+from starlette.types import Receive, Scope, Send
 
 from corral.sdk._exceptions import AuthenticationError, CorralError, InvalidRequest, NotFound, SandboxGone
 from corral.sdk._models import SandboxInfo, SandboxState
 
 __all__ = [
     "END_STREAM",
+    "ConnectStream",
     "E2BError",
     "E2BRoute",
     "ENVD_VERSION",
     "ENVD_PORT",
     "INTERPRETER_PORT",
+    "StreamAborted",
     "TEMPLATE_LABEL",
     "Target",
     "access_token",
     "e2b_api_key",
     "facade",
     "frame",
+    "gone",
     "home_of",
+    "quiet_aborted_streams",
     "refuse",
     "rfc3339",
     "services",
@@ -68,6 +77,57 @@ def frame(message: dict[str, Any], flags: int = 0) -> bytes:
     """One Connect stream frame: ``[flags:1][length:4 big-endian][json]``."""
     body = json.dumps(message, separators=(",", ":")).encode()
     return struct.pack(">BI", flags, len(body)) + body
+
+
+_UNFINISHED = "ASGI callable returned without completing response."  # what uvicorn logs as it drops one
+_aborted = contextvars.ContextVar("e2b_stream_aborted", default=False)
+
+
+class StreamAborted(Exception):
+    """Raised by a stream's body: end it by dropping the connection, with no end-of-stream frame."""
+
+
+class ConnectStream(StreamingResponse):
+    """A Connect server stream whose body may end it by raising ``StreamAborted``.
+
+    ASGI has no "abort": a response left unfinished is what makes the server
+    (uvicorn) close the connection, without the last chunk, so the client reads a
+    broken stream. uvicorn logs that as an error; ``quiet_aborted_streams`` drops
+    the line for responses that ended so on purpose (marked in the request's
+    context, which the server's log call runs in)."""
+
+    media_type = "application/connect+json"
+    aborted = False
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        try:
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except StreamAborted:
+            self.aborted = True
+            return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await super().__call__(scope, receive, send)  # streams in a task of its own, beside a disconnect listener
+        if self.aborted:
+            _aborted.set(True)
+
+
+class _QuietAborted(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == _UNFINISHED and _aborted.get())
+
+
+_QUIET = _QuietAborted()
+
+
+def quiet_aborted_streams() -> None:
+    """Keep uvicorn from logging an error for each stream ``ConnectStream`` dropped on purpose."""
+    logger = logging.getLogger("uvicorn.error")
+    if _QUIET not in logger.filters:
+        logger.addFilter(_QUIET)
 
 
 class E2BError(Exception):

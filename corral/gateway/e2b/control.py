@@ -258,8 +258,7 @@ async def get_info(sandbox_id: str, request: Request) -> JSONResponse:
 async def kill(sandbox_id: str, request: Request) -> Response:
     check_api_key(request)
     _live(request, sandbox_id)
-    await services(request).sandboxes.kill(sandbox_id)
-    await facade(request).forget(sandbox_id)
+    await facade(request).kill(sandbox_id)
     return Response(status_code=204)
 
 

@@ -24,18 +24,21 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.datastructures import UploadFile
 
 from corral.gateway.e2b import pty
 from corral.gateway.e2b.common import (
     END_STREAM,
+    ConnectStream,
     E2BError,
+    StreamAborted,
     Target,
     basic_user,
     facade,
     frame,
     from_corral,
+    gone,
     rfc3339,
     services,
     target,
@@ -43,13 +46,13 @@ from corral.gateway.e2b.common import (
 from corral.gateway.e2b.links import Link, Resolver
 from corral.gateway.e2b.processes import NO_TIMEOUT_S, OUTPUT_CAP_BYTES, Event, Process
 from corral.gateway.e2b.watch import Watchers
-from corral.sdk._exceptions import Conflict, CorralError, InvalidRequest, NotFound, PayloadTooLarge
+from corral.sdk._exceptions import Conflict, CorralError, InvalidRequest, NotFound, PayloadTooLarge, SandboxGone
 from corral.sdk._models import ExecRequest, FileInfo, SandboxState
 
 __all__ = ["router", "end_frame", "entry"]
 
 router = APIRouter(include_in_schema=False)
-_STREAM_TYPE = "application/connect+json"
+_STREAM_TYPE = ConnectStream.media_type
 _DEFAULT_KEEPALIVE_S = 50.0
 _CONNECT_CODES = {
     400: "invalid_argument",
@@ -117,8 +120,8 @@ def _deadline_s(request: Request) -> float | None:
     return int(header) / 1000 if header and header.isdigit() and int(header) > 0 else None
 
 
-def _stream(body: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(body, media_type=_STREAM_TYPE)
+def _stream(body: AsyncIterator[bytes]) -> ConnectStream:
+    return ConnectStream(body)
 
 
 async def _single(chunk: bytes) -> AsyncIterator[bytes]:
@@ -207,6 +210,8 @@ async def _follow(
                 payload = base64.b64encode(event.data).decode()
                 stream = "pty" if process.pty_marker else event.stream
                 yield frame({"event": {"data": {stream: payload}}})
+            elif isinstance(event.error, SandboxGone):
+                raise StreamAborted  # killed, or ended: the connection drops, as through E2B's proxy
             elif event.error is not None:
                 yield end_frame(event.error)
                 return
@@ -229,7 +234,7 @@ def _keepalive_s(request: Request) -> float:
     return float(header) if header.replace(".", "", 1).isdigit() and float(header) > 0 else _DEFAULT_KEEPALIVE_S
 
 
-async def _start(request: Request, where: Target, message: dict[str, Any]) -> StreamingResponse:
+async def _start(request: Request, where: Target, message: dict[str, Any]) -> ConnectStream:
     config = message.get("process") or {}
     cmd = config.get("cmd")
     if not cmd:
@@ -260,7 +265,7 @@ async def _start(request: Request, where: Target, message: dict[str, Any]) -> St
     return _stream(_follow(process, queue, deadline_s, _keepalive_s(request)))
 
 
-async def _connect(request: Request, where: Target, message: dict[str, Any]) -> StreamingResponse:
+async def _connect(request: Request, where: Target, message: dict[str, Any]) -> ConnectStream:
     pid, tag = _selector(message)
     process = facade(request).processes.find(where.sandbox_id, pid, tag)
     queue = process.subscribe()
@@ -294,7 +299,7 @@ async def _write_stdin(sandbox_id: str, command_id: str, data: bytes, edge: Any)
     await edge.command_stdin(sandbox_id, command_id, data)
 
 
-async def _stream_input(request: Request, where: Target) -> StreamingResponse:
+async def _stream_input(request: Request, where: Target) -> ConnectStream:
     """StreamInput (``commands.stream_stdin``): a start frame naming the process, then data frames for its stdin."""
     svc = services(request).sandboxes
     command_id = None
@@ -549,4 +554,6 @@ async def health(request: Request) -> Response:
         return exc.response()
     if where.info.state == SandboxState.PAUSED:
         return E2BError(502, f"The sandbox {where.sandbox_id} is paused").response()
+    if facade(request).killing(where.sandbox_id):
+        return gone(where.sandbox_id).response()
     return Response(status_code=204)
