@@ -20,7 +20,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from corral.gateway.e2b import control, envd, interpreter
+from corral.gateway.e2b import control, envd, interpreter, lifecycle
 from corral.gateway.e2b.common import e2b_api_key, quiet_aborted_streams
 from corral.gateway.e2b.metrics import sample
 from corral.gateway.e2b.processes import ProcessTable
@@ -81,5 +81,6 @@ def include_e2b(app: FastAPI, max_file_bytes: int) -> None:
     app.router.lifespan_context = lifespan
     quiet_aborted_streams()
     app.include_router(control.router)
+    app.include_router(lifecycle.router)
     app.include_router(envd.router)
     app.include_router(interpreter.router)

@@ -52,6 +52,7 @@ __all__ = [
     "frame",
     "gone",
     "home_of",
+    "page",
     "quiet_aborted_streams",
     "refuse",
     "rfc3339",
@@ -201,6 +202,23 @@ def check_api_key(request: Request) -> None:
         raise E2BError(401, "missing X-API-KEY: set E2B_API_KEY to the key `corral e2b-env` prints")
     if not any(hmac.compare_digest(given.encode(), k.encode()) for k in (e2b_api_key(server_key), server_key)):
         raise E2BError(401, "wrong API key: set E2B_API_KEY to the key `corral e2b-env` prints")
+
+
+def page(request: Request, items: list[Any]) -> tuple[list[Any], dict[str, str]]:
+    """One page of a listing (``limit``, ``nextToken``) and the header that points at the next one."""
+    limit_text = request.query_params.get("limit")
+    token = request.query_params.get("nextToken")
+    start = 0
+    if token:
+        try:
+            start = int(base64.urlsafe_b64decode(token.encode()).decode())
+        except ValueError:
+            raise E2BError(400, f"nextToken {token!r} is not one this server gave") from None
+    end = len(items) if not limit_text else start + max(1, int(limit_text))
+    headers = {}
+    if end < len(items):
+        headers["x-next-token"] = base64.urlsafe_b64encode(str(end).encode()).decode()
+    return items[start:end], headers
 
 
 def home_of(user: str) -> str:
