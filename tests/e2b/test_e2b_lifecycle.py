@@ -7,6 +7,9 @@ the processes, as a cold boot would.
 
 from __future__ import annotations
 
+import datetime as dt
+import time
+
 import pytest
 from e2b import Sandbox, SandboxException, SandboxState
 
@@ -94,3 +97,47 @@ def test_connect_with_reboot_drops_processes_and_full_pause_keeps_them(sbx: Sand
     sbx.commands.run("sleep 600", background=True)
     Sandbox.connect(sbx.sandbox_id, on_resume="reboot")  # running: a no-op
     assert _sleepers(sbx) == 1
+
+
+def _wait_for_state(sandbox: Sandbox, state: SandboxState, within_s: float) -> float:
+    """Seconds until the sandbox is in ``state`` (asked through the control plane, which resumes nothing)."""
+    started = time.monotonic()
+    while sandbox.get_info().state != state:
+        assert time.monotonic() - started < within_s, f"not {state.value} within {within_s} s"
+        time.sleep(0.2)
+    return time.monotonic() - started
+
+
+def test_on_timeout_pause_pauses_and_a_resume_starts_a_new_period(e2b_sandboxes: list, client: corral.Client) -> None:  # type: ignore[type-arg]
+    sandbox = Sandbox.create("base", timeout=4, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    e2b_sandboxes.append(sandbox)
+    assert sandbox.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": True}
+    sandbox.files.write("/home/user/state.txt", "kept")
+    sandbox.commands.run("sleep 600", background=True)
+    assert 1.5 <= _wait_for_state(sandbox, SandboxState.PAUSED, within_s=10) <= 8  # at its timeout, not killed
+    time.sleep(3)  # past the end of its TTL: paused, not reaped
+    assert client.get(sandbox.sandbox_id).info.state == corral.SandboxState.PAUSED
+    resumed = Sandbox.connect(sandbox.sandbox_id)
+    info = resumed.get_info()
+    assert info.state == SandboxState.RUNNING and 2 <= (info.end_at - dt.datetime.now(dt.UTC)).total_seconds() <= 4.5
+    assert resumed.files.read("/home/user/state.txt") == "kept" and _sleepers(resumed) == 1  # memory kept
+    _wait_for_state(sandbox, SandboxState.PAUSED, within_s=10)  # the next period ends with a pause too
+    assert _sleepers(sandbox) == 1  # a request resumes it (autoResume)
+    assert sandbox.get_info().state == SandboxState.RUNNING
+
+
+def test_on_timeout_pause_without_memory_keeps_the_files(e2b_sandboxes: list, client: corral.Client) -> None:  # type: ignore[type-arg]
+    sandbox = Sandbox.create("base", timeout=3, lifecycle={"on_timeout": {"action": "pause", "mode": "filesystem"}})
+    e2b_sandboxes.append(sandbox)
+    sandbox.files.write("/home/user/state.txt", "kept")
+    sandbox.commands.run("sleep 600", background=True)
+    _wait_for_state(sandbox, SandboxState.PAUSED, within_s=10)
+    resumed = Sandbox.connect(sandbox.sandbox_id)
+    assert resumed.files.read("/home/user/state.txt") == "kept" and _sleepers(resumed) == 0
+    killed = Sandbox.create("base", timeout=2)  # on_timeout left out: the API's default, kill
+    assert killed.get_info().lifecycle == {"on_timeout": "kill", "auto_resume": False}
+    started = time.monotonic()
+    while client.get(killed.sandbox_id).info.state != corral.SandboxState.ENDED:
+        assert time.monotonic() - started < 10, "not reaped at its timeout"
+        time.sleep(0.2)
+    assert client.get(killed.sandbox_id).info.end_reason == "ttl_expired"

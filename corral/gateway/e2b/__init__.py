@@ -2,7 +2,8 @@
 
 Served on Corral's own port, next to /v1, over the same SandboxService,
 trajectory log and audit: ``control`` is E2B's REST API (create, connect,
-list, pause, timeout, kill, metrics), ``envd`` the in-sandbox daemon's
+list, pause, timeout, kill, metrics), ``lifecycle`` its snapshots, forks
+and pausing at the timeout (autoPause), ``envd`` the in-sandbox daemon's
 protocol (processes, filesystem, /files), routed by the ``E2b-Sandbox-Id``
 and ``E2b-Sandbox-Port`` headers, ``interpreter`` the code interpreter's
 port 49999 (``run_code`` and contexts) backed by a small Python kernel
@@ -14,6 +15,8 @@ is and is not supported.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -41,6 +44,12 @@ class E2BFacade:
         self.watchers = Watchers(services.sandboxes)
         self.kernels = interpreter.Kernels(self.processes, services.sandboxes)
         self._killing: set[str] = set()
+        self._pauser: asyncio.Task[None] | None = None
+        self._timeouts = lifecycle.TimeoutPauser(services.sandboxes)
+
+    def start(self) -> None:
+        """Start pausing ``autoPause`` sandboxes at their timeout (until ``close``)."""
+        self._pauser = asyncio.get_running_loop().create_task(self._timeouts.run())
 
     async def metrics(self, info: SandboxInfo) -> dict[str, Any]:
         return await sample(self._sandboxes, info)
@@ -62,6 +71,10 @@ class E2BFacade:
         return sandbox_id in self._killing
 
     async def close(self) -> None:
+        if self._pauser is not None:
+            self._pauser.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pauser
         await self.processes.close()
 
 
@@ -73,6 +86,7 @@ def include_e2b(app: FastAPI, max_file_bytes: int) -> None:
     async def lifespan(app: FastAPI) -> AsyncIterator[Any]:
         async with inner(app) as state:
             app.state.e2b = E2BFacade(app.state.service, max_file_bytes)
+            app.state.e2b.start()
             try:
                 yield state
             finally:

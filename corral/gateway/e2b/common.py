@@ -33,7 +33,7 @@ from fastapi.routing import APIRoute
 from starlette.types import Receive, Scope, Send
 
 from corral.sdk._exceptions import AuthenticationError, CorralError, InvalidRequest, NotFound, SandboxGone
-from corral.sdk._models import SandboxInfo, SandboxState
+from corral.sdk._models import ExecRequest, SandboxInfo, SandboxState
 
 __all__ = [
     "END_STREAM",
@@ -44,13 +44,16 @@ __all__ = [
     "ENVD_PORT",
     "INTERPRETER_PORT",
     "StreamAborted",
+    "ON_TIMEOUT_LABEL",
     "TEMPLATE_LABEL",
+    "TIMEOUT_LABEL",
     "Target",
     "access_token",
     "e2b_api_key",
     "facade",
     "frame",
     "gone",
+    "drop_processes",
     "home_of",
     "page",
     "quiet_aborted_streams",
@@ -64,6 +67,8 @@ ENVD_VERSION = "0.5.7"  # the envd features implemented: stdin, close_stdin, oct
 ENVD_PORT = 49983
 INTERPRETER_PORT = 49999
 TEMPLATE_LABEL = "corral.e2b.template"
+ON_TIMEOUT_LABEL = "corral.e2b.on_timeout"  # "pause" or "pause-filesystem" (autoPause); absent: killed
+TIMEOUT_LABEL = "corral.e2b.timeout_s"  # the timeout it was created with: each running period after a pause
 SANDBOX_USER = "user"
 
 
@@ -219,6 +224,12 @@ def page(request: Request, items: list[Any]) -> tuple[list[Any], dict[str, str]]
     if end < len(items):
         headers["x-next-token"] = base64.urlsafe_b64encode(str(end).encode()).decode()
     return items[start:end], headers
+
+
+async def drop_processes(sandboxes: Any, sandbox_id: str) -> None:
+    """What a cold boot leaves of a sandbox, its files: every process but the sandbox's init is killed."""
+    drop = ExecRequest(cmd=["/bin/sh", "-c", "kill -9 -1 || true"], user="root", cwd="/", timeout_s=30)
+    await sandboxes.call(sandbox_id, lambda edge: edge.exec(sandbox_id, drop))
 
 
 def home_of(user: str) -> str:

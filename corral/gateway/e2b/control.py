@@ -19,12 +19,15 @@ from fastapi.responses import JSONResponse
 
 from corral.gateway.e2b.common import (
     ENVD_VERSION,
+    ON_TIMEOUT_LABEL,
     SANDBOX_USER,
     TEMPLATE_LABEL,
+    TIMEOUT_LABEL,
     E2BError,
     E2BRoute,
     access_token,
     check_api_key,
+    drop_processes,
     facade,
     home_of,
     page,
@@ -33,7 +36,7 @@ from corral.gateway.e2b.common import (
     services,
 )
 from corral.sdk._exceptions import NotFound
-from corral.sdk._models import CreateSandboxRequest, ExecRequest, SandboxInfo, SandboxState
+from corral.sdk._models import CreateSandboxRequest, SandboxInfo, SandboxState
 
 __all__ = [
     "router", "DEFAULT_TIMEOUT_S", "TEMPLATE_IMAGES", "image_of", "json_body", "live", "parse_timeout", "sandbox_shape",
@@ -139,12 +142,9 @@ def _check_create_options(body: dict[str, Any]) -> None:
     unknown = sorted(k for k, v in body.items() if k not in _CREATE_FIELDS and v not in (None, {}, []))
     if unknown:
         raise refuse(f"create option(s) {', '.join(unknown)}", "unknown to this facade")
-    if body.get("autoPause"):
-        raise refuse("autoPause", "a Corral sandbox ends at its timeout; use Corral's idle_pause_s for pausing")
-    if body.get("autoPauseMemory") is not None:
-        raise refuse("autoPauseMemory", "pausing always keeps memory")
-    # autoResume is about sandboxes that autoPause paused, which is refused above; what the SDKs send by
-    # default ({"enabled": false}) changes nothing here. (Any request to a paused Corral sandbox resumes it.)
+    if body.get("autoPauseMemory") is not None and not body.get("autoPause"):
+        raise E2BError(400, "autoPauseMemory is only for autoPause=true")
+    # autoResume: any request to a paused Corral sandbox resumes it, whatever this says (docs/e2b.md).
     if body.get("allow_internet_access"):
         raise refuse(
             "allow_internet_access=True",
@@ -171,12 +171,16 @@ async def _create(request: Request) -> JSONResponse:
     if any(key.startswith("corral.") for key in metadata):
         raise E2BError(400, "metadata keys starting with 'corral.' are Corral's own")
     timeout_s = parse_timeout(body.get("timeout"), DEFAULT_TIMEOUT_S)
+    labels = {**metadata, TEMPLATE_LABEL: template_id}
+    if body.get("autoPause"):  # lifecycle.TimeoutPauser pauses it at its timeout
+        on_timeout = "pause" if body.get("autoPauseMemory") is not False else "pause-filesystem"
+        labels.update({ON_TIMEOUT_LABEL: on_timeout, TIMEOUT_LABEL: str(timeout_s)})
     create = CreateSandboxRequest(
         image=image_of(template_id),
         env=env,
         user=SANDBOX_USER,
         cwd=home_of(SANDBOX_USER),
-        labels={**metadata, TEMPLATE_LABEL: template_id},
+        labels=labels,
         ttl_s=timeout_s or None,
     )
     svc = services(request).sandboxes
@@ -242,7 +246,9 @@ async def list_sandboxes(request: Request) -> JSONResponse:
 async def get_info(sandbox_id: str, request: Request) -> JSONResponse:
     check_api_key(request)
     info = live(request, sandbox_id)
-    return JSONResponse({**_listed(info), **sandbox_shape(request, info)})
+    paused_on_timeout = ON_TIMEOUT_LABEL in info.labels  # and any request resumes it: autoResume
+    lifecycle = {"onTimeout": "pause" if paused_on_timeout else "kill", "autoResume": paused_on_timeout}
+    return JSONResponse({**_listed(info), **sandbox_shape(request, info), "lifecycle": lifecycle})
 
 
 @router.delete("/sandboxes/{sandbox_id}")
@@ -265,12 +271,6 @@ async def set_timeout(sandbox_id: str, request: Request) -> Response:
     return Response(status_code=204)
 
 
-async def _drop_processes(request: Request, sandbox_id: str) -> None:
-    """What a cold boot leaves of a sandbox: its files. Every process but the sandbox's init is killed."""
-    drop = ExecRequest(cmd=["/bin/sh", "-c", "kill -9 -1 || true"], user="root", cwd="/", timeout_s=30)
-    await services(request).sandboxes.call(sandbox_id, lambda edge: edge.exec(sandbox_id, drop))
-
-
 @router.post("/sandboxes/{sandbox_id}/pause")
 async def pause(sandbox_id: str, request: Request) -> Response:
     """``memory=False`` (``mode="filesystem"``): only the files are kept, as after a cold boot; a Corral pause
@@ -281,7 +281,7 @@ async def pause(sandbox_id: str, request: Request) -> Response:
     if info.state == SandboxState.PAUSED:
         raise E2BError(409, f"sandbox {sandbox_id} is already paused")
     if body.get("memory") is False:
-        await _drop_processes(request, sandbox_id)
+        await drop_processes(services(request).sandboxes, sandbox_id)
     await services(request).sandboxes.pause(sandbox_id)
     return Response(status_code=204)
 
@@ -300,7 +300,7 @@ async def _connect(sandbox_id: str, request: Request) -> JSONResponse:
     if resumed:
         await svc.resume(sandbox_id)
         if body.get("memory") is False:  # on_resume="reboot": a cold boot (a no-op for a running sandbox)
-            await _drop_processes(request, sandbox_id)
+            await drop_processes(services(request).sandboxes, sandbox_id)
     return JSONResponse(sandbox_shape(request, svc.get(sandbox_id)), status_code=201 if resumed else 200)
 
 

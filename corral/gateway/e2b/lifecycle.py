@@ -11,27 +11,51 @@ the filesystem only: memory and processes are kept by pause and, for VM and
 gVisor sandboxes, by fork. ``fork`` is Corral's fork (files for crun and runc
 containers; memory and processes too for VM and gVisor sandboxes); a paused
 parent is paused again afterwards, as E2B leaves it untouched.
+
+``lifecycle={"on_timeout": "pause"}`` (``autoPause``): Corral's reaper kills a
+sandbox at the end of its TTL and skips paused ones, so ``TimeoutPauser``
+(a task the facade owns) pauses these sandboxes just before that, having
+first set their TTL to one more period of their timeout: a resume (``connect``
+or any request) starts that period afresh, since paused time does not count.
+What it keeps is in labels, so a server restart loses nothing.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
+import time
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from corral.gateway.e2b.common import E2BError, E2BRoute, check_api_key, page, refuse, services
-from corral.gateway.e2b.control import json_body, live, parse_timeout, sandbox_shape
-from corral.sdk._exceptions import NotFound
-from corral.sdk._models import ForkRequest, ImageInfo, SandboxState
+from corral.gateway.e2b.common import (
+    ON_TIMEOUT_LABEL,
+    TIMEOUT_LABEL,
+    E2BError,
+    E2BRoute,
+    check_api_key,
+    drop_processes,
+    page,
+    refuse,
+    services,
+)
+from corral.gateway.e2b.control import DEFAULT_TIMEOUT_S, json_body, live, parse_timeout, sandbox_shape
+from corral.sdk._exceptions import CorralError, NotFound
+from corral.sdk._models import ForkRequest, ImageInfo, SandboxInfo, SandboxState
 
-__all__ = ["router", "SNAPSHOT_PREFIX", "MAX_FORK_COUNT", "DEFAULT_FORK_TIMEOUT_S"]
+__all__ = ["router", "SNAPSHOT_PREFIX", "MAX_FORK_COUNT", "DEFAULT_FORK_TIMEOUT_S", "TimeoutPauser"]
+
+log = logging.getLogger(__name__)
 
 SNAPSHOT_PREFIX = "e2b-snapshot-"
 MAX_FORK_COUNT = 20  # the SDK's limit
 DEFAULT_FORK_TIMEOUT_S = 15  # the API spec's default for forks
 _SNAPSHOT_NAME = re.compile(r"^[a-z0-9_-][a-z0-9._-]{0,100}(:[a-z0-9_-][a-z0-9._-]{0,100})?$")
+PAUSE_POLL_S = 0.5
+PAUSE_LEAD_S = 1.5  # paused this long before its TTL ends at most, so the reaper (which kills) never gets there
 _FILES_ONLY = "a Corral snapshot keeps the filesystem (a layer); memory and processes are kept by pause()"
 
 router = APIRouter(include_in_schema=False, route_class=E2BRoute)
@@ -122,3 +146,37 @@ async def fork(sandbox_id: str, request: Request) -> JSONResponse:
         svc.set_ttl(child.id, ttl_s or None)
         results.append({"sandbox": sandbox_shape(request, svc.get(child.id))})
     return JSONResponse(results, status_code=201)
+
+
+class TimeoutPauser:
+    """Pauses the sandboxes created with ``autoPause`` when their timeout comes, instead of the reaper killing
+    them; ``pause-filesystem`` ones (``autoPauseMemory=false``) lose their processes first."""
+
+    def __init__(self, sandboxes: Any) -> None:
+        self._sandboxes = sandboxes
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(PAUSE_POLL_S)
+            try:
+                await self.pause_due(time.time())
+            except Exception:
+                log.exception("pausing E2B sandboxes at their timeout failed; retrying")
+
+    async def pause_due(self, now: float) -> None:
+        for on_timeout in ("pause", "pause-filesystem"):
+            for info in self._sandboxes.list(states=["running"], labels={ON_TIMEOUT_LABEL: on_timeout}):
+                if info.expires_at is not None and info.expires_at - now <= PAUSE_LEAD_S:
+                    await self._pause(info, keep_memory=on_timeout == "pause")
+
+    async def _pause(self, info: SandboxInfo, *, keep_memory: bool) -> None:
+        period_s = int(info.labels.get(TIMEOUT_LABEL) or DEFAULT_TIMEOUT_S)
+        try:
+            self._sandboxes.set_ttl(info.id, period_s)  # first: from now on the reaper cannot reach it
+            if not keep_memory:
+                await drop_processes(self._sandboxes, info.id)
+            await self._sandboxes.pause(info.id)
+        except CorralError as exc:  # it ended meanwhile, or its node is away: the next round sees
+            log.warning("could not pause E2B sandbox %s at its timeout: %s", info.id, exc.message)
+        else:
+            log.info("paused E2B sandbox %s at its timeout (autoPause)", info.id)
