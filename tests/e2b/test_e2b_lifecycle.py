@@ -14,6 +14,7 @@ import pytest
 from e2b import Sandbox, SandboxException, SandboxState
 
 import corral
+from tests.e2b.sdk import FILESYSTEM_ONLY, HAS_SNAPSHOT_MODES
 
 
 @pytest.fixture
@@ -33,7 +34,7 @@ def test_snapshots_create_list_delete_and_start_sandboxes(sbx: Sandbox, e2b_sand
     unnamed = sbx.create_snapshot()
     assert unnamed.snapshot_id.startswith(f"e2b-snapshot-{sbx.sandbox_id}:") and unnamed.names == [unnamed.snapshot_id]
     sbx.files.write("/home/user/state.txt", "at step 2")
-    named = sbx.create_snapshot(name="step-2", mode="filesystem")
+    named = sbx.create_snapshot(name="step-2", **({"mode": "filesystem"} if HAS_SNAPSHOT_MODES else {}))
     assert named.snapshot_id == "e2b-snapshot-step-2:latest"
     listed = [s.snapshot_id for s in sbx.list_snapshots().next_items()]
     assert listed == [named.snapshot_id, unnamed.snapshot_id]  # this sandbox's, newest first
@@ -46,8 +47,9 @@ def test_snapshots_create_list_delete_and_start_sandboxes(sbx: Sandbox, e2b_sand
         assert child.files.read("/home/user/state.txt") == expected
         assert child.get_info().template_id == snapshot.snapshot_id
         assert child.commands.run("whoami").stdout == "user\n"
-    with pytest.raises(SandboxException, match=r"mode='full'.*not supported"):
-        sbx.create_snapshot(mode="full")
+    if HAS_SNAPSHOT_MODES:
+        with pytest.raises(SandboxException, match=r"mode='full'.*not supported"):
+            sbx.create_snapshot(mode="full")
     assert Sandbox.delete_snapshot(named.snapshot_id) is True
     assert Sandbox.delete_snapshot(named.snapshot_id) is False  # already gone
     assert [s.snapshot_id for s in sbx.list_snapshots().next_items()] == [unnamed.snapshot_id]
@@ -80,7 +82,7 @@ def test_pause_without_memory_keeps_files_not_processes(sbx: Sandbox) -> None:
     sbx.files.write("/home/user/state.txt", "kept")
     sbx.commands.run("sleep 600", background=True)
     assert _sleepers(sbx) == 1
-    assert sbx.pause(mode="filesystem") is True
+    assert sbx.pause(**FILESYSTEM_ONLY) is True
     assert sbx.get_info().state == SandboxState.PAUSED
     resumed = Sandbox.connect(sbx.sandbox_id)
     assert resumed.files.read("/home/user/state.txt") == "kept"
@@ -117,7 +119,7 @@ def test_on_timeout_pause_pauses_and_a_resume_starts_a_new_period(e2b_sandboxes:
     assert 1.5 <= _wait_for_state(sandbox, SandboxState.PAUSED, within_s=10) <= 8  # at its timeout, not killed
     time.sleep(3)  # past the end of its TTL: paused, not reaped
     assert client.get(sandbox.sandbox_id).info.state == corral.SandboxState.PAUSED
-    resumed = Sandbox.connect(sandbox.sandbox_id)
+    resumed = Sandbox.connect(sandbox.sandbox_id, timeout=3)  # shorter than its period: the period stands
     info = resumed.get_info()
     assert info.state == SandboxState.RUNNING and 2 <= (info.end_at - dt.datetime.now(dt.UTC)).total_seconds() <= 4.5
     assert resumed.files.read("/home/user/state.txt") == "kept" and _sleepers(resumed) == 1  # memory kept
@@ -127,7 +129,7 @@ def test_on_timeout_pause_pauses_and_a_resume_starts_a_new_period(e2b_sandboxes:
 
 
 def test_on_timeout_pause_without_memory_keeps_the_files(e2b_sandboxes: list, client: corral.Client) -> None:  # type: ignore[type-arg]
-    sandbox = Sandbox.create("base", timeout=3, lifecycle={"on_timeout": {"action": "pause", "mode": "filesystem"}})
+    sandbox = Sandbox.create("base", timeout=3, lifecycle={"on_timeout": {"action": "pause", **FILESYSTEM_ONLY}})
     e2b_sandboxes.append(sandbox)
     sandbox.files.write("/home/user/state.txt", "kept")
     sandbox.commands.run("sleep 600", background=True)

@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.types import Receive, Scope, Send
 
+from corral.gateway.http_protocol import RESET_CONNECTION
 from corral.sdk._exceptions import AuthenticationError, CorralError, InvalidRequest, NotFound, SandboxGone
 from corral.sdk._models import ExecRequest, SandboxInfo, SandboxState
 
@@ -97,13 +98,15 @@ class ConnectStream(StreamingResponse):
     """A Connect server stream whose body may end it by raising ``StreamAborted``.
 
     ASGI has no "abort": a response left unfinished is what makes the server
-    (uvicorn) close the connection, without the last chunk, so the client reads a
-    broken stream. uvicorn logs that as an error; ``quiet_aborted_streams`` drops
-    the line for responses that ended so on purpose (marked in the request's
-    context, which the server's log call runs in)."""
+    (uvicorn) close the connection, without the last chunk, so the client reads
+    a broken stream; with ``corral serve``'s protocol the close is a reset.
+    uvicorn logs that as an error; ``quiet_aborted_streams`` drops the line for
+    responses that ended so on purpose (marked in the request's context, which
+    the server's log call runs in)."""
 
     media_type = "application/connect+json"
     aborted = False
+    _reset: Callable[[], None] | None = None
 
     async def stream_response(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
@@ -112,10 +115,13 @@ class ConnectStream(StreamingResponse):
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except StreamAborted:
             self.aborted = True
+            if self._reset is not None:
+                self._reset()  # a RST rather than a FIN: see corral/gateway/http_protocol.py
             return
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._reset = scope.get("extensions", {}).get(RESET_CONNECTION)
         await super().__call__(scope, receive, send)  # streams in a task of its own, beside a disconnect listener
         if self.aborted:
             _aborted.set(True)

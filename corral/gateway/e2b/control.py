@@ -291,17 +291,17 @@ async def _connect(sandbox_id: str, request: Request) -> JSONResponse:
     (200); a timeout only extends the TTL."""
     check_api_key(request)
     body = await json_body(request)
-    info = live(request, sandbox_id)
-    svc = services(request).sandboxes
     timeout_s = parse_timeout(body.get("timeout"), None)
-    if timeout_s and info.expires_at is not None and info.expires_at < time.time() + timeout_s:
-        svc.set_ttl(sandbox_id, timeout_s)
-    resumed = info.state == SandboxState.PAUSED
-    if resumed:
+    svc = services(request).sandboxes
+    resumed = live(request, sandbox_id).state == SandboxState.PAUSED
+    if resumed:  # first: a resume moves the TTL on by the time spent paused
         await svc.resume(sandbox_id)
         if body.get("memory") is False:  # on_resume="reboot": a cold boot (a no-op for a running sandbox)
-            await drop_processes(services(request).sandboxes, sandbox_id)
-    return JSONResponse(sandbox_shape(request, svc.get(sandbox_id)), status_code=201 if resumed else 200)
+            await drop_processes(svc, sandbox_id)
+    info = svc.get(sandbox_id)
+    if timeout_s and info.expires_at is not None and info.expires_at < time.time() + timeout_s:
+        info = svc.set_ttl(sandbox_id, timeout_s)
+    return JSONResponse(sandbox_shape(request, info), status_code=201 if resumed else 200)
 
 
 router.add_api_route("/sandboxes/{sandbox_id}/connect", _connect, methods=["POST"])
