@@ -45,11 +45,11 @@ class E2BFacade:
         self.kernels = interpreter.Kernels(self.processes, services.sandboxes)
         self._killing: set[str] = set()
         self._pauser: asyncio.Task[None] | None = None
-        self._timeouts = lifecycle.TimeoutPauser(services.sandboxes)
+        self.timeouts = lifecycle.TimeoutPauser(services.sandboxes)
 
     def start(self) -> None:
         """Start pausing ``autoPause`` sandboxes at their timeout (until ``close``)."""
-        self._pauser = asyncio.get_running_loop().create_task(self._timeouts.run())
+        self._pauser = asyncio.get_running_loop().create_task(self.timeouts.run())
 
     async def metrics(self, info: SandboxInfo) -> dict[str, Any]:
         return await sample(self._sandboxes, info)

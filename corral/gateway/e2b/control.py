@@ -188,6 +188,8 @@ async def _create(request: Request) -> JSONResponse:
         info = await svc.create(create)
     except NotFound as exc:
         raise E2BError(404, f"template {template_id!r} not found: {exc.message}") from None
+    if ON_TIMEOUT_LABEL in labels:
+        facade(request).timeouts.follow(info.id)
     return JSONResponse(sandbox_shape(request, info), status_code=201)
 
 

@@ -55,6 +55,7 @@ MAX_FORK_COUNT = 20  # the SDK's limit
 DEFAULT_FORK_TIMEOUT_S = 15  # the API spec's default for forks
 _SNAPSHOT_NAME = re.compile(r"^[a-z0-9_-][a-z0-9._-]{0,100}(:[a-z0-9_-][a-z0-9._-]{0,100})?$")
 PAUSE_POLL_S = 0.5
+PAUSE_RESCAN_S = 60.0
 PAUSE_LEAD_S = 1.5  # paused this long before its TTL ends at most, so the reaper (which kills) never gets there
 _FILES_ONLY = "a Corral snapshot keeps the filesystem (a layer); memory and processes are kept by pause()"
 
@@ -150,10 +151,19 @@ async def fork(sandbox_id: str, request: Request) -> JSONResponse:
 
 class TimeoutPauser:
     """Pauses the sandboxes created with ``autoPause`` when their timeout comes, instead of the reaper killing
-    them; ``pause-filesystem`` ones (``autoPauseMemory=false``) lose their processes first."""
+    them; ``pause-filesystem`` ones (``autoPauseMemory=false``) lose their processes first.
+
+    It follows the ids it is told of at create, not every sandbox each round (a control plane tracks
+    hundreds of thousands); a look through the labels at start and every ``PAUSE_RESCAN_S`` finds those
+    made before a restart or through another gateway."""
 
     def __init__(self, sandboxes: Any) -> None:
         self._sandboxes = sandboxes
+        self._followed: set[str] = set()
+        self._rescan_at = 0.0
+
+    def follow(self, sandbox_id: str) -> None:
+        self._followed.add(sandbox_id)
 
     async def run(self) -> None:
         while True:
@@ -164,10 +174,21 @@ class TimeoutPauser:
                 log.exception("pausing E2B sandboxes at their timeout failed; retrying")
 
     async def pause_due(self, now: float) -> None:
-        for on_timeout in ("pause", "pause-filesystem"):
-            for info in self._sandboxes.list(states=["running"], labels={ON_TIMEOUT_LABEL: on_timeout}):
-                if info.expires_at is not None and info.expires_at - now <= PAUSE_LEAD_S:
-                    await self._pause(info, keep_memory=on_timeout == "pause")
+        if now >= self._rescan_at:
+            self._rescan_at = now + PAUSE_RESCAN_S
+            for on_timeout in ("pause", "pause-filesystem"):
+                labels = {ON_TIMEOUT_LABEL: on_timeout}
+                self._followed |= {info.id for info in self._sandboxes.list(states=["running"], labels=labels)}
+        for sandbox_id in list(self._followed):
+            try:
+                info = self._sandboxes.get(sandbox_id)
+            except NotFound:
+                info = None
+            if info is None or info.state in (SandboxState.ENDED, SandboxState.LOST):
+                self._followed.discard(sandbox_id)
+            elif info.state == SandboxState.RUNNING and info.expires_at is not None:
+                if info.expires_at - now <= PAUSE_LEAD_S:
+                    await self._pause(info, keep_memory=info.labels.get(ON_TIMEOUT_LABEL) == "pause")
 
     async def _pause(self, info: SandboxInfo, *, keep_memory: bool) -> None:
         period_s = int(info.labels.get(TIMEOUT_LABEL) or DEFAULT_TIMEOUT_S)
