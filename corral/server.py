@@ -27,6 +27,7 @@ from corral.gateway.app import create_app
 from corral.gateway.auth import JobTokens
 from corral.gateway.fncall import FnCallService
 from corral.gateway.grading import Grader
+from corral.gateway.http_protocol import ResettableHttpToolsProtocol
 from corral.gateway.images import ImageService
 from corral.gateway.service import SandboxService
 from corral.gateway.trajectory import Trajectories
@@ -201,7 +202,7 @@ def serve(settings: Settings) -> None:
         host=settings.host,
         port=settings.port,
         loop="asyncio",
-        http="httptools",
+        http=ResettableHttpToolsProtocol,  # httptools, and responses can reset their connection
         log_level="warning",
         log_config=None,  # its lines go through configure_logging's handler (text or JSON)
         timeout_keep_alive=settings.http_keepalive_s,

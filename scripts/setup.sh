@@ -38,8 +38,10 @@ APT_PACKAGES=(erofs-utils:mkfs.erofs crun:crun runc:runc busybox-static:busybox 
               docker-registry:docker-registry skopeo:skopeo apache2-utils:htpasswd  # registry tests
               chromium:chromium chromium-driver:chromedriver)  # the web dashboard's browser tests
 RUNSC_MIN_DATE=20230101  # bookworm's runsc (2022) has only the slow ptrace platform; backports' has systrap
-E2B_OLD_VERSION=2.30.0   # an E2B SDK from before the /v2 endpoints, for tests/e2b/test_e2b_old_sdk.py
-E2B_OLD_DIR="$VENV/e2b-$E2B_OLD_VERSION"
+# Older E2B SDKs, each installed apart from the venv's (two versions of a package cannot share it), into
+# $VENV/e2b-<version>, as "<version>=<pip requirements>": 2.30, from before the /v2 endpoints
+# (tests/e2b/test_e2b_old_sdk.py), and the 2.45 line with its code interpreter (tests/e2b/test_e2b_2_45.py).
+E2B_OLD_SDKS=("2.30.0=e2b==2.30.0" "2.45.1=e2b==2.45.1 e2b-code-interpreter==2.10.0")
 FIRST_BUILD_GIB=4        # free space the base images and the guest kit need on the node dir's filesystem
 
 PLANNED=0
@@ -182,17 +184,22 @@ if [[ "${date:-0}" -lt "$RUNSC_MIN_DATE" ]]; then
     fi
 fi
 
-# -- 5. The old E2B SDK, kept apart from the venv's e2b --------------------------------------------------
-if [[ ! -f "$E2B_OLD_DIR/.installed" ]]; then
-    plan "install e2b==$E2B_OLD_VERSION into $E2B_OLD_DIR"
-    if ((!CHECK)); then
-        rm -rf "$E2B_OLD_DIR"
-        "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-warn-conflicts \
-            --target "$E2B_OLD_DIR" "e2b==$E2B_OLD_VERSION" >>"$SETUP_LOG" 2>&1 \
-            || fail "old e2b SDK" "pip install e2b==$E2B_OLD_VERSION failed ($(first_error)); full output in $SETUP_LOG"
-        touch "$E2B_OLD_DIR/.installed"
+# -- 5. The older E2B SDKs, kept apart from the venv's e2b -----------------------------------------------
+# Each directory's .installed holds the requirements it was installed with: new ones reinstall it.
+for sdk in "${E2B_OLD_SDKS[@]}"; do
+    sdk_dir="$VENV/e2b-${sdk%%=*}"
+    read -r -a sdk_requirements <<<"${sdk#*=}"
+    if [[ "$(cat "$sdk_dir/.installed" 2>/dev/null)" != "${sdk_requirements[*]}" ]]; then
+        plan "install ${sdk_requirements[*]} into $sdk_dir"
+        if ((!CHECK)); then
+            rm -rf "$sdk_dir"
+            "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-warn-conflicts \
+                --target "$sdk_dir" "${sdk_requirements[@]}" >>"$SETUP_LOG" 2>&1 \
+                || fail "old e2b SDK" "pip install ${sdk_requirements[*]} failed ($(first_error)); full output in $SETUP_LOG"
+            printf '%s\n' "${sdk_requirements[*]}" >"$sdk_dir/.installed"
+        fi
     fi
-fi
+done
 
 # -- 6. Base images, the E2B template and the VM guest kit (each module probes its own state) -----------
 # node_step STEP ARGS...: run a corral module; in --check mode it exits 10 when it has work to do.

@@ -2,7 +2,9 @@
 
 The environment is set for the session (the SDK reads it when a sandbox or
 client is made) and restored at the end; every sandbox a test creates is
-killed by the fixture even when the test fails.
+killed by the fixture even when the test fails. A run that names the SDK it
+means to test (``CORRAL_E2B_SDK_VERSION``, set by test_e2b_2_45.py) fails
+unless that is the SDK it imported.
 """
 
 from __future__ import annotations
@@ -14,6 +16,16 @@ import pytest
 
 from corral.embedded import EmbeddedServer
 from corral.gateway.e2b import e2b_api_key
+from tests.e2b.sdk import E2B_VERSION
+
+SDK_VERSION_ENV = "CORRAL_E2B_SDK_VERSION"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def e2b_sdk_version() -> str:
+    expected = os.environ.get(SDK_VERSION_ENV)
+    assert expected in (None, str(E2B_VERSION)), f"{SDK_VERSION_ENV}={expected}, but e2b {E2B_VERSION} was imported"
+    return str(E2B_VERSION)
 
 
 @pytest.fixture(scope="session")

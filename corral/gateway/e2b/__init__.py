@@ -2,7 +2,8 @@
 
 Served on Corral's own port, next to /v1, over the same SandboxService,
 trajectory log and audit: ``control`` is E2B's REST API (create, connect,
-list, pause, timeout, kill, metrics), ``envd`` the in-sandbox daemon's
+list, pause, timeout, kill, metrics), ``lifecycle`` its snapshots, forks
+and pausing at the timeout (autoPause), ``envd`` the in-sandbox daemon's
 protocol (processes, filesystem, /files), routed by the ``E2b-Sandbox-Id``
 and ``E2b-Sandbox-Port`` headers, ``interpreter`` the code interpreter's
 port 49999 (``run_code`` and contexts) backed by a small Python kernel
@@ -14,14 +15,16 @@ is and is not supported.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
 
-from corral.gateway.e2b import control, envd, interpreter
-from corral.gateway.e2b.common import e2b_api_key
+from corral.gateway.e2b import control, envd, interpreter, lifecycle
+from corral.gateway.e2b.common import e2b_api_key, quiet_aborted_streams
 from corral.gateway.e2b.metrics import sample
 from corral.gateway.e2b.processes import ProcessTable
 from corral.gateway.e2b.watch import Watchers
@@ -40,17 +43,38 @@ class E2BFacade:
         self.processes = ProcessTable(services.trajectories)
         self.watchers = Watchers(services.sandboxes)
         self.kernels = interpreter.Kernels(self.processes, services.sandboxes)
+        self._killing: set[str] = set()
+        self._pauser: asyncio.Task[None] | None = None
+        self.timeouts = lifecycle.TimeoutPauser(services.sandboxes)
+
+    def start(self) -> None:
+        """Start pausing ``autoPause`` sandboxes at their timeout (until ``close``)."""
+        self._pauser = asyncio.get_running_loop().create_task(self.timeouts.run())
 
     async def metrics(self, info: SandboxInfo) -> dict[str, Any]:
         return await sample(self._sandboxes, info)
 
-    async def forget(self, sandbox_id: str) -> None:
-        """The sandbox ended: drop its processes, kernels and watchers."""
-        self.kernels.forget(sandbox_id)
-        self.watchers.forget(sandbox_id)
-        await self.processes.forget(sandbox_id)
+    async def kill(self, sandbox_id: str) -> None:
+        """Kill it and drop its processes, kernels and watchers. It counts as gone from the start, so the
+        streams the kill breaks are dropped (not ended with an error) and ``/health`` already says 502."""
+        self._killing.add(sandbox_id)
+        self.processes.stopping(sandbox_id)
+        try:
+            await self._sandboxes.kill(sandbox_id)
+        finally:
+            self.kernels.forget(sandbox_id)
+            self.watchers.forget(sandbox_id)
+            await self.processes.forget(sandbox_id)
+            self._killing.discard(sandbox_id)
+
+    def killing(self, sandbox_id: str) -> bool:
+        return sandbox_id in self._killing
 
     async def close(self) -> None:
+        if self._pauser is not None:
+            self._pauser.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pauser
         await self.processes.close()
 
 
@@ -62,12 +86,15 @@ def include_e2b(app: FastAPI, max_file_bytes: int) -> None:
     async def lifespan(app: FastAPI) -> AsyncIterator[Any]:
         async with inner(app) as state:
             app.state.e2b = E2BFacade(app.state.service, max_file_bytes)
+            app.state.e2b.start()
             try:
                 yield state
             finally:
                 await app.state.e2b.close()
 
     app.router.lifespan_context = lifespan
+    quiet_aborted_streams()
     app.include_router(control.router)
+    app.include_router(lifecycle.router)
     app.include_router(envd.router)
     app.include_router(interpreter.router)

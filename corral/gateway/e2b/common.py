@@ -8,42 +8,56 @@ Errors: E2B's control plane answers ``{"code": <status>, "message"}``; its
 proxy answers a data-plane request for a sandbox that is gone with a 502
 whose message says "was not found", which the SDK turns into
 ``SandboxNotRunningException``. Corral's errors are mapped to those shapes.
+A stream whose sandbox goes away is dropped, as E2B's proxy drops it: the
+SDK then asks ``/health`` and reports the sandbox killed (``ConnectStream``).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import contextvars
 import datetime as dt
 import hashlib
 import hmac
 import json
+import logging
 import struct
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
+from starlette.types import Receive, Scope, Send
 
+from corral.gateway.http_protocol import RESET_CONNECTION
 from corral.sdk._exceptions import AuthenticationError, CorralError, InvalidRequest, NotFound, SandboxGone
-from corral.sdk._models import SandboxInfo, SandboxState
+from corral.sdk._models import ExecRequest, SandboxInfo, SandboxState
 
 __all__ = [
     "END_STREAM",
+    "ConnectStream",
     "E2BError",
     "E2BRoute",
     "ENVD_VERSION",
     "ENVD_PORT",
     "INTERPRETER_PORT",
+    "StreamAborted",
+    "ON_TIMEOUT_LABEL",
     "TEMPLATE_LABEL",
+    "TIMEOUT_LABEL",
     "Target",
     "access_token",
     "e2b_api_key",
     "facade",
     "frame",
+    "gone",
+    "drop_processes",
     "home_of",
+    "page",
+    "quiet_aborted_streams",
     "refuse",
     "rfc3339",
     "services",
@@ -54,6 +68,8 @@ ENVD_VERSION = "0.5.7"  # the envd features implemented: stdin, close_stdin, oct
 ENVD_PORT = 49983
 INTERPRETER_PORT = 49999
 TEMPLATE_LABEL = "corral.e2b.template"
+ON_TIMEOUT_LABEL = "corral.e2b.on_timeout"  # "pause" or "pause-filesystem" (autoPause); absent: killed
+TIMEOUT_LABEL = "corral.e2b.timeout_s"  # the timeout it was created with: each running period after a pause
 SANDBOX_USER = "user"
 
 
@@ -68,6 +84,62 @@ def frame(message: dict[str, Any], flags: int = 0) -> bytes:
     """One Connect stream frame: ``[flags:1][length:4 big-endian][json]``."""
     body = json.dumps(message, separators=(",", ":")).encode()
     return struct.pack(">BI", flags, len(body)) + body
+
+
+_UNFINISHED = "ASGI callable returned without completing response."  # what uvicorn logs as it drops one
+_aborted = contextvars.ContextVar("e2b_stream_aborted", default=False)
+
+
+class StreamAborted(Exception):
+    """Raised by a stream's body: end it by dropping the connection, with no end-of-stream frame."""
+
+
+class ConnectStream(StreamingResponse):
+    """A Connect server stream whose body may end it by raising ``StreamAborted``.
+
+    ASGI has no "abort": a response left unfinished is what makes the server
+    (uvicorn) close the connection, without the last chunk, so the client reads
+    a broken stream; with ``corral serve``'s protocol the close is a reset.
+    uvicorn logs that as an error; ``quiet_aborted_streams`` drops the line for
+    responses that ended so on purpose (marked in the request's context, which
+    the server's log call runs in)."""
+
+    media_type = "application/connect+json"
+    aborted = False
+    _reset: Callable[[], None] | None = None
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        try:
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except StreamAborted:
+            self.aborted = True
+            if self._reset is not None:
+                self._reset()  # a RST rather than a FIN: see corral/gateway/http_protocol.py
+            return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._reset = scope.get("extensions", {}).get(RESET_CONNECTION)
+        await super().__call__(scope, receive, send)  # streams in a task of its own, beside a disconnect listener
+        if self.aborted:
+            _aborted.set(True)
+
+
+class _QuietAborted(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == _UNFINISHED and _aborted.get())
+
+
+_QUIET = _QuietAborted()
+
+
+def quiet_aborted_streams() -> None:
+    """Keep uvicorn from logging an error for each stream ``ConnectStream`` dropped on purpose."""
+    logger = logging.getLogger("uvicorn.error")
+    if _QUIET not in logger.filters:
+        logger.addFilter(_QUIET)
 
 
 class E2BError(Exception):
@@ -141,6 +213,29 @@ def check_api_key(request: Request) -> None:
         raise E2BError(401, "missing X-API-KEY: set E2B_API_KEY to the key `corral e2b-env` prints")
     if not any(hmac.compare_digest(given.encode(), k.encode()) for k in (e2b_api_key(server_key), server_key)):
         raise E2BError(401, "wrong API key: set E2B_API_KEY to the key `corral e2b-env` prints")
+
+
+def page(request: Request, items: list[Any]) -> tuple[list[Any], dict[str, str]]:
+    """One page of a listing (``limit``, ``nextToken``) and the header that points at the next one."""
+    limit_text = request.query_params.get("limit")
+    token = request.query_params.get("nextToken")
+    start = 0
+    if token:
+        try:
+            start = int(base64.urlsafe_b64decode(token.encode()).decode())
+        except ValueError:
+            raise E2BError(400, f"nextToken {token!r} is not one this server gave") from None
+    end = len(items) if not limit_text else start + max(1, int(limit_text))
+    headers = {}
+    if end < len(items):
+        headers["x-next-token"] = base64.urlsafe_b64encode(str(end).encode()).decode()
+    return items[start:end], headers
+
+
+async def drop_processes(sandboxes: Any, sandbox_id: str) -> None:
+    """What a cold boot leaves of a sandbox, its files: every process but the sandbox's init is killed."""
+    drop = ExecRequest(cmd=["/bin/sh", "-c", "kill -9 -1 || true"], user="root", cwd="/", timeout_s=30)
+    await sandboxes.call(sandbox_id, lambda edge: edge.exec(sandbox_id, drop))
 
 
 def home_of(user: str) -> str:

@@ -9,7 +9,6 @@ Create options Corral cannot honour are refused (400), never ignored.
 
 from __future__ import annotations
 
-import base64
 import datetime as dt
 import time
 import urllib.parse
@@ -20,14 +19,18 @@ from fastapi.responses import JSONResponse
 
 from corral.gateway.e2b.common import (
     ENVD_VERSION,
+    ON_TIMEOUT_LABEL,
     SANDBOX_USER,
     TEMPLATE_LABEL,
+    TIMEOUT_LABEL,
     E2BError,
     E2BRoute,
     access_token,
     check_api_key,
+    drop_processes,
     facade,
     home_of,
+    page,
     refuse,
     rfc3339,
     services,
@@ -35,7 +38,9 @@ from corral.gateway.e2b.common import (
 from corral.sdk._exceptions import NotFound
 from corral.sdk._models import CreateSandboxRequest, SandboxInfo, SandboxState
 
-__all__ = ["router", "DEFAULT_TIMEOUT_S", "TEMPLATE_IMAGES", "image_of"]
+__all__ = [
+    "router", "DEFAULT_TIMEOUT_S", "TEMPLATE_IMAGES", "image_of", "json_body", "live", "parse_timeout", "sandbox_shape",
+]  # fmt: skip
 
 DEFAULT_TIMEOUT_S = 300  # E2B's default sandbox timeout
 MAX_TIMEOUT_S = 24 * 3600
@@ -68,7 +73,7 @@ def _metadata(info: SandboxInfo) -> dict[str, str]:
     return {k: v for k, v in info.labels.items() if not k.startswith("corral.")}
 
 
-def _sandbox(request: Request, info: SandboxInfo) -> dict[str, Any]:
+def sandbox_shape(request: Request, info: SandboxInfo) -> dict[str, Any]:
     return {
         "templateID": _template(info),
         "sandboxID": info.id,
@@ -99,7 +104,7 @@ def _listed(info: SandboxInfo) -> dict[str, Any]:
     }
 
 
-def _live(request: Request, sandbox_id: str) -> SandboxInfo:
+def live(request: Request, sandbox_id: str) -> SandboxInfo:
     """A sandbox that still exists; an ended one is E2B's 404."""
     try:
         info = services(request).sandboxes.get(sandbox_id)
@@ -110,7 +115,7 @@ def _live(request: Request, sandbox_id: str) -> SandboxInfo:
     return info
 
 
-async def _json(request: Request) -> dict[str, Any]:
+async def json_body(request: Request) -> dict[str, Any]:
     body = await request.body()
     if not body.strip():
         return {}
@@ -123,7 +128,7 @@ async def _json(request: Request) -> dict[str, Any]:
     return parsed
 
 
-def _timeout(value: Any, default: int | None) -> int | None:
+def parse_timeout(value: Any, default: int | None) -> int | None:
     if value is None:
         return default
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -137,12 +142,9 @@ def _check_create_options(body: dict[str, Any]) -> None:
     unknown = sorted(k for k, v in body.items() if k not in _CREATE_FIELDS and v not in (None, {}, []))
     if unknown:
         raise refuse(f"create option(s) {', '.join(unknown)}", "unknown to this facade")
-    if body.get("autoPause"):
-        raise refuse("autoPause", "a Corral sandbox ends at its timeout; use Corral's idle_pause_s for pausing")
-    if body.get("autoPauseMemory") is not None:
-        raise refuse("autoPauseMemory", "pausing always keeps memory")
-    # autoResume is about sandboxes that autoPause paused, which is refused above; what the SDKs send by
-    # default ({"enabled": false}) changes nothing here. (Any request to a paused Corral sandbox resumes it.)
+    if body.get("autoPauseMemory") is not None and not body.get("autoPause"):
+        raise E2BError(400, "autoPauseMemory is only for autoPause=true")
+    # autoResume: any request to a paused Corral sandbox resumes it, whatever this says (docs/e2b.md).
     if body.get("allow_internet_access"):
         raise refuse(
             "allow_internet_access=True",
@@ -156,7 +158,7 @@ def _check_create_options(body: dict[str, Any]) -> None:
 
 async def _create(request: Request) -> JSONResponse:
     check_api_key(request)
-    body = await _json(request)
+    body = await json_body(request)
     _check_create_options(body)
     template_id = body.get("templateID")
     if not isinstance(template_id, str) or not template_id:
@@ -168,13 +170,17 @@ async def _create(request: Request) -> JSONResponse:
             raise E2BError(400, f"{name} must map strings to strings")
     if any(key.startswith("corral.") for key in metadata):
         raise E2BError(400, "metadata keys starting with 'corral.' are Corral's own")
-    timeout_s = _timeout(body.get("timeout"), DEFAULT_TIMEOUT_S)
+    timeout_s = parse_timeout(body.get("timeout"), DEFAULT_TIMEOUT_S)
+    labels = {**metadata, TEMPLATE_LABEL: template_id}
+    if body.get("autoPause"):  # lifecycle.TimeoutPauser pauses it at its timeout
+        on_timeout = "pause" if body.get("autoPauseMemory") is not False else "pause-filesystem"
+        labels.update({ON_TIMEOUT_LABEL: on_timeout, TIMEOUT_LABEL: str(timeout_s)})
     create = CreateSandboxRequest(
         image=image_of(template_id),
         env=env,
         user=SANDBOX_USER,
         cwd=home_of(SANDBOX_USER),
-        labels={**metadata, TEMPLATE_LABEL: template_id},
+        labels=labels,
         ttl_s=timeout_s or None,
     )
     svc = services(request).sandboxes
@@ -182,7 +188,9 @@ async def _create(request: Request) -> JSONResponse:
         info = await svc.create(create)
     except NotFound as exc:
         raise E2BError(404, f"template {template_id!r} not found: {exc.message}") from None
-    return JSONResponse(_sandbox(request, info), status_code=201)
+    if ON_TIMEOUT_LABEL in labels:
+        facade(request).timeouts.follow(info.id)
+    return JSONResponse(sandbox_shape(request, info), status_code=201)
 
 
 router.add_api_route("/sandboxes", _create, methods=["POST"])
@@ -232,43 +240,33 @@ async def list_sandboxes(request: Request) -> JSONResponse:
     if order not in ("asc", "desc"):
         raise E2BError(400, f"order {order!r} is neither asc nor desc")
     infos.sort(key=lambda info: (info.created_at, info.id), reverse=order == "desc")
-    limit_text = request.query_params.get("limit")
-    token = request.query_params.get("nextToken")
-    start = 0
-    if token:
-        try:
-            start = int(base64.urlsafe_b64decode(token.encode()).decode())
-        except ValueError:
-            raise E2BError(400, f"nextToken {token!r} is not one this server gave") from None
-    end = len(infos) if not limit_text else start + max(1, int(limit_text))
-    headers = {}
-    if end < len(infos):
-        headers["x-next-token"] = base64.urlsafe_b64encode(str(end).encode()).decode()
-    return JSONResponse([_listed(info) for info in infos[start:end]], headers=headers)
+    shown, headers = page(request, infos)
+    return JSONResponse([_listed(info) for info in shown], headers=headers)
 
 
 @router.get("/sandboxes/{sandbox_id}")
 async def get_info(sandbox_id: str, request: Request) -> JSONResponse:
     check_api_key(request)
-    info = _live(request, sandbox_id)
-    return JSONResponse({**_listed(info), **_sandbox(request, info)})
+    info = live(request, sandbox_id)
+    paused_on_timeout = ON_TIMEOUT_LABEL in info.labels  # and any request resumes it: autoResume
+    lifecycle = {"onTimeout": "pause" if paused_on_timeout else "kill", "autoResume": paused_on_timeout}
+    return JSONResponse({**_listed(info), **sandbox_shape(request, info), "lifecycle": lifecycle})
 
 
 @router.delete("/sandboxes/{sandbox_id}")
 async def kill(sandbox_id: str, request: Request) -> Response:
     check_api_key(request)
-    _live(request, sandbox_id)
-    await services(request).sandboxes.kill(sandbox_id)
-    await facade(request).forget(sandbox_id)
+    live(request, sandbox_id)
+    await facade(request).kill(sandbox_id)
     return Response(status_code=204)
 
 
 @router.post("/sandboxes/{sandbox_id}/timeout")
 async def set_timeout(sandbox_id: str, request: Request) -> Response:
     check_api_key(request)
-    body = await _json(request)
-    _live(request, sandbox_id)
-    timeout_s = _timeout(body.get("timeout"), None)
+    body = await json_body(request)
+    live(request, sandbox_id)
+    timeout_s = parse_timeout(body.get("timeout"), None)
     if timeout_s is None:
         raise E2BError(400, "timeout is required (seconds from now)")
     services(request).sandboxes.set_ttl(sandbox_id, timeout_s or None)
@@ -277,32 +275,35 @@ async def set_timeout(sandbox_id: str, request: Request) -> Response:
 
 @router.post("/sandboxes/{sandbox_id}/pause")
 async def pause(sandbox_id: str, request: Request) -> Response:
+    """``memory=False`` (``mode="filesystem"``): only the files are kept, as after a cold boot; a Corral pause
+    keeps memory and processes, so they are dropped first."""
     check_api_key(request)
-    body = await _json(request)
-    if body.get("memory") is False:
-        raise refuse("pause(memory=False)", "a Corral pause always keeps the sandbox's memory and processes")
-    info = _live(request, sandbox_id)
+    body = await json_body(request)
+    info = live(request, sandbox_id)
     if info.state == SandboxState.PAUSED:
         raise E2BError(409, f"sandbox {sandbox_id} is already paused")
+    if body.get("memory") is False:
+        await drop_processes(services(request).sandboxes, sandbox_id)
     await services(request).sandboxes.pause(sandbox_id)
     return Response(status_code=204)
 
 
 async def _connect(sandbox_id: str, request: Request) -> JSONResponse:
-    """Resume a paused sandbox (201) or just hand back a running one (200); a timeout only extends the TTL."""
+    """Resume a paused sandbox (201), with its memory unless ``memory=False``, or just hand back a running one
+    (200); a timeout only extends the TTL."""
     check_api_key(request)
-    body = await _json(request)
-    if body.get("memory") is False:
-        raise refuse("connect(memory=False)", "a Corral sandbox always resumes with its memory")
-    info = _live(request, sandbox_id)
+    body = await json_body(request)
+    timeout_s = parse_timeout(body.get("timeout"), None)
     svc = services(request).sandboxes
-    timeout_s = _timeout(body.get("timeout"), None)
-    if timeout_s and info.expires_at is not None and info.expires_at < time.time() + timeout_s:
-        svc.set_ttl(sandbox_id, timeout_s)
-    resumed = info.state == SandboxState.PAUSED
-    if resumed:
+    resumed = live(request, sandbox_id).state == SandboxState.PAUSED
+    if resumed:  # first: a resume moves the TTL on by the time spent paused
         await svc.resume(sandbox_id)
-    return JSONResponse(_sandbox(request, svc.get(sandbox_id)), status_code=201 if resumed else 200)
+        if body.get("memory") is False:  # on_resume="reboot": a cold boot (a no-op for a running sandbox)
+            await drop_processes(svc, sandbox_id)
+    info = svc.get(sandbox_id)
+    if timeout_s and info.expires_at is not None and info.expires_at < time.time() + timeout_s:
+        info = svc.set_ttl(sandbox_id, timeout_s)
+    return JSONResponse(sandbox_shape(request, info), status_code=201 if resumed else 200)
 
 
 router.add_api_route("/sandboxes/{sandbox_id}/connect", _connect, methods=["POST"])
@@ -315,7 +316,7 @@ async def metrics(sandbox_id: str, request: Request) -> JSONResponse:
     """One sample, taken now, from inside the sandbox (corral/gateway/e2b/metrics.py); none while paused, and
     none when the ``start``/``end`` window (Unix seconds) does not hold the current second."""
     check_api_key(request)
-    info = _live(request, sandbox_id)
+    info = live(request, sandbox_id)
     if info.state == SandboxState.PAUSED:
         return JSONResponse([])  # sampling runs a command, which would resume it
     start, end = (_unix_s(request, name) for name in ("start", "end"))
@@ -336,13 +337,7 @@ def _unix_s(request: Request, name: str) -> int | None:
         raise E2BError(400, f"{name}={text!r} is not a Unix time in seconds") from None
 
 
-@router.post("/sandboxes/{sandbox_id}/snapshots")
-@router.get("/snapshots")
-@router.post("/sandboxes/{sandbox_id}/fork")
 @router.put("/sandboxes/{sandbox_id}/network")
 async def unsupported(request: Request) -> Response:
     check_api_key(request)
-    raise refuse(
-        f"{request.method} {request.url.path}",
-        "use Corral's own API for snapshots, forks and networks (sandbox.snapshot(), fork(), set_network())",
-    )
+    raise refuse(f"{request.method} {request.url.path}", "use Corral's own API for networks (set_network())")

@@ -16,6 +16,7 @@ import base64
 import functools
 import gzip
 import json
+import posixpath
 import stat
 import struct
 import time
@@ -23,31 +24,35 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.datastructures import UploadFile
 
 from corral.gateway.e2b import pty
 from corral.gateway.e2b.common import (
     END_STREAM,
+    ConnectStream,
     E2BError,
+    StreamAborted,
     Target,
     basic_user,
     facade,
     frame,
     from_corral,
+    gone,
     rfc3339,
     services,
     target,
 )
+from corral.gateway.e2b.links import Link, Resolver
 from corral.gateway.e2b.processes import NO_TIMEOUT_S, OUTPUT_CAP_BYTES, Event, Process
 from corral.gateway.e2b.watch import Watchers
-from corral.sdk._exceptions import Conflict, CorralError, InvalidRequest, NotFound, PayloadTooLarge
+from corral.sdk._exceptions import Conflict, CorralError, InvalidRequest, NotFound, PayloadTooLarge, SandboxGone
 from corral.sdk._models import ExecRequest, FileInfo, SandboxState
 
 __all__ = ["router", "end_frame", "entry"]
 
 router = APIRouter(include_in_schema=False)
-_STREAM_TYPE = "application/connect+json"
+_STREAM_TYPE = ConnectStream.media_type
 _DEFAULT_KEEPALIVE_S = 50.0
 _CONNECT_CODES = {
     400: "invalid_argument",
@@ -61,7 +66,7 @@ _CONNECT_CODES = {
     503: "unavailable",
     504: "deadline_exceeded",
 }
-_FILE_TYPES = {"file": "FILE_TYPE_FILE", "dir": "FILE_TYPE_DIRECTORY", "symlink": "FILE_TYPE_SYMLINK"}
+_FILE_TYPES = {"file": "FILE_TYPE_FILE", "dir": "FILE_TYPE_DIRECTORY"}  # a symlink shows its target's type
 _OWNERS = {0: "root", 1000: "user", 65534: "nobody"}
 _SIGNALS = {"SIGNAL_SIGKILL": 9, "SIGNAL_SIGTERM": 15, "SIGNAL_SIGINT": 2, "SIGNAL_SIGHUP": 1}
 
@@ -115,8 +120,8 @@ def _deadline_s(request: Request) -> float | None:
     return int(header) / 1000 if header and header.isdigit() and int(header) > 0 else None
 
 
-def _stream(body: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(body, media_type=_STREAM_TYPE)
+def _stream(body: AsyncIterator[bytes]) -> ConnectStream:
+    return ConnectStream(body)
 
 
 async def _single(chunk: bytes) -> AsyncIterator[bytes]:
@@ -126,27 +131,35 @@ async def _single(chunk: bytes) -> AsyncIterator[bytes]:
 # -- entries ----------------------------------------------------------------
 
 
-def _permissions(mode: int) -> str:
-    return stat.filemode(mode)
+def _permissions(info: FileInfo) -> str:
+    """Go's ``FileMode.String()``, which envd sends: ``L`` marks a symlink where ``ls`` writes ``l``."""
+    if info.type == "symlink":
+        return "L" + stat.filemode(stat.S_IMODE(info.mode))[1:]
+    kind = {"file": stat.S_IFREG, "dir": stat.S_IFDIR}.get(info.type, 0)
+    return stat.filemode(kind | stat.S_IMODE(info.mode))
 
 
-def entry(info: FileInfo) -> dict[str, Any]:
-    mode = info.mode
-    kind = {"file": stat.S_IFREG, "dir": stat.S_IFDIR, "symlink": stat.S_IFLNK}.get(info.type, 0)
+def entry(info: FileInfo, link: Link | None = None) -> dict[str, Any]:
+    """envd's EntryInfo; a symlink (``link`` says where it leads) has its target's type and mode."""
+    shown = link.info if link is not None else info
     result: dict[str, Any] = {
         "name": info.name,
-        "type": _FILE_TYPES.get(info.type, "FILE_TYPE_UNSPECIFIED"),
+        "type": _FILE_TYPES.get(shown.type, "FILE_TYPE_UNSPECIFIED") if shown else "FILE_TYPE_UNSPECIFIED",
         "path": info.path,
         "size": str(info.size),
-        "mode": stat.S_IMODE(mode),
-        "permissions": _permissions(kind | stat.S_IMODE(mode)),
+        "mode": stat.S_IMODE(shown.mode) if shown else 0,
+        "permissions": _permissions(info),
         "owner": _OWNERS.get(info.uid, str(info.uid)),
         "group": _OWNERS.get(info.gid, str(info.gid)),
         "modifiedTime": rfc3339(info.mtime),
     }
-    if info.link_target is not None:
-        result["symlinkTarget"] = info.link_target
+    if link is not None:
+        result.update(symlinkTarget=link.target, isSymlink=True)
     return result
+
+
+async def _entry(resolver: Resolver, info: FileInfo) -> dict[str, Any]:
+    return entry(info, await resolver.follow(info) if info.type == "symlink" else None)
 
 
 # -- process.Process ----------------------------------------------------------
@@ -197,6 +210,8 @@ async def _follow(
                 payload = base64.b64encode(event.data).decode()
                 stream = "pty" if process.pty_marker else event.stream
                 yield frame({"event": {"data": {stream: payload}}})
+            elif isinstance(event.error, SandboxGone):
+                raise StreamAborted  # killed, or ended: the connection drops, as through E2B's proxy
             elif event.error is not None:
                 yield end_frame(event.error)
                 return
@@ -219,7 +234,7 @@ def _keepalive_s(request: Request) -> float:
     return float(header) if header.replace(".", "", 1).isdigit() and float(header) > 0 else _DEFAULT_KEEPALIVE_S
 
 
-async def _start(request: Request, where: Target, message: dict[str, Any]) -> StreamingResponse:
+async def _start(request: Request, where: Target, message: dict[str, Any]) -> ConnectStream:
     config = message.get("process") or {}
     cmd = config.get("cmd")
     if not cmd:
@@ -250,7 +265,7 @@ async def _start(request: Request, where: Target, message: dict[str, Any]) -> St
     return _stream(_follow(process, queue, deadline_s, _keepalive_s(request)))
 
 
-async def _connect(request: Request, where: Target, message: dict[str, Any]) -> StreamingResponse:
+async def _connect(request: Request, where: Target, message: dict[str, Any]) -> ConnectStream:
     pid, tag = _selector(message)
     process = facade(request).processes.find(where.sandbox_id, pid, tag)
     queue = process.subscribe()
@@ -284,7 +299,7 @@ async def _write_stdin(sandbox_id: str, command_id: str, data: bytes, edge: Any)
     await edge.command_stdin(sandbox_id, command_id, data)
 
 
-async def _stream_input(request: Request, where: Target) -> StreamingResponse:
+async def _stream_input(request: Request, where: Target) -> ConnectStream:
     """StreamInput (``commands.stream_stdin``): a start frame naming the process, then data frames for its stdin."""
     svc = services(request).sandboxes
     command_id = None
@@ -376,28 +391,37 @@ async def _run_as_user(request: Request, where: Target, argv: list[str], what: s
         raise InvalidRequest(f"{what} failed: {detail or 'exit ' + str(result.exit_code)}")
 
 
-async def _list(request: Request, where: Target, path: str, depth: int) -> list[dict[str, Any]]:
-    infos = await _edge(request, where, lambda edge: edge.list_dir(where.sandbox_id, path))
+def _resolver(request: Request, where: Target) -> Resolver:
+    return Resolver(lambda path: _edge(request, where, lambda e: e.stat(where.sandbox_id, path)))
+
+
+async def _list(
+    request: Request, where: Target, resolver: Resolver, shown: str, real: str, depth: int
+) -> list[dict[str, Any]]:
+    """The entries of directory ``real`` as if under ``shown`` (the path as asked); links are not descended into."""
+    infos = await _edge(request, where, lambda edge: edge.list_dir(where.sandbox_id, real))
     entries = []
     for info in infos:
-        entries.append(entry(info))
+        info = info.model_copy(update={"path": posixpath.join(shown, info.name)})
+        entries.append(await _entry(resolver, info))
         if info.type == "dir" and depth > 1:
-            entries += await _list(request, where, info.path, depth - 1)
+            entries += await _list(request, where, resolver, info.path, posixpath.join(real, info.name), depth - 1)
     return entries
 
 
 async def _filesystem(request: Request, method: str, where: Target, message: dict[str, Any]) -> Response:
     sandbox_id = where.sandbox_id
     if method == "Stat":
-        path = where.path(message.get("path", ""))
-        return JSONResponse({"entry": entry(await _edge(request, where, lambda e: e.stat(sandbox_id, path)))})
+        resolver = _resolver(request, where)
+        return JSONResponse({"entry": await _entry(resolver, await resolver.stat(where.path(message.get("path", ""))))})
     if method == "ListDir":
         path = where.path(message.get("path", ""))
         depth = int(message.get("depth") or 1)
-        info = await _edge(request, where, lambda e: e.stat(sandbox_id, path))
+        resolver = _resolver(request, where)
+        real, info = await resolver.resolve(path)  # a link to a directory lists the directory
         if info.type != "dir":
             raise InvalidRequest(f"path {path} is not a directory")
-        return JSONResponse({"entries": await _list(request, where, path, depth)})
+        return JSONResponse({"entries": await _list(request, where, resolver, posixpath.normpath(path), real, depth)})
     if method == "MakeDir":
         path = where.path(message.get("path", ""))
         try:
@@ -410,7 +434,8 @@ async def _filesystem(request: Request, method: str, where: Target, message: dic
         source, destination = where.path(message.get("source", "")), where.path(message.get("destination", ""))
         await _edge(request, where, lambda e: e.stat(sandbox_id, source))
         await _run_as_user(request, where, ["mv", "-T", "--", source, destination], f"rename {source}")
-        return JSONResponse({"entry": entry(await _edge(request, where, lambda e: e.stat(sandbox_id, destination)))})
+        resolver = _resolver(request, where)
+        return JSONResponse({"entry": await _entry(resolver, await resolver.stat(destination))})
     if method == "Remove":
         path = where.path(message.get("path", ""))
         try:
@@ -529,4 +554,6 @@ async def health(request: Request) -> Response:
         return exc.response()
     if where.info.state == SandboxState.PAUSED:
         return E2BError(502, f"The sandbox {where.sandbox_id} is paused").response()
+    if facade(request).killing(where.sandbox_id):
+        return gone(where.sandbox_id).response()
     return Response(status_code=204)

@@ -121,13 +121,14 @@ class ProcessTable:
                     process.publish(Event(stream=event.type, data=(event.data or "").encode()))
                 elif event.type == "exit":
                     ended = True
-                    process.publish(Event(result=event.result))
+                    killed = process.stopped_by  # the kill's doing, however the command reported its end
+                    process.publish(Event(error=killed) if killed else Event(result=event.result))
         except CorralError as exc:
             if not started.done():
                 started.set_exception(exc)
             elif not ended:
                 ended = True
-                process.publish(Event(error=exc))
+                process.publish(Event(error=process.stopped_by or exc))
         except Exception as exc:
             log.exception("e2b process %s in %s failed", process.pid, process.sandbox_id)
             if not started.done():
@@ -142,12 +143,15 @@ class ProcessTable:
                 process.publish(Event(error=process.stopped_by or InternalError("the server is shutting down")))
             self._processes.pop((process.sandbox_id, process.pid), None)
 
+    def stopping(self, sandbox_id: str) -> None:
+        """The sandbox is being killed: however its processes' commands end now, they end by the kill."""
+        for process in self.list(sandbox_id):
+            process.stopped_by = SandboxGone(f"sandbox {sandbox_id} was killed")
+
     async def forget(self, sandbox_id: str) -> None:
         """The sandbox was killed: stop following its processes."""
-        processes = self.list(sandbox_id)
-        for process in processes:
-            process.stopped_by = SandboxGone(f"sandbox {sandbox_id} was killed")
-        await self._cancel(processes)
+        self.stopping(sandbox_id)
+        await self._cancel(self.list(sandbox_id))
 
     async def close(self) -> None:
         await self._cancel(list(self._processes.values()))

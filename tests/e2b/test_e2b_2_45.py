@@ -1,0 +1,65 @@
+"""The e2b 2.45 line (2.45.1, with e2b-code-interpreter 2.10.0) through the same tests as the newest SDK.
+
+scripts/setup.sh installs it with ``pip --target`` into .venv/e2b-2.45.1, apart
+from the venv's e2b; the chosen tests run in a pytest of their own with that
+directory first on ``sys.path`` (of that process only: the server it starts
+keeps the venv's packages), told which SDK it must have imported
+(tests/e2b/conftest.py checks), against a server of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import REPO
+from tests.e2b.conftest import SDK_VERSION_ENV
+
+SDK_2_45 = "2.45.1"
+SDK_2_45_DIR = Path(sys.prefix) / f"e2b-{SDK_2_45}"
+CHOSEN = [  # what the SDKs differ in is in tests/e2b/sdk.py
+    "tests/e2b/test_e2b_sync.py",
+    "tests/e2b/test_e2b_async.py",
+    "tests/e2b/test_e2b_links_and_kills.py",
+    "tests/e2b/test_e2b_lifecycle.py",
+    "tests/e2b/test_code_interpreter.py",
+]
+LACKING = {  # tests of calls e2b 2.45 does not have
+    "tests/e2b/test_e2b_sync.py::test_stdin_send_and_close": "commands.stream_input",
+    "tests/e2b/test_e2b_lifecycle.py::test_connect_with_reboot_drops_processes_and_full_pause_keeps_them":
+        "connect(on_resume=)",
+}  # fmt: skip
+_RUN = "import sys; sys.path.insert(0, sys.argv.pop(1)); import pytest; sys.exit(pytest.main(sys.argv[1:]))"
+
+
+def _refusal_of_internet_access(e2b_env: dict[str, str]) -> str | None:
+    """What the server says to e2b 2.45's every create, which asks for ``allow_internet_access=True``."""
+    url, headers = e2b_env["E2B_API_URL"], {"X-API-KEY": e2b_env["E2B_API_KEY"]}
+    body = {"templateID": "base", "timeout": 30, "allow_internet_access": True}
+    created = httpx.post(f"{url}/v2/sandboxes", headers=headers, json=body, timeout=60)
+    if created.status_code == 201:
+        httpx.delete(f"{url}/sandboxes/{created.json()['sandboxID']}", headers=headers, timeout=60)
+        return None
+    assert created.status_code == 400 and "allow_internet_access" in created.text, created.text
+    return str(created.json()["message"])
+
+
+def test_the_2_45_line_passes_the_chosen_tests(tmp_path: Path, e2b_env: dict[str, str]) -> None:
+    assert (SDK_2_45_DIR / ".installed").exists(), f"{SDK_2_45_DIR} is missing: run scripts/setup.sh"
+    refusal = _refusal_of_internet_access(e2b_env)
+    if refusal is not None:  # issue 18's network part: until it lands every 2.45 create fails, so none can run
+        pytest.xfail(f"this server refuses what e2b 2.45 sends on every create: {refusal}")
+    env = {**os.environ, SDK_VERSION_ENV: SDK_2_45}
+    argv = [sys.executable, "-c", _RUN, str(SDK_2_45_DIR), "-q", "-p", "no:cacheprovider",
+            "--basetemp", str(tmp_path / "run"), *CHOSEN, *(f"--deselect={test}" for test in LACKING)]  # fmt: skip
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", summary)
+    assert passed and int(passed.group(1)) >= 35 and "skipped" not in summary, summary
