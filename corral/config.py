@@ -117,8 +117,17 @@ class Settings(BaseSettings):
     layer_disk_budget_mb: int | None = Field(
         None,
         ge=0,
-        description="Keep the layer store under this size: after a build, untagged layers no sandbox uses "
-        "are deleted, least recently used first. Unset: never delete.",
+        description="Keep the layer store under this size: after a build, a pull (one a create starts too) or a "
+        "snapshot, untagged layers no sandbox uses are deleted, least recently used first. Unset: never delete.",
+    )
+    layer_cache_budget_mb: int | None = Field(
+        None,
+        ge=0,
+        description="Keep this node's copies of layers fetched from the layer source (complete ones, and partial "
+        "ones counted by the bytes on disk) under this size: as creates fetch, layers no sandbox on the node uses "
+        "are deleted, least recently used first, tagged or not (they are fetched again when next used). Unset: "
+        "CORRAL_LAYER_DISK_BUDGET_MB. A setting of its own because a gateway's store holds the originals and a "
+        "node's cache only copies (corral/images/cache.py).",
     )
 
     memory_reserve_mb: int = Field(

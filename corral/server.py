@@ -155,14 +155,14 @@ def serve(settings: Settings) -> None:
             remote_edges=_ray_edges() if host is None else None,
             puller=puller,
             events_retention_s=settings.events_retention_s,
+            layer_disk_budget_mb=settings.layer_disk_budget_mb,
         )
         if host is not None:
             edges[settings.edge_id] = build_edge(settings, host, service)
         try:
             await service.start()  # inside: edges that started are closed again if a later one fails
             log.info("serving on %s (%d images)", url, len(catalogue.images()))
-            images = ImageService(catalogue, builder, service, disk_budget_mb=settings.layer_disk_budget_mb,
-                                  puller=puller)  # fmt: skip
+            images = ImageService(catalogue, builder, service, puller=puller)
             trajectories = Trajectories(
                 TrajectoryLog(store.engine), service, max_logged_file_bytes=settings.max_logged_file_bytes
             )

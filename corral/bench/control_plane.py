@@ -173,8 +173,7 @@ async def _http_burst(nodes: int, store: StateStore, scratch: Path, count: int) 
     async def services() -> AsyncIterator[Services]:
         async with simulated_cluster(nodes, store, scratch / "layers") as service:
             catalogue = service._catalogue  # noqa: SLF001 - the same catalogue the cluster resolves images in
-            images = ImageService(catalogue, LayerBuilder(catalogue, scratch / "build", 1 << 20), service,
-                                  disk_budget_mb=None)  # fmt: skip
+            images = ImageService(catalogue, LayerBuilder(catalogue, scratch / "build", 1 << 20), service)
             yield Services(
                 sandboxes=service, images=images,
                 trajectories=Trajectories(TrajectoryLog(store.engine), service, max_logged_file_bytes=0),

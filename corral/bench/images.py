@@ -20,6 +20,7 @@ the same warm source, so the ratios are what to read.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import platform
@@ -27,6 +28,8 @@ import random
 import shlex
 import shutil
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +42,9 @@ from corral.bench.containers import summarize
 from corral.bench.harness import ResultTable, bench_session, emit, ms_since, require_success, throwaway_postgres
 from corral.embedded import EmbeddedServer, linked_node_dir
 from corral.images.store import CHUNK_INDEX_BYTES, LayerStore
-from corral.sdk import Client, InvalidRequest
+from corral.sdk import AsyncClient, AsyncSandbox, Client, InvalidRequest
 
-__all__ = ["run_images_benchmark"]
+__all__ = ["run_images_benchmark", "run_images_burst_benchmark"]
 
 BASE = "debian-12"
 DATA_IMAGE = "bench-images-data"
@@ -55,7 +58,8 @@ _MIB = 1 << 20
 
 
 def _data_tree(root: Path, total_mib: int, seed: int) -> dict[str, int]:
-    """``root/benchdata`` of files with log-uniform sizes adding up to ``total_mib``; their sizes by name."""
+    """``root/benchdata`` of random files with log-uniform sizes (64 KiB to 8 MiB) adding up to ``total_mib``;
+    their sizes by name."""
     rng = random.Random(seed)
     tree = root / DATA_DIR.lstrip("/")
     tree.mkdir(parents=True)
@@ -160,37 +164,56 @@ def _read_task(sandbox: Any, node_dir: Path, sizes: dict[str, int], image_bytes:
             "read_fraction": read_bytes / image_bytes, "fetched_fraction": fetched_total / image_bytes}  # fmt: skip
 
 
-def _measure(work: Path, runs: int, warm_runs: int, data_mib: int, read_pct: float,
-             progress: Progress) -> dict[str, Any]:  # fmt: skip
-    task = progress.add_task(f"source server, a {data_mib} MiB data layer over {BASE}", total=1)
+@contextlib.contextmanager
+def _source(work: Path, env: dict[str, str] | None = None) -> Iterator[tuple[EmbeddedServer, dict[str, str]]]:
+    """The source server (a store of the real node's layers, linked) on the run's PostgreSQL; yields it and the
+    settings a fresh node needs to share its catalogue (``env`` and the database)."""
     with throwaway_postgres() as database_url:
-        shared = {"CORRAL_DATABASE_URL": database_url}
+        shared = {**(env or {}), "CORRAL_DATABASE_URL": database_url}
         source = EmbeddedServer(work / "source", env={**shared,
                                 "CORRAL_NODE_DIR": str(linked_node_dir(work / "source-node"))})  # fmt: skip
         source.start()
         try:
-            with source.client() as client:
-                sizes = _data_tree(work / "tree", data_mib, seed=1)
-                client.images.build(DATA_IMAGE, "dir", path=str(work / "tree"), no_cache=True)
-                shutil.rmtree(work / "tree")
-                base_digests = list(client.images.inspect(BASE).layers)
-                data_digest = client.images.inspect(DATA_IMAGE).layers[-1].digest
-            store = LayerStore(work / "source-node" / "layers")
-            digests = [layer.digest for layer in base_digests] + [data_digest]
-            image_bytes = sum(store.layer_path(digest).stat().st_size for digest in dict.fromkeys(digests))
-            for digest in dict.fromkeys(digests):  # indexes of layers made before them, as an import would have
-                store.chunk_index(digest)
-            progress.update(task, completed=1)
-            shared.update({"CORRAL_LAYER_SOURCE_URL": source.url, "CORRAL_LAYER_SOURCE_KEY": source.api_key})
-            samples = []
-            task = progress.add_task("fresh nodes: eager, then on demand (cold, warm, 10% read)", total=runs)
-            for run in range(runs):
-                samples.append(_one_run(work, shared, run, sizes, image_bytes, digests, read_pct, warm_runs))
-                progress.advance(task)
+            yield source, shared
         finally:
             source.kill_all_sandboxes()
             source.shutdown()
             host.orphans.reap()
+
+
+def _build_data_image(client: Client, work: Path, name: str, data_mib: int, seed: int) -> tuple[dict[str, int], str]:
+    """A ``dir`` image of a fresh random data tree; the files' sizes and the layer's digest."""
+    tree = work / f"tree-{name}"
+    sizes = _data_tree(tree, data_mib, seed=seed)
+    client.images.build(name, "dir", path=str(tree), no_cache=True)
+    shutil.rmtree(tree)
+    return sizes, client.images.inspect(name).layers[-1].digest
+
+
+def _indexed_bytes(work: Path, digests: list[str]) -> int:
+    """The layers' total size in the source's store, each with its chunk index made (as an import would have
+    made it for a layer older than indexes)."""
+    store = LayerStore(work / "source-node" / "layers")
+    for digest in dict.fromkeys(digests):
+        store.chunk_index(digest)
+    return sum(store.layer_path(digest).stat().st_size for digest in dict.fromkeys(digests))
+
+
+def _measure(work: Path, runs: int, warm_runs: int, data_mib: int, read_pct: float,
+             progress: Progress) -> dict[str, Any]:  # fmt: skip
+    task = progress.add_task(f"source server, a {data_mib} MiB data layer over {BASE}", total=1)
+    with _source(work) as (source, shared):
+        with source.client() as client:
+            sizes, data_digest = _build_data_image(client, work, DATA_IMAGE, data_mib, seed=1)
+            digests = [layer.digest for layer in client.images.inspect(BASE).layers] + [data_digest]
+        image_bytes = _indexed_bytes(work, digests)
+        progress.update(task, completed=1)
+        shared.update({"CORRAL_LAYER_SOURCE_URL": source.url, "CORRAL_LAYER_SOURCE_KEY": source.api_key})
+        samples = []
+        task = progress.add_task("fresh nodes: eager, then on demand (cold, warm, 10% read)", total=runs)
+        for run in range(runs):
+            samples.append(_one_run(work, shared, run, sizes, image_bytes, digests, read_pct, warm_runs))
+            progress.advance(task)
     return {"image_bytes": image_bytes, "layers": len(set(digests)), "data_files": len(sizes),
             **_summaries(samples)}  # fmt: skip
 
@@ -263,3 +286,206 @@ def run_images_benchmark(*, runs: int, warm_runs: int, data_mib: int, read_pct: 
     }  # fmt: skip
     report["checks"] = _checks(report)
     emit(report, _table, as_json=as_json, console=console)
+
+
+# -- a burst of cold images ---------------------------------------------------------------------------------------
+
+BURST_IMAGE = "bench-burst-{index:02d}"
+BURST_CPU, BURST_MEMORY_MB = 0.1, 128
+BURST_RATIO_TARGET = 1.2
+BURST_NODE_LOST_AFTER_S = 120
+BURST_SETTLE_S = 10.0
+
+
+@dataclass(frozen=True)
+class _BurstSandbox:
+    image: str
+    files: list[str]  # what it reads, a slice of its image's data files no other sandbox reads
+    read_bytes: int
+
+
+@dataclass
+class _BurstResult:
+    create_exec_ms: list[float] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    read_failed: int = 0
+    wall_s: float = 0.0
+    fetched_by_starts: int = 0  # the node's fetched bytes once every sandbox started, before any read
+
+
+def _burst_plan(sizes: list[dict[str, int]], sandboxes: int, read_pct: float) -> list[_BurstSandbox]:
+    """Sandbox ``n`` on image ``n % images``; an image's sandboxes together read random whole files adding up to
+    ``read_pct`` of its data, each a disjoint slice of them (so bytes read are distinct bytes)."""
+    per_image = [len(range(index, sandboxes, len(sizes))) for index in range(len(sizes))]
+    slices = []
+    for index, image_sizes in enumerate(sizes):
+        names = list(image_sizes)
+        random.Random(index).shuffle(names)
+        chosen, total = [], 0
+        for name in names:
+            if total >= sum(image_sizes.values()) * read_pct / 100:
+                break
+            chosen.append(name)
+            total += image_sizes[name]
+        slices.append([chosen[k :: per_image[index]] for k in range(per_image[index])])
+    plan = []
+    for n in range(sandboxes):
+        index = n % len(sizes)
+        files = slices[index][n // len(sizes)]
+        plan.append(_BurstSandbox(BURST_IMAGE.format(index=index), files, sum(sizes[index][f] for f in files)))
+    return plan
+
+
+async def _start_one(client: AsyncClient, image: str) -> tuple[AsyncSandbox, float]:
+    started = time.perf_counter()
+    sandbox = await client.create(environment={"base": BASE, "tools": image}, cpu=BURST_CPU,
+                                  memory_mb=BURST_MEMORY_MB, ttl_s=SANDBOX_TTL_S)  # fmt: skip
+    result = await sandbox.exec("true")
+    if result.exit_code != 0:
+        raise RuntimeError(f"`true` exited {result.exit_code} in {sandbox.id}: {result.stderr[-300:]}")
+    return sandbox, ms_since(started)
+
+
+async def _burst(server: EmbeddedServer, plan: list[_BurstSandbox], fetched: Callable[[], int], *,
+                 read: bool) -> _BurstResult:  # fmt: skip
+    """Every sandbox of the plan created at once, timed to its first exec; then (``read``) every one reads its
+    files at once; then all are killed. ``fetched``: the node's fetched bytes, read once all have started."""
+    out = _BurstResult()
+    started = time.perf_counter()
+    async with AsyncClient(server.url, server.api_key, timeout_s=SANDBOX_TTL_S) as client:
+        starts = await asyncio.gather(*(_start_one(client, entry.image) for entry in plan), return_exceptions=True)
+        out.wall_s = time.perf_counter() - started
+        running = []
+        for entry, start in zip(plan, starts, strict=True):
+            if isinstance(start, BaseException):
+                out.failed.append(f"{entry.image}: {start!r}"[:300])
+            else:
+                running.append((entry, start[0]))
+                out.create_exec_ms.append(start[1])
+        out.fetched_by_starts = fetched()
+        try:
+            if read:
+                reads = await asyncio.gather(*(sandbox.exec(
+                    "cat " + " ".join(shlex.quote(f"{DATA_DIR}/{name}") for name in entry.files) + " > /dev/null",
+                    timeout_s=SANDBOX_TTL_S) for entry, sandbox in running if entry.files))  # fmt: skip
+                out.read_failed = sum(result.exit_code != 0 for result in reads)
+        finally:
+            await asyncio.gather(*(sandbox.kill() for _, sandbox in running), return_exceptions=True)
+    return out
+
+
+def _burst_summary(result: _BurstResult, count: int) -> dict[str, Any]:
+    return {"sandboxes": count, "started": len(result.create_exec_ms), "failed": result.failed[:5],
+            "read_failed": result.read_failed, "wall_s": result.wall_s,
+            "create_exec_ms": summarize(result.create_exec_ms) if result.create_exec_ms else None}  # fmt: skip
+
+
+def _measure_burst(work: Path, images: int, sandboxes: int, image_mib: int, read_pct: float, eager_images: int,
+                   progress: Progress) -> dict[str, Any]:  # fmt: skip
+    task = progress.add_task(f"source server: {images} images, {image_mib} MiB of data each over {BASE}", total=images)
+    # A node's heartbeat went 15 s stale (the default CORRAL_NODE_LOST_AFTER_S) while it killed one burst of 100
+    # and started the next on this shared 2-core machine, and the source then marked it lost with its sandboxes.
+    with _source(work, {"CORRAL_NODE_LOST_AFTER_S": str(BURST_NODE_LOST_AFTER_S)}) as (source, shared):
+        sizes, data_digests = [], []
+        with source.client() as client:
+            for index in range(images):
+                image_sizes, digest = _build_data_image(client, work, BURST_IMAGE.format(index=index), image_mib,
+                                                        seed=1000 + index)  # fmt: skip
+                sizes.append(image_sizes)
+                data_digests.append(digest)
+                progress.advance(task)
+            base_digests = [layer.digest for layer in client.images.inspect(BASE).layers]
+        digests = base_digests + data_digests
+        image_bytes = _indexed_bytes(work, digests)
+        plan = _burst_plan(sizes, sandboxes, read_pct)
+        shared.update({"CORRAL_LAYER_SOURCE_URL": source.url, "CORRAL_LAYER_SOURCE_KEY": source.api_key})
+        task = progress.add_task(f"a fresh node: {sandboxes} cold sandboxes at once, reads, then a warm burst",
+                                 total=2)  # fmt: skip
+        with _node(work, "burst", {**shared, "CORRAL_EDGE_ID": "bo", "CORRAL_LAYER_FETCH": "on_demand"}) as (
+                server, node_dir):  # fmt: skip
+            cold = asyncio.run(_burst(server, plan, lambda: _fetched_bytes(node_dir, digests), read=True))
+            after_reads = _fetched_bytes(node_dir, digests)
+            data_fetched = _fetched_bytes(node_dir, data_digests)
+            progress.advance(task)
+            # The baseline: the same burst again on the same node, now warm (its layers mounted, chunks here),
+            # once the node has settled after tearing the first one down.
+            time.sleep(BURST_SETTLE_S)
+            warm = asyncio.run(_burst(server, plan, lambda: _fetched_bytes(node_dir, digests), read=False))
+            progress.advance(task)
+        subset = [entry for entry in plan if entry.image in {BURST_IMAGE.format(index=i) for i in range(eager_images)}]
+        eager, eager_fetched = _BurstResult(), 0
+        if subset:
+            task = progress.add_task(f"a fresh eager node: {len(subset)} sandboxes of {eager_images} images", total=1)
+            with _node(work, "burst-eager", {**shared, "CORRAL_EDGE_ID": "be", "CORRAL_LAYER_FETCH": "eager"}) as (
+                    server, node_dir):  # fmt: skip
+                eager = asyncio.run(_burst(server, subset, lambda: 0, read=False))
+                eager_fetched = _fetched_bytes(node_dir, base_digests + data_digests[:eager_images])
+                progress.advance(task)
+    read_bytes = sum(entry.read_bytes for entry in plan)
+    return {
+        "image_bytes": image_bytes, "data_bytes": sum(sum(s.values()) for s in sizes),
+        "data_files": sum(len(s) for s in sizes), "layers": len(set(digests)),
+        "cold": _burst_summary(cold, len(plan)), "warm": _burst_summary(warm, len(plan)),
+        "eager": {**_burst_summary(eager, len(subset)), "images": eager_images, "fetched_bytes": eager_fetched},
+        "bytes": {"read": read_bytes, "fetched_by_starts": cold.fetched_by_starts, "fetched": after_reads,
+                  "fetched_data_layers": data_fetched, "fetched_base_layers": after_reads - data_fetched,
+                  "ratio": after_reads / read_bytes},
+    }  # fmt: skip
+
+
+def _burst_checks(report: dict[str, Any]) -> list[dict[str, Any]]:
+    cold, ratio = report["cold"], report["bytes"]["ratio"]
+    all_started = cold["started"] == cold["sandboxes"] and cold["read_failed"] == 0
+    return [
+        {"metric": "started", "target": f"all {cold['sandboxes']} start and read", "value": cold["started"],
+         "ok": all_started},
+        {"metric": "ratio", "target": f"≤ {BURST_RATIO_TARGET:g}× read", "value": ratio,
+         "ok": ratio <= BURST_RATIO_TARGET},
+    ]  # fmt: skip
+
+
+def _burst_table(report: dict[str, Any]) -> Table:
+    cold, warm, eager, data, params = report["cold"], report["warm"], report["eager"], report["bytes"], report["params"]
+    caption = (f"{params['images']} images of {params['image_mib']} MiB of random files over {BASE} "
+               f"({report['image_bytes'] / _MIB:.0f} MiB in {report['layers']} layers, {report['data_files']} data "
+               f"files); each image's sandboxes read {params['read_pct']:g}% of its data, in disjoint slices; chunks "
+               f"of {params['chunk_bytes'] // 1024} KiB. Kernel {report['host']['kernel']}, "
+               f"{report['host']['cpu_count']} cpus.")  # fmt: skip
+    rows = ResultTable("corral bench-images-burst", caption, report["checks"], digits=0)
+    table = rows.table
+    rows.timing(f"{cold['sandboxes']} cold sandboxes at once: create → first exec", cold["create_exec_ms"],
+                "the same burst warm", warm["create_exec_ms"])  # fmt: skip
+    table.add_row("  started (and read their files)", f"{cold['started']} of {cold['sandboxes']}",
+                  f"read failed: {cold['read_failed']}", f"warm: {warm['started']}", f"{cold['wall_s']:.1f} s wall",
+                  rows.target("started"), rows.verdict("started"))  # fmt: skip
+    table.add_row("bytes fetched / bytes the tasks read", f"{data['ratio']:.2f}×",
+                  f"{data['fetched'] / _MIB:.0f} of {data['read'] / _MIB:.0f} MiB",
+                  f"data layers {data['fetched_data_layers'] / data['read']:.2f}×",
+                  f"base {data['fetched_base_layers'] / _MIB:.1f} MiB", rows.target("ratio"),
+                  rows.verdict("ratio"))  # fmt: skip
+    table.add_row("  fetched by the starts alone", f"{data['fetched_by_starts'] / _MIB:.1f} MiB", "-", "-", "-", "-",
+                  "-")  # fmt: skip
+    if eager["create_exec_ms"] is not None:
+        table.add_row(f"eager node: {eager['sandboxes']} cold sandboxes of {eager['images']} images at once",
+                      f"{eager['create_exec_ms']['p50']:.0f} ms", f"{eager['create_exec_ms']['p95']:.0f} ms",
+                      f"fetched {eager['fetched_bytes'] / _MIB:.0f} MiB", "-", "-", "-")  # fmt: skip
+    return table
+
+
+def run_images_burst_benchmark(*, images: int, sandboxes: int, image_mib: int, read_pct: float, eager_images: int,
+                               as_json: bool, console: Console) -> None:  # fmt: skip
+    """Many cold images at once on a fresh node: all start, and what it fetches against what its tasks read."""
+    if not 1 <= images <= sandboxes or image_mib < 1 or not 0 < read_pct <= 100 or not 0 <= eager_images <= images:
+        raise InvalidRequest("need 1 ≤ --images ≤ --sandboxes, --image-mib ≥ 1, --read-pct in (0, 100] and "
+                             "--eager-images between 0 and --images")  # fmt: skip
+    with bench_session("bench-images-burst", as_json=as_json, console=console) as (scratch, progress):
+        results = _measure_burst(scratch, images, sandboxes, image_mib, read_pct, eager_images, progress)
+    report: dict[str, Any] = {
+        "unit": "ms",
+        "params": {"images": images, "sandboxes": sandboxes, "image_mib": image_mib, "read_pct": read_pct,
+                   "eager_images": eager_images, "base": BASE, "chunk_bytes": CHUNK_INDEX_BYTES},
+        "host": {"kernel": platform.release(), "cpu_count": os.cpu_count()},
+        **results,
+    }  # fmt: skip
+    report["checks"] = _burst_checks(report)
+    emit(report, _burst_table, as_json=as_json, console=console)

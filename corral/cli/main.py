@@ -669,6 +669,25 @@ def bench_images(
                          console=console)  # fmt: skip
 
 
+@app.command("bench-images-burst")
+def bench_images_burst(
+    images: Annotated[int, typer.Option(help="Distinct cold images (each its own data layer over debian-12).")] = 20,
+    sandboxes: Annotated[int, typer.Option(help="Sandboxes started at once across them.")] = 100,
+    image_mib: Annotated[int, typer.Option(help="Size of each image's data layer.")] = 24,
+    read_pct: Annotated[float, typer.Option(help="Share of each image's data its sandboxes read (%).")] = 50.0,
+    eager_images: Annotated[int, typer.Option(help="Images of the eager baseline (a fresh eager node).")] = 2,
+    quick: Annotated[bool, typer.Option(help="4 images, 20 sandboxes, 8 MiB each: a short check.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Start many sandboxes of many cold images at once on a fresh node: all start, bytes fetched against read."""
+    from corral.bench.images import run_images_burst_benchmark
+
+    if quick:
+        images, sandboxes, image_mib, eager_images = 4, 20, 8, 1
+    run_images_burst_benchmark(images=images, sandboxes=sandboxes, image_mib=image_mib, read_pct=read_pct,
+                               eager_images=eager_images, as_json=as_json, console=console)  # fmt: skip
+
+
 @app.command("bench-pull")
 def bench_pull(
     runs: Annotated[int, typer.Option(help="Runs, each in a fresh store.")] = 3,

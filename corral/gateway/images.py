@@ -112,24 +112,15 @@ class ImageService:
         builder: LayerBuilder,
         sandboxes: SandboxService,
         *,
-        disk_budget_mb: int | None,
         puller: ImagePuller | None = None,
     ) -> None:
-        """``puller``: pulls registry references into the catalogue (``pull``, and a Dockerfile's FROM of one)."""
+        """``puller``: pulls registry references into the catalogue (``pull``, and a Dockerfile's FROM of one).
+        The disk budget is the sandbox service's (``enforce_layer_budget``), which pulls on create too."""
         self._catalogue = catalogue
         self._builder = builder
         self._sandboxes = sandboxes
-        self._disk_budget_mb = disk_budget_mb
         self._puller = puller
-
-    def _enforce_budget(self, progress: Progress, keep: frozenset[str] = frozenset()) -> None:
-        """After the store grew: drop untagged, unused layers, least recently used first, to fit the budget."""
-        if self._disk_budget_mb is None:
-            return
-        in_use = self._sandboxes.layers_in_use() | keep
-        for digest in self._catalogue.evict(self._disk_budget_mb << 20, in_use=in_use):
-            log.info("evicted layer %s (over CORRAL_LAYER_DISK_BUDGET_MB)", digest)
-            progress(f"evicted unused layer {digest[:19]}… to stay under {self._disk_budget_mb} MB")
+        self._enforce_budget = sandboxes.enforce_layer_budget
 
     # -- catalogue --------------------------------------------------------
 
@@ -184,7 +175,7 @@ class ImageService:
 
         async def run() -> PullEvent:
             result = await puller.pull(reference, events.put_nowait)
-            self._enforce_budget(lambda _: None)
+            self._enforce_budget()
             return PullEvent(
                 type="done", image=image_info(result.image), layers_pulled=result.layers_pulled,
                 layers_reused=result.layers_reused, bytes_transferred=result.bytes_transferred,
@@ -427,5 +418,5 @@ class ImageService:
         if name:
             image_name, version = parse_ref(name)
             tagged = self._catalogue.tag(image_name, stack, version=version).ref
-        self._enforce_budget(lambda _: None, keep=frozenset(stack))  # an untagged snapshot is not garbage yet
+        self._enforce_budget(keep=frozenset(stack))  # an untagged snapshot is not garbage yet
         return SnapshotInfo(diff=layer_info(diff), layers=stack, image=tagged)

@@ -149,11 +149,16 @@ class SandboxService:
         node_lost_after_s: float = 15.0,
         puller: ImagePuller | None = None,
         events_retention_s: float = 7 * 86400.0,
+        layer_disk_budget_mb: int | None = None,
     ) -> None:
+        """``layer_disk_budget_mb``: the catalogue's layers are kept under it after builds, pulls (those creates
+        start too) and snapshots (``enforce_layer_budget``); the node's fetched copies have their own budget, in
+        ``layer_fetcher``'s cache."""
         self.metrics = GatewayMetrics()
         self.events = EventLog(store.engine)
         self._events_retention_s = events_retention_s
         self._events_pruned_at = 0.0
+        self._layer_disk_budget_mb = layer_disk_budget_mb
         self._heartbeat_s = heartbeat_s
         self._puller = puller  # registry images a create names are pulled on first use
         self._node_lost_after_s = node_lost_after_s
@@ -323,11 +328,28 @@ class SandboxService:
         return self.stack(refs), image.ref, image.config
 
     async def _pull_missing(self, request: CreateSandboxRequest) -> None:
-        """Registry images the create names that are not here yet: pulled, once per gateway however many wait."""
-        if self._puller is not None:
-            for ref in self._image_refs(request):
-                if is_registry_reference(ref):
-                    await self._puller.ensure(ref)
+        """Registry images the create names that are not here yet: pulled, once per gateway however many wait;
+        then the layer store is kept under its disk budget, as after a build."""
+        if self._puller is None:
+            return
+        generation = self._catalogue.generation
+        for ref in self._image_refs(request):
+            if is_registry_reference(ref):
+                await self._puller.ensure(ref)
+        if self._catalogue.generation != generation:  # a pull tagged something (this create's or another's)
+            self.enforce_layer_budget()
+
+    def enforce_layer_budget(self, progress: Callable[[str], None] | None = None,
+                             keep: frozenset[str] = frozenset()) -> None:  # fmt: skip
+        """After the store grew: drop untagged layers no sandbox uses, least recently used first, to fit the disk
+        budget (``keep``: layers to spare, an untagged snapshot just made)."""
+        budget_mb = self._layer_disk_budget_mb
+        if budget_mb is None:
+            return
+        for digest in self._catalogue.evict(budget_mb << 20, in_use=self.layers_in_use() | keep):
+            log.info("evicted layer %s (over CORRAL_LAYER_DISK_BUDGET_MB)", digest)
+            if progress is not None:
+                progress(f"evicted unused layer {digest[:19]}… to stay under {budget_mb} MB")
 
     def record(self, sandbox_id: str) -> dict[str, Any]:
         record = self._store.get(sandbox_id)
@@ -391,6 +413,11 @@ class SandboxService:
     def layers_in_use(self) -> set[str]:
         return {d.partition("#")[0] for record in self._store.list(states=_ACTIVE) for d in record["layers"]}
 
+    def _node_layers_in_use(self) -> set[str]:
+        """The layers this server's own edges run sandboxes on (what its node's layer cache must keep)."""
+        return {d.partition("#")[0] for edge_id in self._edges
+                for record in self._store.list(states=_ACTIVE, edge_id=edge_id) for d in record["layers"]}  # fmt: skip
+
     def _prepare(self, request: CreateSandboxRequest) -> tuple[CreateSandboxRequest, str, tuple[LayerRef, ...]]:
         """Validate a create and resolve its layers: (request with defaults, listed image name, layers)."""
         for name in request.env:
@@ -434,17 +461,25 @@ class SandboxService:
         """``restore_from``: a checkpoint directory on edge ``on_edge``'s node (a fork of a VM or gVisor sandbox:
         memory, processes, disk), so the sandbox starts there."""
         await self._pull_missing(request)
-        await self._fetch_layers(request)
-        request, image_name, layers = self._prepare(request)
-        return await self._create_placed(request, image_name, layers, restore_from=restore_from, on_edge=on_edge)
+        async with self._layers_here(request):
+            request, image_name, layers = self._prepare(request)
+            return await self._create_placed(request, image_name, layers, restore_from=restore_from, on_edge=on_edge)
 
-    async def _fetch_layers(self, request: CreateSandboxRequest) -> None:
-        """Layers this node lacks come from the shared layer store, once (when one is configured)."""
-        if self._layer_fetcher is None:
+    @contextlib.asynccontextmanager
+    async def _layers_here(self, request: CreateSandboxRequest) -> AsyncIterator[None]:
+        """Layers this node lacks come from the shared layer store, once (when one is configured), and the node's
+        layer cache is kept under its budget; it keeps these layers until the body (which records the sandboxes
+        made on them) ends."""
+        fetcher = self._layer_fetcher
+        if fetcher is None:
+            yield
             return
-        digests, _, _ = self._resolve_root(request)
-        for entry in digests:
-            await self._layer_fetcher.ensure(entry.partition("#")[0])
+        digests = [entry.partition("#")[0] for entry in self._resolve_root(request)[0]]
+        with fetcher.hold(digests):
+            for digest in digests:
+                await fetcher.ensure(digest)
+            await fetcher.enforce_cache_budget(self._node_layers_in_use)
+            yield
 
     async def _create_placed(
         self,
@@ -567,7 +602,12 @@ class SandboxService:
         if not 1 <= count <= MAX_BATCH:
             raise InvalidRequest(f"count must be between 1 and {MAX_BATCH}, got {count}")
         await self._pull_missing(request)
-        await self._fetch_layers(request)
+        async with self._layers_here(request):
+            async for event in self._create_batch(request, count, concurrency=concurrency, per_node=per_node):
+                yield event
+
+    async def _create_batch(self, request: CreateSandboxRequest, count: int, *, concurrency: int,
+                            per_node: int) -> AsyncIterator[BatchEvent]:  # fmt: skip
         request, image_name, layers = self._prepare(request)
         started = time.perf_counter()
         queue: asyncio.Queue[BatchEvent] = asyncio.Queue()

@@ -10,7 +10,8 @@ Two ways, chosen by the setting ``layer_fetch``:
   this node's store. This is also the fallback where FUSE is not available.
 
 Either way, concurrent sandboxes that need the same missing layer wait for one
-fetch (or one mount).
+fetch (or one mount), and what was fetched stays in the node's layer cache
+(cache.py) under its disk budget.
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import httpx
 
 from corral.config import Settings
+from corral.images.cache import NodeLayerCache
 from corral.images.lazy import AuditSink, LayerSource, OnDemandLayers, build_lazyfs
 from corral.images.store import LayerStore
 from corral.sdk._exceptions import InternalError, NotFound, ServerUnavailable
@@ -35,6 +39,7 @@ __all__ = ["LayerFetcher", "layer_fetcher"]
 log = logging.getLogger("corral.images")
 
 _CHUNK = 1 << 20
+_RECHECK_BUDGET_PART = 16  # on-demand chunks adding this part of the cache budget make the next create check it
 
 
 def layer_fetcher(
@@ -55,7 +60,12 @@ def layer_fetcher(
                 store, source, helper=helper, mount_root=settings.data_dir / "mnt" / "lazy",
                 read_timeout_s=settings.layer_read_timeout_s, audit=audit, node_name=f"node-{settings.edge_id}",
             )  # fmt: skip
-    return LayerFetcher(store, settings.layer_source_url, key, on_demand=on_demand)
+    budget_mb = settings.layer_cache_budget_mb if settings.layer_cache_budget_mb is not None else \
+        settings.layer_disk_budget_mb  # fmt: skip
+    cache = None
+    if budget_mb is not None:
+        cache = NodeLayerCache(store, budget_mb << 20, discard=on_demand.discard if on_demand is not None else None)
+    return LayerFetcher(store, settings.layer_source_url, key, on_demand=on_demand, cache=cache)
 
 
 class LayerFetcher:
@@ -67,14 +77,19 @@ class LayerFetcher:
         *,
         timeout_s: float = 600.0,
         on_demand: OnDemandLayers | None = None,
+        cache: NodeLayerCache | None = None,
     ) -> None:
+        """``cache``: keeps what is fetched under the node's disk budget (None: unbounded)."""
         self._store = store
         self._source_url = source_url.rstrip("/")
         self._api_key = api_key
         self._timeout_s = timeout_s
         self._inflight: dict[str, asyncio.Future[Path]] = {}
         self.on_demand = on_demand
+        self.cache = cache
         self.downloads = 0  # layers actually fetched whole (not found locally)
+        self._added = False  # a layer came since the cache was last checked
+        self._checked_at_bytes = 0  # on-demand chunk bytes fetched when it was
 
     def path(self, digest: str) -> Path:
         """The layer's file on this node now: the store's, or the on-demand file of one being filled."""
@@ -91,12 +106,33 @@ class LayerFetcher:
         if self.on_demand is not None:
             self.on_demand.close()
 
+    def hold(self, digests: Iterable[str]) -> AbstractContextManager[None]:
+        """Keep these layers in the node's cache while a create that needs them runs (until it is recorded)."""
+        return self.cache.hold(digests) if self.cache is not None else nullcontext()
+
+    async def enforce_cache_budget(self, in_use: Callable[[], set[str]]) -> list[str]:
+        """Evict fetched layers nothing uses, least recently used first, if the cache grew past its budget.
+
+        Looks only when a layer came since the last look, or on-demand chunks added a sixteenth of the budget,
+        so a warm create costs nothing. ``in_use``: the layers this node's sandboxes run on."""
+        cache = self.cache
+        if cache is None:
+            return []
+        fetched = self.on_demand.fetched_bytes if self.on_demand is not None else 0
+        if not self._added and fetched - self._checked_at_bytes < cache.budget_bytes // _RECHECK_BUDGET_PART:
+            return []
+        self._added, self._checked_at_bytes = False, fetched
+        return await asyncio.to_thread(cache.evict, in_use)
+
     async def ensure(self, digest: str) -> Path:
         """The layer's file on this node, fetching it (or mounting it on demand) first if it is not there."""
+        if self.cache is not None:
+            self.cache.used(digest)
         try:
             return self.path(digest)
         except NotFound:
             pass
+        self._added = True
         pending = self._inflight.get(digest)
         if pending is not None:
             return await asyncio.shield(pending)

@@ -22,10 +22,13 @@ complete layer is renamed into the store, not copied)::
 
     partial/<hex>.data      sparse copy of the layer, chunks written as they arrive
     partial/<hex>.present   one byte per chunk, 1 = written and verified
+    partial/<hex>.chunks    the layer's chunk index and kind, as the source sent them
 
 A restarted node resumes: chunks marked present are re-hashed from the data
 file (a crash may have kept the mark but not the bytes) and only the rest is
-fetched. Once every chunk is present the file is imported into the store
+fetched. The three files are one partial layer: the node's layer cache
+(cache.py) counts them together and evicts them together (``discard``).
+Once every chunk is present the file is imported into the store
 (whole-file sha256 checked there) and later mounts use it directly, without
 FUSE; mounts made while it was filling keep reading through the helper until
 they are unmounted.
@@ -39,6 +42,7 @@ import ctypes
 import ctypes.util
 import hashlib
 import io
+import json
 import logging
 import os
 import re
@@ -57,8 +61,8 @@ import httpx
 from corral.images.store import ChunkIndex, LayerStore, check_layer_file
 from corral.sdk._exceptions import InternalError, NotFound, ServerUnavailable
 
-__all__ = ["LAZY_FILE_NAME", "AuditSink", "LayerSource", "OnDemandLayers", "build_lazyfs", "check_layer",
-           "is_on_demand_file"]  # fmt: skip
+__all__ = ["LAZY_FILE_NAME", "AuditSink", "LayerSource", "OnDemandLayers", "PartialFiles", "build_lazyfs",
+           "check_layer", "is_on_demand_file"]  # fmt: skip
 
 log = logging.getLogger("corral.images")
 
@@ -105,6 +109,29 @@ def is_on_demand_file(path: Path) -> bool:
         if len(fields) > 2 and fields[1] == mountpoint and fields[2] == "fuse.corral-lazyfs":
             return True
     return False
+
+
+@dataclass(frozen=True)
+class PartialFiles:
+    """The files of one partial layer under a store's ``partial/`` (module docstring)."""
+
+    data: Path
+    present: Path
+    index: Path
+
+    @classmethod
+    def of(cls, store_root: Path, digest: str) -> PartialFiles:
+        stem = store_root / "partial" / digest.removeprefix("sha256:")
+        return cls(data=stem.with_suffix(".data"), present=stem.with_suffix(".present"),
+                   index=stem.with_suffix(".chunks"))  # fmt: skip
+
+    @property
+    def all(self) -> tuple[Path, Path, Path]:
+        return self.data, self.present, self.index
+
+    def remove(self) -> None:
+        for path in self.all:
+            path.unlink(missing_ok=True)
 
 
 def check_layer(digest: str, path: Path) -> None:
@@ -167,8 +194,7 @@ class _Filling:
 
     index: ChunkIndex
     kind: str
-    data_path: Path
-    present_path: Path
+    files: PartialFiles
     mountpoint: Path
     present: bytearray
     helper: subprocess.Popen[bytes] | None = None
@@ -213,11 +239,11 @@ class OnDemandLayers:
         self._read_timeout_s = read_timeout_s
         self._audit = audit
         self._node_name = node_name
-        self._partial = store.root / "partial"
-        self._partial.mkdir(parents=True, exist_ok=True)
+        (store.root / "partial").mkdir(parents=True, exist_ok=True)
         self._layers: dict[str, _Filling] = {}
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(FETCH_WORKERS, thread_name_prefix="corral-chunks")
+        self.fetched_bytes = 0  # chunk bytes written since start (the node's cache checks its budget as it grows)
 
     def open(self, digest: str) -> Path:
         """A path to the layer now: the store's file if it is complete, else the helper's file (blocking)."""
@@ -236,6 +262,24 @@ class OnDemandLayers:
         filling = self._layers.get(digest)
         return filling.file if filling is not None and not filling.complete else None
 
+    def discard(self, digest: str) -> bool:
+        """Forget a layer no sandbox has mounted and delete its partial files, together (the node's layer cache
+        evicts it; a later ``open`` starts afresh). False while it is being imported into the store."""
+        with self._lock:
+            filling = self._layers.get(digest)
+            if filling is not None:
+                if filling.finishing and not filling.complete:
+                    return False
+                del self._layers[digest]
+        if filling is not None:
+            self._stop_helper(filling)
+            with filling.lock:
+                in_flight = list(filling.in_flight.values())
+            concurrent.futures.wait(in_flight)  # each bounded by the chunk timeout; they write through data_fd
+            _close_files(filling)
+        PartialFiles.of(self._store.root, digest).remove()
+        return True
+
     def close(self) -> None:
         """Stop every helper (mounts on top of them read EIO from then on) and the fetch threads."""
         with self._lock:
@@ -250,23 +294,20 @@ class OnDemandLayers:
     # -- starting ---------------------------------------------------------
 
     def _start(self, digest: str) -> _Filling:
-        index, kind = self._source.chunk_index(digest)
-        hex_digest = digest.removeprefix("sha256:")
-        data_path = self._partial / f"{hex_digest}.data"
-        present_path = self._partial / f"{hex_digest}.present"
-        with open(data_path, "ab") as f:
+        files = PartialFiles.of(self._store.root, digest)
+        index, kind = self._chunk_index(digest, files)
+        with open(files.data, "ab") as f:
             f.truncate(index.size_bytes)
         filling = _Filling(
             index=index,
             kind=kind,
-            data_path=data_path,
-            present_path=present_path,
-            mountpoint=self._mount_root / hex_digest,
-            present=self._resumed_present(index, data_path, present_path),
+            files=files,
+            mountpoint=self._mount_root / digest.removeprefix("sha256:"),
+            present=self._resumed_present(index, files),
         )
         try:
-            filling.data_fd = os.open(data_path, os.O_RDWR | os.O_CLOEXEC)
-            filling.present_fd = os.open(present_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            filling.data_fd = os.open(filling.files.data, os.O_RDWR | os.O_CLOEXEC)
+            filling.present_fd = os.open(filling.files.present, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             os.pwrite(filling.present_fd, bytes(filling.present), 0)
             if filling.missing() == 0:
                 self._complete(digest, filling)
@@ -279,14 +320,28 @@ class OnDemandLayers:
                  len(filling.present) - filling.missing(), len(filling.present))  # fmt: skip
         return filling
 
-    def _resumed_present(self, index: ChunkIndex, data_path: Path, present_path: Path) -> bytearray:
+    def _chunk_index(self, digest: str, files: PartialFiles) -> tuple[ChunkIndex, str]:
+        """The layer's chunk index and kind: kept beside a partial layer (a restart resumes without the source),
+        else fetched and kept. Trusted no more than the source: the finished layer must hash to its digest."""
+        with contextlib.suppress(FileNotFoundError, ValueError, KeyError, InternalError):
+            data = json.loads(files.index.read_text())
+            index = ChunkIndex.from_json(data)
+            if index.digest == digest:
+                return index, str(data["kind"])
+        index, kind = self._source.chunk_index(digest)
+        tmp = files.index.with_name(f".{files.index.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**index.to_json(), "kind": kind}))
+        os.replace(tmp, files.index)
+        return index, kind
+
+    def _resumed_present(self, index: ChunkIndex, files: PartialFiles) -> bytearray:
         """The present map a restart resumes from: every mark re-checked against the bytes in the data file."""
         present = bytearray(len(index.chunks))
         try:
-            marks = present_path.read_bytes()
+            marks = files.present.read_bytes()
         except FileNotFoundError:
             return present
-        with open(data_path, "rb") as data:
+        with open(files.data, "rb") as data:
             for chunk, mark in enumerate(marks[: len(present)]):
                 if mark == 1:
                     offset, length = index.chunk_range(chunk)
@@ -300,8 +355,8 @@ class OnDemandLayers:
         if os.path.ismount(mountpoint):  # a helper of an earlier run of this server
             _libc.umount2(os.fsencode(mountpoint), _MNT_DETACH)
         index = filling.index
-        argv = [str(self._helper), str(mountpoint), str(filling.data_path), str(index.size_bytes),
-                str(index.chunk_bytes), str(filling.present_path), str(int(self._read_timeout_s * 1000))]  # fmt: skip
+        argv = [str(self._helper), str(mountpoint), str(filling.files.data), str(index.size_bytes),
+                str(index.chunk_bytes), str(filling.files.present), str(int(self._read_timeout_s * 1000))]  # fmt: skip
         helper = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, close_fds=True)
         assert helper.stdout is not None
         ready = _read_line_within(helper.stdout, HELPER_READY_TIMEOUT_S)
@@ -368,6 +423,8 @@ class OnDemandLayers:
                     os.pwrite(filling.present_fd, b"\x01", chunk)
                     filling.present[chunk] = 1
                     done = filling.missing() == 0
+                with self._lock:
+                    self.fetched_bytes += length
                 if done:
                     self._pool.submit(self._complete_logged, digest, filling)
                 return True
@@ -400,13 +457,13 @@ class OnDemandLayers:
             filling.finishing = True
         started = time.monotonic()
         record = self._store.import_layer(
-            filling.data_path, kind=filling.kind, labels={"fetched_from": self._source.url}, move=True
+            filling.files.data, kind=filling.kind, labels={"fetched_from": self._source.url}, move=True
         )
         if record.digest != digest:  # every chunk matched, so the chunk index itself lied
             self._store.remove(record.digest)
             self._report(0, "layer_corrupt", {"layer": digest, "hashes_to": record.digest})
             raise InternalError(f"layer {digest} was assembled from its chunks but hashes to {record.digest}")
-        filling.present_path.unlink(missing_ok=True)
+        filling.files.remove()  # the data file is the store's now; the map and index are done with
         filling.complete = True
         if filling.helper is not None:  # mounts on top keep it alive; new ones use the store's file
             _libc.umount2(os.fsencode(filling.mountpoint), _MNT_DETACH)

@@ -19,6 +19,8 @@ import pytest
 
 import corral
 from corral.embedded import EmbeddedServer
+from corral.images.cache import NodeLayerCache
+from corral.images.lazy import PartialFiles
 from corral.images.store import CHUNK_INDEX_BYTES, LayerStore
 
 FILES, FILE_BYTES = 8, 4 << 20  # a 32 MiB tools layer of 8 random files
@@ -214,3 +216,57 @@ def test_a_restarted_node_resumes_a_partial_layer(
         if not second.running():
             second.start()
         second.shutdown()
+
+
+def _erofs_mounted(server: EmbeddedServer, digest: str) -> bool:
+    """Whether the server (in its own mount namespace) has an EROFS mount of this layer."""
+    assert server.process is not None
+    mountinfo = Path(f"/proc/{server.process.pid}/mountinfo").read_text()
+    return any(" - erofs " in line and digest[7:] in line for line in mountinfo.splitlines())
+
+
+def test_a_node_over_its_cache_budget_evicts_an_unused_partial_layer_and_keeps_a_mounted_one(
+    source: EmbeddedServer, postgres_url: str, tmp_path: Path, test_env: dict[str, str], data_tree: dict[str, str]
+) -> None:
+    digest_a = _build(source, tmp_path, "cache-a")
+    other = tmp_path / "other"
+    (other / "lazy").mkdir(parents=True)
+    digests_b = {}
+    for i in range(FILES):
+        data = os.urandom(FILE_BYTES)
+        (other / "lazy" / f"f{i}").write_bytes(data)
+        digests_b[f"f{i}"] = hashlib.sha256(data).hexdigest()
+    with source.client() as client:
+        client.images.build("cache-b", "dir", path=str(other), no_cache=True)
+        digest_b = client.images.inspect("cache-b").layers[-1].digest
+    node_dir = tmp_path / "node-b"
+    env = {**_second_env(source, postgres_url, test_env, node_dir), "CORRAL_LAYER_CACHE_BUDGET_MB": "10",
+           "CORRAL_LAYER_IDLE_UNMOUNT_S": "0"}  # fmt: skip
+    files_a = PartialFiles.of(node_dir / "layers", digest_a)
+    with EmbeddedServer(tmp_path / "b", env=env) as second, second.client() as client:
+        with client.create(environment={"base": "busybox", "tools": "cache-a"}, ttl_s=120) as sandbox:
+            assert _sha256_in(sandbox, "f0").stdout.split()[0] == data_tree["f0"]
+        assert all(path.exists() for path in files_a.all)
+        deadline = time.monotonic() + 20
+        while _erofs_mounted(second, digest_a):  # unused now: unmounted at the next housekeeping round
+            assert time.monotonic() < deadline, "layer A stayed mounted"
+            time.sleep(0.2)
+        with client.create(environment={"base": "busybox", "tools": "cache-b"}, ttl_s=120) as reader:
+            assert reader.exec("cat /lazy/f0 /lazy/f1 > /dev/null", timeout_s=60).exit_code == 0
+            b_bytes = _present_bytes(node_dir, digest_b)
+            assert b_bytes >= 2 * FILE_BYTES
+            cache = {layer.digest: layer for layer in NodeLayerCache(LayerStore(node_dir / "layers"), 0).layers()}
+            # A sparse partial layer counts what is on disk, not its size.
+            assert b_bytes <= cache[digest_b].disk_bytes < b_bytes + (2 << 20) < FILES * FILE_BYTES
+            assert sum(layer.disk_bytes for layer in cache.values()) > 10 << 20  # over budget now
+            # The next create checks the budget: A (unused, unmounted) goes, files together; B is mounted: kept.
+            with client.create(environment={"base": "busybox", "tools": "cache-b"}, ttl_s=120) as second_reader:
+                assert not any(path.exists() for path in files_a.all)
+                assert _present_bytes(node_dir, digest_b) == b_bytes
+                assert _sha256_in(second_reader, "f1").stdout.split()[0] == digests_b["f1"]
+                assert _sha256_in(reader, "f2").stdout.split()[0] == digests_b["f2"]
+        # Evicted means fetched again, correctly, from nothing: only what this sandbox reads is here.
+        with client.create(environment={"base": "busybox", "tools": "cache-a"}, ttl_s=120) as sandbox:
+            assert _sha256_in(sandbox, "f0").stdout.split()[0] == data_tree["f0"]
+            assert _sha256_in(sandbox, "f5").stdout.split()[0] == data_tree["f5"]
+            assert 2 * FILE_BYTES <= _present_bytes(node_dir, digest_a) <= 2 * FILE_BYTES + (1 << 20) + (1 << 19)

@@ -36,7 +36,7 @@ from corral.bench.registry import (
     write_layout,
 )
 from corral.config import Settings
-from corral.embedded import EmbeddedServer
+from corral.embedded import EmbeddedServer, linked_node_dir
 from corral.images.bases import build_busybox_rootfs
 from corral.images.builders import LayerBuilder
 from corral.images.catalogue import Catalogue
@@ -223,6 +223,26 @@ async def test_concurrent_creates_of_one_ref_do_one_pull(images: Images, registr
     log = images.anon.access_log()[since:]
     assert [e["method"] for e in log if e["path"] == "/v2/ns/burst/manifests/v1"] == ["GET"]
     assert len([e for e in log if e["path"].startswith("/v2/ns/burst/blobs/")]) == 3  # config + 2 layers, once each
+
+
+def test_a_pull_on_create_keeps_the_store_under_the_disk_budget(images: Images, tmp_path: Path,
+                                                              test_env: dict[str, str]) -> None:  # fmt: skip
+    """The eviction builds run runs after a pull a create starts too: an untagged, unused layer goes."""
+    env = {**test_env, "CORRAL_NODE_DIR": str(linked_node_dir(tmp_path / "node")),  # evicts only its own links
+           "CORRAL_LAYER_DISK_BUDGET_MB": "1", "CORRAL_INSECURE_REGISTRIES": images.anon.address}  # fmt: skip
+    tree = tmp_path / "old"
+    tree.mkdir()
+    (tree / "f").write_text("old\n")
+    with EmbeddedServer(tmp_path / "server", env=env) as server, server.client() as client:
+        old = client.images.build("old", "dir", path=str(tree)).layers[0]
+        client.images.untag("old")
+        assert old in {layer.digest for layer in client.images.layers()}  # untagged: nothing evicts until a pull
+        with client.create(images.ref("ns/burst"), ttl_s=300) as sandbox:
+            assert sandbox.exec("cat /etc/flavour").stdout == "burst\n"
+        remaining = {layer.digest for layer in client.images.layers()}
+        assert old not in remaining
+        assert not (tmp_path / "node" / "layers" / "layers" / f"{old[7:]}.erofs").exists()
+        assert {layer.digest for layer in client.images.inspect(images.ref("ns/burst")).layers} <= remaining
 
 
 def test_docker_v2_schema2_manifest_shares_the_oci_images_layers(images: Images, rclient: corral.Client) -> None:
