@@ -122,7 +122,8 @@ class DockerfileBuild:
         context = BuildContext(Path(request.context) if request.context else path.parent)
         global_args: dict[str, str] = {}
         for instruction in dockerfile.global_args:
-            for key, default in key_values(instruction, substitute(instruction.value, global_args)).items():
+            declared = substitute(instruction.value, global_args, instruction.escape)
+            for key, default in key_values(instruction, declared).items():
                 global_args[key] = request.build_args.get(key, default)
         stages = dockerfile.needed(request.target)
         self._steps = sum(1 + len(stage.body) for stage in stages)
@@ -149,7 +150,7 @@ class DockerfileBuild:
 
     async def _from(self, stage: Stage, global_args: dict[str, str]) -> _StageState:
         self._announce(stage.from_instruction, cached=None)
-        base = substitute(stage.base, global_args)
+        base = substitute(stage.base, global_args, stage.from_instruction.escape)
         if base == "scratch":  # no /etc/passwd to find "root" in: uid 0, as Docker's default user is
             return _StageState(stack=[], config=ImageConfig(user="0"))
         built = self._earlier_stage(base)
@@ -185,7 +186,9 @@ class DockerfileBuild:
         global_args: dict[str, str],
     ) -> None:
         keyword = instruction.keyword
-        value = substitute(instruction.value, state.variables()) if substitutes(keyword) else instruction.value
+        value = instruction.value
+        if substitutes(keyword):
+            value = substitute(value, state.variables(), instruction.escape)
         if keyword == "RUN":
             await self._run(instruction, state)
             return
@@ -195,7 +198,8 @@ class DockerfileBuild:
         self._announce(instruction, cached=None)
         config = state.config
         if keyword == "ARG":
-            for key, default in key_values(instruction, substitute(instruction.value, state.variables())).items():
+            declared = substitute(instruction.value, state.variables(), instruction.escape)
+            for key, default in key_values(instruction, declared).items():
                 state.args[key] = self._request.build_args.get(key, default or global_args.get(key, ""))
         elif keyword == "ENV":
             config.env = {**config.env, **key_values(instruction, value)}

@@ -2,10 +2,14 @@
 context with its .dockerignore, and the archives that COPY and ADD put into an image.
 
 The file's structure (continuation lines, comments, instruction boundaries) comes from
-dockerfile-parse; this module gives each instruction its arguments and meaning. Nothing here runs a
-sandbox: corral/gateway/dockerfile_build.py executes the stages. Every step's cache key is built
-from what this module computes: the instruction after substitution and, for COPY and ADD, a digest
-of the copied files' names, modes and bytes (never their mtimes, so a touched file stays cached).
+dockerfile-parse; this module gives each instruction its arguments and meaning. The ``# escape=``
+parser directive (`` ` `` in Windows-style Dockerfiles, so a ``C:`` path keeps its backslashes)
+is honoured by dockerfile-parse for continuation lines only; the character it names is read here
+too and kept with each instruction, since Docker also escapes ``$`` and quotes with it (ENV,
+LABEL, ARG ...). Nothing here runs a sandbox: corral/gateway/dockerfile_build.py executes the
+stages. Every step's cache key is built from what this module computes: the instruction after
+substitution and, for COPY and ADD, a digest of the copied files' names, modes and bytes (never
+their mtimes, so a touched file stays cached).
 """
 
 from __future__ import annotations
@@ -47,10 +51,15 @@ _METADATA_INSTRUCTIONS = frozenset({"ENV", "ARG", "WORKDIR", "USER", "ENTRYPOINT
 IGNORED_INSTRUCTIONS = frozenset({"MAINTAINER", "STOPSIGNAL", "HEALTHCHECK", "VOLUME"})
 MAX_DOCKERFILE_BYTES = 1 << 20
 _SUBSTITUTED = frozenset({"ADD", "COPY", "ENV", "EXPOSE", "FROM", "LABEL", "USER", "WORKDIR"})
-_VARIABLE = re.compile(
-    r"\\\$|\$(?:\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:[-+])(?P<word>[^}]*))?\}|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))"
+_VARIABLE = (
+    r"\$(?:\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:[-+])(?P<word>[^}]*))?\}|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))"
 )
+# By escape character: that character before "$" makes a dollar, else "$" starts a variable.
+_VARIABLES = {escape: re.compile(re.escape(escape) + r"\$|" + _VARIABLE) for escape in ("\\", "`")}
 _COPY_FLAGS = {"COPY": frozenset({"from", "chown", "chmod"}), "ADD": frozenset({"chown", "chmod"})}
+DEFAULT_ESCAPE = "\\"
+# Parser directives, as dockerfile-parse reads them: only at the top, before any other line.
+_DIRECTIVE = re.compile(r"^\s*#\s*(?P<name>escape|syntax)\s*=\s*(?P<value>.*?)\s*$", re.IGNORECASE)
 _GLOB_CHARS = re.compile(r"[*?\[]")
 
 
@@ -60,6 +69,7 @@ class Instruction:
     keyword: str  # upper case
     value: str  # its arguments as written (continuations joined)
     text: str  # the instruction as written, for messages
+    escape: str = DEFAULT_ESCAPE  # the file's escape character (its ``# escape=`` directive)
 
     def where(self) -> str:
         return f"Dockerfile line {self.line}: {self.text}"
@@ -120,6 +130,7 @@ def parse_dockerfile(text: str) -> Dockerfile:
     """Stages and instructions of a Dockerfile; refuses instructions Corral does not build."""
     if len(text.encode()) > MAX_DOCKERFILE_BYTES:
         raise InvalidRequest(f"the Dockerfile is over {MAX_DOCKERFILE_BYTES} bytes")
+    escape = _escape_directive(text)
     parser = DockerfileParser(fileobj=io.BytesIO(text.encode()), env_replace=False)
     global_args: list[Instruction] = []
     stages: list[Stage] = []
@@ -130,7 +141,7 @@ def parse_dockerfile(text: str) -> Dockerfile:
             continue
         instruction = Instruction(
             line=int(item["startline"]) + 1, keyword=keyword, value=str(item["value"]).strip(),
-            text=" ".join(str(item["content"]).replace("\\\n", " ").split()),
+            text=" ".join(str(item["content"]).replace(escape + "\n", " ").split()), escape=escape,
         )  # fmt: skip
         if keyword == "FROM":
             if stages:
@@ -151,6 +162,22 @@ def parse_dockerfile(text: str) -> Dockerfile:
     return Dockerfile(global_args=tuple(global_args), stages=tuple(stages))
 
 
+def _escape_directive(text: str) -> str:
+    """The character ``# escape=`` names at the top of the file (``\\`` or `` ` ``), else the default backslash."""
+    escape = DEFAULT_ESCAPE
+    for number, line in enumerate(text.splitlines(), 1):
+        directive = _DIRECTIVE.match(line)
+        if directive is None:
+            break
+        if directive["name"].lower() == "escape":
+            if directive["value"] not in ("\\", "`"):
+                raise InvalidRequest(
+                    f"Dockerfile line {number}: {line.strip()}: the escape directive takes \\ or ` only"
+                )
+            escape = directive["value"]
+    return escape
+
+
 def _stage(instruction: Instruction, index: int) -> Stage:
     flags, rest = _split_flags(instruction)
     if flags:
@@ -167,22 +194,23 @@ def _with_body(stage: Stage, body: list[Instruction]) -> Stage:
     return Stage(stage.index, stage.name, stage.base, stage.from_instruction, tuple(body))
 
 
-def substitute(text: str, variables: Mapping[str, str]) -> str:
-    """Docker's ``$NAME``, ``${NAME}``, ``${NAME:-default}`` and ``${NAME:+alternative}``; ``\\$`` is a dollar."""
+def substitute(text: str, variables: Mapping[str, str], escape: str = DEFAULT_ESCAPE) -> str:
+    """Docker's ``$NAME``, ``${NAME}``, ``${NAME:-default}`` and ``${NAME:+alternative}``; the escape character
+    before ``$`` (``\\$``, or `` `$ `` after ``# escape=` ``) is a dollar."""
 
     def replace(match: re.Match[str]) -> str:
-        if match.group(0) == "\\$":
+        if match.group(0) == escape + "$":
             return "$"
         name = match.group("braced") or match.group("bare")
         value = variables.get(name, "")
         op = match.group("op")
         if op == ":-":
-            return value or substitute(match.group("word"), variables)
+            return value or substitute(match.group("word"), variables, escape)
         if op == ":+":
-            return substitute(match.group("word"), variables) if value else ""
+            return substitute(match.group("word"), variables, escape) if value else ""
         return value
 
-    return _VARIABLE.sub(replace, text)
+    return _VARIABLES[escape].sub(replace, text)
 
 
 def substitutes(keyword: str) -> bool:
@@ -192,8 +220,10 @@ def substitutes(keyword: str) -> bool:
 
 def key_values(instruction: Instruction, value: str) -> dict[str, str]:
     """``K=V K2="v 2"`` (or the old ``K V`` form of ENV and LABEL) as a dict, in order."""
+    lexer = shlex.shlex(value, posix=True)
+    lexer.whitespace_split, lexer.commenters, lexer.escape = True, "", instruction.escape
     try:
-        words = shlex.split(value)
+        words = list(lexer)
     except ValueError as exc:
         raise InvalidRequest(f"{instruction.where()}: {exc}") from None
     if words and "=" not in words[0]:

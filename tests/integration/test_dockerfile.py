@@ -183,3 +183,25 @@ def test_cli_scratch_with_copy_from_a_stage(server: EmbeddedServer, tmp_path: Pa
         result = sandbox.exec(["/bin/busybox", "sh", "-c", "cat $GREETING_DIR/hello.txt; /bin/busybox ls /"])
         assert result.stdout.split("\n", 1)[0] == "hi from scratch", result
         assert "bin" in result.stdout and "greeting" in result.stdout
+
+
+def test_escape_directive_backtick(client: corral.Client, tmp_path: Path) -> None:
+    """``# escape=``` (Windows-style): a backtick continues lines and escapes ``$``; backslashes are plain."""
+    dockerfile = (
+        "# escape=`\n"
+        "FROM busybox\n"
+        "ENV WINPATH=C:\\Tools\\bin PRICE=`$5\n"
+        'RUN printf \'%s\\n\' "$WINPATH" "$PRICE" > /out.txt && `\n'
+        "    echo continued >> /out.txt\n"
+        "LABEL note=C:\\notes\\\n"
+        "WORKDIR /srv\n"  # with a backslash escape, the LABEL's trailing backslash would have swallowed this line
+    )
+    context = _context(tmp_path, dockerfile, {})
+    lines: list[str] = []
+    image = client.images.build_dockerfile("df-escape", context / "Dockerfile", on_progress=lines.append)
+    assert 'Step 3/5 : RUN printf \'%s\\n\' "$WINPATH" "$PRICE" > /out.txt && echo continued >> /out.txt' in lines
+    config = client.images.inspect(image.name).config
+    assert (config.env["WINPATH"], config.env["PRICE"]) == ("C:\\Tools\\bin", "$5")
+    assert config.labels == {"note": "C:\\notes\\"} and config.working_dir == "/srv"
+    with client.create(image.name) as sandbox:
+        assert sandbox.exec("cat /out.txt; pwd").stdout == "C:\\Tools\\bin\n$5\ncontinued\n/srv\n"
