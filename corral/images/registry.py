@@ -447,8 +447,8 @@ class RegistryClient:
             request_headers = dict(headers)
             if scope in auth.headers:
                 request_headers["Authorization"] = auth.headers[scope]
-            response = await self._http.send(self._http.build_request(method, url, headers=request_headers),
-                                             stream=True)  # fmt: skip
+            request = self._http.build_request(method, url, headers=request_headers)
+            response = await self._http.send(request, stream=True)
             if response.status_code != 401:
                 return response
             await response.aclose()
