@@ -34,6 +34,7 @@ from corral.sdk._exceptions import InvalidRequest, NotFound
 
 __all__ = [
     "LAYER_INSTRUCTIONS",
+    "numeric_owner",
     "BuildContext",
     "CopyArgs",
     "Dockerfile",
@@ -377,6 +378,25 @@ def _anchored(pattern: str) -> str:
 # -- archives of what COPY and ADD add -----------------------------------
 
 
+def numeric_owner(instruction: Instruction, chown: str, passwd: str | None, group: str | None) -> tuple[int, int]:
+    """``--chown=user[:group]`` as (uid, gid): names from the image's /etc/passwd and /etc/group (their texts, None
+    if the image has none); a user without a group gets its uid as gid, as Docker does."""
+    user, _, group_name = chown.partition(":")
+    uid = _id_of(instruction, user, passwd, "user", "/etc/passwd")
+    return uid, _id_of(instruction, group_name, group, "group", "/etc/group") if group_name else uid
+
+
+def _id_of(instruction: Instruction, name: str, table: str | None, what: str, path: str) -> int:
+    if name.isdigit():
+        return int(name)
+    for line in (table or "").splitlines():
+        fields = line.split(":")
+        if len(fields) > 2 and fields[0] == name and fields[2].isdigit():
+            return int(fields[2])
+    where = f"the image's {path}" if table is not None else f"the image, which has no {path}"
+    raise InvalidRequest(f"{instruction.where()}: --chown: no {what} {name!r} in {where}; use numbers (UID:GID)")
+
+
 def sources_digest(root: Path, paths: list[Iterator[Path]]) -> str:
     """A digest of the files COPY/ADD read: names (relative to ``root``), types, modes and bytes, not mtimes."""
     digest = hashlib.sha256()
@@ -395,13 +415,22 @@ def sources_digest(root: Path, paths: list[Iterator[Path]]) -> str:
 
 
 class CopyArchive:
-    """A tar of what one COPY/ADD puts under a directory of the image, owned as --chown says (else root)."""
+    """A tar of what one COPY/ADD puts under a directory of the image, with every mode bit of its sources
+    (setuid, setgid and sticky included). Owners as Docker gives them: ``chown`` (--chown's numbers) if given;
+    else files from the build context are root's, those of another stage (``keep_source_owners``) keep theirs,
+    and a local tar's members keep what the tar says."""
 
-    def __init__(self, *, uid: int, gid: int, chmod: int | None) -> None:
+    def __init__(self, *, chown: tuple[int, int] | None, keep_source_owners: bool, chmod: int | None) -> None:
         self._buffer = io.BytesIO()
         self._tar = tarfile.open(fileobj=self._buffer, mode="w", format=tarfile.PAX_FORMAT)
-        self._uid, self._gid, self._chmod = uid, gid, chmod
-        self.top_names: list[str] = []  # the entries right under the directory: what --chown changes, recursively
+        self._chown, self._keep_source_owners, self._chmod = chown, keep_source_owners, chmod
+
+    def add_directory(self) -> None:
+        """The directory itself (a COPY --chown made it: it is the user's too, as in Docker)."""
+        info = tarfile.TarInfo(".")
+        info.type, info.mode = tarfile.DIRTYPE, 0o755
+        info.uid, info.gid = self._chown or (0, 0)
+        self._tar.addfile(info)
 
     def add_tree(self, walked: Iterator[Path], source: Path, name: str) -> None:
         """``source`` (walked parents first) as ``name``; ``""`` puts a directory's contents straight under it."""
@@ -411,7 +440,9 @@ class CopyArchive:
             if not arcname or arcname == ".":
                 continue
             info = self._tar.gettarinfo(str(path), arcname)
-            info.uid, info.gid, info.uname, info.gname = self._uid, self._gid, "", ""
+            if self._chown is not None or not self._keep_source_owners:
+                info.uid, info.gid = self._chown or (0, 0)
+            info.uname, info.gname = "", ""  # numbers, not the names on the server's machine
             if self._chmod is not None and not info.issym():
                 info.mode = self._chmod
             if info.isreg():
@@ -419,17 +450,15 @@ class CopyArchive:
                     self._tar.addfile(info, f)
             elif info.isdir() or info.issym() or info.islnk():
                 self._tar.addfile(info)
-            if "/" not in arcname:
-                self.top_names.append(arcname)
 
     def add_archive(self, archive: Path) -> None:
-        """ADD of a local tar (any compression): its members as they are."""
+        """ADD of a local tar (any compression): its members as they are, owned as --chown says if given."""
         with tarfile.open(archive, "r:*") as source:
             for member in source:
+                if self._chown is not None:
+                    member.uid, member.gid = self._chown
+                    member.uname, member.gname = "", ""
                 self._tar.addfile(member, source.extractfile(member) if member.isreg() else None)
-                top = posixpath.normpath(member.name).lstrip("/").split("/")[0]
-                if top and top not in (".", "..") and top not in self.top_names:
-                    self.top_names.append(top)
 
     def close(self) -> bytes:
         self._tar.close()
