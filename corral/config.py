@@ -171,8 +171,15 @@ class Settings(BaseSettings):
     )
     insecure_registries: Annotated[list[str], NoDecode] = Field(
         [],
-        description="Registries (host:port, comma-separated) pulled from over plain HTTP. Every other registry is "
-        "reached over https only.",
+        description="Registries (host:port, comma-separated) pulled from over plain HTTP, and never over https: a "
+        "listed registry that answers with TLS is refused (remove it from the list). Every other registry is reached "
+        "over https only, its certificate verified.",
+    )
+    registry_ca_file: Path | None = Field(
+        None,
+        description="A PEM bundle of CA certificates trusted for registries' https certificates, in addition to the "
+        "system's trust store (e.g. the CA of a private registry); read at start. A certificate that chains to "
+        "neither is refused, with the reason (unknown issuer, wrong host, expired).",
     )
     registry_credentials: dict[str, str] = Field(
         {},

@@ -36,7 +36,7 @@ from corral.images.builders import LayerBuilder
 from corral.images.catalogue import Catalogue
 from corral.images.fetch import layer_fetcher
 from corral.images.pull import ImagePuller
-from corral.images.registry import RegistryConfig, load_auth_file
+from corral.images.registry import RegistryConfig, load_auth_file, registry_trust
 from corral.images.store import LayerStore
 from corral.logs import configure_logging
 from corral.node import build_edge, prepare_host
@@ -106,12 +106,17 @@ def _ray_edges():  # type: ignore[no-untyped-def]
 
 
 def registry_config(settings: Settings) -> RegistryConfig:
-    """How this server reaches registries: plain-HTTP ones, and credentials (the setting's over the file's)."""
+    """How this server reaches registries: plain-HTTP ones, trusted CAs, and credentials (the setting's over the
+    file's)."""
     credentials = load_auth_file(settings.registry_auth_file) if settings.registry_auth_file else {}
     for registry, pair in settings.registry_credentials.items():
         user, _, password = pair.partition(":")
         credentials[registry] = (user, password)
-    return RegistryConfig(insecure=frozenset(settings.insecure_registries), credentials=credentials)
+    return RegistryConfig(
+        insecure=frozenset(settings.insecure_registries),
+        credentials=credentials,
+        trust=registry_trust(settings.registry_ca_file),
+    )
 
 
 def serve(settings: Settings) -> None:

@@ -183,8 +183,9 @@ class FileTree(Protocol):
 
     def remove(self, path: str, *, recursive: bool = False) -> None: ...
 
-    def extract_tar(self, dest: str, fileobj: BinaryIO, *, max_bytes: int) -> int:
-        """Unpack a tar stream under ``dest``, member by member, confined like every other call; bytes written."""
+    def extract_tar(self, dest: str, fileobj: BinaryIO, *, max_bytes: int, keep_owners: bool = False) -> int:
+        """Unpack a tar stream under ``dest``, member by member, confined like every other call; bytes written.
+        Owners are not restored and setuid/setgid bits are dropped, unless ``keep_owners`` (image builds)."""
 
     def write_tar(self, path: str, fileobj: BinaryIO) -> None:
         """A tar stream of the tree at ``path``."""

@@ -2,7 +2,8 @@
 distribution server), and OCI image layouts written with tarfile and pushed into it with skopeo.
 
 Each registry gets a free port on 127.0.0.1, a config file and filesystem storage under a directory of the
-caller's; its access log (stdout) tells which requests reached it and how many bytes it sent. Stopped by PID.
+caller's, and serves plain HTTP or, given a certificate, https; its access log (stdout) tells which requests
+reached it and how many bytes it sent. Stopped by PID.
 Needs the Debian packages docker-registry, skopeo and (for htpasswd_file) apache2-utils.
 """
 
@@ -13,6 +14,7 @@ import hashlib
 import io
 import json
 import re
+import ssl
 import subprocess
 import tarfile
 import time
@@ -28,6 +30,7 @@ __all__ = [
     "Blob",
     "Member",
     "Registry",
+    "ServerCertificate",
     "htpasswd_file",
     "image_blobs",
     "layer_tar",
@@ -51,6 +54,15 @@ OCI_LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
 Member = bytes | None | tuple[str, str]
 
 
+@dataclass(frozen=True)
+class ServerCertificate:
+    """An https certificate (PEM, chain first), its key, and the CA certificate it is checked against."""
+
+    certificate: Path
+    key: Path
+    ca_certificate: Path
+
+
 @dataclass
 class Registry:
     """A running docker-registry; ``address`` is host:port."""
@@ -59,10 +71,11 @@ class Registry:
     address: str
     process: subprocess.Popen[bytes]
     log_path: Path
+    scheme: str = "http"
 
     @property
     def url(self) -> str:
-        return f"http://{self.address}"
+        return f"{self.scheme}://{self.address}"
 
     def storage_blob(self, digest: str) -> Path:
         """Where the filesystem driver keeps a blob's bytes."""
@@ -98,18 +111,22 @@ class Registry:
                 self.process.wait(timeout=10)
 
 
-def start_registry(root: Path, *, htpasswd: Path | None = None) -> Registry:
-    """docker-registry on 127.0.0.1 and a free port, storage under ``root``; Basic auth from ``htpasswd``."""
+def start_registry(root: Path, *, htpasswd: Path | None = None, tls: ServerCertificate | None = None) -> Registry:
+    """docker-registry on 127.0.0.1 and a free port, storage under ``root``; Basic auth from ``htpasswd``;
+    https only with ``tls``'s certificate."""
     root.mkdir(parents=True, exist_ok=True)
     port = free_port()
+    http: dict[str, object] = {"addr": f"127.0.0.1:{port}"}
     config = {
         "version": 0.1,
         "log": {"level": "info", "accesslog": {"disabled": False}},
         "storage": {"filesystem": {"rootdirectory": str(root / "storage")}, "delete": {"enabled": True}},
-        "http": {"addr": f"127.0.0.1:{port}"},
+        "http": http,
     }
     if htpasswd is not None:
         config["auth"] = {"htpasswd": {"realm": "corral-test", "path": str(htpasswd)}}
+    if tls is not None:
+        http["tls"] = {"certificate": str(tls.certificate), "key": str(tls.key)}
     config_path = root / "config.json"  # YAML is a superset of JSON
     config_path.write_text(json.dumps(config))
     log_path = root / "registry.log"
@@ -117,11 +134,13 @@ def start_registry(root: Path, *, htpasswd: Path | None = None) -> Registry:
         process = subprocess.Popen(
             [REGISTRY_BINARY, "serve", str(config_path)], stdin=subprocess.DEVNULL, stdout=log, stderr=log
         )
-    registry = Registry(root=root, address=f"127.0.0.1:{port}", process=process, log_path=log_path)
+    registry = Registry(root=root, address=f"127.0.0.1:{port}", process=process, log_path=log_path,
+                        scheme="https" if tls else "http")  # fmt: skip
+    verify = ssl.create_default_context(cafile=str(tls.ca_certificate)) if tls else True
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         try:
-            if httpx.get(f"{registry.url}/v2/", timeout=1.0).status_code in (200, 401):
+            if httpx.get(f"{registry.url}/v2/", timeout=1.0, verify=verify).status_code in (200, 401):
                 return registry
         except httpx.TransportError:
             pass

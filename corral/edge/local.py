@@ -690,9 +690,11 @@ class LocalEdge:
     async def remove(self, sandbox_id: str, path: str, recursive: bool) -> None:
         await self._in_tree(sandbox_id, lambda t: t.remove(path, recursive=recursive))
 
-    async def upload_tar(self, sandbox_id: str, path: str, data: bytes) -> int:
+    async def upload_tar(self, sandbox_id: str, path: str, data: bytes, keep_owners: bool = False) -> int:
         limit = self._capacity.max_file_bytes
-        return await self._in_tree(sandbox_id, lambda t: t.extract_tar(path, io.BytesIO(data), max_bytes=limit))
+        return await self._in_tree(
+            sandbox_id, lambda t: t.extract_tar(path, io.BytesIO(data), max_bytes=limit, keep_owners=keep_owners)
+        )
 
     async def download_tar(self, sandbox_id: str, path: str) -> bytes:
         def pack(tree: FileTree) -> bytes:

@@ -4,7 +4,10 @@ RUN runs in a builder sandbox on the stack so far (ImageService.builder_sandbox,
 `images build --on IMAGE --run CMD` uses) and keeps only what it changed, as a diff layer. COPY and
 ADD upload an archive into such a sandbox, so a destination resolves through the image's own
 symlinks as it would in Docker (/bin -> usr/bin on Debian); on `scratch` there is nothing to
-resolve, and the first layer is packed straight from a tree on the server. ENV, ARG, WORKDIR, USER,
+resolve, and the first layer is packed straight from a tree on the server. The archive carries
+the owners Docker gives (root for the context, the source's for COPY --from and a local tar,
+--chown's numbers from the image's /etc/passwd) and every mode bit, setuid included, and the
+upload keeps both (``keep_owners``), so nothing runs chown in the image. ENV, ARG, WORKDIR, USER,
 ENTRYPOINT, CMD, LABEL, EXPOSE and SHELL make no layer: they change the image config (kept with the
 image's tag and applied to sandboxes created from it) or the state of later steps.
 
@@ -19,7 +22,6 @@ import asyncio
 import contextlib
 import io
 import posixpath
-import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +41,7 @@ from corral.images.dockerfile import (
     is_local_archive,
     json_array,
     key_values,
+    numeric_owner,
     parse_copy,
     parse_dockerfile,
     sources_digest,
@@ -63,7 +66,6 @@ PullImage = Callable[[str, Progress], Awaitable[ImageRecord]]
 config: the hook a registry client plugs into for ``FROM`` of a registry image."""
 
 _DEFAULT_SHELL = ["/bin/sh", "-c"]
-_NUMERIC_OWNER = re.compile(r"^(\d+)(?::(\d+))?$")
 _ARCHIVE_MAX_BYTES = 4 << 30
 _STEP_TTL_S = 600.0
 
@@ -122,7 +124,8 @@ class DockerfileBuild:
         context = BuildContext(Path(request.context) if request.context else path.parent)
         global_args: dict[str, str] = {}
         for instruction in dockerfile.global_args:
-            for key, default in key_values(instruction, substitute(instruction.value, global_args)).items():
+            declared = substitute(instruction.value, global_args, instruction.escape)
+            for key, default in key_values(instruction, declared).items():
                 global_args[key] = request.build_args.get(key, default)
         stages = dockerfile.needed(request.target)
         self._steps = sum(1 + len(stage.body) for stage in stages)
@@ -149,7 +152,7 @@ class DockerfileBuild:
 
     async def _from(self, stage: Stage, global_args: dict[str, str]) -> _StageState:
         self._announce(stage.from_instruction, cached=None)
-        base = substitute(stage.base, global_args)
+        base = substitute(stage.base, global_args, stage.from_instruction.escape)
         if base == "scratch":  # no /etc/passwd to find "root" in: uid 0, as Docker's default user is
             return _StageState(stack=[], config=ImageConfig(user="0"))
         built = self._earlier_stage(base)
@@ -185,7 +188,9 @@ class DockerfileBuild:
         global_args: dict[str, str],
     ) -> None:
         keyword = instruction.keyword
-        value = substitute(instruction.value, state.variables()) if substitutes(keyword) else instruction.value
+        value = instruction.value
+        if substitutes(keyword):
+            value = substitute(value, state.variables(), instruction.escape)
         if keyword == "RUN":
             await self._run(instruction, state)
             return
@@ -195,7 +200,8 @@ class DockerfileBuild:
         self._announce(instruction, cached=None)
         config = state.config
         if keyword == "ARG":
-            for key, default in key_values(instruction, substitute(instruction.value, state.variables())).items():
+            declared = substitute(instruction.value, state.variables(), instruction.escape)
+            for key, default in key_values(instruction, declared).items():
                 state.args[key] = self._request.build_args.get(key, default or global_args.get(key, ""))
         elif keyword == "ENV":
             config.env = {**config.env, **key_values(instruction, value)}
@@ -326,10 +332,7 @@ class DockerfileBuild:
         key = self._cached(instruction, state, inputs)
         if key is None:
             return
-        owner = _NUMERIC_OWNER.match(args.chown or "")
-        uid, gid = (int(owner.group(1)), int(owner.group(2) or owner.group(1))) if owner else (0, 0)
-        if args.chown and not owner and not state.stack:
-            raise InvalidRequest(f"{instruction.where()}: on scratch there is no /etc/passwd: use --chown=UID:GID")
+        keep_source_owners = source_stack is not None
         with self._images.scratch("copy-from-") as fetched:
             if source_stack is not None:
                 sources = await self._fetch(instruction, source_stack, args.sources, fetched)
@@ -338,7 +341,9 @@ class DockerfileBuild:
                 walks = [context.walk(source) for source in sources]
             if not state.stack:
                 into = dest if into_dir or sources[0].is_dir() else posixpath.dirname(dest)
-                archive = _archive(instruction, args, sources, walks, dest, into, uid=uid, gid=gid)
+                chown = numeric_owner(instruction, args.chown, None, None) if args.chown else None
+                archive = _archive(instruction, args, sources, walks, dest, into, chown=chown,
+                                   keep_source_owners=keep_source_owners, created=into != "/")  # fmt: skip
                 layer = await asyncio.to_thread(
                     self._images.build_layer_tree, lambda tree: _extract_under(tree, into, archive), kind="base",
                     parents=(), source={"builder": "dockerfile", "step": instruction.text}, progress=self._progress,
@@ -350,18 +355,33 @@ class DockerfileBuild:
                     into_dir = await self._file_type(sandbox_id, dest) == "dir"
                 into = dest if into_dir or sources[0].is_dir() else posixpath.dirname(dest)
                 created = await self._file_type(sandbox_id, into) is None
-                archive = _archive(instruction, args, sources, walks, dest, into, uid=uid, gid=gid)
-                await self._sandboxes.call(sandbox_id, lambda edge: edge.upload_tar(sandbox_id, into, archive[0]))
-                if args.chown and archive[1]:
-                    # A directory this step made is the user's too; one that was there keeps its owner.
-                    paths = [into] if created else [posixpath.join(into, name) for name in archive[1]]
-                    chown = ExecRequest(cmd=["chown", "-R", "-h", args.chown, *paths], user="root", cwd="/")
-                    await self._images.run_step(sandbox_id, chown, f"{instruction.where()} (chown)", self._progress)
+                chown = await self._owner(instruction, sandbox_id, args.chown) if args.chown else None
+                archive = _archive(instruction, args, sources, walks, dest, into, chown=chown,
+                                   keep_source_owners=keep_source_owners, created=created)  # fmt: skip
+                # Owners and setuid/setgid bits as the archive says: this is image content, not an API upload.
+                await self._sandboxes.call(
+                    sandbox_id, lambda edge: edge.upload_tar(sandbox_id, into, archive, keep_owners=True)
+                )
                 layer = await self._images.pack_sandbox(
                     sandbox_id, state.stack, kind="diff", source={"builder": "dockerfile", "step": instruction.text},
                     progress=self._progress,
                 )  # fmt: skip
         self._remember(key, state, layer.digest)
+
+    async def _owner(self, instruction: Instruction, sandbox_id: str, chown: str) -> tuple[int, int]:
+        """--chown's uid and gid, names looked up in the image's own /etc/passwd and /etc/group."""
+        user, _, group = chown.partition(":")
+
+        async def table(path: str, name: str) -> str | None:
+            if not name or name.isdigit():
+                return None
+            try:
+                data = await self._sandboxes.call(sandbox_id, lambda edge: edge.read_file(sandbox_id, path))
+            except NotFound:
+                return None
+            return data.decode(errors="replace")
+
+        return numeric_owner(instruction, chown, await table("/etc/passwd", user), await table("/etc/group", group))
 
     async def _file_type(self, sandbox_id: str, path: str) -> str | None:
         """ "file", "dir", "symlink" or "other" at ``path`` in the sandbox; None if nothing is there."""
@@ -397,10 +417,12 @@ class DockerfileBuild:
 
 def _archive(
     instruction: Instruction, args: CopyArgs, sources: list[Path], walks: list[Any], dest: str, into: str, *,
-    uid: int, gid: int,
-) -> tuple[bytes, list[str]]:  # fmt: skip
-    """The tar of one COPY/ADD, relative to ``into``, and its top-level names (what --chown changes)."""
-    archive = CopyArchive(uid=uid, gid=gid, chmod=args.chmod)
+    chown: tuple[int, int] | None, keep_source_owners: bool, created: bool,
+) -> bytes:  # fmt: skip
+    """The tar of one COPY/ADD, relative to ``into`` (which it owns too if --chown and this step makes it)."""
+    archive = CopyArchive(chown=chown, keep_source_owners=keep_source_owners, chmod=args.chmod)
+    if chown is not None and created:
+        archive.add_directory()
     for source, walked in zip(sources, walks, strict=True):
         if source.is_dir() and not source.is_symlink():
             archive.add_tree(walked, source, "")
@@ -408,15 +430,15 @@ def _archive(
             archive.add_archive(source)
         else:
             archive.add_tree(walked, source, source.name if into == dest else posixpath.basename(dest))
-    return archive.close(), archive.top_names
+    return archive.close()
 
 
-def _extract_under(tree: Path, into: str, archive: tuple[bytes, list[str]]) -> None:
+def _extract_under(tree: Path, into: str, archive: bytes) -> None:
     """The first layer of a scratch stage: the archive unpacked at ``into`` in a fresh tree (owners kept)."""
     tree.chmod(0o755)  # the image's "/"
     target = tree / into.lstrip("/")
     target.mkdir(parents=True, exist_ok=True)
-    _extract_bytes(archive[0], target)
+    _extract_bytes(archive, target)
 
 
 def _extract_bytes(data: bytes, dest: Path) -> None:

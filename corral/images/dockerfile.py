@@ -2,10 +2,14 @@
 context with its .dockerignore, and the archives that COPY and ADD put into an image.
 
 The file's structure (continuation lines, comments, instruction boundaries) comes from
-dockerfile-parse; this module gives each instruction its arguments and meaning. Nothing here runs a
-sandbox: corral/gateway/dockerfile_build.py executes the stages. Every step's cache key is built
-from what this module computes: the instruction after substitution and, for COPY and ADD, a digest
-of the copied files' names, modes and bytes (never their mtimes, so a touched file stays cached).
+dockerfile-parse; this module gives each instruction its arguments and meaning. The ``# escape=``
+parser directive (`` ` `` in Windows-style Dockerfiles, so a ``C:`` path keeps its backslashes)
+is honoured by dockerfile-parse for continuation lines only; the character it names is read here
+too and kept with each instruction, since Docker also escapes ``$`` and quotes with it (ENV,
+LABEL, ARG ...). Nothing here runs a sandbox: corral/gateway/dockerfile_build.py executes the
+stages. Every step's cache key is built from what this module computes: the instruction after
+substitution and, for COPY and ADD, a digest of the copied files' names, modes and bytes (never
+their mtimes, so a touched file stays cached).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from corral.sdk._exceptions import InvalidRequest, NotFound
 
 __all__ = [
     "LAYER_INSTRUCTIONS",
+    "numeric_owner",
     "BuildContext",
     "CopyArgs",
     "Dockerfile",
@@ -47,10 +52,15 @@ _METADATA_INSTRUCTIONS = frozenset({"ENV", "ARG", "WORKDIR", "USER", "ENTRYPOINT
 IGNORED_INSTRUCTIONS = frozenset({"MAINTAINER", "STOPSIGNAL", "HEALTHCHECK", "VOLUME"})
 MAX_DOCKERFILE_BYTES = 1 << 20
 _SUBSTITUTED = frozenset({"ADD", "COPY", "ENV", "EXPOSE", "FROM", "LABEL", "USER", "WORKDIR"})
-_VARIABLE = re.compile(
-    r"\\\$|\$(?:\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:[-+])(?P<word>[^}]*))?\}|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))"
+_VARIABLE = (
+    r"\$(?:\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:[-+])(?P<word>[^}]*))?\}|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))"
 )
+# By escape character: that character before "$" makes a dollar, else "$" starts a variable.
+_VARIABLES = {escape: re.compile(re.escape(escape) + r"\$|" + _VARIABLE) for escape in ("\\", "`")}
 _COPY_FLAGS = {"COPY": frozenset({"from", "chown", "chmod"}), "ADD": frozenset({"chown", "chmod"})}
+DEFAULT_ESCAPE = "\\"
+# Parser directives, as dockerfile-parse reads them: only at the top, before any other line.
+_DIRECTIVE = re.compile(r"^\s*#\s*(?P<name>escape|syntax)\s*=\s*(?P<value>.*?)\s*$", re.IGNORECASE)
 _GLOB_CHARS = re.compile(r"[*?\[]")
 
 
@@ -60,6 +70,7 @@ class Instruction:
     keyword: str  # upper case
     value: str  # its arguments as written (continuations joined)
     text: str  # the instruction as written, for messages
+    escape: str = DEFAULT_ESCAPE  # the file's escape character (its ``# escape=`` directive)
 
     def where(self) -> str:
         return f"Dockerfile line {self.line}: {self.text}"
@@ -120,6 +131,7 @@ def parse_dockerfile(text: str) -> Dockerfile:
     """Stages and instructions of a Dockerfile; refuses instructions Corral does not build."""
     if len(text.encode()) > MAX_DOCKERFILE_BYTES:
         raise InvalidRequest(f"the Dockerfile is over {MAX_DOCKERFILE_BYTES} bytes")
+    escape = _escape_directive(text)
     parser = DockerfileParser(fileobj=io.BytesIO(text.encode()), env_replace=False)
     global_args: list[Instruction] = []
     stages: list[Stage] = []
@@ -130,7 +142,7 @@ def parse_dockerfile(text: str) -> Dockerfile:
             continue
         instruction = Instruction(
             line=int(item["startline"]) + 1, keyword=keyword, value=str(item["value"]).strip(),
-            text=" ".join(str(item["content"]).replace("\\\n", " ").split()),
+            text=" ".join(str(item["content"]).replace(escape + "\n", " ").split()), escape=escape,
         )  # fmt: skip
         if keyword == "FROM":
             if stages:
@@ -151,6 +163,22 @@ def parse_dockerfile(text: str) -> Dockerfile:
     return Dockerfile(global_args=tuple(global_args), stages=tuple(stages))
 
 
+def _escape_directive(text: str) -> str:
+    """The character ``# escape=`` names at the top of the file (``\\`` or `` ` ``), else the default backslash."""
+    escape = DEFAULT_ESCAPE
+    for number, line in enumerate(text.splitlines(), 1):
+        directive = _DIRECTIVE.match(line)
+        if directive is None:
+            break
+        if directive["name"].lower() == "escape":
+            if directive["value"] not in ("\\", "`"):
+                raise InvalidRequest(
+                    f"Dockerfile line {number}: {line.strip()}: the escape directive takes \\ or ` only"
+                )
+            escape = directive["value"]
+    return escape
+
+
 def _stage(instruction: Instruction, index: int) -> Stage:
     flags, rest = _split_flags(instruction)
     if flags:
@@ -167,22 +195,23 @@ def _with_body(stage: Stage, body: list[Instruction]) -> Stage:
     return Stage(stage.index, stage.name, stage.base, stage.from_instruction, tuple(body))
 
 
-def substitute(text: str, variables: Mapping[str, str]) -> str:
-    """Docker's ``$NAME``, ``${NAME}``, ``${NAME:-default}`` and ``${NAME:+alternative}``; ``\\$`` is a dollar."""
+def substitute(text: str, variables: Mapping[str, str], escape: str = DEFAULT_ESCAPE) -> str:
+    """Docker's ``$NAME``, ``${NAME}``, ``${NAME:-default}`` and ``${NAME:+alternative}``; the escape character
+    before ``$`` (``\\$``, or `` `$ `` after ``# escape=` ``) is a dollar."""
 
     def replace(match: re.Match[str]) -> str:
-        if match.group(0) == "\\$":
+        if match.group(0) == escape + "$":
             return "$"
         name = match.group("braced") or match.group("bare")
         value = variables.get(name, "")
         op = match.group("op")
         if op == ":-":
-            return value or substitute(match.group("word"), variables)
+            return value or substitute(match.group("word"), variables, escape)
         if op == ":+":
-            return substitute(match.group("word"), variables) if value else ""
+            return substitute(match.group("word"), variables, escape) if value else ""
         return value
 
-    return _VARIABLE.sub(replace, text)
+    return _VARIABLES[escape].sub(replace, text)
 
 
 def substitutes(keyword: str) -> bool:
@@ -192,8 +221,10 @@ def substitutes(keyword: str) -> bool:
 
 def key_values(instruction: Instruction, value: str) -> dict[str, str]:
     """``K=V K2="v 2"`` (or the old ``K V`` form of ENV and LABEL) as a dict, in order."""
+    lexer = shlex.shlex(value, posix=True)
+    lexer.whitespace_split, lexer.commenters, lexer.escape = True, "", instruction.escape
     try:
-        words = shlex.split(value)
+        words = list(lexer)
     except ValueError as exc:
         raise InvalidRequest(f"{instruction.where()}: {exc}") from None
     if words and "=" not in words[0]:
@@ -347,6 +378,25 @@ def _anchored(pattern: str) -> str:
 # -- archives of what COPY and ADD add -----------------------------------
 
 
+def numeric_owner(instruction: Instruction, chown: str, passwd: str | None, group: str | None) -> tuple[int, int]:
+    """``--chown=user[:group]`` as (uid, gid): names from the image's /etc/passwd and /etc/group (their texts, None
+    if the image has none); a user without a group gets its uid as gid, as Docker does."""
+    user, _, group_name = chown.partition(":")
+    uid = _id_of(instruction, user, passwd, "user", "/etc/passwd")
+    return uid, _id_of(instruction, group_name, group, "group", "/etc/group") if group_name else uid
+
+
+def _id_of(instruction: Instruction, name: str, table: str | None, what: str, path: str) -> int:
+    if name.isdigit():
+        return int(name)
+    for line in (table or "").splitlines():
+        fields = line.split(":")
+        if len(fields) > 2 and fields[0] == name and fields[2].isdigit():
+            return int(fields[2])
+    where = f"the image's {path}" if table is not None else f"the image, which has no {path}"
+    raise InvalidRequest(f"{instruction.where()}: --chown: no {what} {name!r} in {where}; use numbers (UID:GID)")
+
+
 def sources_digest(root: Path, paths: list[Iterator[Path]]) -> str:
     """A digest of the files COPY/ADD read: names (relative to ``root``), types, modes and bytes, not mtimes."""
     digest = hashlib.sha256()
@@ -365,13 +415,22 @@ def sources_digest(root: Path, paths: list[Iterator[Path]]) -> str:
 
 
 class CopyArchive:
-    """A tar of what one COPY/ADD puts under a directory of the image, owned as --chown says (else root)."""
+    """A tar of what one COPY/ADD puts under a directory of the image, with every mode bit of its sources
+    (setuid, setgid and sticky included). Owners as Docker gives them: ``chown`` (--chown's numbers) if given;
+    else files from the build context are root's, those of another stage (``keep_source_owners``) keep theirs,
+    and a local tar's members keep what the tar says."""
 
-    def __init__(self, *, uid: int, gid: int, chmod: int | None) -> None:
+    def __init__(self, *, chown: tuple[int, int] | None, keep_source_owners: bool, chmod: int | None) -> None:
         self._buffer = io.BytesIO()
         self._tar = tarfile.open(fileobj=self._buffer, mode="w", format=tarfile.PAX_FORMAT)
-        self._uid, self._gid, self._chmod = uid, gid, chmod
-        self.top_names: list[str] = []  # the entries right under the directory: what --chown changes, recursively
+        self._chown, self._keep_source_owners, self._chmod = chown, keep_source_owners, chmod
+
+    def add_directory(self) -> None:
+        """The directory itself (a COPY --chown made it: it is the user's too, as in Docker)."""
+        info = tarfile.TarInfo(".")
+        info.type, info.mode = tarfile.DIRTYPE, 0o755
+        info.uid, info.gid = self._chown or (0, 0)
+        self._tar.addfile(info)
 
     def add_tree(self, walked: Iterator[Path], source: Path, name: str) -> None:
         """``source`` (walked parents first) as ``name``; ``""`` puts a directory's contents straight under it."""
@@ -381,7 +440,9 @@ class CopyArchive:
             if not arcname or arcname == ".":
                 continue
             info = self._tar.gettarinfo(str(path), arcname)
-            info.uid, info.gid, info.uname, info.gname = self._uid, self._gid, "", ""
+            if self._chown is not None or not self._keep_source_owners:
+                info.uid, info.gid = self._chown or (0, 0)
+            info.uname, info.gname = "", ""  # numbers, not the names on the server's machine
             if self._chmod is not None and not info.issym():
                 info.mode = self._chmod
             if info.isreg():
@@ -389,17 +450,15 @@ class CopyArchive:
                     self._tar.addfile(info, f)
             elif info.isdir() or info.issym() or info.islnk():
                 self._tar.addfile(info)
-            if "/" not in arcname:
-                self.top_names.append(arcname)
 
     def add_archive(self, archive: Path) -> None:
-        """ADD of a local tar (any compression): its members as they are."""
+        """ADD of a local tar (any compression): its members as they are, owned as --chown says if given."""
         with tarfile.open(archive, "r:*") as source:
             for member in source:
+                if self._chown is not None:
+                    member.uid, member.gid = self._chown
+                    member.uname, member.gname = "", ""
                 self._tar.addfile(member, source.extractfile(member) if member.isreg() else None)
-                top = posixpath.normpath(member.name).lstrip("/").split("/")[0]
-                if top and top not in (".", "..") and top not in self.top_names:
-                    self.top_names.append(top)
 
     def close(self) -> bytes:
         self._tar.close()

@@ -5,9 +5,14 @@ every blob is hashed as it streams in and refused unless it hashes to the
 digest asked for, so a registry (or a redirect target, or anything in between
 on plain HTTP) can at worst make a pull fail, never put other bytes under a
 digest. Plain HTTP is used only for the registries listed in
-``CORRAL_INSECURE_REGISTRIES``; any other registry is reached over https with
-the system's trust store, and one that only speaks HTTP is refused with a
-message naming that setting.
+``CORRAL_INSECURE_REGISTRIES``, and for them only: a listed registry is never
+spoken to over https, verified or not, so listing one cannot turn a failed
+certificate check into an unverified connection. Any other registry is reached
+over https, its certificate checked against the system's trust store plus the
+CAs of ``CORRAL_REGISTRY_CA_FILE``. Each mismatch is refused with a message
+naming the setting to change: a registry that only speaks HTTP and is not
+listed, a certificate that is not trusted (and why: unknown issuer, wrong
+host, expired), a listed registry that answers with TLS.
 
 Auth follows the registry's ``WWW-Authenticate`` challenge: ``Basic`` answers
 with the configured credentials for that host; ``Bearer`` gets a token from the
@@ -16,6 +21,13 @@ and caches it per repository. Blobs follow redirects (registries hand them to
 object storage; httpx drops the Authorization header when a redirect leaves
 the registry's origin) and resume with an HTTP Range request after a broken
 connection, so a multi-GB layer does not start over.
+
+Every request (manifests, indexes, tokens, blobs) is tried again after a
+transient failure: a connection error, 408, 429 or a 5xx, after an exponential
+backoff (with jitter, capped) or the ``Retry-After`` the registry sent (capped
+too), at most ``retries`` times. An answer that will not change by asking
+again (401 after the challenge was answered, 403, 404, any other 4xx, a
+certificate that is not trusted) surfaces at once.
 """
 
 from __future__ import annotations
@@ -25,11 +37,15 @@ import base64
 import hashlib
 import json
 import logging
+import random
 import re
-from collections.abc import Callable, Mapping
+import ssl
+import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from email.utils import parsedate_to_datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -46,6 +62,7 @@ __all__ = [
     "is_registry_reference",
     "load_auth_file",
     "parse_reference",
+    "registry_trust",
 ]
 
 log = logging.getLogger("corral.images")
@@ -62,8 +79,11 @@ MAX_CONFIG_BYTES = 16 << 20
 MAX_INDEX_DEPTH = 4
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_RETRIES = 5
-RETRY_BACKOFF_S = 0.2
+RETRY_BACKOFF_S = 0.2  # before the first retry; doubled for each next one
+MAX_RETRY_DELAY_S = 10.0  # the longest wait between two attempts, the registry's Retry-After included
 _RETRIED_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+_ERROR_BODY_BYTES = 4096  # of a refusal's body, read to tell a TLS port answering plain HTTP
+_T = TypeVar("_T")
 
 _HOST_RE = (
     r"(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*|\[[0-9a-fA-F:]+\])"
@@ -151,17 +171,46 @@ def load_auth_file(path: Path) -> dict[str, tuple[str, str]]:
     return credentials
 
 
+def registry_trust(ca_file: Path | None = None) -> ssl.SSLContext:
+    """What https certificates of registries must chain to: the system's trust store, plus the CA certificates
+    in the PEM bundle ``ca_file`` (``CORRAL_REGISTRY_CA_FILE``) if given."""
+    context = ssl.create_default_context()
+    if ca_file is not None:
+        try:
+            context.load_verify_locations(cafile=str(ca_file))
+        except FileNotFoundError:
+            raise InvalidRequest(f"registry CA file {ca_file} does not exist (CORRAL_REGISTRY_CA_FILE)") from None
+        except ssl.SSLError as exc:
+            raise InvalidRequest(
+                f"registry CA file {ca_file} holds no PEM certificate OpenSSL can read (CORRAL_REGISTRY_CA_FILE): {exc}"
+            ) from None
+    return context
+
+
 @dataclass(frozen=True)
 class RegistryConfig:
-    """How registries are reached: which speak plain HTTP, whose credentials, how patient to be."""
+    """How registries are reached: which speak plain HTTP, which CAs are trusted, whose credentials, how patient
+    to be (``retries`` more attempts after a transient failure, waiting ``backoff_s``, then twice that ..., at
+    most ``max_delay_s``)."""
 
     insecure: frozenset[str] = frozenset()  # host:port served over plain HTTP
     credentials: Mapping[str, tuple[str, str]] = field(default_factory=dict)  # host[:port] -> (user, password)
+    trust: ssl.SSLContext = field(default_factory=registry_trust)
     timeout_s: float = DEFAULT_TIMEOUT_S
     retries: int = DEFAULT_RETRIES
+    backoff_s: float = RETRY_BACKOFF_S
+    max_delay_s: float = MAX_RETRY_DELAY_S
 
     def base_url(self, registry: str) -> str:
         return f"{'http' if registry in self.insecure else 'https'}://{registry}"
+
+    def retry_delay_s(self, retry: int, retry_after_s: float | None) -> float:
+        """How long to wait before retry number ``retry`` (from 1): the registry's Retry-After if it sent one,
+        else exponential backoff with jitter (half to all of it, so many pullers do not retry in step); capped."""
+        if retry_after_s is not None:
+            return min(self.max_delay_s, retry_after_s)
+        backoff_s = min(self.max_delay_s, self.backoff_s * 2 ** (retry - 1))
+        return backoff_s * random.uniform(0.5, 1.0)
 
 
 @dataclass(frozen=True)
@@ -202,19 +251,30 @@ class _Auth:
         self.headers: dict[str, str] = {}  # scope -> Authorization value that worked or was issued
 
 
+class _Transient(Exception):
+    """A failure that another attempt may not meet: a broken or refused connection, 408, 429, a 5xx.
+    ``retry_after_s``: how long the registry asked to wait (its Retry-After header)."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class RegistryClient:
     """One pull's (or one server's) connection to registries; ``aclose`` when done.
 
-    ``bytes_transferred`` counts the bytes of manifests, configs and blobs received, resumes included.
+    ``bytes_transferred`` counts the bytes of manifests, configs and blobs received, resumes included;
+    ``retries`` the attempts made again after a transient failure.
     """
 
     def __init__(self, config: RegistryConfig, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
         self._config = config
         self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(config.timeout_s), follow_redirects=True, transport=transport
+            timeout=httpx.Timeout(config.timeout_s), follow_redirects=True, transport=transport, verify=config.trust
         )
         self._auth: dict[str, _Auth] = {}
         self.bytes_transferred = 0
+        self.retries = 0
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -265,25 +325,30 @@ class RegistryClient:
 
     async def _manifest_bytes(self, reference: Reference, target: str) -> tuple[bytes, str, str]:
         url = f"{self._config.base_url(reference.registry)}/v2/{reference.repository}/manifests/{target}"
-        try:
-            response = await self._send("GET", url, reference, headers={"Accept": MANIFEST_ACCEPT})
+        what = f"manifest {target} of {reference.name}"
+
+        async def attempt() -> tuple[bytes, httpx.Headers]:
             try:
-                if response.status_code == 404:
-                    raise NotFound(f"{reference.name}:{target} is not in registry {reference.registry} (404)")
-                _raise_for_status(response, f"manifest {target} of {reference.name}")
-                body = await _read_capped(response, MAX_MANIFEST_BYTES, f"manifest {target} of {reference.name}")
-            finally:
-                await response.aclose()
-        except httpx.TransportError as exc:
-            raise ServerUnavailable(f"cannot get manifest {target} of {reference.name} from {url}: {exc!r}") from exc
+                response = await self._send("GET", url, reference, headers={"Accept": MANIFEST_ACCEPT})
+                try:
+                    if response.status_code == 404:
+                        raise NotFound(f"{reference.name}:{target} is not in registry {reference.registry} (404)")
+                    await _raise_for_status(response, what)
+                    return await _read_capped(response, MAX_MANIFEST_BYTES, what), response.headers
+                finally:
+                    await response.aclose()
+            except httpx.TransportError as exc:
+                raise _transport_failure(exc, url, reference.registry) from exc
+
+        body, headers = await self._retrying(f"get {what}", attempt)
         self.bytes_transferred += len(body)
         digest = f"sha256:{hashlib.sha256(body).hexdigest()}"
-        claimed = response.headers.get("docker-content-digest")
+        claimed = headers.get("docker-content-digest")
         if claimed and claimed.startswith("sha256:") and claimed != digest:
             raise ServerUnavailable(
                 f"manifest {target} of {reference.name} hashes to {digest}, but the registry says {claimed}: refused"
             )
-        return body, response.headers.get("content-type", ""), digest
+        return body, headers.get("content-type", ""), digest
 
     async def config(self, manifest: ImageManifest) -> dict[str, Any]:
         """The image config blob (Env, WorkingDir, User, Entrypoint, Cmd, Labels under "config"), verified."""
@@ -316,21 +381,18 @@ class RegistryClient:
         self, reference: Reference, blob: Descriptor, write: Callable[[bytes], None], restart: Callable[[], None]
     ) -> None:
         url = f"{self._config.base_url(reference.registry)}/v2/{reference.repository}/blobs/{blob.digest}"
+        what = f"blob {blob.digest} of {reference.name}"
         hasher, received = hashlib.sha256(), 0
-        last_error: Exception | None = None
-        for attempt in range(self._config.retries + 1):
-            if attempt:
-                await asyncio.sleep(RETRY_BACKOFF_S * 2 ** (attempt - 1))
+
+        async def attempt() -> None:
+            nonlocal hasher, received
             headers = {"Range": f"bytes={received}-"} if received else {}
             try:
                 response = await self._send("GET", url, reference, headers=headers)
                 try:
                     if response.status_code == 404:
-                        raise NotFound(f"blob {blob.digest} of {reference.name} is not in the registry (404)")
-                    if response.status_code in _RETRIED_STATUSES:
-                        last_error = ServerUnavailable(f"the registry answered {response.status_code} for {url}")
-                        continue
-                    _raise_for_status(response, f"blob {blob.digest} of {reference.name}")
+                        raise NotFound(f"{what} is not in the registry (404)")
+                    await _raise_for_status(response, what)
                     if received and response.status_code != 206:  # Range ignored: the whole blob again
                         hasher, received = hashlib.sha256(), 0
                         restart()
@@ -339,34 +401,41 @@ class RegistryClient:
                         received += len(chunk)
                         self.bytes_transferred += len(chunk)
                         if received > blob.size_bytes:
-                            raise ServerUnavailable(
-                                f"blob {blob.digest} of {reference.name} is longer than its {blob.size_bytes} bytes: "
-                                "refused"
-                            )
+                            raise ServerUnavailable(f"{what} is longer than its {blob.size_bytes} bytes: refused")
                         hasher.update(chunk)
                         write(chunk)
                 finally:
                     await response.aclose()
-            except httpx.TransportError as exc:  # a broken connection: resume where it stopped
-                last_error = exc
-                log.info("blob %s of %s: %r after %d bytes; resuming", blob.digest[:19], reference, exc, received)
-                continue
+            except httpx.TransportError as exc:  # a broken connection: the next attempt resumes where it stopped
+                log.info("blob %s of %s: %r after %d bytes", blob.digest[:19], reference, exc, received)
+                raise _transport_failure(exc, url, reference.registry) from exc
             if received < blob.size_bytes:
-                last_error = ServerUnavailable(f"the blob stream ended after {received} of {blob.size_bytes} bytes")
-                continue
-            break
-        else:
-            raise ServerUnavailable(
-                f"cannot download blob {blob.digest} of {reference} after {self._config.retries + 1} attempts "
-                f"({received} of {blob.size_bytes} bytes): {last_error!r}"
-            )
+                raise _Transient(f"the blob stream ended after {received} of {blob.size_bytes} bytes")
+
+        await self._retrying(f"download {what}", attempt)
         digest = f"sha256:{hasher.hexdigest()}"
         if digest != blob.digest:
             raise ServerUnavailable(
                 f"blob {blob.digest} of {reference} is corrupt: its bytes hash to {digest}; refused (nothing was kept)"
             )
 
-    # -- auth and transport -----------------------------------------------
+    # -- auth, retries and transport -------------------------------------
+
+    async def _retrying(self, what: str, attempt: Callable[[], Awaitable[_T]]) -> _T:
+        """``attempt()``, again after each transient failure, at most ``retries`` more times; any other error
+        surfaces at once. ``what`` ends the message when the attempts run out ("get manifest ...")."""
+        attempts = self._config.retries + 1
+        for number in range(1, attempts + 1):
+            try:
+                return await attempt()
+            except _Transient as exc:
+                if number == attempts:
+                    raise ServerUnavailable(f"{exc}; gave up after {attempts} attempts to {what}") from None
+                delay_s = self._config.retry_delay_s(number, exc.retry_after_s)
+                log.info("%s: %s; attempt %d of %d in %.2f s", what, exc, number + 1, attempts, delay_s)
+                self.retries += 1
+                await asyncio.sleep(delay_s)
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     async def _send(self, method: str, url: str, reference: Reference, *, headers: dict[str, str]) -> httpx.Response:
         """Send with the auth this repository needs, answering one challenge; the response is streamed."""
@@ -378,7 +447,8 @@ class RegistryClient:
             request_headers = dict(headers)
             if scope in auth.headers:
                 request_headers["Authorization"] = auth.headers[scope]
-            response = await self._request(method, url, reference, request_headers)
+            request = self._http.build_request(method, url, headers=request_headers)
+            response = await self._http.send(request, stream=True)
             if response.status_code != 401:
                 return response
             await response.aclose()
@@ -391,20 +461,6 @@ class RegistryClient:
             f"registry {reference.registry} refused access to {reference.repository} {who} (401): check the "
             "credentials for it in CORRAL_REGISTRY_CREDENTIALS or CORRAL_REGISTRY_AUTH_FILE"
         )
-
-    async def _request(self, method: str, url: str, reference: Reference, headers: dict[str, str]) -> httpx.Response:
-        """One request; a connection or TLS failure is ServerUnavailable, other transport errors propagate."""
-        try:
-            return await self._http.send(self._http.build_request(method, url, headers=headers), stream=True)
-        except httpx.TransportError as exc:
-            if url.startswith("https://") and _looks_like_plain_http(exc):
-                raise ServerUnavailable(
-                    f"registry {reference.registry} does not speak https ({exc}); if it serves plain HTTP and you "
-                    f"trust the network to it, list it in CORRAL_INSECURE_REGISTRIES (host:port, comma-separated)"
-                ) from exc
-            if isinstance(exc, httpx.ConnectError):
-                raise ServerUnavailable(f"cannot connect to registry {reference.registry} ({url}): {exc}") from exc
-            raise
 
     async def _answer(self, challenge: str, auth: _Auth, reference: Reference, scope: str) -> str:
         """The Authorization value that answers a ``WWW-Authenticate`` challenge."""
@@ -429,26 +485,31 @@ class RegistryClient:
             **({"service": params["service"]} if "service" in params else {}),
         }
         headers = {"Authorization": _basic(auth.credentials)} if auth.credentials else {}
-        try:
-            response = await self._http.get(params["realm"], params=query, headers=headers)
-        except httpx.HTTPError as exc:
-            raise ServerUnavailable(f"cannot get a token for {reference} from {params['realm']}: {exc!r}") from exc
-        if response.status_code in (401, 403):
-            who = f"as {auth.credentials[0]!r}" if auth.credentials else "anonymously"
-            raise PermissionDenied(
-                f"the token server {params['realm']} of registry {reference.registry} refused {who} "
-                f"({response.status_code}) for {query['scope']}: check CORRAL_REGISTRY_CREDENTIALS or "
-                "CORRAL_REGISTRY_AUTH_FILE"
-            )
-        _raise_for_status(response, f"the token for {reference}")
-        try:
-            body = response.json()
-            token = body.get("token") or body.get("access_token")
-        except (ValueError, AttributeError):
-            token = None
-        if not isinstance(token, str) or not token:
-            raise ServerUnavailable(f"the token server {params['realm']} answered without a token")
-        return token
+        realm = params["realm"]
+
+        async def attempt() -> str:
+            try:
+                response = await self._http.get(realm, params=query, headers=headers)
+            except httpx.TransportError as exc:
+                raise _transport_failure(exc, realm, reference.registry) from exc
+            if response.status_code in (401, 403):
+                who = f"as {auth.credentials[0]!r}" if auth.credentials else "anonymously"
+                raise PermissionDenied(
+                    f"the token server {realm} of registry {reference.registry} refused {who} "
+                    f"({response.status_code}) for {query['scope']}: check CORRAL_REGISTRY_CREDENTIALS or "
+                    "CORRAL_REGISTRY_AUTH_FILE"
+                )
+            await _raise_for_status(response, f"the token for {reference}")
+            try:
+                body = response.json()
+                token = body.get("token") or body.get("access_token")
+            except (ValueError, AttributeError):
+                token = None
+            if not isinstance(token, str) or not token:
+                raise ServerUnavailable(f"the token server {realm} answered without a token")
+            return token
+
+        return await self._retrying(f"get a token for {reference} from {realm}", attempt)
 
 
 def _pick_platform(index: dict[str, Any], reference: Reference) -> Descriptor:
@@ -485,11 +546,71 @@ async def _read_capped(response: httpx.Response, limit: int, what: str) -> bytes
     return b"".join(chunks)
 
 
-def _raise_for_status(response: httpx.Response, what: str) -> None:
-    if response.status_code == 403:
+async def _raise_for_status(response: httpx.Response, what: str) -> None:
+    """Nothing for a 2xx; a transient failure (408, 429, 5xx) to try again; else the error it is, at once."""
+    status = response.status_code
+    if 200 <= status < 300:
+        return
+    registry = f"{response.url.host}:{response.url.port}" if response.url.port else response.url.host
+    if status in _RETRIED_STATUSES:  # "what" ends the message when the attempts run out
+        raise _Transient(f"registry {registry} answered {status}", _retry_after_s(response))
+    if status == 403:
         raise PermissionDenied(f"the registry refused {what} (403)")
-    if not 200 <= response.status_code < 300:
-        raise ServerUnavailable(f"the registry answered {response.status_code} for {what}")
+    if status == 400 and response.url.scheme == "http":
+        head = b""
+        async for chunk in response.aiter_bytes():
+            head += chunk
+            if len(head) >= _ERROR_BODY_BYTES:
+                break
+        body = head[:_ERROR_BODY_BYTES].decode(errors="replace")
+        if "https" in body.lower():  # Go: "Client sent an HTTP request to an HTTPS server."; nginx alike
+            raise ServerUnavailable(
+                f"registry {registry} speaks https ({body.strip()[:120]!r}), but it is listed in "
+                "CORRAL_INSECURE_REGISTRIES, whose registries are reached over plain HTTP only: remove it from "
+                "that list (and if a private CA signed its certificate, give the CA in CORRAL_REGISTRY_CA_FILE)"
+            )
+    raise ServerUnavailable(f"the registry {registry} answered {status} for {what}")
+
+
+def _retry_after_s(response: httpx.Response) -> float | None:
+    """The Retry-After header as seconds from now (it is delta-seconds or an HTTP date); None if absent or bad."""
+    value = response.headers.get("retry-after", "").strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None
+
+
+def _transport_failure(exc: httpx.TransportError, url: str, registry: str) -> Exception:
+    """What a transport error means: a certificate that is not trusted or plain HTTP at an https URL surface at
+    once (asking again will not change them); any other failure (refused, reset, timed out) is transient."""
+    verify = _certificate_error(exc)
+    if verify is not None:
+        return ServerUnavailable(
+            f"the https certificate of registry {registry} is not trusted ({verify.verify_message}; {url}): if a "
+            "private CA signed it, give that CA's certificate (PEM) in CORRAL_REGISTRY_CA_FILE; Corral never "
+            "connects over https without verifying the certificate"
+        )
+    if url.startswith("https://") and _looks_like_plain_http(exc):
+        return ServerUnavailable(
+            f"registry {registry} does not speak https ({exc}); if it serves plain HTTP and you trust the network "
+            "to it, list it in CORRAL_INSECURE_REGISTRIES (host:port, comma-separated)"
+        )
+    if isinstance(exc, httpx.ConnectError):
+        return _Transient(f"cannot connect to registry {registry} ({url}): {exc}")
+    return _Transient(f"{exc!r} from {url}")
+
+
+def _certificate_error(exc: BaseException) -> ssl.SSLCertVerificationError | None:
+    """The certificate check that failed somewhere in the chain of causes (httpx wraps httpcore wraps ssl)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _basic(credentials: tuple[str, str] | None) -> str:

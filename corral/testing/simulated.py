@@ -137,7 +137,7 @@ class _MemoryTree:
         for child in [*below, normal]:
             del self._entries[child]
 
-    def extract_tar(self, dest: str, fileobj: object, *, max_bytes: int) -> int:
+    def extract_tar(self, dest: str, fileobj: object, *, max_bytes: int, keep_owners: bool = False) -> int:
         raise InvalidRequest("the simulated backend keeps single files only: tar upload is not simulated")
 
     def write_tar(self, path: str, fileobj: object) -> None:

@@ -5,6 +5,7 @@ line, and the image config (env, WORKDIR, USER) applied to the sandboxes created
 from __future__ import annotations
 
 import io
+import os
 import re
 import socket
 import subprocess
@@ -183,3 +184,90 @@ def test_cli_scratch_with_copy_from_a_stage(server: EmbeddedServer, tmp_path: Pa
         result = sandbox.exec(["/bin/busybox", "sh", "-c", "cat $GREETING_DIR/hello.txt; /bin/busybox ls /"])
         assert result.stdout.split("\n", 1)[0] == "hi from scratch", result
         assert "bin" in result.stdout and "greeting" in result.stdout
+
+
+def test_escape_directive_backtick(client: corral.Client, tmp_path: Path) -> None:
+    """``# escape=``` (Windows-style): a backtick continues lines and escapes ``$``; backslashes are plain."""
+    dockerfile = (
+        "# escape=`\n"
+        "FROM busybox\n"
+        "ENV WINPATH=C:\\Tools\\bin PRICE=`$5\n"
+        'RUN printf \'%s\\n\' "$WINPATH" "$PRICE" > /out.txt && `\n'
+        "    echo continued >> /out.txt\n"
+        "LABEL note=C:\\notes\\\n"
+        "WORKDIR /srv\n"  # with a backslash escape, the LABEL's trailing backslash would have swallowed this line
+    )
+    context = _context(tmp_path, dockerfile, {})
+    lines: list[str] = []
+    image = client.images.build_dockerfile("df-escape", context / "Dockerfile", on_progress=lines.append)
+    assert 'Step 3/5 : RUN printf \'%s\\n\' "$WINPATH" "$PRICE" > /out.txt && echo continued >> /out.txt' in lines
+    config = client.images.inspect(image.name).config
+    assert (config.env["WINPATH"], config.env["PRICE"]) == ("C:\\Tools\\bin", "$5")
+    assert config.labels == {"note": "C:\\notes\\"} and config.working_dir == "/srv"
+    with client.create(image.name) as sandbox:
+        assert sandbox.exec("cat /out.txt; pwd").stdout == "C:\\Tools\\bin\n$5\ncontinued\n/srv\n"
+
+
+def _owned_tar(path: Path, owner: tuple[int, int]) -> None:
+    """A tar whose members belong to ``owner``: a setuid file (4750) in a directory, as an image tarball has."""
+    data = b"#!/bin/sh\necho from the tar\n"
+    with tarfile.open(path, "w") as tar:
+        for name, kind, mode in (("dir", tarfile.DIRTYPE, 0o750), ("dir/suid-in-tar", tarfile.REGTYPE, 0o4750)):
+            info = tarfile.TarInfo(name)
+            info.type, info.mode, (info.uid, info.gid) = kind, mode, owner
+            info.size = len(data) if kind == tarfile.REGTYPE else 0
+            tar.addfile(info, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
+
+
+COPY_MODES = """\
+FROM busybox AS stage
+RUN mkdir /out && echo x > /out/owned && chown 1001:1002 /out/owned && cp /bin/busybox /out/su && chmod 4755 /out/su
+FROM busybox
+COPY bin/ /opt/bin/
+COPY tree /tree
+COPY --chown=user:user bin/tool /opt/as-user/
+COPY --chown=4321 bin/tool /opt/numeric/tool
+COPY --from=stage /out /from-stage
+COPY --from=stage --chown=7:8 /out/owned /from-stage-chowned
+ADD bundle.tar /unpacked/
+ADD --chown=99:98 bundle.tar /unpacked-chowned/
+"""
+
+
+def test_copy_and_add_keep_modes_and_owners_as_docker(client: corral.Client, tmp_path: Path) -> None:
+    """Setuid, setgid and sticky bits survive COPY and ADD; owners are root's for context files, the source's
+    for COPY --from and a local tar's ADD, and --chown's (names from the image's /etc/passwd and /etc/group)."""
+    context = _context(tmp_path, COPY_MODES, {"bin/tool": "#!/bin/sh\necho tool\n", "bin/shared": "shared\n"})
+    for name, mode in (("bin/tool", 0o4755), ("bin/shared", 0o2775)):
+        os.chown(context / name, 1500, 1500)  # a context file's owner on the server's machine is not kept
+        os.chmod(context / name, mode)  # after chown, which clears the setuid and setgid bits
+    (context / "tree/tmp").mkdir(parents=True)
+    (context / "tree/tmp").chmod(0o1777)
+    _owned_tar(context / "bundle.tar", (1234, 2345))
+    image = client.images.build_dockerfile("df-modes", context / "Dockerfile")
+    paths = ["/opt/bin/tool", "/opt/bin/shared", "/tree/tmp", "/opt/as-user", "/opt/as-user/tool", "/opt/numeric/tool",
+             "/from-stage/owned", "/from-stage/su", "/from-stage-chowned", "/unpacked/dir", "/unpacked/dir/suid-in-tar",
+             "/unpacked-chowned/dir", "/unpacked-chowned/dir/suid-in-tar"]  # fmt: skip
+    with client.create(image.name) as sandbox:
+        result = sandbox.exec(["stat", "-c", "%n %a %u:%g", *paths])
+        assert result.exit_code == 0, result
+        assert result.stdout.splitlines() == [
+            "/opt/bin/tool 4755 0:0",  # the setuid binary keeps 4755
+            "/opt/bin/shared 2775 0:0",
+            "/tree/tmp 1777 0:0",  # sticky (a copied directory's contents; /tree itself is made 755, as Docker)
+            "/opt/as-user 755 1000:1000",  # made by this COPY --chown: the user's too
+            "/opt/as-user/tool 4755 1000:1000",  # --chown keeps the setuid bit (chown(2) would clear it)
+            "/opt/numeric/tool 4755 4321:4321",  # a UID without GID: the same number as GID
+            "/from-stage/owned 644 1001:1002",  # COPY --from keeps the source stage's owners ...
+            "/from-stage/su 4755 0:0",
+            "/from-stage-chowned 644 7:8",  # ... unless --chown
+            "/unpacked/dir 750 1234:2345",  # a local tar's owners and modes, as the tar says
+            "/unpacked/dir/suid-in-tar 4750 1234:2345",
+            "/unpacked-chowned/dir 750 99:98",
+            "/unpacked-chowned/dir/suid-in-tar 4750 99:98",
+        ]
+        assert sandbox.exec("/opt/bin/tool").stdout == "tool\n"
+    context_bad = _context(tmp_path / "bad", "FROM busybox\nCOPY --chown=nobody-here x /x\n", {"x": "x\n"})
+    with pytest.raises(corral.InvalidRequest, match="line 2: COPY --chown=nobody-here x /x: --chown: no user "
+                       "'nobody-here' in the image's /etc/passwd"):  # fmt: skip
+        client.images.build_dockerfile("df-modes-bad", context_bad / "Dockerfile")

@@ -5,17 +5,20 @@ images this module builds itself (tarfile → OCI layout → skopeo copy). A Cor
 pulls from them (both listed in CORRAL_INSECURE_REGISTRIES, the auth one's credentials in an auth.json), and
 sandboxes run from what it pulled. Bytes are counted on the registry side, from its access log. The
 client-level tests run the registry client and the puller in this process against the same registries (and
-a small front server for bearer tokens, redirects and broken connections: tests/oci_registry.py).
+a small front server for bearer tokens, redirects, broken connections and injected failures:
+tests/oci_registry.py). A third registry serves https only, with a certificate of a CA the test makes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +29,7 @@ import corral
 from corral.bench.registry import (
     Blob,
     Registry,
+    ServerCertificate,
     htpasswd_file,
     image_blobs,
     layer_tar,
@@ -46,7 +50,7 @@ from corral.images.store import LayerStore
 from corral.server import registry_config
 from corral.state.db import StateStore
 from tests.conftest import REPO
-from tests.oci_registry import RegistryFront
+from tests.oci_registry import Fault, RegistryFront, make_ca, server_certificate
 
 pytestmark = pytest.mark.skipif(shutil.which("docker-registry") is None or shutil.which("skopeo") is None,
                                 reason="needs docker-registry and skopeo (apt)")  # fmt: skip
@@ -361,14 +365,22 @@ def _manifest_of(registry: Registry, repository: str) -> str:
 # -- the client and puller in this process ---------------------------------
 
 
+@contextlib.contextmanager
+def _puller(root: Path, config: RegistryConfig) -> Iterator[ImagePuller]:
+    """A puller in this process into a fresh store under ``root``."""
+    store = StateStore(f"sqlite:///{root / 'state.db'}")
+    catalogue = Catalogue(store.engine, LayerStore(root / "layers"))
+    builder = LayerBuilder(catalogue, root / "build", 1 << 30)
+    try:
+        yield ImagePuller(catalogue, builder, config, max_layer_bytes=1 << 30)
+    finally:
+        store.close()
+
+
 @pytest.fixture
 def puller(tmp_path: Path, images: Images) -> Iterator[ImagePuller]:
-    store = StateStore(f"sqlite:///{tmp_path / 'state.db'}")
-    catalogue = Catalogue(store.engine, LayerStore(tmp_path / "layers"))
-    builder = LayerBuilder(catalogue, tmp_path / "build", 1 << 30)
-    config = RegistryConfig(insecure=frozenset({images.anon.address}))
-    yield ImagePuller(catalogue, builder, config, max_layer_bytes=1 << 30)
-    store.close()
+    with _puller(tmp_path, RegistryConfig(insecure=frozenset({images.anon.address}))) as made:
+        yield made
 
 
 async def test_insecure_registry_refused_without_the_setting(images: Images) -> None:
@@ -411,6 +423,7 @@ async def test_bearer_token_auth_and_refusal(images: Images) -> None:
         async with RegistryClient(bad) as client:
             with pytest.raises(corral.PermissionDenied, match="token server .* refused as 'puller'"):
                 await client.manifest(reference)
+            assert front.attempts("/token") == [200, 401] and client.retries == 0  # a refusal is not retried
     finally:
         front.close()
 
@@ -449,3 +462,130 @@ async def test_concurrent_pulls_of_images_sharing_layers_download_each_once(imag
                   if e["method"] == "GET" and "/blobs/" in e["path"]]  # fmt: skip
     layers = {blob.digest for blob in [*images.app[2:], *images.app2[2:]]}
     assert sorted(d for d in layer_gets if d in layers) == sorted(layers)  # each layer blob GET once
+
+
+# -- https, and retries -----------------------------------------------------
+
+
+@dataclass
+class TlsRegistry:
+    registry: Registry
+    certificate: ServerCertificate
+    other_ca: Path  # a CA that did not sign the registry's certificate
+
+    def ref(self) -> str:
+        return f"{self.registry.address}/ns/tls:v1"
+
+
+@pytest.fixture(scope="module")
+def tls_registry(images: Images, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsRegistry]:
+    """docker-registry serving https only, its certificate (127.0.0.1, localhost) signed by a CA made here."""
+    tmp = tmp_path_factory.mktemp("tls")
+    certificate = server_certificate(tmp / "ca", make_ca(tmp / "ca", "corral-test-ca"))
+    other_ca, _ = make_ca(tmp / "other", "another-test-ca")
+    registry = start_registry(tmp / "registry", tls=certificate)
+    try:
+        blobs = image_blobs([images.busybox_layer, layer_tar({"etc": None, "etc/tls": b"over https\n"})],
+                            {"Env": ["PATH=/usr/bin:/bin", "CHANNEL=tls"]})  # fmt: skip
+        push(write_layout(tmp / "layout", "v1", blobs), "v1", registry, "ns/tls")
+        yield TlsRegistry(registry=registry, certificate=certificate, other_ca=other_ca)
+    finally:
+        registry.stop()
+
+
+async def test_https_registry_is_refused_unless_its_ca_is_trusted(tls_registry: TlsRegistry, tmp_path: Path) -> None:
+    reference = parse_reference(tls_registry.ref())
+    since = len(tls_registry.registry.access_log())
+    for ca_file in (None, tls_registry.other_ca):  # the system's store alone; another CA added to it
+        async with RegistryClient(registry_config(Settings(registry_ca_file=ca_file))) as client:
+            with pytest.raises(corral.ServerUnavailable) as refused:
+                await client.manifest(reference)
+            assert client.retries == 0  # asking again would not change the certificate
+        address = tls_registry.registry.address
+        assert refused.value.message.startswith(
+            f"the https certificate of registry {address} is not trusted (unable to get local issuer certificate; "
+        ) and "give that CA's certificate (PEM) in CORRAL_REGISTRY_CA_FILE" in refused.value.message  # fmt: skip
+    assert tls_registry.registry.access_log()[since:] == []  # no request got past the handshake
+    with pytest.raises(corral.InvalidRequest, match="does not exist \\(CORRAL_REGISTRY_CA_FILE\\)"):
+        registry_config(Settings(registry_ca_file=tmp_path / "missing.pem"))
+
+    trusted = registry_config(Settings(registry_ca_file=tls_registry.certificate.ca_certificate))
+    with _puller(tmp_path, trusted) as puller:
+        pulled = await puller.pull(tls_registry.ref())
+    assert (pulled.layers_pulled, pulled.image.config.env["CHANNEL"]) == (2, "tls")
+    answered = [(e["path"].split("/")[-2], e["status"]) for e in tls_registry.registry.access_log()[since:]]
+    assert answered == [("manifests", "200")] + [("blobs", "200")] * 3  # config + 2 layers, over https
+
+    # Listed as insecure, it is spoken to in plain HTTP only: refused, never downgraded to unverified https.
+    listed = Settings(insecure_registries=tls_registry.registry.address,  # type: ignore[arg-type]
+                      registry_ca_file=tls_registry.certificate.ca_certificate)  # fmt: skip
+    async with RegistryClient(registry_config(listed)) as client:
+        refusal = "speaks https .*but it is listed in CORRAL_INSECURE_REGISTRIES, whose registries are reached over"
+        with pytest.raises(corral.ServerUnavailable, match=refusal + " plain HTTP only"):
+            await client.manifest(reference)
+        assert client.retries == 0
+
+
+def test_server_pulls_over_https_with_the_ca_setting(tls_registry: TlsRegistry, rclient: corral.Client,
+                                                     tmp_path: Path, test_env: dict[str, str]) -> None:  # fmt: skip
+    with pytest.raises(corral.ServerUnavailable, match="certificate of registry .* is not trusted"):
+        rclient.images.pull(tls_registry.ref())  # the module's server has no CORRAL_REGISTRY_CA_FILE
+    env = {**test_env, "CORRAL_REGISTRY_CA_FILE": str(tls_registry.certificate.ca_certificate)}
+    with EmbeddedServer(tmp_path / "server", env=env) as server, server.client() as client:
+        with client.create(tls_registry.ref(), ttl_s=300) as sandbox:  # pulled on first use, over https
+            assert sandbox.exec("cat /etc/tls; echo $CHANNEL").stdout == "over https\ntls\n"
+        assert client.images.inspect(tls_registry.ref()).source == tls_registry.ref()
+
+
+async def test_transient_failures_are_retried_on_every_request(images: Images) -> None:
+    front = RegistryFront(images.anon, bearer=(USER, PASSWORD))
+    try:
+        front.inject("/manifests/", [Fault(None), Fault(502)])  # a connection closed unanswered, then a 502
+        front.inject("/token", [Fault(503)])
+        front.inject("/blobs/", [Fault(429, retry_after="1"), Fault(500)])
+        config = RegistryConfig(insecure=frozenset({front.address}), credentials={front.address: (USER, PASSWORD)},
+                                backoff_s=0.01)  # fmt: skip
+        async with RegistryClient(config) as client:
+            manifest = await client.manifest(parse_reference(f"{front.address}/ns/app:v1"))
+            assert manifest.digest == images.app[0].digest
+            # the manifest's 401 challenge sends for a token, whose first answer is a 503
+            assert front.attempts("/manifests/") == [None, 502, 401, 200]
+            assert front.attempts("/token") == [503, 200]
+            image_config = await client.config(manifest)
+            assert image_config["config"]["WorkingDir"] == "/opt/app"
+            assert front.attempts("/blobs/") == [429, 500, 200]
+            assert client.retries == 5
+        blob_times = [at for at, path, _ in front.requests if "/blobs/" in path]
+        assert blob_times[1] - blob_times[0] >= 0.95  # Retry-After: 1 was waited for, not the 10 ms backoff
+    finally:
+        front.close()
+
+
+async def test_permanent_errors_surface_at_once_and_retries_are_bounded(images: Images) -> None:
+    front = RegistryFront(images.anon)
+    try:
+        config = RegistryConfig(insecure=frozenset({front.address}), retries=2, backoff_s=0.01, max_delay_s=0.5)
+        async with RegistryClient(config) as client:
+            with pytest.raises(corral.NotFound, match="ns/app:nope is not in registry .* \\(404\\)"):
+                await client.manifest(parse_reference(f"{front.address}/ns/app:nope"))
+            front.inject("/manifests/", [Fault(403)])
+            with pytest.raises(corral.PermissionDenied, match="refused manifest v1 of .*ns/app \\(403\\)"):
+                await client.manifest(parse_reference(f"{front.address}/ns/app:v1"))
+            front.inject("/manifests/", [Fault(400)])
+            with pytest.raises(corral.ServerUnavailable, match="answered 400 for manifest v1"):
+                await client.manifest(parse_reference(f"{front.address}/ns/app:v1"))
+            assert front.attempts("/manifests/") == [404, 403, 400] and client.retries == 0
+
+            front.inject("/manifests/", [Fault(503, retry_after="3600")] * 3)
+            started = time.monotonic()
+            with pytest.raises(corral.ServerUnavailable) as gave_up:
+                await client.manifest(parse_reference(f"{front.address}/ns/app:v1"))
+            waited_s = time.monotonic() - started
+        assert gave_up.value.message == (
+            f"registry {front.address} answered 503; gave up after 3 attempts to get manifest v1 of "
+            f"{front.address}/ns/app"
+        )
+        assert front.attempts("/manifests/")[3:] == [503, 503, 503]
+        assert 2 * 0.5 * 0.95 <= waited_s <= 2 * 0.5 + 5  # the hour of Retry-After capped at max_delay_s
+    finally:
+        front.close()

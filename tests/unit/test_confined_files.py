@@ -456,3 +456,22 @@ def test_no_fd_leak_on_errors(tree: ConfinedTree, root: Path) -> None:
         assert reader.read() == b"x" * 100
     tree.remove("/d", recursive=True)
     assert _open_fd_count() == before
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="restoring owners needs root")
+def test_extract_tar_keeps_owners_and_setuid_only_when_asked(tree: ConfinedTree, root: Path) -> None:
+    def members() -> io.BytesIO:
+        infos = [_member("d", tarfile.DIRTYPE, mode=0o2750), _member("d/su", mode=0o4755),
+                 _member("d/link", tarfile.SYMTYPE, linkname="su")]  # fmt: skip
+        for info in infos:
+            info.uid, info.gid = 1234, 2345
+        return _tar_bytes([(info, b"#!/bin/sh\n") for info in infos])
+
+    tree.extract_tar("/upload", members(), max_bytes=1 << 20)  # an API upload: the server's owner, no setuid
+    uploaded = [os.lstat(root / "upload" / name) for name in ("d", "d/su")]
+    assert [(stat.S_IMODE(st.st_mode), st.st_uid) for st in uploaded] == [(0o750, 0), (0o755, 0)]
+    tree.extract_tar("/build", members(), max_bytes=1 << 20, keep_owners=True)  # an image build's COPY
+    built = [os.lstat(root / "build" / name) for name in ("d", "d/su", "d/link")]
+    kept = [(stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) for st in built[:2]]
+    assert kept == [(0o2750, 1234, 2345), (0o4755, 1234, 2345)]
+    assert (built[2].st_uid, built[2].st_gid) == (1234, 2345) and stat.S_ISLNK(built[2].st_mode)

@@ -61,3 +61,26 @@ def test_context_globs_and_dockerignore(tmp_path: Path) -> None:
     with pytest.raises(InvalidRequest, match="leads outside the build context"):
         context.sources(copy, ("etc-link/hostname",))
     assert context.sources(copy, ("etc-link",)) == [tmp_path / "etc-link"]  # copied as the symlink it is
+
+
+def test_escape_directive_backtick() -> None:
+    dockerfile = parse_dockerfile(
+        "# syntax=docker/dockerfile:1\n# escape=`\nFROM busybox\n"
+        'ENV WINPATH=C:\\Tools\\bin PRICE=`$5 QUOTED="say `"hi`""\n'
+        "RUN echo one\\\n"  # a backslash ends no line now: this RUN is one line
+        "RUN echo two `\n  three\n"
+    )
+    env, run_one, run_two = dockerfile.stages[0].body
+    assert env.escape == "`" and run_one.value == "echo one\\" and run_two.value == "echo two   three"
+    assert run_two.text == "RUN echo two three" and run_two.line == 6
+    assert key_values(env, substitute(env.value, {}, env.escape)) == {
+        "WINPATH": "C:\\Tools\\bin", "PRICE": "$5", "QUOTED": 'say "hi"'
+    }  # fmt: skip
+    assert substitute("`$A $A \\$A", {"A": "1"}, "`") == "$A 1 \\1"
+    default = parse_dockerfile("FROM busybox\nENV P=C:\\Tools\nRUN echo a \\\n  b\n# escape=`\n")
+    assert default.stages[0].body[0].escape == "\\" and default.stages[0].body[1].value == "echo a   b"
+    assert key_values(default.stages[0].body[0], "P=C:\\Tools") == {"P": "C:Tools"}  # the backslash escapes
+    late = parse_dockerfile("FROM busybox\n# escape=`\nRUN echo a `\n")  # a directive after a line is a comment
+    assert late.stages[0].body[0].escape == "\\" and late.stages[0].body[0].value == "echo a `"
+    with pytest.raises(InvalidRequest, match="line 1: # escape=x: the escape directive takes"):
+        parse_dockerfile("# escape=x\nFROM busybox\n")

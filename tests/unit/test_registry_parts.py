@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from corral.bench.registry import layer_tar
-from corral.images.registry import is_registry_reference, load_auth_file, parse_reference
+from corral.images.registry import RegistryConfig, is_registry_reference, load_auth_file, parse_reference
 from corral.images.unpack import unpack_oci_layer
 from corral.sdk import InvalidRequest
 
@@ -69,3 +69,13 @@ def test_one_layer_keeps_whiteouts_as_overlayfs_does(tmp_path: Path) -> None:
     assert (tree / "again/same").read_text() == "written here\n"
     assert (tree / "later/same").read_text() == "first\n"
     assert not any(name.startswith(".wh.") for _, _, names in os.walk(tree) for name in names)
+
+
+def test_retry_delays_back_off_with_jitter_and_are_capped() -> None:
+    config = RegistryConfig(backoff_s=0.2, max_delay_s=10.0)
+    for retry, full_s in ((1, 0.2), (2, 0.4), (3, 0.8), (7, 10.0), (30, 10.0)):
+        delays = [config.retry_delay_s(retry, None) for _ in range(50)]
+        assert all(full_s / 2 <= delay <= full_s for delay in delays), (retry, delays)
+        assert len(set(delays)) > 1  # jittered, so many pullers do not retry in step
+    assert config.retry_delay_s(1, 3.0) == 3.0  # the registry's Retry-After, as it is
+    assert config.retry_delay_s(1, 3600.0) == 10.0  # ... within the cap

@@ -241,9 +241,11 @@ class GuestTree:
         normal = _normalise(path)
         fileobj.write(self._call(_TAR_OUT, [normal], path=normal, cap=1 << 30))
 
-    def extract_tar(self, dest: str, fileobj: BinaryIO, *, max_bytes: int) -> int:
+    def extract_tar(self, dest: str, fileobj: BinaryIO, *, max_bytes: int, keep_owners: bool = False) -> int:
         """Re-pack on the host (any compression in, plain tar out), counting bytes and dropping
         device nodes, fifos and setuid bits, then unpack in the guest without restoring owners."""
+        if keep_owners:
+            raise InvalidRequest("an upload that keeps owners and setuid bits (image builds) needs a container sandbox")
         normal = _normalise(dest)
         clean = io.BytesIO()
         total = members = 0

@@ -50,8 +50,10 @@ MAX_TAR_MEMBERS = 100_000
 MAX_TREE_DEPTH = 256
 CHUNK_BYTES = 1 << 20
 DIR_MODE = 0o755
-# Permission bits we set; setuid/setgid are stripped because the server is root.
+# Permission bits we set; setuid/setgid are stripped because the server is root (except where an image build
+# asks to keep them: extract_tar's keep_owners).
 _MODE_BITS = 0o1777
+_IMAGE_MODE_BITS = 0o7777
 
 _SYS_OPENAT2 = 437  # same number on every architecture with the unified syscall table
 _RESOLVE_NO_MAGICLINKS = 0x02
@@ -212,6 +214,7 @@ def _fill_file(
     uid: int | None,
     gid: int | None,
     mtime: float | None,
+    mode_bits: int = _MODE_BITS,
 ) -> None:
     fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=parent_fd)
     try:
@@ -219,7 +222,7 @@ def _fill_file(
             _write_all(fd, chunk)
         if uid is not None or gid is not None:
             os.fchown(fd, -1 if uid is None else uid, -1 if gid is None else gid)
-        os.fchmod(fd, mode & _MODE_BITS)
+        os.fchmod(fd, mode & mode_bits)  # after fchown, which clears setuid/setgid
         times = None if mtime is None else _mtime_ns(mtime)
         if times is not None:
             os.utime(fd, ns=times)
@@ -227,8 +230,13 @@ def _fill_file(
         os.close(fd)
 
 
-def _make_symlink(parent_fd: int, name: str, *, target: str, mtime: float) -> None:
+def _make_symlink(
+    parent_fd: int, name: str, *, target: str, mtime: float, owner: tuple[int | None, int | None] = (None, None)
+) -> None:
     os.symlink(target, name, dir_fd=parent_fd)
+    if owner != (None, None):
+        os.chown(name, -1 if owner[0] is None else owner[0], -1 if owner[1] is None else owner[1],
+                 dir_fd=parent_fd, follow_symlinks=False)  # fmt: skip
     times = _mtime_ns(mtime)
     if times is not None:
         os.utime(name, ns=times, dir_fd=parent_fd, follow_symlinks=False)
@@ -388,11 +396,14 @@ class ConfinedTree:
                     self._add_to_tar(tar, entry)
         tar.close()
 
-    def extract_tar(self, dest: str, fileobj: BinaryIO, *, max_bytes: int) -> int:
+    def extract_tar(self, dest: str, fileobj: BinaryIO, *, max_bytes: int, keep_owners: bool = False) -> int:
         """Unpack a plain or compressed tar stream under ``dest``; returns how many
         members were created. Regular file bytes count against ``max_bytes``.
         Device nodes and fifos are skipped; owners are not restored (entries
-        belong to the server's user); setuid/setgid bits are stripped. Members
+        belong to the server's user); setuid/setgid bits are stripped, unless
+        ``keep_owners`` (an image build's COPY: owners and all mode bits as the
+        archive says, as image layers keep them; sandboxes run with
+        no_new_privs, so the bits grant nothing there). Members
         are created through the sandbox root, so a member below a symlink that
         an earlier member created lands wherever that symlink points inside the
         sandbox, as with ``tar -x`` run inside it."""
@@ -410,7 +421,7 @@ class ConfinedTree:
                 for index, member in enumerate(tar):
                     if index >= MAX_TAR_MEMBERS:
                         raise PayloadTooLarge(f"tar archive has more than {MAX_TAR_MEMBERS} members; split it")
-                    if self._extract_member(tar, member, dest_normal, budget, dir_times):
+                    if self._extract_member(tar, member, dest_normal, budget, dir_times, keep_owners):
                         created += 1
         except (tarfile.TarError, EOFError) as exc:
             raise InvalidRequest(f"not a valid (optionally compressed) tar archive: {exc}; check the upload") from exc
@@ -619,14 +630,19 @@ class ConfinedTree:
         dest: str,
         budget: _Budget,
         dir_times: _DirTimes,
+        keep_owners: bool,
     ) -> bool:
         """Create one member under ``dest``; False if its type is skipped."""
         target = _member_path(dest, member.name)
+        uid, gid = (member.uid, member.gid) if keep_owners else (None, None)
+        mode_bits = _IMAGE_MODE_BITS if keep_owners else _MODE_BITS
         with _translated(target):
             if member.isdir():
                 dir_fd = self._ensure_dir(target, uid=None, gid=None)
                 try:
-                    os.fchmod(dir_fd, member.mode & _MODE_BITS)
+                    if keep_owners:
+                        os.fchown(dir_fd, member.uid, member.gid)
+                    os.fchmod(dir_fd, member.mode & mode_bits)
                 finally:
                     os.close(dir_fd)
                 dir_times.append((target, member.mtime))
@@ -635,12 +651,11 @@ class ConfinedTree:
                     raise PayloadTooLarge(budget.message)
                 reader = tar.extractfile(member)
                 chunks = _budgeted_chunks(reader, budget) if reader is not None else ()
-                build = functools.partial(
-                    _fill_file, chunks=chunks, mode=member.mode, uid=None, gid=None, mtime=member.mtime
-                )
+                build = functools.partial(_fill_file, chunks=chunks, mode=member.mode, uid=uid, gid=gid,
+                                          mtime=member.mtime, mode_bits=mode_bits)  # fmt: skip
                 self._replace(target, build, make_parents=True)
             elif member.issym():
-                build = functools.partial(_make_symlink, target=member.linkname, mtime=member.mtime)
+                build = functools.partial(_make_symlink, target=member.linkname, mtime=member.mtime, owner=(uid, gid))
                 self._replace(target, build, make_parents=True)
             elif member.islnk():
                 source = _member_path(dest, member.linkname)
