@@ -12,4 +12,4 @@ test: setup
 	@.venv/bin/python -m pytest -q -p no:cacheprovider
 
 bench: setup
-	@.venv/bin/corral bench
+	@.venv/bin/corral bench containers

@@ -1,4 +1,4 @@
-"""`corral bench-cluster`: a real Ray cluster of N nodes on this machine against one embedded node, same run.
+"""`corral bench cluster`: a real Ray cluster of N nodes on this machine against one embedded node, same run.
 
 Both run real crun containers. The cluster is ``LocalCluster`` (N raylets,
 each with its edge actor, a gateway and PostgreSQL, in a network namespace

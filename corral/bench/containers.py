@@ -1,4 +1,4 @@
-"""`corral bench`: container sandbox latency, measured against plain crun in the same run.
+"""`corral bench containers`: container sandbox latency, measured against plain crun in the same run.
 
 Corral is measured through the real SDK over HTTP against an embedded server
 this command starts for itself: create -> first exec, exec round trip, and a
@@ -329,7 +329,7 @@ def _table(report: dict[str, Any]) -> Table:
                f"Kernel {info['kernel']}, {info['cpu_count']} cpus, cgroup {info['cgroup_layout']}, "
                f"{info['crun_version']}.")  # fmt: skip
     table = Table("metric", "p50 ms", "p95 ms", "baseline p50 ms", "ratio", "target", "verdict",
-                  title="corral bench", caption=caption)  # fmt: skip
+                  title="corral bench containers", caption=caption)  # fmt: skip
 
     def verdict(metric: str, failed: str = "over") -> str:
         return "[green]ok[/green]" if checks[metric]["ok"] else f"[red]{failed}[/red]"

@@ -1,4 +1,4 @@
-"""`corral bench-control-plane`: the control plane alone, at cluster scale, against simulated nodes.
+"""`corral bench control-plane`: the control plane alone, at cluster scale, against simulated nodes.
 
 The real ``SandboxService`` (validation, image resolution through the real
 catalogue, the ``Scheduler``, records in the real state store, SQLite or

@@ -1,4 +1,4 @@
-"""`corral bench-density`: how many idle containers one node holds, and what each one costs the host.
+"""`corral bench density`: how many idle containers one node holds, and what each one costs the host.
 
 Idle busybox sandboxes (cpu 0.01, 64 MiB limit, no TTL) are created in batches of `step`, 16 at a time;
 at 0 and after every batch this records:
@@ -210,7 +210,7 @@ def _table(report: dict[str, Any]) -> Table:
                f"{left['host_mounts']} erofs/overlay host mounts. "
                f"Kernel {info['kernel']}, {info['cpu_count']} cpus, {info['mem_total_mib']:.0f} MiB RAM.")  # fmt: skip
     table = Table("sandboxes", "host MiB used", "MiB / sandbox", "exec p50 / p95", "create p50 (rate)", "server mounts",
-                  title="corral bench-density", caption=caption)  # fmt: skip
+                  title="corral bench density", caption=caption)  # fmt: skip
     for row in report["steps"]:
         per_sandbox = f"{row['mib_per_sandbox']:.2f}" if row["mib_per_sandbox"] is not None else "-"
         probe = f"{row['exec']['p50']:.1f} / {row['exec']['p95']:.1f} ms" if row["exec"] else "-"

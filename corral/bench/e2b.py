@@ -1,4 +1,4 @@
-"""`corral bench-e2b`: the unmodified e2b SDK against Corral's own SDK, interleaved in one run, same server.
+"""`corral bench e2b`: the unmodified e2b SDK against Corral's own SDK, interleaved in one run, same server.
 
 Two timings, each sampled alternately through both clients on the same
 image (``e2b-base``, as user ``user``) and the same command (``bash -l -c
@@ -126,7 +126,7 @@ def _table(report: dict[str, Any]) -> Table:
         f"image {IMAGE}, command {' '.join(COMMAND)}; client and server share {info['cpu_count']} cpus. "
         f"Kernel {info['kernel']}."
     )
-    rows = ResultTable("corral bench-e2b", caption, report["checks"], digits=2)
+    rows = ResultTable("corral bench e2b", caption, report["checks"], digits=2)
     rows.timing("create → first command, e2b SDK", report["e2b_create"], "Corral SDK", report["corral_create"])
     rows.timing("command round trip, e2b SDK", report["e2b_run"], "Corral SDK", report["corral_run"])
     return rows.table

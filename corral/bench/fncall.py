@@ -1,4 +1,4 @@
-"""`corral bench-fncall`: the fncall backend's pooled calls, each figure beside a baseline from the same run.
+"""`corral bench fncall`: the fncall backend's pooled calls, each figure beside a baseline from the same run.
 
 1. Round trip of a trivial call (`client.fncall("true")`, sync client, one at a
    time, after warm-up calls). Baselines, interleaved sample by sample: a fresh
@@ -286,7 +286,7 @@ def _table(report: dict[str, Any]) -> Table:
     caption = (f"{params['runs']} sequential calls (every {PROBE_EVERY}th a leak probe), each beside sh -c true; "
                f"{len(throughput)} throughput passes of {params['throughput_calls']} calls; client, server and "
                f"sandboxes share {info['cpu_count']} cpus. Kernel {info['kernel']}.")  # fmt: skip
-    rows = ResultTable("corral bench-fncall", caption, report["checks"], digits=2)
+    rows = ResultTable("corral bench fncall", caption, report["checks"], digits=2)
     table, verdict, timing = rows.table, rows.verdict, rows.timing
 
     timing("trivial call, sync", roundtrip["fncall"], "sh -c true", roundtrip["shell"], "roundtrip")

@@ -1,4 +1,4 @@
-"""`corral bench-guard`: what reporting refusals and sensitive reads costs, against same-run baselines.
+"""`corral bench guard`: what reporting refusals and sensitive reads costs, against same-run baselines.
 
 Two debian-12 sandboxes with the same profile, one under crun (the seccomp filter logs each refusal, which
 becomes an audit event) and one under runc (runc 1.1 refuses seccomp flags: the same refusals, unlogged),
@@ -129,7 +129,7 @@ def _table(report: dict[str, Any]) -> Table:
         f"{report['params']['runs']} one-second loops per side, interleaved; {IMAGE}, "
         f"repeat window {REPEAT_WINDOW_S:g} s. Kernel {info['kernel']}, {info['cpu_count']} cpus."
     )
-    rows = ResultTable("corral bench-guard", caption, report["checks"], digits=2)
+    rows = ResultTable("corral bench guard", caption, report["checks"], digits=2)
     table = rows.table
     for key, label in (("refusals_per_s", "refused syscalls / s"), ("threads_per_s", "threads created / s")):
         logged, unlogged = report[key]["crun"], report[key]["runc"]

@@ -1,4 +1,4 @@
-"""`corral bench-gvisor`: what gVisor (runtime="runsc") costs against crun in the same run, and its snapshots.
+"""`corral bench gvisor`: what gVisor (runtime="runsc") costs against crun in the same run, and its snapshots.
 
 Interleaved per run, busybox:
 - create → first exec finished, runsc beside crun (each sandbox killed after);
@@ -110,7 +110,7 @@ def _table(report: dict[str, Any]) -> Table:
         f"Checkpoint on disk: {report['checkpoint_bytes'] / 2**20:.1f} MiB. "
         f"Kernel {info['kernel']}, {info['cpu_count']} cpus."
     )
-    rows = ResultTable("corral bench-gvisor", caption, [], digits=1)
+    rows = ResultTable("corral bench gvisor", caption, [], digits=1)
     first, execs, snaps = report["create_first_exec_ms"], report["exec_ms"], report["snapshot_ms"]
     rows.timing("create → first exec (runsc)", first["runsc"], "crun", first["crun"])
     rows.timing("exec `true` round trip (runsc)", execs["runsc"], "crun", execs["crun"])

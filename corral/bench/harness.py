@@ -1,4 +1,4 @@
-"""What every `corral bench-*` command shares: the root check, the subreaper, a scratch dir, the progress bar,
+"""What every `corral bench NAME` command shares: the root check, the subreaper, a scratch dir, the progress bar,
 and printing the report as a table or as JSON (progress then goes to stderr, so stdout is the JSON alone)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`corral bench-images`: a node that has never seen an image, with layers on demand against the eager path.
+"""`corral bench images`: a node that has never seen an image, with layers on demand against the eager path.
 
 A source server holds a large image: debian-12 plus a data layer of files
 whose sizes run from 64 KiB to 8 MiB (random bytes, so nothing dedupes or
@@ -254,7 +254,7 @@ def _table(report: dict[str, Any]) -> Table:
                f"{report['layers']} layers ({report['data_files']} data files); chunks of "
                f"{params['chunk_bytes'] // 1024} KiB. Kernel {report['host']['kernel']}, "
                f"{report['host']['cpu_count']} cpus.")  # fmt: skip
-    rows = ResultTable("corral bench-images", caption, report["checks"], digits=2)
+    rows = ResultTable("corral bench images", caption, report["checks"], digits=2)
     table, timing = rows.table, rows.timing
     timing("cold create → first exec, on demand", lazy["cold_ms"], "eager", eager["cold_ms"], "cold_ratio")
     table.add_row("  (same, in seconds)", f"{lazy['cold_ms']['p50'] / 1000:.2f} s", "-", "-", "-",
@@ -451,7 +451,7 @@ def _burst_table(report: dict[str, Any]) -> Table:
                f"files); each image's sandboxes read {params['read_pct']:g}% of its data, in disjoint slices; chunks "
                f"of {params['chunk_bytes'] // 1024} KiB. Kernel {report['host']['kernel']}, "
                f"{report['host']['cpu_count']} cpus.")  # fmt: skip
-    rows = ResultTable("corral bench-images-burst", caption, report["checks"], digits=0)
+    rows = ResultTable("corral bench images-burst", caption, report["checks"], digits=0)
     table = rows.table
     rows.timing(f"{cold['sandboxes']} cold sandboxes at once: create → first exec", cold["create_exec_ms"],
                 "the same burst warm", warm["create_exec_ms"])  # fmt: skip

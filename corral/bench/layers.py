@@ -1,4 +1,4 @@
-"""`corral bench-layers`: what composing sandboxes from shared EROFS layers costs, against same-run baselines.
+"""`corral bench layers`: what composing sandboxes from shared EROFS layers costs, against same-run baselines.
 
 1. Compose-and-mount: k = 1, 2, 3 EROFS layer files mounted with mount(2) plus
    an overlay over them, in this process's private mount namespace; baseline:
@@ -243,7 +243,7 @@ def _table(report: dict[str, Any]) -> Table:
         "Cached:, which is machine-wide, so extras and copies are medians over sandboxes. "
         f"Kernel {info['kernel']}, {info['cpu_count']} cpus, cgroup {info['cgroup_layout']}."
     )
-    table = Table("measurement", "value", "baseline (same run)", "ratio", title="corral bench-layers", caption=caption)
+    table = Table("measurement", "value", "baseline (same run)", "ratio", title="corral bench layers", caption=caption)
     tmpfs = compose["tmpfs"]
     for k in range(1, MAX_LAYERS + 1):
         ours = compose[f"layers_{k}"]
@@ -292,7 +292,7 @@ def run_layers_benchmark(*, runs: int, sandboxes: int, as_json: bool, console: C
     if runs < 1 or sandboxes < 2:
         raise InvalidRequest("--runs must be at least 1 and --sandboxes at least 2")
     if os.geteuid() != 0:
-        raise SystemExit("corral bench-layers needs root: it mounts EROFS layers and overlays itself")
+        raise SystemExit("corral bench layers needs root: it mounts EROFS layers and overlays itself")
     layout = host.detect_cgroup_layout()
     # First, before any thread (the progress bar starts one): unshare(CLONE_NEWNS)
     # refuses a threaded process, and every mount below then dies with us.

@@ -1,4 +1,4 @@
-"""`corral bench-lifecycle`: pause/resume, fork and step replay, each against a baseline sampled in the same run.
+"""`corral bench lifecycle`: pause/resume, fork and step replay, each against a baseline sampled in the same run.
 
 1. Pause and resume of a debian-12 sandbox holding ~100 MB of touched anonymous
    memory: client wall time of pause (it returns once frozen; the memory then
@@ -252,7 +252,7 @@ def _table(report: dict[str, Any]) -> Table:
     caption = (f"{report['params']['runs']} samples per timing, each beside its baseline in the same run; "
                f"replay: {REPLAY_STEPS} steps per pass, log check {replay['check']}. Kernel {info['kernel']}, "
                f"{info['cpu_count']} cpus, cgroup {info['cgroup_layout']}, swap {info['swap_mib']} MiB.")  # fmt: skip
-    rows = ResultTable("corral bench-lifecycle", caption, report["checks"], digits=1)
+    rows = ResultTable("corral bench lifecycle", caption, report["checks"], digits=1)
     table, verdict, timing = rows.table, rows.verdict, rows.timing
 
     timing(f"pause, {HELD_MIB} MiB resident (client)", pause["pause"], "crun pause", pause["crun_pause"], "pause")
@@ -285,7 +285,7 @@ def run_lifecycle_benchmark(*, runs: int, as_json: bool, console: Console) -> No
     if runs < 1:
         raise InvalidRequest("--runs must be at least 1")
     if os.geteuid() != 0:
-        raise SystemExit("corral bench-lifecycle needs root: its baseline runs crun on the server's containers")
+        raise SystemExit("corral bench lifecycle needs root: its baseline runs crun on the server's containers")
     layout = host.detect_cgroup_layout()
     # Before any thread (the progress bar starts one): unshare(CLONE_NEWNS)
     # refuses a threaded process. On hybrid hosts this hides v2 so crun works.

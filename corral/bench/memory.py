@@ -1,4 +1,4 @@
-"""`corral bench-memory`: host memory when many sandboxes read the same layer files, and what pausing gives back.
+"""`corral bench memory`: host memory when many sandboxes read the same layer files, and what pausing gives back.
 
 1. Sharing: a layer of incompressible files (os.urandom, `layer_mib` in all) is built once from a
    directory as a tools layer over busybox. One sandbox is created and reads all of it; then
@@ -305,7 +305,7 @@ def _table(report: dict[str, Any]) -> Table:
                "other tenants; no drop_caches was used, only our image file was evicted first. Reclaim data is "
                f"/dev/urandom, which zram cannot compress. Kernel {info['kernel']}, {info['cpu_count']} cpus, "
                f"{info['mem_total_mib']:.0f} MiB RAM, swap {info['swap_total_mib']:.0f} MiB.")  # fmt: skip
-    rows = ResultTable("corral bench-memory", caption, report["checks"], digits=1)
+    rows = ResultTable("corral bench memory", caption, report["checks"], digits=1)
 
     def add(label: str, value: str, spread: str = "-", base: str = "-", ratio: str = "-", metric: str = "") -> None:
         rows.table.add_row(label, value, spread, base, ratio, rows.target(metric) if metric else "-",

@@ -1,4 +1,4 @@
-"""`corral bench-pull`: pulling images from an OCI registry, against a plain download of the same blobs.
+"""`corral bench pull`: pulling images from an OCI registry, against a plain download of the same blobs.
 
 A docker-registry on loopback (corral/bench/registry.py) holds two images of random (incompressible)
 layers pushed with skopeo: ``app`` with 5 layers, and ``app2`` sharing app's first 3 layers plus 2 of its
@@ -155,7 +155,7 @@ def _report(samples: list[dict[str, Any]], app: list[Blob], app2: list[Blob], la
 def _table(report: dict[str, Any]) -> Table:
     seconds, received = report["median_s"], report["median_bytes"]
     table = Table("what", "median s", "MB received", "vs plain download (same run)",
-                  title=f"corral bench-pull: {report['layers']} layers of {report['layer_mib']} MiB, "
+                  title=f"corral bench pull: {report['layers']} layers of {report['layer_mib']} MiB, "
                         f"{report['runs']} runs", caption="medians; bytes as the puller counted them")  # fmt: skip
     ratio = seconds["cold"] / seconds["download"]
     rows = (("plain download + sha256 of the 5 blobs", "download", "1.00×"),

@@ -1,4 +1,4 @@
-"""`corral bench-qos`: exec latency of a latency-class sandbox on an idle node and on one that batch work keeps busy.
+"""`corral bench qos`: exec latency of a latency-class sandbox on an idle node and on one that batch work keeps busy.
 
 One latency sandbox (debian-12) answers two kinds of exec, each timed at the
 client from request to result: `true` (the round trip itself) and a CPU-bound
@@ -151,7 +151,7 @@ def _table(report: dict[str, Any]) -> Table:
                f"per round ({params['rounds'] * params['samples']} per cell); busy = {params['batch']} batch "
                f"sandboxes, one busy loop each. Inflation = busy p50 / idle p50 - 1. Kernel {info['kernel']}, "
                f"{info['cpu_count']} cpus, cgroup {info['cgroup_layout']}.")  # fmt: skip
-    rows = ResultTable("corral bench-qos", caption, report["checks"], digits=1)
+    rows = ResultTable("corral bench qos", caption, report["checks"], digits=1)
     labels = {"trivial": "exec `true`", "cpu": "exec python3 ~20 ms loop"}
     for kind, label in labels.items():
         rows.timing(f"{label}, idle node", report["idle"][kind], "-", None)

@@ -1,4 +1,4 @@
-"""Real OCI registries on loopback for `corral bench-pull` and the tests: Debian's docker-registry (the CNCF
+"""Real OCI registries on loopback for `corral bench pull` and the tests: Debian's docker-registry (the CNCF
 distribution server), and OCI image layouts written with tarfile and pushed into it with skopeo.
 
 Each registry gets a free port on 127.0.0.1, a config file and filesystem storage under a directory of the

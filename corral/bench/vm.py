@@ -1,4 +1,4 @@
-"""`corral bench-vm`: the VM backends (microvm, vm) against same-run baselines, on whatever accelerator the node has.
+"""`corral bench vm`: the VM backends (microvm, vm) against same-run baselines, on whatever accelerator the node has.
 
 1. Boot to first exec: `create(backend=B)` + `exec("true")` wall time, for microvm (busybox) and vm (debian-12,
    a q35 guest booting an ext4 root disk). One untimed warm-up create per kind comes first: the first microvm
@@ -333,7 +333,7 @@ def _table(report: dict[str, Any]) -> Table:
                f"vm {boot['warmup_ms']['vm']:.0f} ms, which also builds the vm root disk if the node has none yet). "
                f"Kernel {info['kernel']}, {info['cpu_count']} cpus, load at start {info['loadavg_at_start']}. "
                f"No targets are promised for TCG in docs/spec.md. {KVM_NOTE}")  # fmt: skip
-    rows = ResultTable("corral bench-vm", caption, [], digits=1)
+    rows = ResultTable("corral bench vm", caption, [], digits=1)
     table, timing = rows.table, rows.timing
     timing("microvm create → first exec", boot["microvm"], "bare TCG boot to init", boot["probe_boot"])
     timing("  same, vs a container", boot["microvm"], "container create+exec", boot["container"])

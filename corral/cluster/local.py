@@ -2,7 +2,7 @@
 
 ``LocalCluster`` runs a whole cluster on this machine (a head, a gateway, N
 nodes as separate raylets, PostgreSQL): `corral cluster up|status|down`, the
-cluster tests and `corral bench-cluster`. ``join_node`` is the part that runs
+cluster tests and `corral bench cluster`. ``join_node`` is the part that runs
 on each real machine (`corral cluster join`). Everything the cluster started
 is recorded in ``<dir>/cluster.json``; each node's processes share a session
 of their own, so `down` ends exactly them, by pid.

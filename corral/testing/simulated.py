@@ -2,7 +2,7 @@
 
 ``SimulatedBackend`` answers the ``Backend`` protocol from memory so that the
 gateway, the scheduler, the state store and the edges' admission can be
-measured alone at cluster scale (``corral bench-control-plane``: 160 simulated
+measured alone at cluster scale (``corral bench control-plane``: 160 simulated
 nodes in one process). It runs no process and confines nothing: a sandbox is
 a dict entry, its files an in-memory dict. Commands are not run; the few a
 control-plane test needs get honest canned answers (``true`` exits 0 with no

@@ -1,4 +1,4 @@
-"""`corral bench-memory` at a tiny size (3 sandboxes, an 8 MiB layer), so that the benchmark cannot rot.
+"""`corral bench memory` at a tiny size (3 sandboxes, an 8 MiB layer), so that the benchmark cannot rot.
 
 It runs as its own process, as users run it: the bench makes itself a subreaper and starts its own server.
 """
@@ -16,7 +16,7 @@ COUNT, LAYER_MIB, HELD_MIB = 3, 8, 20
 
 def test_bench_memory_runs_at_a_tiny_size_and_reports_sharing_and_reclaim() -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "corral.cli.main", "bench-memory", "--count", str(COUNT), "--layer-mib",
+        [sys.executable, "-m", "corral.cli.main", "bench", "memory", "--count", str(COUNT), "--layer-mib",
          str(LAYER_MIB), "--json"],
         cwd=REPO, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL,
     )  # fmt: skip

@@ -1,4 +1,4 @@
-"""The statistics behind `corral bench`: percentiles with linear interpolation and the summary."""
+"""The statistics behind `corral bench containers`: percentiles with linear interpolation and the summary."""
 
 from __future__ import annotations
 
