@@ -3,7 +3,8 @@
 A template is a Corral image: ``base`` and ``code-interpreter-v1`` are the
 ``e2b-base`` image (debian-12 + sudo, user ``user``; corral/gateway/e2b/template.py),
 any other template id is an image ref such as ``debian-12``. E2B's ``timeout``
-is the sandbox's TTL, ``metadata`` its labels, ``envVars`` its environment.
+is the sandbox's TTL, ``metadata`` its labels, ``envVars`` its environment,
+``allow_internet_access`` and ``network`` its egress rules (network.py).
 Create options Corral cannot honour are refused (400), never ignored.
 """
 
@@ -32,6 +33,7 @@ from corral.gateway.e2b.common import (
     rfc3339,
     services,
 )
+from corral.gateway.e2b.network import create_policy
 from corral.sdk._exceptions import NotFound
 from corral.sdk._models import CreateSandboxRequest, SandboxInfo, SandboxState
 
@@ -143,12 +145,6 @@ def _check_create_options(body: dict[str, Any]) -> None:
         raise refuse("autoPauseMemory", "pausing always keeps memory")
     # autoResume is about sandboxes that autoPause paused, which is refused above; what the SDKs send by
     # default ({"enabled": false}) changes nothing here. (Any request to a paused Corral sandbox resumes it.)
-    if body.get("allow_internet_access"):
-        raise refuse(
-            "allow_internet_access=True",
-            "sandboxes have loopback only (Corral's API sets egress allowlists); pass allow_internet_access=False, "
-            "as older SDKs (e.g. e2b 2.30) must, since they send True unless told otherwise",
-        )
     for option, why in _UNSUPPORTED_CREATE_OPTIONS.items():
         if body.get(option):
             raise refuse(option, why)
@@ -169,6 +165,7 @@ async def _create(request: Request) -> JSONResponse:
     if any(key.startswith("corral.") for key in metadata):
         raise E2BError(400, "metadata keys starting with 'corral.' are Corral's own")
     timeout_s = _timeout(body.get("timeout"), DEFAULT_TIMEOUT_S)
+    network = create_policy(body, facade(request).internet_egress)
     create = CreateSandboxRequest(
         image=image_of(template_id),
         env=env,
@@ -176,6 +173,7 @@ async def _create(request: Request) -> JSONResponse:
         cwd=home_of(SANDBOX_USER),
         labels={**metadata, TEMPLATE_LABEL: template_id},
         ttl_s=timeout_s or None,
+        network=network,
     )
     svc = services(request).sandboxes
     try:
