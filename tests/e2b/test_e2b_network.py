@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2b import Sandbox, SandboxException
+from e2b import ALL_TRAFFIC, Sandbox, SandboxException
 
 from corral.embedded import EmbeddedServer
 from corral.gateway.e2b import e2b_api_key
@@ -152,3 +152,54 @@ def test_a_server_can_forbid_internet(tmp_path: Path, test_env: dict[str, str]) 
             assert sandbox.commands.run("ls /sys/class/net").stdout.split() == ["lo"]
         finally:
             sandbox.kill()
+
+
+def _wait_for(check, timeout_s: float = 15.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+def test_network_allow_and_deny_with_host_names_kept_current(  # type: ignore[no-untyped-def]
+    create, network_server: EmbeddedServer, hosts_file: Path
+) -> None:
+    hosts_file.write_text(f"{PEER} mirror.corral.test\n")
+    sandbox = create(network={"allow_out": ["mirror.corral.test"], "deny_out": [ALL_TRAFFIC]})
+    netns = _netns(sandbox)
+    _route_public_via_peer(netns)
+    assert f"ip daddr {PEER} accept" in _output_rules(netns)  # the name, resolved on the node
+    assert sandbox.commands.run(_fetch(PEER)).stdout == "ok from mirror\n"
+    assert sandbox.commands.run(_fetch(PUBLIC)).stdout == ""  # deny_out 0.0.0.0/0: no internet either
+    hosts_file.write_text("10.88.201.99 mirror.corral.test\n")  # the name moves
+    _wait_for(lambda: "ip daddr 10.88.201.99 accept" in _output_rules(netns))
+    assert f"ip daddr {PEER} accept" not in _output_rules(netns)
+    before = _denied(network_server, sandbox)
+    assert sandbox.commands.run(_fetch(PEER)).stdout == ""  # the old address is closed at once
+    assert _denied(network_server, sandbox) > before
+    with network_server.client() as client:  # denied attempts become audit events too
+        _wait_for(lambda: any(e.kind == "network_denied" for e in client.get(sandbox.sandbox_id).audit_events()))
+
+
+def test_update_network_replaces_the_rules(create, network_server: EmbeddedServer) -> None:  # type: ignore[no-untyped-def]
+    sandbox = create(allow_internet_access=False)  # loopback only at first
+    sandbox.update_network({"allow_out": ["10.88.201.0/24"], "allow_internet_access": False})
+    netns = _netns(sandbox)
+    _route_public_via_peer(netns)
+    assert sandbox.commands.run(_fetch(PEER)).stdout == "ok from mirror\n"
+    assert sandbox.commands.run(_fetch(PUBLIC)).stdout == ""
+    sandbox.update_network({"deny_out": [PEER]})  # replaced: internet (E2B's default) on, the peer denied
+    assert sandbox.commands.run(_fetch(PUBLIC)).stdout == "ok from mirror\n"
+    assert sandbox.commands.run(_fetch(PEER)).stdout == ""
+    with network_server.client() as client:
+        rules = client.get(sandbox.sandbox_id).network().allow
+    assert rules is not None and rules[0].cidr == f"{PEER}/32" and rules[0].action == "deny"
+
+
+def test_network_options_corral_cannot_honour_are_refused(create) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SandboxException, match="network.egressProxy is not supported"):
+        create(network={"egress_proxy": {"address": "127.0.0.1:1080"}})
+    with pytest.raises(SandboxException, match="wildcard host"):
+        create(network={"allow_out": ["*.example.com"]})
+    with pytest.raises(SandboxException, match="network.allowPublicTraffic=True is not supported"):
+        create(network={"allow_public_traffic": True})

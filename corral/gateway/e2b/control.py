@@ -33,7 +33,7 @@ from corral.gateway.e2b.common import (
     rfc3339,
     services,
 )
-from corral.gateway.e2b.network import create_policy
+from corral.gateway.e2b.network import create_policy, update_policy
 from corral.sdk._exceptions import NotFound
 from corral.sdk._models import CreateSandboxRequest, SandboxInfo, SandboxState
 
@@ -48,7 +48,6 @@ _CREATE_FIELDS = {
     "allow_internet_access", "network", "mcp", "iam", "volumeMounts",
 }  # fmt: skip
 _UNSUPPORTED_CREATE_OPTIONS = {
-    "network": "use Corral's egress allowlist (PUT /v1/sandboxes/{id}/network)",
     "mcp": "no MCP gateway",
     "iam": "no cloud IAM",
     "volumeMounts": "no volumes",
@@ -334,13 +333,24 @@ def _unix_s(request: Request, name: str) -> int | None:
         raise E2BError(400, f"{name}={text!r} is not a Unix time in seconds") from None
 
 
+@router.put("/sandboxes/{sandbox_id}/network")
+async def update_network(sandbox_id: str, request: Request) -> Response:
+    """``Sandbox.update_network``: the egress rules replaced at once (network.py), in the sandbox's own
+    namespace; a sandbox without network is plugged in."""
+    check_api_key(request)
+    body = await _json(request)
+    _live(request, sandbox_id)
+    policy = update_policy(body, facade(request).internet_egress)
+    await services(request).sandboxes.set_network(sandbox_id, policy)
+    return Response(status_code=204)
+
+
 @router.post("/sandboxes/{sandbox_id}/snapshots")
 @router.get("/snapshots")
 @router.post("/sandboxes/{sandbox_id}/fork")
-@router.put("/sandboxes/{sandbox_id}/network")
 async def unsupported(request: Request) -> Response:
     check_api_key(request)
     raise refuse(
         f"{request.method} {request.url.path}",
-        "use Corral's own API for snapshots, forks and networks (sandbox.snapshot(), fork(), set_network())",
+        "use Corral's own API for snapshots and forks (sandbox.snapshot(), fork())",
     )
