@@ -40,6 +40,7 @@ from corral.gateway.e2b.common import (
     target,
 )
 from corral.gateway.e2b.processes import NO_TIMEOUT_S, OUTPUT_CAP_BYTES, Event, Process
+from corral.gateway.e2b.signed import files_target
 from corral.gateway.e2b.watch import Watchers
 from corral.sdk._exceptions import Conflict, CorralError, InvalidRequest, NotFound, PayloadTooLarge
 from corral.sdk._models import ExecRequest, FileInfo, SandboxState
@@ -454,7 +455,7 @@ async def filesystem_rpc(method: str, request: Request) -> Response:
 @router.get("/files")
 async def read_file(request: Request, path: str, username: str | None = None) -> Response:
     try:
-        where = target(request, username or basic_user(request))
+        where = files_target(request, "read", path, username)
         full = where.path(path)
         data = await _edge(request, where, lambda e: e.read_file(where.sandbox_id, full))
     except E2BError as exc:
@@ -489,7 +490,7 @@ async def _upload_body(request: Request, limit: int) -> bytes:
 @router.post("/files")
 async def write_files(request: Request, path: str | None = None, username: str | None = None) -> Response:
     try:
-        where = target(request, username or basic_user(request))
+        where = files_target(request, "write", path, username)
         if any(name.lower().startswith("x-metadata-") for name in request.headers):
             raise InvalidRequest("file metadata (X-Metadata-* headers) is not supported by Corral's E2B facade")
         limit = facade(request).max_file_bytes
