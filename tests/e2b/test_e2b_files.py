@@ -5,11 +5,12 @@ A signed URL is used as a browser or curl would: plain HTTP, no header at all.
 
 from __future__ import annotations
 
+import time
 import urllib.parse
 
 import httpx
 import pytest
-from e2b import Sandbox
+from e2b import FilesystemEventType, Sandbox
 
 
 @pytest.fixture
@@ -47,3 +48,35 @@ def test_signed_urls_work_without_headers_until_they_expire(sbx: Sandbox) -> Non
     assert sbx.files.read("signed/up.txt") == "uploaded by url"
     late = httpx.post(sbx.upload_url("signed/late.txt", use_signature_expiration=-5), files={"file": ("l", b"x")})
     assert late.status_code == 401 and not sbx.files.exists("signed/late.txt")
+
+
+def test_file_metadata_is_kept_as_xattrs_and_listed(sbx: Sandbox) -> None:
+    assert str(sbx._envd_version) == "0.6.4"  # what the SDK gates metadata and watch options on
+    sbx.files.write("meta/a.txt", "a", metadata={"Owner": "agent-7", "step": "3"})
+    sbx.files.write("meta/b.txt", "b")
+    assert sbx.files.get_info("meta/a.txt").metadata == {"owner": "agent-7", "step": "3"}  # keys lowercased
+    listed = {entry.name: entry.metadata for entry in sbx.files.list("meta")}
+    assert listed == {"a.txt": {"owner": "agent-7", "step": "3"}, "b.txt": None}
+    inside = sbx.commands.run("python3 -c \"import os; print(os.getxattr('meta/a.txt', 'user.owner').decode())\"")
+    assert inside.stdout == "agent-7\n"  # a real extended attribute on the file, seen from inside
+    sbx.commands.run("python3 -c \"import os; os.setxattr('meta/b.txt', 'user.tag', b'set inside')\"")
+    assert sbx.files.get_info("meta/b.txt").metadata == {"tag": "set inside"}
+
+
+def test_watch_events_carry_the_entry(sbx: Sandbox) -> None:
+    sbx.files.make_dir("watched")
+    handle = sbx.files.watch_dir("watched", include_entry=True, allow_network_mounts=True)
+    plain = sbx.files.watch_dir("watched")
+    sbx.files.write("watched/new.txt", "12345")
+    time.sleep(1)
+    events = handle.get_new_events()
+    created = [e for e in events if e.type == FilesystemEventType.CREATE and e.name == "new.txt"]
+    assert created and created[0].entry is not None
+    assert created[0].entry.path == "/home/user/watched/new.txt" and created[0].entry.size == 5
+    assert all(e.entry is None for e in plain.get_new_events())  # only when asked for
+    sbx.files.remove("watched/new.txt")
+    time.sleep(1)
+    removed = [e for e in handle.get_new_events() if e.type == FilesystemEventType.REMOVE]
+    assert removed and removed[0].entry is None  # nothing left to describe
+    handle.stop()
+    plain.stop()

@@ -22,6 +22,7 @@ from fastapi import FastAPI
 
 from corral.gateway.e2b import control, envd, interpreter
 from corral.gateway.e2b.common import e2b_api_key
+from corral.gateway.e2b.metadata import FileMetadata
 from corral.gateway.e2b.metrics import sample
 from corral.gateway.e2b.network import InternetEgress
 from corral.gateway.e2b.processes import ProcessTable
@@ -40,7 +41,8 @@ class E2BFacade:
         self.internet_egress = internet_egress
         self._sandboxes = services.sandboxes
         self.processes = ProcessTable(services.trajectories)
-        self.watchers = Watchers(services.sandboxes)
+        self.watchers = Watchers(services.sandboxes, envd.entry)
+        self.metadata = FileMetadata(services.sandboxes)
         self.kernels = interpreter.Kernels(self.processes, services.sandboxes)
 
     async def metrics(self, info: SandboxInfo) -> dict[str, Any]:
@@ -50,6 +52,7 @@ class E2BFacade:
         """The sandbox ended: drop its processes, kernels and watchers."""
         self.kernels.forget(sandbox_id)
         self.watchers.forget(sandbox_id)
+        self.metadata.forget(sandbox_id)
         await self.processes.forget(sandbox_id)
 
     async def close(self) -> None:

@@ -39,6 +39,7 @@ from corral.gateway.e2b.common import (
     services,
     target,
 )
+from corral.gateway.e2b.metadata import FileMetadata
 from corral.gateway.e2b.processes import NO_TIMEOUT_S, OUTPUT_CAP_BYTES, Event, Process
 from corral.gateway.e2b.signed import files_target
 from corral.gateway.e2b.watch import Watchers
@@ -389,16 +390,19 @@ async def _list(request: Request, where: Target, path: str, depth: int) -> list[
 
 async def _filesystem(request: Request, method: str, where: Target, message: dict[str, Any]) -> Response:
     sandbox_id = where.sandbox_id
+    metadata: FileMetadata = facade(request).metadata
     if method == "Stat":
         path = where.path(message.get("path", ""))
-        return JSONResponse({"entry": entry(await _edge(request, where, lambda e: e.stat(sandbox_id, path)))})
+        found = entry(await _edge(request, where, lambda e: e.stat(sandbox_id, path)))
+        return JSONResponse({"entry": (await metadata.annotate(sandbox_id, [found]))[0]})
     if method == "ListDir":
         path = where.path(message.get("path", ""))
         depth = int(message.get("depth") or 1)
         info = await _edge(request, where, lambda e: e.stat(sandbox_id, path))
         if info.type != "dir":
             raise InvalidRequest(f"path {path} is not a directory")
-        return JSONResponse({"entries": await _list(request, where, path, depth)})
+        entries = await metadata.annotate(sandbox_id, await _list(request, where, path, depth))
+        return JSONResponse({"entries": entries})
     if method == "MakeDir":
         path = where.path(message.get("path", ""))
         try:
@@ -420,8 +424,10 @@ async def _filesystem(request: Request, method: str, where: Target, message: dic
             pass  # envd's Remove is os.RemoveAll: a path that is not there is already removed
         return JSONResponse({})
     watchers: Watchers = facade(request).watchers
+    include_entry = bool(message.get("includeEntry", message.get("include_entry")))  # envd 0.6.3
     if method == "CreateWatcher":
-        watcher_id = await watchers.create(where, where.path(message.get("path", "")), bool(message.get("recursive")))
+        path, recursive = where.path(message.get("path", "")), bool(message.get("recursive"))
+        watcher_id = await watchers.create(where, path, recursive, include_entry)
         return JSONResponse({"watcherId": watcher_id})
     if method == "GetWatcherEvents":
         events = await watchers.events(sandbox_id, str(message.get("watcherId", "")))
@@ -431,7 +437,7 @@ async def _filesystem(request: Request, method: str, where: Target, message: dic
         return JSONResponse({})
     if method == "WatchDir":
         path, recursive = where.path(message.get("path", "")), bool(message.get("recursive"))
-        watcher_id = await watchers.create(where, path, recursive)
+        watcher_id = await watchers.create(where, path, recursive, include_entry)
         return _stream(watchers.stream(sandbox_id, watcher_id, _deadline_s(request), _keepalive_s(request)))
     raise NotFound(f"filesystem.Filesystem/{method} is not supported by Corral's E2B facade")
 
@@ -491,8 +497,6 @@ async def _upload_body(request: Request, limit: int) -> bytes:
 async def write_files(request: Request, path: str | None = None, username: str | None = None) -> Response:
     try:
         where = files_target(request, "write", path, username)
-        if any(name.lower().startswith("x-metadata-") for name in request.headers):
-            raise InvalidRequest("file metadata (X-Metadata-* headers) is not supported by Corral's E2B facade")
         limit = facade(request).max_file_bytes
         files: list[tuple[str, bytes]] = []
         if request.headers.get("content-type", "").startswith("multipart/form-data"):
@@ -513,6 +517,8 @@ async def write_files(request: Request, path: str | None = None, username: str |
         for file_path, data in files:
             info = await trajectories.write_file(where.sandbox_id, file_path, data, 0o644, None)
             written.append({"name": info.name, "type": "file", "path": info.path})
+        metadata = FileMetadata.from_headers(request.headers)  # envd 0.6.2: X-Metadata-<key> as xattrs
+        await facade(request).metadata.write(where.sandbox_id, [item["path"] for item in written], metadata)
         return JSONResponse(written)
     except E2BError as exc:
         return exc.response()
