@@ -186,8 +186,8 @@ class Settings(BaseSettings):
         "public",
         description="What an internet grant (E2B's allow_internet_access, on by default there) gives a sandbox. "
         "public: egress to public addresses only, never private (RFC 1918), CGNAT, loopback, link-local or metadata "
-        "(169.254.169.254) ranges (docs/e2b.md lists them), counted when denied; packets leave the node only "
-        "through an uplink plugged into the sandbox network. off: no internet; an explicit "
+        "(169.254.169.254) ranges (docs/e2b.md lists them), counted when denied; the sandbox network has no uplink "
+        "yet, so this sets what may leave, not a route. off: no internet; an explicit "
         "allow_internet_access=True create fails, and an unset one gets none.",
     )
     network_hosts_file: Path | None = Field(
