@@ -212,6 +212,23 @@ class Settings(BaseSettings):
     vm_boot_timeout_s: float = Field(
         90.0, gt=0, description="How long a microvm/vm guest may take to boot before its create fails."
     )
+    internet_egress: Literal["public", "off"] = Field(
+        "public",
+        description="What an internet grant (E2B's allow_internet_access, on by default there) gives a sandbox. "
+        "public: egress to public addresses only, never private (RFC 1918), CGNAT, loopback, link-local or metadata "
+        "(169.254.169.254) ranges (docs/e2b.md lists them), counted when denied; the sandbox network has no uplink "
+        "yet, so this sets what may leave, not a route. off: no internet; an explicit "
+        "allow_internet_access=True create fails, and an unset one gets none.",
+    )
+    network_hosts_file: Path | None = Field(
+        None,
+        description="A hosts file (the /etc/hosts format) read before the node's resolver for host names in egress "
+        "rules, e.g. names of peers on the sandbox network.",
+    )
+    network_resolve_interval_s: float = Field(
+        30.0, gt=0, description="How often host names in egress rules are resolved again; changed addresses reload "
+        "the sandbox's rules at once.",
+    )  # fmt: skip
 
     @field_validator("insecure_registries", mode="before")
     @classmethod

@@ -20,6 +20,7 @@ from corral.backends.common.host import (
     detect_cgroup_layout,
     enter_private_mount_namespace,
 )
+from corral.backends.common.network import HostResolver
 from corral.backends.container.backend import ContainerBackend
 from corral.backends.container.memory import ensure_zram_swap
 from corral.backends.router import BackendRouter
@@ -90,6 +91,8 @@ def build_edge(settings: Settings, host: HostSetup, events: EdgeEvents) -> Local
         layer_idle_unmount_s=settings.layer_idle_unmount_s,
         create_concurrency=settings.create_concurrency,
         audit_repeat_window_s=settings.audit_repeat_window_s,
+        resolver=HostResolver(settings.network_hosts_file),
+        resolve_interval_s=settings.network_resolve_interval_s,
     )
     backend = BackendRouter(
         [

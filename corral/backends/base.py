@@ -296,6 +296,10 @@ class Backend(Protocol):
     def housekeeping(self) -> None:
         """Periodic upkeep the edge calls about once a second (e.g. reaping)."""
 
+    def refresh_network(self) -> None:
+        """Re-resolve host names in egress rules when due, reloading what changed; may block on the node's
+        resolver, so the edge calls it in a thread, about once a second."""
+
     def kernel_events(self) -> list[tuple[str, str, str, dict[str, Any]]]:
         """Audit events the kernel reported since the last call (syscalls the profile refused, reads of
         sensitive paths), repeats aggregated: (sandbox_id, kind, severity, detail). Called with housekeeping."""

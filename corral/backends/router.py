@@ -149,6 +149,10 @@ class BackendRouter:
         for backend in self.backends:
             backend.housekeeping()
 
+    def refresh_network(self) -> None:
+        for backend in self.backends:
+            backend.refresh_network()
+
     async def close(self) -> None:
         for backend in self.backends:
             await backend.close()

@@ -4,9 +4,12 @@ Two timings, each sampled alternately through both clients on the same
 image (``e2b-base``, as user ``user``) and the same command (``bash -l -c
 true``, what ``commands.run`` sends):
 
-1. create → first command result: ``Sandbox.create("base")`` + ``commands.run``
-   vs ``client.create("e2b-base")`` + ``exec``; the sandbox is killed after
-   each sample (not timed).
+1. create → first command result: ``Sandbox.create("base",
+   allow_internet_access=False)`` + ``commands.run`` vs
+   ``client.create("e2b-base")`` + ``exec``; the sandbox is killed after each
+   sample (not timed). Both without network: E2B's default internet grant
+   would plug the e2b sandbox into the sandbox network, work the Corral
+   sandbox does not do.
 2. command round trip on a running sandbox: ``commands.run`` (a Connect
    server stream with start, data and end events) vs ``exec`` (one JSON
    request and answer).
@@ -77,7 +80,7 @@ def _measure(data_dir: Path, runs: int, progress: Progress) -> dict[str, Any]:
             task = progress.add_task("create → first command (e2b, corral)", total=runs)
             for _ in range(runs):
                 started = time.perf_counter()
-                sandbox = Sandbox.create(TEMPLATE, timeout=SANDBOX_TTL_S)
+                sandbox = Sandbox.create(TEMPLATE, timeout=SANDBOX_TTL_S, allow_internet_access=False)
                 sandbox.commands.run("true")
                 samples["e2b_create"].append(_ms_since(started))
                 sandbox.kill()
@@ -88,7 +91,7 @@ def _measure(data_dir: Path, runs: int, progress: Progress) -> dict[str, Any]:
                 own.kill()
                 progress.advance(task)
             task = progress.add_task("command round trip (e2b, corral)", total=runs * ROUNDTRIPS_PER_SANDBOX)
-            sandbox = Sandbox.create(TEMPLATE, timeout=SANDBOX_TTL_S)
+            sandbox = Sandbox.create(TEMPLATE, timeout=SANDBOX_TTL_S, allow_internet_access=False)
             own = client.create(IMAGE, user=USER, cwd=f"/home/{USER}", ttl_s=SANDBOX_TTL_S)
             try:
                 for _ in range(runs * ROUNDTRIPS_PER_SANDBOX):

@@ -150,7 +150,9 @@ class _Sandbox:
 
 def to_allow_rules(allow: list[NetworkRule]) -> tuple[AllowRule, ...]:
     """API rules to the fabric's (validated there: InvalidRequest on a bad one)."""
-    return tuple(AllowRule(cidr=r.cidr, ports=tuple(r.ports), protocol=r.protocol) for r in allow)
+    return tuple(
+        AllowRule(cidr=r.cidr, ports=tuple(r.ports), protocol=r.protocol, host=r.host, action=r.action) for r in allow
+    )
 
 
 def _lookup_owner(tree: FileTree, user: str) -> tuple[int, int]:
@@ -203,6 +205,7 @@ class LocalEdge:
             await asyncio.sleep(_HOUSEKEEPING_INTERVAL_S)
             try:
                 self._backend.housekeeping()
+                await asyncio.to_thread(self._backend.refresh_network)  # host names in egress rules, when due
                 for sandbox_id, kind, severity, detail in self._backend.kernel_events():
                     self._events.audit(sandbox_id, kind, severity, detail)
                 await self._pause_idle()

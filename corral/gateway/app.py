@@ -25,6 +25,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from corral.gateway.auth import Caller
 from corral.gateway.e2b import include_e2b
+from corral.gateway.e2b.network import InternetEgress
 from corral.gateway.event_stream import follow_events
 from corral.gateway.fncall import FnCallService
 from corral.gateway.images import ImageService
@@ -175,8 +176,11 @@ def _label_pairs(items: list[str] | None) -> dict[str, str]:
     return labels
 
 
-def create_app(service_factory, max_file_bytes: int, upload_dir: Path) -> FastAPI:  # type: ignore[no-untyped-def]
-    """``service_factory`` is an async context manager yielding the Services."""
+def create_app(  # type: ignore[no-untyped-def]
+    service_factory, max_file_bytes: int, upload_dir: Path, *, internet_egress: InternetEgress = "public"
+) -> FastAPI:
+    """``service_factory`` is an async context manager yielding the Services; ``internet_egress`` is what an
+    E2B internet grant gives (CORRAL_INTERNET_EGRESS)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -680,5 +684,7 @@ def create_app(service_factory, max_file_bytes: int, upload_dir: Path) -> FastAP
         """The web dashboard (corral/gateway/dashboard): it asks for the key and uses this same API."""
         return RedirectResponse("/ui/")
 
-    include_e2b(app, max_file_bytes)  # E2B's API and envd protocol on the same port (corral/gateway/e2b)
+    include_e2b(
+        app, max_file_bytes, internet_egress
+    )  # E2B's API and envd protocol on the same port (corral/gateway/e2b)
     return app

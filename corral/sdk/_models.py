@@ -100,15 +100,23 @@ class SandboxState(StrEnum):
 
 
 class NetworkRule(_Model):
-    """Egress allowed to ``cidr`` (and these ports, or all ports when empty) over ``protocol``."""
+    """Egress allowed (or with ``action="deny"``, dropped and counted) to ``cidr`` or ``host`` (and these
+    ports, or all ports when empty) over ``protocol``."""
 
-    cidr: str = Field(description="An address or network, e.g. 10.88.200.2 or 10.88.200.0/24.")
+    cidr: str | None = Field(None, description="An address or network, e.g. 10.88.200.2 or 10.88.200.0/24.")
+    host: str | None = Field(
+        None,
+        description="Instead of cidr: a host name, resolved by the node's resolver (CORRAL_NETWORK_HOSTS_FILE first) "
+        "and again every CORRAL_NETWORK_RESOLVE_INTERVAL_S; the rule matches the addresses it has now.",
+    )
     ports: list[int] = Field(default_factory=list, description="Destination ports; empty = all (tcp/udp).")
     protocol: Literal["tcp", "udp", "icmp", "any"] = "tcp"
+    action: Literal["allow", "deny"] = "allow"
 
 
 class NetworkPolicy(_Model):
-    """A sandbox's network: plugged into the node's sandbox network with only this egress allowed."""
+    """A sandbox's network: plugged into the node's sandbox network with only this egress allowed. Rules are
+    tried in order and the first match decides; what matches none is dropped and counted."""
 
     allow: list[NetworkRule] = Field(default_factory=list, description="Empty: plugged in, but nothing allowed out.")
 

@@ -299,6 +299,9 @@ class SimulatedBackend:
     def housekeeping(self) -> None:
         return None
 
+    def refresh_network(self) -> None:
+        return None
+
     def kernel_events(self) -> list[tuple[str, str, str, dict[str, Any]]]:
         return []
 

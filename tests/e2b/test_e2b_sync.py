@@ -267,8 +267,6 @@ def test_metrics(sbx: Sandbox) -> None:
 
 
 def test_unsupported_options_are_refused(sbx: Sandbox) -> None:
-    with pytest.raises(SandboxException, match="allow_internet_access=True is not supported"):
-        Sandbox.create("base", allow_internet_access=True)
     with pytest.raises(SandboxException, match="404: template 'no-such-image' not found"):
         Sandbox.create("no-such-image")
     with pytest.raises(SandboxException, match="out of range"):

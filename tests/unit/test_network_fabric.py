@@ -19,7 +19,15 @@ from itertools import count
 
 import pytest
 
-from corral.backends.common.network import AllowRule, DeniedCounts, NetworkFabric, _existing_netns
+from corral.backends.common.network import (
+    AllowRule,
+    DeniedCounts,
+    HostResolver,
+    NetworkFabric,
+    _existing_netns,
+    _render_policy,
+    internet_rules,
+)
 from corral.sdk._exceptions import Conflict, InvalidRequest, NotFound
 
 RUN = secrets.token_hex(3)
@@ -191,6 +199,34 @@ def test_rules_are_parsed_into_canonical_form() -> None:
     assert AllowRule.parse({"cidr": "::/0", "protocol": "icmp"}).nft_match() == "ip6 daddr ::/0 meta l4proto ipv6-icmp"
     assert AllowRule("0.0.0.0/0", protocol="any").nft_match() == "ip daddr 0.0.0.0/0"
     assert AllowRule("10.0.0.0/8").nft_match() == "ip daddr 10.0.0.0/8 meta l4proto tcp"
+
+
+def test_host_and_deny_rules_render_in_order(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    hosts = tmp_path / "hosts"
+    hosts.write_text("# peers\n10.88.200.2 mirror.test\n\n10.88.200.3 mirror.test other\n")
+    resolver = HostResolver(hosts)
+    assert resolver.resolve("mirror.test") == ("10.88.200.2", "10.88.200.3")
+    assert resolver.resolve("localhost") == ("127.0.0.1",) or "::1" in resolver.resolve("localhost")  # getaddrinfo
+    assert resolver.resolve("no-such-name.invalid") == ()
+    rules = [AllowRule(host="mirror.test", ports=(8080,)), AllowRule("10.0.0.0/8", protocol="any", action="deny"),
+             AllowRule(host="no-such-name.invalid")]  # fmt: skip
+    output = [
+        line for line in _render_policy(rules, resolver).splitlines() if line.startswith("add rule inet corral output")
+    ]
+    assert output[1:4] == [
+        "add rule inet corral output ip daddr 10.88.200.2/32 tcp dport { 8080 } accept",
+        "add rule inet corral output ip daddr 10.88.200.3/32 tcp dport { 8080 } accept",
+        'add rule inet corral output ip daddr 10.0.0.0/8 counter name "egress_denied" drop',
+    ]  # and the name that resolves to nothing gives no line: the final drop follows
+    assert output[4] == 'add rule inet corral output counter name "egress_denied" drop'
+    refused = [({"host": "not a name"}, "not a DNS name"), ({"cidr": "10.0.0.1", "host": "a.b"}, "exactly one"),
+               ({"cidr": "10.0.0.1", "action": "reject"}, "action")]  # fmt: skip
+    for spec, fragment in refused:
+        with pytest.raises(InvalidRequest, match=fragment):
+            AllowRule.parse(spec)
+    internet = internet_rules()
+    assert [r.cidr for r in internet[-2:]] == ["0.0.0.0/0", "::/0"] and all(r.action == "deny" for r in internet[:-2])
+    assert {"10.0.0.0/8", "169.254.0.0/16", "100.64.0.0/10", "127.0.0.0/8"} <= {r.cidr for r in internet}
 
 
 def test_bad_fabric_ids_and_addresses_are_refused() -> None:

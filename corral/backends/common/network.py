@@ -34,17 +34,24 @@ import json
 import os
 import re
 import shlex
+import socket
 import subprocess
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, get_args
 
 from corral.sdk._exceptions import CapacityExhausted, Conflict, InternalError, InvalidRequest, NotFound
 
-__all__ = ["AllowRule", "DeniedCounts", "NetworkFabric", "SUBNET", "GATEWAY", "GUEST_LINK_IFNAME", "MAX_ALLOW_RULES"]
+__all__ = [
+    "AllowRule", "DeniedCounts", "HostResolver", "NetworkFabric", "NON_PUBLIC_NETWORKS", "SUBNET", "GATEWAY",
+    "GUEST_LINK_IFNAME", "MAX_ALLOW_RULES", "internet_rules",
+]  # fmt: skip
 
 IpProtocol = Literal["tcp", "udp", "icmp", "any"]
+RuleAction = Literal["allow", "deny"]
 SUBNET = ipaddress.IPv4Network("10.88.0.0/16")
 GATEWAY = ipaddress.IPv4Address("10.88.0.1")
 MAX_ALLOW_RULES = 256
@@ -55,27 +62,43 @@ _COMMAND_TIMEOUT_S = 10
 _FIRST_HOST, _LAST_HOST = 2, SUBNET.num_addresses - 2  # .0.0 is the network, .0.1 the gateway, the last broadcast
 _SAFE_PATH = re.compile(r"/[A-Za-z0-9_./-]+")
 _SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,39}")
+_HOST_NAME = re.compile(
+    r"(?=.{1,253}$)([A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?\.)*[A-Za-z]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+)
+DEFAULT_RESOLVE_INTERVAL_S = 30.0
 
 
 @dataclass(frozen=True)
 class AllowRule:
-    """Let a sandbox send to ``cidr``: TCP or UDP (to ``ports``, or to any port when
-    empty), ICMP, or ``any`` protocol. Validated on construction; ``cidr`` and
-    ``ports`` are stored in canonical form."""
+    """Let a sandbox send to ``cidr`` (or to every address ``host`` resolves to):
+    TCP or UDP (to ``ports``, or to any port when empty), ICMP, or ``any``
+    protocol. With ``action="deny"`` the same match is dropped and counted
+    instead. A policy's rules are tried in order and the first match decides.
+    Validated on construction; ``cidr`` and ``ports`` are stored in canonical form."""
 
-    cidr: str
+    cidr: str | None = None
     ports: tuple[int, ...] = ()
     protocol: IpProtocol = "tcp"
+    host: str | None = None
+    action: RuleAction = "allow"
 
     def __post_init__(self) -> None:
         if self.protocol not in get_args(IpProtocol):
             raise InvalidRequest(f"protocol {self.protocol!r} is not one of {', '.join(get_args(IpProtocol))}")
-        if not isinstance(self.cidr, str):
-            raise InvalidRequest(f"cidr must be a string like '10.0.0.0/8', not {self.cidr!r}")
-        try:
-            network = ipaddress.ip_network(self.cidr, strict=True)
-        except ValueError as exc:
-            raise InvalidRequest(f"cidr {self.cidr!r} is not a valid network: {exc}") from None
+        if self.action not in get_args(RuleAction):
+            raise InvalidRequest(f"action {self.action!r} is not one of {', '.join(get_args(RuleAction))}")
+        if (self.cidr is None) == (self.host is None):
+            raise InvalidRequest("a rule names exactly one of cidr (e.g. '10.0.0.0/8') or host (e.g. 'pypi.org')")
+        if self.host is not None and (not isinstance(self.host, str) or not _HOST_NAME.fullmatch(self.host)):
+            raise InvalidRequest(f"host {self.host!r} is not a DNS name such as 'pypi.org'")
+        if self.cidr is not None:
+            if not isinstance(self.cidr, str):
+                raise InvalidRequest(f"cidr must be a string like '10.0.0.0/8', not {self.cidr!r}")
+            try:
+                network = ipaddress.ip_network(self.cidr, strict=True)
+            except ValueError as exc:
+                raise InvalidRequest(f"cidr {self.cidr!r} is not a valid network: {exc}") from None
+            object.__setattr__(self, "cidr", str(network))
         if not isinstance(self.ports, list | tuple):
             raise InvalidRequest(f"ports must be a list of integers, not {self.ports!r}")
         for port in self.ports:
@@ -83,24 +106,33 @@ class AllowRule:
                 raise InvalidRequest(f"port {port!r} is not an integer from 1 to 65535")
         if self.ports and self.protocol in ("icmp", "any"):
             raise InvalidRequest(f"protocol {self.protocol!r} takes no ports; use tcp or udp to allow ports")
-        object.__setattr__(self, "cidr", str(network))
         object.__setattr__(self, "ports", tuple(sorted(set(self.ports))))
 
     @staticmethod
     def parse(spec: Mapping[str, Any]) -> AllowRule:
-        """Build a rule from ``{"cidr": "10.0.0.0/8", "ports": [443], "protocol": "tcp"}``."""
+        """Build a rule from ``{"cidr": "10.0.0.0/8", "ports": [443], "protocol": "tcp"}`` (or ``host``,
+        and ``action``)."""
         if not isinstance(spec, Mapping):
             raise InvalidRequest(f"an allow rule must be an object with cidr, ports and protocol, not {spec!r}")
-        unknown = set(spec) - {"cidr", "ports", "protocol"}
+        unknown = set(spec) - {"cidr", "host", "ports", "protocol", "action"}
         if unknown:
-            raise InvalidRequest(f"unknown allow rule field(s) {sorted(unknown)}; expected cidr, ports, protocol")
-        if "cidr" not in spec:
-            raise InvalidRequest("an allow rule needs a cidr, e.g. {'cidr': '10.0.0.0/8'}")
-        return AllowRule(cidr=spec["cidr"], ports=spec.get("ports", ()), protocol=spec.get("protocol", "tcp"))
+            raise InvalidRequest(
+                f"unknown allow rule field(s) {sorted(unknown)}; expected cidr or host, ports, protocol, action"
+            )
+        if "cidr" not in spec and "host" not in spec:
+            raise InvalidRequest("an allow rule needs a cidr, e.g. {'cidr': '10.0.0.0/8'}, or a host")
+        return AllowRule(
+            cidr=spec.get("cidr"),
+            ports=spec.get("ports", ()),
+            protocol=spec.get("protocol", "tcp"),
+            host=spec.get("host"),
+            action=spec.get("action", "allow"),
+        )
 
-    def nft_match(self) -> str:
-        """This rule as an nftables match expression (built only from validated values)."""
-        network = ipaddress.ip_network(self.cidr)
+    def nft_match(self, address: str | None = None) -> str:
+        """This rule as an nftables match expression (built only from validated values); a host rule matches
+        one of its resolved addresses, given as ``address``."""
+        network = ipaddress.ip_network(address if address is not None else self.cidr)  # type: ignore[arg-type]
         family, icmp = ("ip", "icmp") if network.version == 4 else ("ip6", "ipv6-icmp")
         match = f"{family} daddr {network}"
         if self.protocol == "any":
@@ -110,6 +142,60 @@ class AllowRule:
         if not self.ports:
             return f"{match} meta l4proto {self.protocol}"
         return f"{match} {self.protocol} dport {{ {', '.join(map(str, self.ports))} }}"
+
+
+# Destinations an internet grant never reaches: "this network", RFC 1918, CGNAT (RFC 6598), loopback, link-local
+# (which holds the cloud metadata address 169.254.169.254), IETF protocol assignments, benchmarking, multicast and
+# reserved; for IPv6 the unspecified and loopback addresses, IPv4-mapped and NAT64 (either could name a private
+# IPv4 address), unique-local, link-local and multicast. The documentation ranges (192.0.2.0/24, 198.51.100.0/24,
+# 203.0.113.0/24, 2001:db8::/32) are not routed on the internet, so they stay open: tests use them to play a
+# public address inside namespaces of their own.
+NON_PUBLIC_NETWORKS = (
+    "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
+    "192.0.0.0/24", "192.168.0.0/16", "198.18.0.0/15", "224.0.0.0/4", "240.0.0.0/4",
+    "::/128", "::1/128", "::ffff:0:0/96", "64:ff9b::/96", "fc00::/7", "fe80::/10", "ff00::/8",
+)  # fmt: skip
+
+
+def internet_rules() -> tuple[AllowRule, ...]:
+    """Public addresses only: every non-public range denied (and counted), then everything else allowed.
+    Put after a sandbox's own rules, so an explicit allow (a mirror on the sandbox network) still wins."""
+    denied = tuple(AllowRule(cidr, protocol="any", action="deny") for cidr in NON_PUBLIC_NETWORKS)
+    return (*denied, AllowRule("0.0.0.0/0", protocol="any"), AllowRule("::/0", protocol="any"))
+
+
+class HostResolver:
+    """Host names in rules to addresses, with the node's resolver (getaddrinfo: /etc/hosts, then DNS);
+    ``hosts_file`` (the /etc/hosts format) is read first, for names of peers on the sandbox network.
+    A name that does not resolve gives no address, so its rule lets nothing through until it does."""
+
+    def __init__(self, hosts_file: Path | None = None) -> None:
+        self.hosts_file = hosts_file
+
+    def resolve(self, host: str) -> tuple[str, ...]:
+        listed = self._from_hosts_file(host)
+        if listed:
+            return listed
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError):
+            return ()
+        return tuple(sorted({str(info[4][0]).partition("%")[0] for info in infos}))
+
+    def _from_hosts_file(self, host: str) -> tuple[str, ...]:
+        if self.hosts_file is None:
+            return ()
+        try:
+            text = self.hosts_file.read_text()
+        except OSError:
+            return ()
+        found = set()
+        for line in text.splitlines():
+            fields = line.partition("#")[0].split()
+            if len(fields) > 1 and host.lower() in (name.lower() for name in fields[1:]):
+                with contextlib.suppress(ValueError):
+                    found.add(str(ipaddress.ip_address(fields[0])))
+        return tuple(sorted(found))
 
 
 @dataclass(frozen=True)
@@ -150,15 +236,21 @@ def _existing_netns(path: str) -> str:
     return path
 
 
-def _render_policy(rules: Sequence[AllowRule]) -> str:
+def _render_policy(rules: Sequence[AllowRule], resolve: HostResolver | None = None) -> str:
     """The whole ``inet corral`` table as one transaction: declaring the table,
     counters and chains is a no-op when they exist (counters keep counting), and
-    flushing the chains then re-adding rules replaces the old policy atomically."""
+    flushing the chains then re-adding rules replaces the old policy atomically.
+    Host rules become one line per address ``resolve`` gives now (none without it)."""
     if len(rules) > MAX_ALLOW_RULES:
         raise InvalidRequest(f"{len(rules)} allow rules is more than the limit of {MAX_ALLOW_RULES}; merge CIDRs")
     for rule in rules:
         if not isinstance(rule, AllowRule):
             raise InvalidRequest(f"allow rules must be AllowRule instances, not {rule!r}")
+    matches: list[tuple[str, str]] = []  # (match, verdict) in the rules' order
+    for rule in rules:
+        addresses = (None,) if rule.host is None else (resolve.resolve(rule.host) if resolve else ())
+        verdict = "accept" if rule.action == "allow" else 'counter name "egress_denied" drop'
+        matches += [(rule.nft_match(address), verdict) for address in addresses]
     lines = [
         "table inet corral {",
         "  counter egress_denied { }",
@@ -171,22 +263,34 @@ def _render_policy(rules: Sequence[AllowRule]) -> str:
         "flush chain inet corral input",
         "flush chain inet corral forward",
         "add rule inet corral output oif lo accept",
-        *(f"add rule inet corral output {rule.nft_match()} accept" for rule in rules),
+        *(f"add rule inet corral output {match} {verdict}" for match, verdict in matches),
         'add rule inet corral output counter name "egress_denied" drop',
         "add rule inet corral input iif lo accept",
         "add rule inet corral input ct state established,related accept",
         'add rule inet corral input counter name "ingress_denied" drop',
         # A VM's namespace routes its guest (behind GUEST_LINK_IFNAME) out: the same list, on the forward hook.
         "add rule inet corral forward ct state established,related accept",
-        *(f'add rule inet corral forward iifname "{GUEST_LINK_IFNAME}" {rule.nft_match()} accept' for rule in rules),
+        *(
+            f'add rule inet corral forward iifname "{GUEST_LINK_IFNAME}" {match} {verdict}'
+            for match, verdict in matches
+        ),
         f'add rule inet corral forward iifname "{GUEST_LINK_IFNAME}" counter name "egress_denied" drop',
         'add rule inet corral forward counter name "ingress_denied" drop',
     ]
     return "\n".join(lines) + "\n"
 
 
-def _load_policy(netns_path: str, rules: Sequence[AllowRule]) -> None:
-    _run(["nsenter", f"--net={netns_path}", "nft", "-f", "-"], _render_policy(rules))
+def _load_policy(netns_path: str, text: str) -> None:
+    _run(["nsenter", f"--net={netns_path}", "nft", "-f", "-"], text)
+
+
+@dataclass
+class _Loaded:
+    """A sandbox's policy as loaded: re-rendered when its host names may resolve differently."""
+
+    netns_path: str
+    rules: tuple[AllowRule, ...]
+    text: str
 
 
 def _veth_name(prefix: str, key: str) -> str:
@@ -211,10 +315,19 @@ class NetworkFabric:
     Thread-safe: allocation is under a lock, the commands run outside it.
     """
 
-    def __init__(self, fabric_id: str) -> None:
+    def __init__(
+        self,
+        fabric_id: str,
+        *,
+        resolver: HostResolver | None = None,
+        resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S,
+    ) -> None:
         if not isinstance(fabric_id, str) or not _SAFE_ID.fullmatch(fabric_id):
             raise InvalidRequest(f"fabric id {fabric_id!r} must be 1-40 letters, digits, '_', '.' or '-'")
         self.fabric_id = fabric_id
+        self.resolver = resolver or HostResolver()
+        self.resolve_interval_s = resolve_interval_s
+        self._resolved_at = time.monotonic()
         self.namespace = f"corral-{fabric_id}"
         self.namespace_path = f"/run/netns/{self.namespace}"
         self._lock = threading.Lock()
@@ -223,6 +336,7 @@ class NetworkFabric:
     def _reset(self) -> None:
         self._started = False
         self._sandboxes: dict[str, int] = {}
+        self._loaded: dict[str, _Loaded] = {}  # sandbox id -> its policy as loaded
         self._peers: dict[str, int] = {}
         self._used: set[int] = set()
         self._freed: list[int] = []  # a heap, so freed addresses are reused lowest first
@@ -246,24 +360,55 @@ class NetworkFabric:
     def attach(self, sandbox_id: str, netns_path: str, rules: Sequence[AllowRule]) -> str:
         """Apply the policy, then plug the sandbox in as ``eth0``; returns its address."""
         netns = _existing_netns(netns_path)
-        _render_policy(rules)  # validate before allocating anything
+        text = _render_policy(rules, self.resolver)  # validates before allocating anything
         with self._lock:
             self._require_started()
             if sandbox_id in self._sandboxes:
                 raise Conflict(f"sandbox {sandbox_id} is already attached to fabric {self.fabric_id}")
             index = self._sandboxes[sandbox_id] = self._allocate()
         try:
-            _load_policy(netns, rules)
+            _load_policy(netns, text)
+            with self._lock:
+                self._loaded[sandbox_id] = _Loaded(netns, tuple(rules), text)
             self._plug(_veth_name("cv", sandbox_id), netns, _SANDBOX_IFNAME, index, as_sandbox=True)
         except BaseException:
             with self._lock:
                 self._release(self._sandboxes.pop(sandbox_id))
+                self._loaded.pop(sandbox_id, None)
             raise
         return str(SUBNET.network_address + index)
 
     def set_policy(self, netns_path: str, rules: Sequence[AllowRule]) -> None:
         """Replace the sandbox's allow list in one transaction; denied counters keep counting."""
-        _load_policy(_existing_netns(netns_path), rules)
+        netns = _existing_netns(netns_path)
+        text = _render_policy(rules, self.resolver)
+        _load_policy(netns, text)
+        with self._lock:
+            for loaded in self._loaded.values():
+                if loaded.netns_path == netns:
+                    loaded.rules, loaded.text = tuple(rules), text
+
+    def refresh_hosts(self) -> int:
+        """Once per ``resolve_interval_s``: resolve the host names in attached sandboxes' rules again and reload
+        each policy whose addresses changed (one transaction each). Returns how many were reloaded."""
+        now = time.monotonic()
+        if now - self._resolved_at < self.resolve_interval_s:
+            return 0
+        self._resolved_at = now
+        with self._lock:
+            hosted = [(sid, loaded) for sid, loaded in self._loaded.items() if any(r.host for r in loaded.rules)]
+        reloaded = 0
+        for sandbox_id, loaded in hosted:
+            text = _render_policy(loaded.rules, self.resolver)
+            if text == loaded.text:
+                continue
+            with self._lock:
+                if self._loaded.get(sandbox_id) is not loaded:
+                    continue  # detached or replaced meanwhile
+            _load_policy(loaded.netns_path, text)
+            loaded.text = text
+            reloaded += 1
+        return reloaded
 
     def denied(self, netns_path: str) -> DeniedCounts:
         argv = ["nsenter", f"--net={_existing_netns(netns_path)}", "nft", "-j", "list", "table", "inet", "corral"]
@@ -289,6 +434,7 @@ class NetworkFabric:
         with self._lock:
             if sandbox_id in self._sandboxes:
                 self._release(self._sandboxes.pop(sandbox_id))
+            self._loaded.pop(sandbox_id, None)
 
     def attach_peer(self, name: str, netns_path: str, address: str) -> None:
         """Plug another namespace (a test server, an uplink) into the bridge at ``address``.
@@ -338,7 +484,7 @@ class NetworkFabric:
     @staticmethod
     def apply_isolation(netns_path: str) -> None:
         """For sandboxes without network: only loopback; anything else is dropped and counted."""
-        _load_policy(_existing_netns(netns_path), ())
+        _load_policy(_existing_netns(netns_path), _render_policy(()))
 
     def _plug(self, veth: str, netns: str, inner: str, index: int, *, as_sandbox: bool) -> None:
         """Create a veth pair in the router namespace with its far end already inside ``netns``."""

@@ -36,7 +36,13 @@ from corral.backends.common.agent_protocol import (
     IpcCounts,
 )
 from corral.backends.common.host import CgroupLayout, LayerMounts, NativeHelpers, orphans
-from corral.backends.common.network import AllowRule, DeniedCounts, NetworkFabric
+from corral.backends.common.network import (
+    DEFAULT_RESOLVE_INTERVAL_S,
+    AllowRule,
+    DeniedCounts,
+    HostResolver,
+    NetworkFabric,
+)
 from corral.backends.container import qos
 from corral.backends.container.gvisor import RUNSC, Gvisor
 from corral.backends.container.isolation import Container, Isolation, PlainOci
@@ -203,6 +209,8 @@ class ContainerBackend:
         layer_idle_unmount_s: float,
         create_concurrency: int,
         audit_repeat_window_s: float,
+        resolver: HostResolver | None = None,
+        resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S,
     ) -> None:
         self._dir = data_dir / "sandboxes"
         self._dir.mkdir(parents=True, exist_ok=True)
@@ -217,7 +225,11 @@ class ContainerBackend:
         self._layer_idle_unmount_s = layer_idle_unmount_s
         self._create_slots = asyncio.Semaphore(create_concurrency)
         # One router namespace per server (its data dir), created when the first sandbox needs a network.
-        self._fabric = NetworkFabric("n" + hashlib.sha256(str(data_dir).encode()).hexdigest()[:10])
+        self._fabric = NetworkFabric(
+            "n" + hashlib.sha256(str(data_dir).encode()).hexdigest()[:10],
+            resolver=resolver,
+            resolve_interval_s=resolve_interval_s,
+        )
         self._fabric_started = False
         self._fabric_lock = asyncio.Lock()
         self._denials = SeccompDenials()
@@ -634,6 +646,10 @@ class ContainerBackend:
     def housekeeping(self) -> None:
         orphans.reap()
         self._mounts.unmount_idle(self._layer_idle_unmount_s)
+
+    def refresh_network(self) -> None:
+        if self._fabric_started:  # VM sandboxes share this fabric: their rules are refreshed here too
+            self._fabric.refresh_hosts()
 
     def _root(self, container: Container) -> str:
         return f"/proc/{container.init_pid}/root"

@@ -783,6 +783,9 @@ class VmBackend:
     def housekeeping(self) -> None:
         return None
 
+    def refresh_network(self) -> None:
+        return None  # VMs plug into the container backend's fabric, which refreshes their rules
+
     async def close(self) -> None:
         """Running VMs keep running (they are re-adopted); only our connections close."""
         for vm in self._vms.values():

@@ -25,7 +25,9 @@ from fastapi import FastAPI
 
 from corral.gateway.e2b import control, envd, interpreter, lifecycle
 from corral.gateway.e2b.common import e2b_api_key, quiet_aborted_streams
+from corral.gateway.e2b.metadata import FileMetadata
 from corral.gateway.e2b.metrics import sample
+from corral.gateway.e2b.network import InternetEgress
 from corral.gateway.e2b.processes import ProcessTable
 from corral.gateway.e2b.watch import Watchers
 from corral.sdk._models import SandboxInfo
@@ -36,12 +38,14 @@ __all__ = ["E2BFacade", "e2b_api_key", "include_e2b"]
 class E2BFacade:
     """What the facade keeps between requests; owned by the app's lifespan, which closes it."""
 
-    def __init__(self, services: Any, max_file_bytes: int) -> None:
+    def __init__(self, services: Any, max_file_bytes: int, internet_egress: InternetEgress) -> None:
         self.server_key: str = services.tokens.server_key
         self.max_file_bytes = max_file_bytes
+        self.internet_egress = internet_egress
         self._sandboxes = services.sandboxes
         self.processes = ProcessTable(services.trajectories)
-        self.watchers = Watchers(services.sandboxes)
+        self.watchers = Watchers(services.sandboxes, envd.entry)
+        self.metadata = FileMetadata(services.sandboxes)
         self.kernels = interpreter.Kernels(self.processes, services.sandboxes)
         self._killing: set[str] = set()
         self._pauser: asyncio.Task[None] | None = None
@@ -64,6 +68,7 @@ class E2BFacade:
         finally:
             self.kernels.forget(sandbox_id)
             self.watchers.forget(sandbox_id)
+            self.metadata.forget(sandbox_id)
             await self.processes.forget(sandbox_id)
             self._killing.discard(sandbox_id)
 
@@ -78,14 +83,14 @@ class E2BFacade:
         await self.processes.close()
 
 
-def include_e2b(app: FastAPI, max_file_bytes: int) -> None:
+def include_e2b(app: FastAPI, max_file_bytes: int, internet_egress: InternetEgress = "public") -> None:
     """Serve the E2B API on ``app``; the facade lives as long as the app's services."""
     inner = app.router.lifespan_context
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[Any]:
         async with inner(app) as state:
-            app.state.e2b = E2BFacade(app.state.service, max_file_bytes)
+            app.state.e2b = E2BFacade(app.state.service, max_file_bytes, internet_egress)
             app.state.e2b.start()
             try:
                 yield state

@@ -64,7 +64,9 @@ __all__ = [
     "target",
 ]
 
-ENVD_VERSION = "0.5.7"  # the envd features implemented: stdin, close_stdin, octet-stream and gzip uploads
+# The envd features implemented, up to 0.6.4: stdin, close_stdin, octet-stream and gzip uploads (0.5.7), file
+# metadata (0.6.2, metadata.py), entries in watch events (0.6.3) and watches on network mounts (0.6.4, watch.py).
+ENVD_VERSION = "0.6.4"
 ENVD_PORT = 49983
 INTERPRETER_PORT = 49999
 TEMPLATE_LABEL = "corral.e2b.template"

@@ -3,7 +3,8 @@
 A template is a Corral image: ``base`` and ``code-interpreter-v1`` are the
 ``e2b-base`` image (debian-12 + sudo, user ``user``; corral/gateway/e2b/template.py),
 any other template id is an image ref such as ``debian-12``. E2B's ``timeout``
-is the sandbox's TTL, ``metadata`` its labels, ``envVars`` its environment.
+is the sandbox's TTL, ``metadata`` its labels, ``envVars`` its environment,
+``allow_internet_access`` and ``network`` its egress rules (network.py).
 Create options Corral cannot honour are refused (400), never ignored.
 """
 
@@ -35,6 +36,7 @@ from corral.gateway.e2b.common import (
     rfc3339,
     services,
 )
+from corral.gateway.e2b.network import create_policy, update_policy
 from corral.sdk._exceptions import NotFound
 from corral.sdk._models import CreateSandboxRequest, SandboxInfo, SandboxState
 
@@ -51,7 +53,6 @@ _CREATE_FIELDS = {
     "allow_internet_access", "network", "mcp", "iam", "volumeMounts",
 }  # fmt: skip
 _UNSUPPORTED_CREATE_OPTIONS = {
-    "network": "use Corral's egress allowlist (PUT /v1/sandboxes/{id}/network)",
     "mcp": "no MCP gateway",
     "iam": "no cloud IAM",
     "volumeMounts": "no volumes",
@@ -145,12 +146,6 @@ def _check_create_options(body: dict[str, Any]) -> None:
     if body.get("autoPauseMemory") is not None and not body.get("autoPause"):
         raise E2BError(400, "autoPauseMemory is only for autoPause=true")
     # autoResume: any request to a paused Corral sandbox resumes it, whatever this says (docs/e2b.md).
-    if body.get("allow_internet_access"):
-        raise refuse(
-            "allow_internet_access=True",
-            "sandboxes have loopback only (Corral's API sets egress allowlists); pass allow_internet_access=False, "
-            "as older SDKs (e.g. e2b 2.30) must, since they send True unless told otherwise",
-        )
     for option, why in _UNSUPPORTED_CREATE_OPTIONS.items():
         if body.get(option):
             raise refuse(option, why)
@@ -175,6 +170,7 @@ async def _create(request: Request) -> JSONResponse:
     if body.get("autoPause"):  # lifecycle.TimeoutPauser pauses it at its timeout
         on_timeout = "pause" if body.get("autoPauseMemory") is not False else "pause-filesystem"
         labels.update({ON_TIMEOUT_LABEL: on_timeout, TIMEOUT_LABEL: str(timeout_s)})
+    network = create_policy(body, facade(request).internet_egress)
     create = CreateSandboxRequest(
         image=image_of(template_id),
         env=env,
@@ -182,6 +178,7 @@ async def _create(request: Request) -> JSONResponse:
         cwd=home_of(SANDBOX_USER),
         labels=labels,
         ttl_s=timeout_s or None,
+        network=network,
     )
     svc = services(request).sandboxes
     try:
@@ -338,6 +335,12 @@ def _unix_s(request: Request, name: str) -> int | None:
 
 
 @router.put("/sandboxes/{sandbox_id}/network")
-async def unsupported(request: Request) -> Response:
+async def update_network(sandbox_id: str, request: Request) -> Response:
+    """``Sandbox.update_network``: the egress rules replaced at once (network.py), in the sandbox's own
+    namespace; a sandbox without network is plugged in."""
     check_api_key(request)
-    raise refuse(f"{request.method} {request.url.path}", "use Corral's own API for networks (set_network())")
+    body = await json_body(request)
+    live(request, sandbox_id)
+    policy = update_policy(body, facade(request).internet_egress)
+    await services(request).sandboxes.set_network(sandbox_id, policy)
+    return Response(status_code=204)

@@ -44,7 +44,9 @@ from corral.gateway.e2b.common import (
     target,
 )
 from corral.gateway.e2b.links import Link, Resolver
+from corral.gateway.e2b.metadata import FileMetadata
 from corral.gateway.e2b.processes import NO_TIMEOUT_S, OUTPUT_CAP_BYTES, Event, Process
+from corral.gateway.e2b.signed import files_target
 from corral.gateway.e2b.watch import Watchers
 from corral.sdk._exceptions import Conflict, CorralError, InvalidRequest, NotFound, PayloadTooLarge, SandboxGone
 from corral.sdk._models import ExecRequest, FileInfo, SandboxState
@@ -411,9 +413,11 @@ async def _list(
 
 async def _filesystem(request: Request, method: str, where: Target, message: dict[str, Any]) -> Response:
     sandbox_id = where.sandbox_id
+    metadata: FileMetadata = facade(request).metadata
     if method == "Stat":
         resolver = _resolver(request, where)
-        return JSONResponse({"entry": await _entry(resolver, await resolver.stat(where.path(message.get("path", ""))))})
+        found = await _entry(resolver, await resolver.stat(where.path(message.get("path", ""))))
+        return JSONResponse({"entry": (await metadata.annotate(sandbox_id, [found]))[0]})
     if method == "ListDir":
         path = where.path(message.get("path", ""))
         depth = int(message.get("depth") or 1)
@@ -421,7 +425,8 @@ async def _filesystem(request: Request, method: str, where: Target, message: dic
         real, info = await resolver.resolve(path)  # a link to a directory lists the directory
         if info.type != "dir":
             raise InvalidRequest(f"path {path} is not a directory")
-        return JSONResponse({"entries": await _list(request, where, resolver, posixpath.normpath(path), real, depth)})
+        listed = await _list(request, where, resolver, posixpath.normpath(path), real, depth)
+        return JSONResponse({"entries": await metadata.annotate(sandbox_id, listed)})
     if method == "MakeDir":
         path = where.path(message.get("path", ""))
         try:
@@ -444,8 +449,10 @@ async def _filesystem(request: Request, method: str, where: Target, message: dic
             pass  # envd's Remove is os.RemoveAll: a path that is not there is already removed
         return JSONResponse({})
     watchers: Watchers = facade(request).watchers
+    include_entry = bool(message.get("includeEntry", message.get("include_entry")))  # envd 0.6.3
     if method == "CreateWatcher":
-        watcher_id = await watchers.create(where, where.path(message.get("path", "")), bool(message.get("recursive")))
+        path, recursive = where.path(message.get("path", "")), bool(message.get("recursive"))
+        watcher_id = await watchers.create(where, path, recursive, include_entry)
         return JSONResponse({"watcherId": watcher_id})
     if method == "GetWatcherEvents":
         events = await watchers.events(sandbox_id, str(message.get("watcherId", "")))
@@ -455,7 +462,7 @@ async def _filesystem(request: Request, method: str, where: Target, message: dic
         return JSONResponse({})
     if method == "WatchDir":
         path, recursive = where.path(message.get("path", "")), bool(message.get("recursive"))
-        watcher_id = await watchers.create(where, path, recursive)
+        watcher_id = await watchers.create(where, path, recursive, include_entry)
         return _stream(watchers.stream(sandbox_id, watcher_id, _deadline_s(request), _keepalive_s(request)))
     raise NotFound(f"filesystem.Filesystem/{method} is not supported by Corral's E2B facade")
 
@@ -479,7 +486,7 @@ async def filesystem_rpc(method: str, request: Request) -> Response:
 @router.get("/files")
 async def read_file(request: Request, path: str, username: str | None = None) -> Response:
     try:
-        where = target(request, username or basic_user(request))
+        where = files_target(request, "read", path, username)
         full = where.path(path)
         data = await _edge(request, where, lambda e: e.read_file(where.sandbox_id, full))
     except E2BError as exc:
@@ -514,9 +521,7 @@ async def _upload_body(request: Request, limit: int) -> bytes:
 @router.post("/files")
 async def write_files(request: Request, path: str | None = None, username: str | None = None) -> Response:
     try:
-        where = target(request, username or basic_user(request))
-        if any(name.lower().startswith("x-metadata-") for name in request.headers):
-            raise InvalidRequest("file metadata (X-Metadata-* headers) is not supported by Corral's E2B facade")
+        where = files_target(request, "write", path, username)
         limit = facade(request).max_file_bytes
         files: list[tuple[str, bytes]] = []
         if request.headers.get("content-type", "").startswith("multipart/form-data"):
@@ -537,6 +542,8 @@ async def write_files(request: Request, path: str | None = None, username: str |
         for file_path, data in files:
             info = await trajectories.write_file(where.sandbox_id, file_path, data, 0o644, None)
             written.append({"name": info.name, "type": "file", "path": info.path})
+        metadata = FileMetadata.from_headers(request.headers)  # envd 0.6.2: X-Metadata-<key> as xattrs
+        await facade(request).metadata.write(where.sandbox_id, [item["path"] for item in written], metadata)
         return JSONResponse(written)
     except E2BError as exc:
         return exc.response()

@@ -5,7 +5,9 @@ the async SDK streams ``WatchDir``. Both compare the directory's listing
 with the previous one: new entries are CREATE, vanished ones REMOVE, a
 changed size or mtime WRITE, a changed mode CHMOD. Changes that cancel out
 between two looks (a file created and removed) are not seen, and a rename
-is a REMOVE plus a CREATE.
+is a REMOVE plus a CREATE. With ``include_entry`` (envd 0.6.3) each event but
+a REMOVE carries the entry as the listing saw it. ``allow_network_mounts``
+(0.6.4) changes nothing: comparing listings works on any filesystem.
 """
 
 from __future__ import annotations
@@ -13,19 +15,20 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from corral.gateway.e2b.common import END_STREAM, Target, frame
 from corral.gateway.service import SandboxService
 from corral.sdk._exceptions import CorralError, InvalidRequest, NotFound
+from corral.sdk._models import FileInfo
 
 __all__ = ["Watchers", "POLL_INTERVAL_S"]
 
 POLL_INTERVAL_S = 0.2
 _MAX_WATCHERS_PER_SANDBOX = 64
-_Snapshot = dict[str, tuple[str, int, float, int]]
+_Snapshot = dict[str, FileInfo]
 
 
 @dataclass
@@ -34,11 +37,13 @@ class _Watcher:
     path: str
     recursive: bool
     snapshot: _Snapshot
+    include_entry: bool = False
 
 
 class Watchers:
-    def __init__(self, sandboxes: SandboxService) -> None:
+    def __init__(self, sandboxes: SandboxService, entry: Callable[[FileInfo], dict[str, Any]]) -> None:
         self._sandboxes = sandboxes
+        self._entry = entry  # a FileInfo as envd's EntryInfo (envd.py)
         self._watchers: dict[tuple[str, str], _Watcher] = {}
 
     async def _scan(self, sandbox_id: str, path: str, recursive: bool) -> _Snapshot:
@@ -53,12 +58,12 @@ class Watchers:
                     raise
                 continue  # a subdirectory removed while we looked
             for info in infos:
-                snapshot[info.path] = (info.type, info.size, info.mtime, info.mode)
+                snapshot[info.path] = info
                 if recursive and info.type == "dir":
                     pending.append(info.path)
         return snapshot
 
-    async def create(self, where: Target, path: str, recursive: bool) -> str:
+    async def create(self, where: Target, path: str, recursive: bool, include_entry: bool = False) -> str:
         if sum(sid == where.sandbox_id for sid, _ in self._watchers) >= _MAX_WATCHERS_PER_SANDBOX:
             raise InvalidRequest(
                 f"too many watchers in sandbox {where.sandbox_id} (at most {_MAX_WATCHERS_PER_SANDBOX})"
@@ -68,7 +73,9 @@ class Watchers:
             raise InvalidRequest(f"path {path} is not a directory")
         watcher_id = secrets.token_hex(8)
         snapshot = await self._scan(where.sandbox_id, path, recursive)
-        self._watchers[(where.sandbox_id, watcher_id)] = _Watcher(where.sandbox_id, path, recursive, snapshot)
+        self._watchers[(where.sandbox_id, watcher_id)] = _Watcher(
+            where.sandbox_id, path, recursive, snapshot, include_entry
+        )
         return watcher_id
 
     def _get(self, sandbox_id: str, watcher_id: str) -> _Watcher:
@@ -86,17 +93,21 @@ class Watchers:
         prefix = watcher.path.rstrip("/") + "/"
         for path in sorted(before.keys() | current.keys()):
             old, new = before.get(path), current.get(path)
-            if old == new:
+            old_key, new_key = (None if i is None else (i.type, i.size, i.mtime, i.mode) for i in (old, new))
+            if old_key == new_key:
                 continue
-            if old is None:
+            if old_key is None:
                 kind = "EVENT_TYPE_CREATE"
-            elif new is None:
+            elif new_key is None:
                 kind = "EVENT_TYPE_REMOVE"
-            elif old[:3] != new[:3]:
+            elif old_key[:3] != new_key[:3]:
                 kind = "EVENT_TYPE_WRITE"
             else:
                 kind = "EVENT_TYPE_CHMOD"
-            events.append({"name": path.removeprefix(prefix), "type": kind})
+            event: dict[str, Any] = {"name": path.removeprefix(prefix), "type": kind}
+            if watcher.include_entry and new is not None:
+                event["entry"] = self._entry(new)
+            events.append(event)
         return events
 
     def remove(self, sandbox_id: str, watcher_id: str) -> None:
