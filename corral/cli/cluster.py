@@ -42,11 +42,18 @@ def up(
     database_url: Annotated[
         str | None, typer.Option(help="Shared PostgreSQL; default: start one in the cluster dir.")
     ] = None,
+    forward_port: Annotated[
+        list[int] | None,
+        typer.Option(
+            help="A port of this machine's 127.0.0.1 (a local registry) the cluster reaches at its own "
+            "127.0.0.1:PORT; repeatable."
+        ),
+    ] = None,
 ) -> None:
     """Start a cluster on this machine: PostgreSQL, a Ray head, a gateway and N nodes, each its own raylet."""
     from corral.cluster.local import LocalCluster
 
-    cluster = LocalCluster(directory, database_url=database_url)
+    cluster = LocalCluster(directory, database_url=database_url, forward_ports=forward_port)
     if (directory / "cluster.json").exists():  # safe to run twice
         if cluster.running():
             console.print(f"a cluster is already up in {directory}: `corral cluster status --dir {directory}`")

@@ -13,7 +13,8 @@ It waits until the actor has started (and re-adopted), prints its pid, exits.
 
 ``--netns NAME`` runs any of them in a one-machine cluster's network
 namespace (cluster/network.py); ``netns NAME -- command`` runs any command
-there (the gateway).
+there (the gateway). ``forward NAME PORT...`` bridges host loopback ports into
+the namespace (``forward_loopback``: a registry on the host's 127.0.0.1).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import os
 import sys
 
 from corral.cluster.edge_actor import ACTOR_NAMESPACE, EdgeActor, actor_name, node_resource
-from corral.cluster.network import enter_netns
+from corral.cluster.network import enter_netns, forward_loopback
 from corral.node import enter_node_namespace
 
 __all__ = ["main", "EDGE_START_TIMEOUT_S"]
@@ -80,7 +81,13 @@ def main(argv: list[str] | None = None) -> None:
     netns = commands.add_parser("netns", help="run a command in a cluster's network namespace")
     netns.add_argument("name")
     netns.add_argument("argv", nargs=argparse.REMAINDER)
+    forward = commands.add_parser("forward", help="relay 127.0.0.1:PORT in the namespace to the host's")
+    forward.add_argument("name")
+    forward.add_argument("ports", nargs="+", type=int)
     args = parser.parse_args(argv)
+    if args.command == "forward":
+        forward_loopback(args.name, args.ports)
+        return
     if args.command == "node":
         _run_in(args.netns, args.argv, node=True)
     if args.command == "netns":

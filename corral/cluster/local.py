@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 
 from corral.cluster.edge_actor import node_resource
-from corral.cluster.network import ClusterNetwork
+from corral.cluster.network import FORWARD_READY, ClusterNetwork
 from corral.embedded import EmbeddedServer, delete_leftover_sandboxes
 from corral.sdk import Client, CorralError
 
@@ -66,6 +66,7 @@ class ClusterState:
     database_url: str
     postgres_dir: str | None
     netns: str | None = None
+    forwarder_pid: int = 0  # the relay of host loopback ports into the namespace (forward_ports), if any
     replicas: list[int] = field(default_factory=list)  # pids of gateway replicas beyond the first
     nodes: dict[str, NodeProcess] = field(default_factory=dict)
 
@@ -240,12 +241,16 @@ class LocalCluster:
         node_dir: Path | None = None,
         node_settings: dict[str, str] | None = None,
         gateway_settings: dict[str, str] | None = None,
+        forward_ports: list[int] | None = None,
     ) -> None:
+        """``forward_ports``: host loopback ports the cluster reaches as its own 127.0.0.1:<port> (a registry
+        on this machine's loopback; cluster/network.py, ``forward_loopback``)."""
         self.directory = directory
         self._database_url = database_url
         self._node_dir = node_dir
         self._node_settings = node_settings or {}
         self._gateway_settings = gateway_settings or {}
+        self._forward_ports = forward_ports or []
         self.state: ClusterState | None = None
 
     # -- up --------------------------------------------------------------------
@@ -272,9 +277,13 @@ class LocalCluster:
                 state.database_url = _start_postgres(postgres_dir)
             env = {**os.environ, **LOCAL_RAY_ENV}
             network.create()
-            progress(f"starting the Ray head at {address} (network namespace {network.name})")
             logs = self.directory / "logs"
             logs.mkdir(exist_ok=True)
+            if self._forward_ports:
+                progress(f"forwarding loopback ports {self._forward_ports} into the namespace")
+                state.forwarder_pid = _start_forwarder(network.name, self._forward_ports, logs / "forward.log")
+                state.save()
+            progress(f"starting the Ray head at {address} (network namespace {network.name})")
             head = start_ray_node(
                 ["--head", "--port", address.rsplit(":", 1)[1], "--node-ip-address", network.address,
                  "--num-cpus", "0", "--include-dashboard=false", "--disable-usage-stats",
@@ -414,6 +423,8 @@ class LocalCluster:
             self.remove_node(edge_id)
         if state.head_session:
             stop_session(state.head_session)
+        if state.forwarder_pid:
+            _stop_pid(state.forwarder_pid)
         if state.netns:
             ClusterNetwork.for_directory(self.directory).delete()
         if state.postgres_dir:
@@ -422,6 +433,20 @@ class LocalCluster:
         (self.directory / CLUSTER_FILE).unlink(missing_ok=True)
         shutil.rmtree(self._ray_temp_dir(), ignore_errors=True)
         self.state = None
+
+
+def _start_forwarder(netns: str, ports: list[int], log_path: Path) -> int:
+    """`launch forward` in a session of its own; its pid once its listeners are bound."""
+    with open(log_path, "ab") as log:
+        forwarder = subprocess.Popen(_launch("forward", netns, *map(str, ports)), stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=log, start_new_session=True)  # fmt: skip
+    assert forwarder.stdout is not None
+    ready = forwarder.stdout.readline().decode().strip()  # the line comes once bound, or EOF if it failed
+    forwarder.stdout.close()
+    if ready != FORWARD_READY:
+        forwarder.wait()
+        raise RuntimeError(f"forwarding ports {ports} into {netns} failed: {log_path.read_text()[-2000:]}")
+    return forwarder.pid
 
 
 def _stop_pid(pid: int) -> None:

@@ -12,8 +12,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -23,31 +25,16 @@ from corral.cluster.local import LocalCluster, stop_session
 from corral.cluster.network import ClusterNetwork
 from corral.embedded import delete_leftover_sandboxes
 from corral.state.db import StateStore
-
-NODE_LOST_AFTER_S = 8.0  # heartbeats every 0.5 s: room for a loaded machine before a false "lost"
+from tests.ray_cluster import NODE_LOST_AFTER_S, local_test_cluster
 
 
 @pytest.fixture(scope="module")
 def cluster(
     tmp_path_factory: pytest.TempPathFactory, postgres_url: str, test_env: dict[str, str]
 ) -> Iterator[LocalCluster]:
-    local = LocalCluster(
-        tmp_path_factory.mktemp("cluster"),
-        database_url=postgres_url,
-        node_settings={"CORRAL_NODE_HEARTBEAT_S": "0.5", "CORRAL_PAUSE_SWAP_MB": "0"},
-        gateway_settings={
-            "CORRAL_NODE_DIR": test_env["CORRAL_NODE_DIR"],  # the gateway is the layer store
-            "CORRAL_NODE_LOST_AFTER_S": str(NODE_LOST_AFTER_S),
-            "CORRAL_NODE_HEARTBEAT_S": "0.5",
-        },
-    )
-    local.up(0)
-    try:
-        for edge_id, zone in (("e1", "a"), ("e2", "a"), ("e3", "b")):
-            local.add_node(edge_id, labels={"zone": zone})
+    zones = {"e1": {"zone": "a"}, "e2": {"zone": "a"}, "e3": {"zone": "b"}}
+    with local_test_cluster(tmp_path_factory.mktemp("cluster"), postgres_url, test_env, zones) as local:
         yield local
-    finally:
-        local.down()
 
 
 @pytest.fixture
@@ -281,9 +268,13 @@ def test_a_removed_node_is_marked_lost_with_its_sandboxes(cluster: LocalCluster,
 
 
 def test_cluster_commands_up_twice_status_and_down(tmp_path: Path, postgres_url: str) -> None:
-    """`corral cluster up|status|down` as a user runs them (up is safe to run twice), then nothing is left."""
+    """`corral cluster up|status|down` as a user runs them (up is safe to run twice), then nothing is left.
+    ``--forward-port``: a service on the host's loopback answers the cluster's 127.0.0.1 (as a local registry)."""
     directory = tmp_path / "cli-cluster"
     env = {**os.environ, "CORRAL_CONFIG_FILE": str(tmp_path / "client.json")}
+    host_only = ThreadingHTTPServer(("127.0.0.1", 0), _Hello)
+    threading.Thread(target=host_only.serve_forever, daemon=True).start()
+    port = host_only.server_address[1]
 
     def corral_cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -291,10 +282,18 @@ def test_cluster_commands_up_twice_status_and_down(tmp_path: Path, postgres_url:
             capture_output=True, text=True, timeout=300, env=env,
         )  # fmt: skip
 
-    up = corral_cli("up", "--nodes", "1", "--database-url", postgres_url)
+    up = corral_cli("up", "--nodes", "1", "--database-url", postgres_url, "--forward-port", str(port))
+    forwarder = 0
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         assert "cluster up" in up.stdout
+        forwarder = json.loads((directory / "cluster.json").read_text())["forwarder_pid"]
+        fetch = f"import urllib.request, sys; sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:{port}/').read().decode())"
+        in_cluster = subprocess.run(
+            [sys.executable, "-m", "corral.cluster.launch", "netns", ClusterNetwork.for_directory(directory).name,
+             "--", sys.executable, "-c", fetch], capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert in_cluster.stdout == "hello from the host's loopback\n", in_cluster.stderr
         again = corral_cli("up", "--nodes", "1", "--database-url", postgres_url)
         assert again.returncode == 0 and "already up" in again.stdout
         with corral.Client(**_client_config(tmp_path / "client.json")) as client:
@@ -304,11 +303,35 @@ def test_cluster_commands_up_twice_status_and_down(tmp_path: Path, postgres_url:
         assert status.returncode == 0 and "│ e1" in status.stdout and " up " in status.stdout
     finally:
         down = corral_cli("down")
+        host_only.shutdown()
+        host_only.server_close()
     assert down.returncode == 0, down.stdout + down.stderr
+    assert forwarder and not _alive(forwarder)
     assert not (directory / "cluster.json").exists()
     assert corral_cli("status").returncode == 1
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert ClusterNetwork.for_directory(directory).name not in netns
+
+
+def _alive(pid: int) -> bool:
+    """Whether the process runs (an orphan that ended may stay a zombie of this test process until reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+class _Hello(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        body = b"hello from the host's loopback\n"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
 
 
 def _client_config(path: Path) -> dict[str, str]:

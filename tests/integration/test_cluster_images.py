@@ -1,0 +1,256 @@
+"""Registry images on a real 3-node Ray cluster (three raylets with edge actors over real crun, one gateway,
+PostgreSQL, all in a network namespace of the test's own), and a node that joins in the middle of a burst.
+
+The registry is Debian's docker-registry on the host's 127.0.0.1, with images this module builds and pushes
+with skopeo (corral/bench/registry.py). The cluster's namespace has a loopback of its own and no route out,
+so the cluster forwards the registry's port into it (``LocalCluster(forward_ports=...)``,
+cluster/network.py): the gateway reaches the same ``127.0.0.1:<port>/ns/img:tag`` the host pushed to, and
+nothing leaves either loopback. Bytes are counted on the registry side, from its access log, and on each
+node, from its on-demand layer marks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import corral
+from corral.bench.registry import Blob, Registry, image_blobs, layer_tar, push, start_registry, tree_members
+from corral.bench.registry import write_layout as oci_layout
+from corral.cluster.local import LocalCluster
+from corral.images.bases import build_busybox_rootfs
+from corral.images.store import CHUNK_INDEX_BYTES
+from tests.ray_cluster import local_test_cluster
+
+pytestmark = pytest.mark.skipif(shutil.which("docker-registry") is None or shutil.which("skopeo") is None,
+                                reason="needs docker-registry and skopeo (apt)")  # fmt: skip
+
+APP_CONFIG = {"Env": ["PATH=/usr/bin:/bin", "GREETING=from the registry"], "WorkingDir": "/srv/app",
+              "User": "user", "Cmd": ["sh", "-c", "cat /srv/app/motd"]}  # fmt: skip
+DATA_FILES, DATA_FILE_BYTES = 8, 2 << 20  # the "big" image's data layer: 16 MiB of random files
+COLD_ROUNDS = 3  # images measured cold on the new node vs warm on an old one
+
+
+@dataclass
+class Pushed:
+    registry: Registry
+    blobs: dict[str, list[Blob]]  # repository -> [manifest, config, *layers]
+    data_sha256: dict[str, str]  # /data/<name> of ns/big -> sha256
+
+    def ref(self, repository: str) -> str:
+        return f"{self.registry.address}/{repository}:v1"
+
+
+def _busybox_layer(tmp: Path, marker: str) -> bytes:
+    tree = tmp / f"busybox-{marker}"
+    build_busybox_rootfs(tree)
+    (tree / "etc/image-base").write_text(marker + "\n")  # a layer of its own per image
+    return layer_tar(tree_members(tree))
+
+
+def _push(tmp: Path, registry: Registry, repository: str, layers: list[bytes], config: dict[str, object]) -> list[Blob]:
+    blobs = image_blobs(layers, config)
+    push(oci_layout(tmp / repository.replace("/", "-"), "v1", blobs), "v1", registry, repository)
+    return blobs
+
+
+@pytest.fixture(scope="module")
+def pushed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pushed]:
+    tmp = tmp_path_factory.mktemp("cluster-registry")
+    registry = start_registry(tmp / "registry")
+    try:
+        blobs: dict[str, list[Blob]] = {}
+        for name in ("ns/app", "ns/burst-app"):  # no layer in common: each pull downloads all of its own
+            app_files = layer_tar({"srv": None, "srv/app": None, "srv/app/motd": b"hello from a pulled layer\n",
+                                   "srv/app/name": name.encode()})  # fmt: skip
+            blobs[name] = _push(tmp, registry, name, [_busybox_layer(tmp, name), app_files], APP_CONFIG)
+        data = {f"f{i}": os.urandom(DATA_FILE_BYTES) for i in range(DATA_FILES)}
+        data_layer = layer_tar({"data": None, **{f"data/{name}": content for name, content in data.items()}})
+        blobs["ns/big"] = _push(tmp, registry, "ns/big", [_busybox_layer(tmp, "big"), data_layer], {})
+        for round_ in range(COLD_ROUNDS):
+            cold = [_busybox_layer(tmp, f"cold{round_}"), layer_tar({"etc": None, "etc/round": f"{round_}\n".encode()})]
+            blobs[f"ns/cold{round_}"] = _push(tmp, registry, f"ns/cold{round_}", cold, {})
+        yield Pushed(registry, blobs, {name: hashlib.sha256(content).hexdigest() for name, content in data.items()})
+    finally:
+        registry.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    pushed: Pushed, tmp_path_factory: pytest.TempPathFactory, postgres_url: str, test_env: dict[str, str]
+) -> Iterator[LocalCluster]:
+    port = int(pushed.registry.address.rsplit(":", 1)[1])
+    nodes = {edge_id: {"zone": "old"} for edge_id in ("e1", "e2", "e3")}
+    with local_test_cluster(
+        tmp_path_factory.mktemp("cluster"), postgres_url, test_env, nodes,
+        node_settings={"CORRAL_LAYER_FETCH": "on_demand"},
+        gateway_settings={"CORRAL_INSECURE_REGISTRIES": pushed.registry.address}, forward_ports=[port],
+    ) as local:  # fmt: skip
+        yield local
+
+
+@pytest.fixture
+def client(cluster: LocalCluster) -> Iterator[corral.Client]:
+    state = cluster.state
+    assert state is not None
+    with corral.Client(state.gateway_url, state.api_key, timeout_s=300) as c:
+        yield c
+
+
+def _edge(sandbox: corral.Sandbox) -> str:
+    return sandbox.id.split("-")[1]
+
+
+def _manifest_gets(registry: Registry, repository: str, since: int) -> int:
+    return sum(1 for entry in registry.access_log()[since:]
+               if entry["method"] == "GET" and entry["path"].startswith(f"/v2/{repository}/manifests/"))  # fmt: skip
+
+
+def _pulled_once(pushed: Pushed, repository: str, since: int) -> None:
+    """Since access log entry ``since``: one manifest GET for ``repository``, and its config and layers once."""
+    assert _manifest_gets(pushed.registry, repository, since) == 1
+    expected_bytes = sum(len(blob.data) for blob in pushed.blobs[repository][1:])
+    assert pushed.registry.blob_bytes_sent(repository, since=since) == expected_bytes
+
+
+def _config_applied_on_every_node(created: list[corral.Sandbox]) -> None:
+    """Sandboxes on all three nodes, each started with the image's env, working dir and user; killed after."""
+    try:
+        assert {_edge(sb) for sb in created} == {"e1", "e2", "e3"}
+        for sandbox in created:
+            result = sandbox.exec('pwd; echo "$GREETING"; id -un; cat motd')
+            lines = result.stdout.splitlines()
+            assert lines == ["/srv/app", "from the registry", "user", "hello from a pulled layer"], result
+            assert sandbox.info.cwd == "/srv/app" and sandbox.info.user == "user"
+    finally:
+        for sandbox in created:
+            sandbox.kill()
+
+
+def test_pull_through_a_cluster_gateway_then_create_on_the_nodes(pushed: Pushed, client: corral.Client) -> None:
+    ref = pushed.ref("ns/app")
+    since = len(pushed.registry.access_log())
+    done = client.images.pull(ref)
+    assert done.image is not None and done.image.name == ref and (done.layers_pulled, done.layers_reused) == (2, 0)
+    _pulled_once(pushed, "ns/app", since)
+    config = client.images.inspect(ref).config
+    assert config is not None and config.cmd == ["sh", "-c", "cat /srv/app/motd"] and config.user == "user"
+    _config_applied_on_every_node(list(client.create_many(6, ref, ttl_s=600)))
+
+
+def test_concurrent_creates_across_nodes_pull_once(pushed: Pushed, client: corral.Client) -> None:
+    """Twelve creates of a reference the gateway has never pulled, each its own request, all at once."""
+    repository = "ns/burst-app"
+    since = len(pushed.registry.access_log())
+    with ThreadPoolExecutor(12) as pool:
+        created = list(pool.map(lambda _: client.create(pushed.ref(repository), ttl_s=600), range(12)))
+    try:
+        _pulled_once(pushed, repository, since)  # one pull, which the other creates awaited
+    finally:
+        _config_applied_on_every_node(created)
+
+
+def _present_bytes(cluster: LocalCluster, edge_id: str, digest: str) -> int:
+    """Bytes of the layer this node has fetched so far (its verified on-demand chunks; all of it if complete)."""
+    state = cluster.state
+    assert state is not None
+    layers = Path(state.nodes[edge_id].data_dir) / "node" / "layers"
+    marks = layers / "partial" / f"{digest[7:]}.present"
+    if marks.exists():
+        return marks.read_bytes().count(1) * CHUNK_INDEX_BYTES
+    complete = layers / "layers" / f"{digest[7:]}.erofs"
+    return complete.stat().st_size if complete.exists() else 0
+
+
+def test_a_node_that_joins_mid_burst_starts_sandboxes_from_layers_it_never_saw(
+    pushed: Pushed, cluster: LocalCluster, client: corral.Client
+) -> None:
+    ref = pushed.ref("ns/big")
+    client.images.pull(ref)
+    data_layer = client.images.inspect(ref).layers[-1]
+    burst_edges: list[str] = []  # where each create of the burst landed, in order
+    failures: list[BaseException] = []
+    stop = threading.Event()
+
+    def create_until_stopped() -> None:  # churn: create, run a command, kill; until the test says stop
+        while not stop.is_set():
+            try:
+                with client.create(ref, ttl_s=600) as sandbox:
+                    assert sandbox.exec("cat /etc/image-base").stdout == "big\n"
+                    burst_edges.append(_edge(sandbox))
+            except (corral.CorralError, AssertionError) as exc:  # reported below, never swallowed
+                failures.append(exc)
+                return
+
+    workers = [threading.Thread(target=create_until_stopped) for _ in range(3)]
+    for worker in workers:
+        worker.start()
+    on_new: list[corral.Sandbox] = []
+    try:
+        while len(burst_edges) < 3 and not failures:
+            time.sleep(0.1)
+        before_join = len(burst_edges)
+        state = cluster.state
+        assert state is not None and "e4" not in state.nodes  # a machine that has never seen the image
+        cluster.add_node("e4", labels={"zone": "new"})  # `corral cluster join`'s path, while the burst runs
+        assert len(burst_edges) > before_join and not failures, "no create finished while the node joined"
+        for _ in range(2):
+            sandbox = client.create(ref, ttl_s=600, node_selector={"zone": "new"})
+            on_new.append(sandbox)
+            assert _edge(sandbox) == "e4"
+            assert sandbox.exec("sha256sum /data/f3").stdout.split()[0] == pushed.data_sha256["f3"]
+        assert all(worker.is_alive() for worker in workers) and not failures, "the burst stopped"
+        fetched = _present_bytes(cluster, "e4", data_layer.digest)
+        # One file of eight read: on demand, not the whole layer (eager would have fetched all of it).
+        assert DATA_FILE_BYTES <= fetched < data_layer.size_bytes / 2, (fetched, data_layer.size_bytes)
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join(timeout=300)
+        for sandbox in on_new:
+            sandbox.kill()
+    assert not failures, failures
+    print(f"burst: {len(burst_edges)} creates, {burst_edges.count('e4')} of them on e4 after it joined")
+
+
+def test_cold_create_on_a_fresh_node_vs_a_node_with_the_layers(
+    pushed: Pushed, cluster: LocalCluster, client: corral.Client
+) -> None:
+    """Create → first exec of an image the node never saw (e4 above) against one whose layers it has (e1 ran it
+    just before), same run; medians of COLD_ROUNDS images. Printed (docs/cluster.md), not asserted on time."""
+    state = cluster.state
+    assert state is not None
+    if "e4" not in state.nodes:  # run on its own, without the join test before it
+        cluster.add_node("e4", labels={"zone": "new"})
+    cold_ms: list[float] = []
+    warm_ms: list[float] = []
+    for round_ in range(COLD_ROUNDS):
+        ref = pushed.ref(f"ns/cold{round_}")
+        client.images.pull(ref)
+        with client.create(ref, ttl_s=600, node_selector={"zone": "old"}) as first:  # its node gets the layers
+            warm_node = _edge(first)
+        for edge, selector, times in ((warm_node, {"zone": "old"}, warm_ms), ("e4", {"zone": "new"}, cold_ms)):
+            started = time.perf_counter()
+            sandbox = client.create(ref, ttl_s=600, node_selector=selector)
+            try:
+                while edge != "e4" and _edge(sandbox) != edge:  # the warm one must land where the layers are
+                    sandbox.kill()
+                    started = time.perf_counter()
+                    sandbox = client.create(ref, ttl_s=600, node_selector=selector)
+                assert sandbox.exec("cat /etc/round").stdout == f"{round_}\n"
+                times.append((time.perf_counter() - started) * 1e3)
+            finally:
+                sandbox.kill()
+    cold, warm = statistics.median(cold_ms), statistics.median(warm_ms)
+    print(f"create -> first exec: fresh node {cold:.0f} ms, node with the layers {warm:.0f} ms, "
+          f"ratio {cold / warm:.2f} (medians of {COLD_ROUNDS}; cold {cold_ms}, warm {warm_ms})")  # fmt: skip
