@@ -579,8 +579,7 @@ class SandboxService:
             if edge_id not in self._edges:
                 self.scheduler.forget(spec.sandbox_id)  # its node's heartbeat counts it from now on
             took_s = time.perf_counter() - started_s
-            self.metrics.creates.labels(request.backend, "created").inc()
-            self.metrics.create_seconds.labels(request.backend).observe(took_s)
+            self.metrics.created(request.backend, took_s)
             log.info("created on %s in %.0f ms: %s (%s)", edge_id, took_s * 1000, spec.image, request.backend,
                      extra={"sandbox_id": spec.sandbox_id})  # fmt: skip
             return StateStore.to_info({**record, "state": SandboxState.RUNNING.value, "status_message": note})
