@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 from corral.backends.base import LayerRef, SandboxSpec
 from corral.config import Settings
-from corral.edge.adoption import RECONCILE_EVERY_BEATS, end_stale, readopt
+from corral.edge.adoption import ACTIVE_STATES, RECONCILE_EVERY_BEATS, end_stale, readopt
 from corral.edge.local import LocalEdge
 from corral.edge.protocol import EDGE_METHODS
 from corral.guard.audit import AuditLog
@@ -40,7 +40,7 @@ from corral.images.fetch import layer_fetcher
 from corral.images.store import LayerStore
 from corral.node import build_edge, prepare_host
 from corral.sdk._exceptions import InvalidRequest
-from corral.sdk._models import SandboxState
+from corral.sdk._models import NodeStats, SandboxState
 from corral.state.db import StateStore
 
 __all__ = [
@@ -63,7 +63,7 @@ STREAMING = frozenset({"exec_stream"})
 CALLABLE = frozenset(WIRE_NAMES.get(name, name) for name in EDGE_METHODS - ACTOR_OWN - STREAMING)
 """What a gateway may call through ``EdgeActor.call``: derived from the Edge protocol, so a method added there is
 callable here."""
-ON_NODE = frozenset({"create", "discard_checkpoint", *WIRE_NAMES.values()})
+ON_NODE = frozenset({"create", "discard_checkpoint", "stats", *WIRE_NAMES.values()})
 """The callable methods ``NodeEdge`` answers itself; the rest go to its ``LocalEdge``."""
 
 
@@ -106,9 +106,27 @@ class NodeEdge:
         return tuple(refs)
 
     async def create(self, spec: SandboxSpec) -> str | None:
-        """The gateway's spec names the layers; the files are this node's (fetched first if missing)."""
-        layers = await self.layer_refs(ref.mount_key for ref in spec.layers)
-        return await self.edge.create(dataclasses.replace(spec, layers=layers))
+        """The gateway's spec names the layers; the files are this node's (fetched first if missing), and the
+        node's layer cache is kept under its budget, sparing these layers until the sandbox runs on them."""
+        if self._fetcher is None:
+            layers = await self.layer_refs(ref.mount_key for ref in spec.layers)
+            return await self.edge.create(dataclasses.replace(spec, layers=layers))
+        with self._fetcher.hold(ref.digest for ref in spec.layers):
+            layers = await self.layer_refs(ref.mount_key for ref in spec.layers)
+            await self._fetcher.enforce_cache_budget(self._layers_in_use)
+            return await self.edge.create(dataclasses.replace(spec, layers=layers))
+
+    def _layers_in_use(self) -> set[str]:
+        """The layers this node's sandboxes run on, from the shared records (a paused VM has no mount)."""
+        records = self.store.list(states=ACTIVE_STATES, edge_id=self.edge.edge_id)
+        return {entry.partition("#")[0] for record in records for entry in record["layers"]}
+
+    async def stats(self) -> NodeStats:
+        """The edge's stats, with what this node's layer cache takes on disk."""
+        stats = await self.edge.stats()
+        if self._fetcher is None:
+            return stats
+        return stats.model_copy(update={"layer_cache_bytes": await asyncio.to_thread(self._fetcher.cache_bytes)})
 
     async def pack_diff_bytes(self, sandbox_id: str) -> bytes:
         """The sandbox's changes as an EROFS layer, returned whole (the gateway imports it into the store)."""

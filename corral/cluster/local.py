@@ -306,14 +306,17 @@ class LocalCluster:
             raise
         return state
 
-    def add_node(self, edge_id: str, labels: dict[str, str] | None = None) -> NodeProcess:
+    def add_node(
+        self, edge_id: str, labels: dict[str, str] | None = None, settings: dict[str, str] | None = None
+    ) -> NodeProcess:
+        """Join a node; ``settings``: ``CORRAL_*`` of this node only, over the cluster's node settings."""
         state = self._state()
         data_dir = self.directory / "nodes" / edge_id
         node_dir = self._node_dir or data_dir / "node"
         env = node_env(
             edge_id=edge_id, data_dir=data_dir, node_dir=node_dir, database_url=state.database_url,
             gateway_url=state.gateway_url, api_key=state.api_key, labels=labels,
-            extra={**LOCAL_RAY_ENV, **self._node_settings},
+            extra={**LOCAL_RAY_ENV, **self._node_settings, **(settings or {})},
         )  # fmt: skip
         node_address = state.ray_address.rsplit(":", 1)[0]
         process, _ = join_node(

@@ -156,6 +156,10 @@ def _node_families(nodes: Iterable[NodeStats]) -> Iterator[Metric]:
     scalars = {field: _gauge(name, doc) for field, (name, doc) in {**scalar, **memory}.items()}
     pressure = _gauge("corral_node_pressure_avg10_percent", "PSI avg10 in percent.", ["resource"])
     refusing = _gauge("corral_node_refusing", "1 while the node refuses new sandboxes, with the reason.", ["reason"])
+    layer_cache = _gauge(
+        "corral_node_layer_cache_bytes",
+        "Disk taken by the layers the node fetched from the layer source (nodes with a cache of their own).",
+    )
     for node in nodes:
         for backend, states in node.sandboxes.items():
             for state, count in states.items():
@@ -166,9 +170,11 @@ def _node_families(nodes: Iterable[NodeStats]) -> Iterator[Metric]:
         for resource, percent in node.pressure.items():
             pressure.add_metric([node.edge_id, resource], percent)
         refusing.add_metric([node.edge_id, node.refusing or ""], 1.0 if node.refusing else 0.0)
+        if node.layer_cache_bytes is not None:
+            layer_cache.add_metric([node.edge_id], node.layer_cache_bytes)
     yield sandboxes
     yield from scalars.values()
-    yield from (pressure, refusing)
+    yield from (pressure, refusing, layer_cache)
 
 
 def _pool_families(pools: Iterable[PoolStats]) -> Iterator[Metric]:

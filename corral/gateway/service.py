@@ -666,6 +666,9 @@ class SandboxService:
     async def node_stats(self) -> builtins.list[NodeStats]:
         """Stats of this process's edges, and of every remote node that is up and answers."""
         stats = [await edge.stats() for edge in self._edges.values()]
+        if self._layer_fetcher is not None:  # this node caches layers fetched from a layer source
+            cached = await asyncio.to_thread(self._layer_fetcher.cache_bytes)
+            stats = [node.model_copy(update={"layer_cache_bytes": cached}) for node in stats]
         if self._remote is not None:
             remote = [self._remote.get(edge_id) for edge_id in self.scheduler.nodes if edge_id not in self._edges]
             answers = await asyncio.gather(*(edge.stats() for edge in remote), return_exceptions=True)

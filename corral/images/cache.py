@@ -35,14 +35,14 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from corral.images.lazy import PartialFiles
 from corral.images.store import LayerStore
 
-__all__ = ["CachedLayer", "NodeLayerCache", "mounted_layers"]
+__all__ = ["CachedLayer", "NodeLayerCache", "fetched_layers", "mounted_layers"]
 
 log = logging.getLogger("corral.images")
 
@@ -87,6 +87,28 @@ def _mtime(path: Path) -> float:
         return 0.0
 
 
+def fetched_layers(store: LayerStore, last_used: Mapping[str, float] | None = None) -> list[CachedLayer]:
+    """Every layer this node fetched from the layer source, complete or partial, with what it takes on disk.
+    ``last_used``: when this process last handed each out (else the file's mtime)."""
+    last_used = last_used or {}
+
+    def entry(digest: str, files: Iterable[Path], stamp: Path, *, partial: bool) -> CachedLayer:
+        used = last_used.get(digest) or _mtime(stamp)
+        return CachedLayer(digest=digest, disk_bytes=_disk_bytes(files), last_used=used, partial=partial)
+
+    cached = []
+    for record in store.layers():
+        if "fetched_from" in record.labels:
+            stem = store.root / "layers" / record.digest.removeprefix("sha256:")
+            files = [stem.with_suffix(suffix) for suffix in (".erofs", ".json", ".chunks")]
+            cached.append(entry(record.digest, files, files[0], partial=False))
+    for data in (store.root / "partial").glob("*.data"):
+        digest = f"sha256:{data.stem}"
+        partial = PartialFiles.of(store.root, digest)
+        cached.append(entry(digest, partial.all, partial.present, partial=True))
+    return cached
+
+
 class NodeLayerCache:
     """The node's fetched layers under ``budget_bytes`` (module docstring). Thread-safe."""
 
@@ -121,21 +143,7 @@ class NodeLayerCache:
 
     def layers(self) -> list[CachedLayer]:
         """Every fetched layer on this node, complete or partial, with what it takes on disk."""
-        cached = []
-        for record in self._store.layers():
-            if "fetched_from" in record.labels:
-                stem = self._store.root / "layers" / record.digest.removeprefix("sha256:")
-                files = [stem.with_suffix(suffix) for suffix in (".erofs", ".json", ".chunks")]
-                cached.append(self._entry(record.digest, files, files[0], partial=False))
-        for data in (self._store.root / "partial").glob("*.data"):
-            digest = f"sha256:{data.stem}"
-            partial = PartialFiles.of(self._store.root, digest)
-            cached.append(self._entry(digest, partial.all, partial.present, partial=True))
-        return cached
-
-    def _entry(self, digest: str, files: Iterable[Path], stamp: Path, *, partial: bool) -> CachedLayer:
-        last_used = self._last_used.get(digest) or _mtime(stamp)
-        return CachedLayer(digest=digest, disk_bytes=_disk_bytes(files), last_used=last_used, partial=partial)
+        return fetched_layers(self._store, self._last_used)
 
     def evict(self, in_use: Callable[[], set[str]]) -> list[str]:
         """Delete fetched layers nothing uses, least recently used first, until the cache fits its budget.

@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from corral.config import Settings
-from corral.images.cache import NodeLayerCache
+from corral.images.cache import NodeLayerCache, fetched_layers
 from corral.images.lazy import AuditSink, LayerSource, OnDemandLayers, build_lazyfs
 from corral.images.store import LayerStore
 from corral.sdk._exceptions import InternalError, NotFound, ServerUnavailable
@@ -109,6 +109,10 @@ class LayerFetcher:
     def hold(self, digests: Iterable[str]) -> AbstractContextManager[None]:
         """Keep these layers in the node's cache while a create that needs them runs (until it is recorded)."""
         return self.cache.hold(digests) if self.cache is not None else nullcontext()
+
+    def cache_bytes(self) -> int:
+        """What the layers this node fetched take on its disk now (what the cache budget bounds)."""
+        return sum(layer.disk_bytes for layer in fetched_layers(self._store))
 
     async def enforce_cache_budget(self, in_use: Callable[[], set[str]]) -> list[str]:
         """Evict fetched layers nothing uses, least recently used first, if the cache grew past its budget.

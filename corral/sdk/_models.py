@@ -699,6 +699,11 @@ class NodeStats(_Model):
     swap_total_mb: int
     pressure: dict[str, float] = Field(description="PSI avg10 in percent: cpu_some, memory_some, memory_full, io_some.")
     refusing: str | None = Field(None, description="Why the node refuses new sandboxes right now, if it does.")
+    layer_cache_bytes: int | None = Field(
+        None,
+        description="Disk taken by the layers this node fetched from the layer source, complete and partial "
+        "(blocks on disk); none: the node has no cache of its own (its layers are the gateway's store).",
+    )
 
 
 class ClusterNode(_Model):

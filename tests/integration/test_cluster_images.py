@@ -22,7 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 import corral
 from corral.bench.registry import Blob, Registry, image_blobs, layer_tar, push, start_registry, tree_members
@@ -254,3 +256,53 @@ def test_cold_create_on_a_fresh_node_vs_a_node_with_the_layers(
     cold, warm = statistics.median(cold_ms), statistics.median(warm_ms)
     print(f"create -> first exec: fresh node {cold:.0f} ms, node with the layers {warm:.0f} ms, "
           f"ratio {cold / warm:.2f} (medians of {COLD_ROUNDS}; cold {cold_ms}, warm {warm_ms})")  # fmt: skip
+
+
+def _scrape_node_cache_bytes(cluster: LocalCluster, edge_id: str) -> float:
+    state = cluster.state
+    assert state is not None
+    text = httpx.get(f"{state.gateway_url}/metrics", headers={"Authorization": f"Bearer {state.api_key}"},
+                     timeout=60).text  # fmt: skip
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "corral_node_layer_cache_bytes" and sample.labels.get("edge_id") == edge_id:
+                return sample.value
+    raise AssertionError(f"/metrics has no corral_node_layer_cache_bytes for {edge_id}")
+
+
+def test_a_ray_node_keeps_its_layer_cache_under_its_budget(
+    pushed: Pushed, cluster: LocalCluster, client: corral.Client
+) -> None:
+    """The edge actor evicts as the embedded server does: a partial layer nothing runs on goes when a create
+    brings new layers past CORRAL_LAYER_CACHE_BUDGET_MB; one a running sandbox reads stays; /metrics shows it."""
+    budget_mb = 6
+    cluster.add_node(
+        "e5",
+        labels={"zone": "budget"},
+        settings={"CORRAL_LAYER_CACHE_BUDGET_MB": str(budget_mb), "CORRAL_LAYER_IDLE_UNMOUNT_S": "0"},
+    )
+    big, app = pushed.ref("ns/big"), pushed.ref("ns/app")
+    for ref in (big, app):
+        client.images.pull(ref)
+    data_layer = client.images.inspect(big).layers[-1].digest
+    state = cluster.state
+    assert state is not None
+    partial = Path(state.nodes["e5"].data_dir) / "node" / "layers" / "partial" / f"{data_layer[7:]}.data"
+    with client.create(big, ttl_s=600, node_selector={"zone": "budget"}) as sandbox:
+        assert sandbox.exec("cat /data/f0 /data/f1 /data/f2 /data/f3 > /dev/null").exit_code == 0
+        assert _present_bytes(cluster, "e5", data_layer) >= 4 * DATA_FILE_BYTES  # 8 MiB: over the budget
+        assert partial.exists()
+        assert _scrape_node_cache_bytes(cluster, "e5") >= 4 * DATA_FILE_BYTES
+    pid = cluster.edge_pid("e5")
+    assert pid is not None
+    deadline = time.monotonic() + 30
+    mountinfo = Path(f"/proc/{pid}/mountinfo")
+    while any(" - erofs " in line and data_layer[7:] in line for line in mountinfo.read_text().splitlines()):
+        assert time.monotonic() < deadline, "the data layer stayed mounted after its sandbox ended (idle unmount)"
+        time.sleep(0.2)
+    with client.create(app, ttl_s=600, node_selector={"zone": "budget"}) as sandbox:  # new layers: a check
+        assert sandbox.exec("cat /srv/app/motd").stdout == "hello from a pulled layer\n"
+        assert not partial.exists(), "the unused partial layer stayed past the budget"
+        assert _scrape_node_cache_bytes(cluster, "e5") <= budget_mb << 20
+        with client.create(big, ttl_s=600, node_selector={"zone": "budget"}) as again:  # fetched anew, correct
+            assert again.exec("sha256sum /data/f3").stdout.split()[0] == pushed.data_sha256["f3"]

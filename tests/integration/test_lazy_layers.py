@@ -16,10 +16,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 import corral
 from corral.embedded import EmbeddedServer
-from corral.images.cache import NodeLayerCache
+from corral.images.cache import NodeLayerCache, fetched_layers
 from corral.images.lazy import PartialFiles
 from corral.images.store import CHUNK_INDEX_BYTES, LayerStore
 
@@ -218,6 +219,15 @@ def test_a_restarted_node_resumes_a_partial_layer(
         second.shutdown()
 
 
+def _node_cache_metric(server: EmbeddedServer) -> float:
+    """``corral_node_layer_cache_bytes`` of the server's one node, as /metrics says."""
+    text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {server.api_key}"}, timeout=30).text
+    values = [sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+              if sample.name == "corral_node_layer_cache_bytes"]  # fmt: skip
+    assert len(values) == 1, values
+    return values[0]
+
+
 def _erofs_mounted(server: EmbeddedServer, digest: str) -> bool:
     """Whether the server (in its own mount namespace) has an EROFS mount of this layer."""
     assert server.process is not None
@@ -263,6 +273,8 @@ def test_a_node_over_its_cache_budget_evicts_an_unused_partial_layer_and_keeps_a
             with client.create(environment={"base": "busybox", "tools": "cache-b"}, ttl_s=120) as second_reader:
                 assert not any(path.exists() for path in files_a.all)
                 assert _present_bytes(node_dir, digest_b) == b_bytes
+                on_disk = sum(layer.disk_bytes for layer in fetched_layers(LayerStore(node_dir / "layers")))
+                assert abs(_node_cache_metric(second) - on_disk) <= CHUNK_INDEX_BYTES, "/metrics must show the cache"
                 assert _sha256_in(second_reader, "f1").stdout.split()[0] == digests_b["f1"]
                 assert _sha256_in(reader, "f2").stdout.split()[0] == digests_b["f2"]
         # Evicted means fetched again, correctly, from nothing: only what this sandbox reads is here.
