@@ -39,7 +39,7 @@ from corral.gateway.e2b.common import (
     rfc3339,
     services,
 )
-from corral.gateway.e2b.network import create_policy, update_policy
+from corral.gateway.e2b.network import create_policy, network_info, update_policy
 from corral.sdk._exceptions import NotFound
 from corral.sdk._models import CreateSandboxRequest, SandboxInfo, SandboxState
 
@@ -250,7 +250,9 @@ async def get_info(sandbox_id: str, request: Request) -> JSONResponse:
     info = live(request, sandbox_id)
     paused_on_timeout = ON_TIMEOUT_LABEL in info.labels  # and any request resumes it: autoResume
     lifecycle = {"onTimeout": "pause" if paused_on_timeout else "kill", "autoResume": paused_on_timeout}
-    return JSONResponse({**_listed(info), **sandbox_shape(request, info), "lifecycle": lifecycle})
+    internet, network = network_info(info.network)
+    shape = {**_listed(info), **sandbox_shape(request, info), "lifecycle": lifecycle}
+    return JSONResponse({**shape, "allowInternetAccess": internet, "network": network})
 
 
 @router.delete("/sandboxes/{sandbox_id}")
