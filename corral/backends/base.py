@@ -39,8 +39,19 @@ __all__ = [
     "CommandStarted",
     "CommandSpec",
     "RunningCommand",
+    "SETUID_LABEL",
     "SandboxSpec",
+    "setuid_allowed",
 ]
+
+# A sandbox labelled ``corral.setuid=allowed`` runs setuid programs (sudo) as root inside it: container sandboxes
+# then run without no_new_privs; seccomp, capabilities and namespaces stay (corral/backends/container/oci.py).
+# A label, so that forks and re-adopted sandboxes keep it with the rest of their record.
+SETUID_LABEL = "corral.setuid"
+
+
+def setuid_allowed(labels: Mapping[str, str]) -> bool:
+    return labels.get(SETUID_LABEL) == "allowed"
 
 
 @dataclass(frozen=True)
@@ -74,6 +85,7 @@ class SandboxSpec:
     disk_mb: int | None = None  # size limit of the writable layer; None: the host disk
     backend: str = "container"  # which backend runs it: container | microvm | vm
     restore_from: str | None = None  # VM backends: start from this checkpoint directory (memory, devices, disk)
+    setuid_allowed: bool = False  # setuid programs raise privileges inside the sandbox (SETUID_LABEL)
 
 
 @dataclass(frozen=True)

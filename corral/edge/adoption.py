@@ -13,7 +13,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol
 
-from corral.backends.base import LayerRef, SandboxSpec
+from corral.backends.base import LayerRef, SandboxSpec, setuid_allowed
 from corral.backends.common.network import AllowRule
 from corral.edge.local import to_allow_rules
 from corral.edge.protocol import Edge
@@ -53,6 +53,7 @@ def spec_from_record(record: dict[str, Any], layers: tuple[LayerRef, ...]) -> Sa
         sensitive_paths=tuple(record["sensitive_paths"] or ()),
         disk_mb=record["disk_mb"],
         backend=record["backend"],
+        setuid_allowed=setuid_allowed(record["labels"] or {}),
     )
 
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
-from corral.backends.base import Capability, LayerRef, SandboxSpec, offer_key
+from corral.backends.base import Capability, LayerRef, SandboxSpec, offer_key, setuid_allowed
 from corral.edge.adoption import end_stale, readopt
 from corral.edge.local import to_allow_rules
 from corral.edge.protocol import Edge, EdgeDirectory, edge_of, new_sandbox_id
@@ -535,6 +535,7 @@ class SandboxService:
                 disk_mb=request.disk_mb,
                 backend=request.backend,
                 restore_from=restore_from,
+                setuid_allowed=setuid_allowed(request.labels),
             )
             self.scheduler.reserve(spec.sandbox_id, edge_id, cpu=spec.cpu, memory_mb=spec.memory_mb, layers=digests)
             record = {

@@ -13,7 +13,9 @@ Every archive is treated as hostile:
 * File bytes count against ``max_bytes`` and members against ``MAX_MEMBERS``
   (PayloadTooLarge). Device nodes and FIFOs are skipped.
 * Modes are kept, setuid/setgid included (/usr/bin/passwd is image content;
-  sandboxes run with no_new_privs, so the bits grant nothing). Owners are
+  sandboxes run with no_new_privs, so the bits grant nothing, except in
+  sandboxes labelled ``corral.setuid=allowed``, where they give root inside
+  the sandbox, as the API's ``user="root"`` does). Owners are
   kept when running as root, else left alone. Directory metadata is set last.
 
 OCI layers go through the same code plus whiteouts: ``dir/.wh.name`` deletes

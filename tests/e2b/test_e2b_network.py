@@ -140,6 +140,8 @@ def test_no_internet_access_is_loopback_only(create) -> None:  # type: ignore[no
     sandbox = create(allow_internet_access=False)
     links = sandbox.commands.run("ls /sys/class/net").stdout.split()
     assert links == ["lo"]  # as a Corral sandbox without network: no interface to send on
+    info = sandbox.get_info()
+    assert info.allow_internet_access is False and info.network == {"allow_public_traffic": False}
 
 
 def test_a_server_can_forbid_internet(tmp_path: Path, test_env: dict[str, str]) -> None:
@@ -166,6 +168,13 @@ def test_network_allow_and_deny_with_host_names_kept_current(  # type: ignore[no
 ) -> None:
     hosts_file.write_text(f"{PEER} mirror.corral.test\n")
     sandbox = create(network={"allow_out": ["mirror.corral.test"], "deny_out": [ALL_TRAFFIC]})
+    info = sandbox.get_info()  # as configured: unset internet access is E2B's default, on
+    assert info.allow_internet_access is True
+    assert info.network == {
+        "allow_out": ["mirror.corral.test"],
+        "deny_out": [ALL_TRAFFIC],
+        "allow_public_traffic": False,
+    }
     netns = _netns(sandbox)
     _route_public_via_peer(netns)
     assert f"ip daddr {PEER} accept" in _output_rules(netns)  # the name, resolved on the node
@@ -183,7 +192,16 @@ def test_network_allow_and_deny_with_host_names_kept_current(  # type: ignore[no
 
 def test_update_network_replaces_the_rules(create, network_server: EmbeddedServer) -> None:  # type: ignore[no-untyped-def]
     sandbox = create(allow_internet_access=False)  # loopback only at first
-    sandbox.update_network({"allow_out": ["10.88.201.0/24"], "allow_internet_access": False})
+    sandbox.update_network(
+        {"allow_out": ["10.88.201.0/24"], "dns_servers": ["10.88.201.53"], "allow_internet_access": False}
+    )
+    info = sandbox.get_info()
+    assert info.allow_internet_access is False
+    assert info.network == {
+        "allow_out": ["10.88.201.0/24"],
+        "dns_servers": ["10.88.201.53"],
+        "allow_public_traffic": False,
+    }
     netns = _netns(sandbox)
     _route_public_via_peer(netns)
     assert sandbox.commands.run(_fetch(PEER)).stdout == "ok from mirror\n"
@@ -191,6 +209,8 @@ def test_update_network_replaces_the_rules(create, network_server: EmbeddedServe
     sandbox.update_network({"deny_out": [PEER]})  # replaced: internet (E2B's default) on, the peer denied
     assert sandbox.commands.run(_fetch(PUBLIC)).stdout == "ok from mirror\n"
     assert sandbox.commands.run(_fetch(PEER)).stdout == ""
+    info = sandbox.get_info()
+    assert info.allow_internet_access is True and info.network == {"deny_out": [PEER], "allow_public_traffic": False}
     with network_server.client() as client:
         rules = client.get(sandbox.sandbox_id).network().allow
     assert rules is not None and rules[0].cidr == f"{PEER}/32" and rules[0].action == "deny"

@@ -311,6 +311,7 @@ class ContainerBackend:
             cgroup_path=qos.cgroup_path(spec.sandbox_id, spec.qos),
             agent_binary=self._helpers.agent,
             log_denials=runtime.name == "crun",
+            setuid_allowed=spec.setuid_allowed,
         )
         (bundle / "config.json").write_text(json.dumps(isolation.config(config, spec.sandbox_id)))
         agent: AgentConnection | None = None

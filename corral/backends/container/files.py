@@ -403,7 +403,8 @@ class ConfinedTree:
         belong to the server's user); setuid/setgid bits are stripped, unless
         ``keep_owners`` (an image build's COPY: owners and all mode bits as the
         archive says, as image layers keep them; sandboxes run with
-        no_new_privs, so the bits grant nothing there). Members
+        no_new_privs, so the bits grant nothing there, or root inside the sandbox where it allows setuid
+        programs, ``corral.setuid``). Members
         are created through the sandbox root, so a member below a symlink that
         an earlier member created lands wherever that symlink points inside the
         sandbox, as with ``tar -x`` run inside it."""

@@ -41,7 +41,6 @@ from corral.backends.base import Capability, Checkpointing, FileTree, SandboxSpe
 from corral.backends.common.agent_protocol import AgentConnection
 from corral.backends.common.guest_tree import GuestTree
 from corral.backends.container.isolation import Container, ContainerParts
-from corral.backends.container.oci import AGENT_PATH
 from corral.backends.container.runtime import RUNSC, RUNSC_FLAGS, OciRuntime, Overlay
 from corral.sdk._exceptions import InternalError, InvalidRequest, NotFound, ServerUnavailable
 
@@ -58,7 +57,7 @@ _LET_GO_TIMEOUT_S = 5.0
 def adapt_config(config: dict[str, Any], ctl_dir: Path, busybox: Path = BUSYBOX) -> dict[str, Any]:
     """The crun/runc config.json made fit for runsc: the agent connects to the edge through ``ctl_dir`` and gets
     the busybox tool for file operations."""
-    config["process"]["args"] = [AGENT_PATH, "--connect", f"{CTL_DIR}/{_CTL_SOCKET}", "--tool", TOOL_PATH]
+    config["process"]["args"] += ["--connect", f"{CTL_DIR}/{_CTL_SOCKET}", "--tool", TOOL_PATH]
     config["mounts"] += [
         {
             "destination": TOOL_PATH,

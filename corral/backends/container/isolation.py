@@ -23,7 +23,7 @@ from corral.backends.base import Capability, Checkpointing, FileTree, ReclaimRes
 from corral.backends.common.agent_protocol import AgentConnection
 from corral.backends.container.files import ConfinedTree
 from corral.backends.container.memory import CgroupMemory
-from corral.backends.container.oci import AGENT_PATH
+from corral.backends.container.oci import AGENT_NEW_PRIVS_ARGS, AGENT_PATH
 from corral.backends.container.runtime import OciRuntime, Overlay
 from corral.sdk._exceptions import Conflict, InvalidRequest, NotFound
 
@@ -152,7 +152,8 @@ class PlainOci:
         try:
             try:
                 log_file = self._parts.sandbox_dir(spec.sandbox_id) / "runtime.log"
-                await runtime.exec_attached(spec.sandbox_id, agent_end, AGENT_PATH, log_file)
+                argv = [AGENT_PATH, *(AGENT_NEW_PRIVS_ARGS if spec.setuid_allowed else ())]
+                await runtime.exec_attached(spec.sandbox_id, agent_end, argv, log_file)
             finally:
                 agent_end.close()
             await agent.start(self._parts.agent_start_timeout_s)

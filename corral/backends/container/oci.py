@@ -7,6 +7,14 @@ that refuses what sandboxed agents never need (and has the kernel log each refus
 extent-swapping ioctls and new namespaces refused; a reduced capability set;
 no_new_privs; masked and read-only /proc and /sys paths. The agent binary is
 bind-mounted read-only at AGENT_PATH and runs as the container's init.
+
+A sandbox that allows setuid programs (``SandboxSpec.setuid_allowed``: E2B's
+templates, whose ``user`` has sudo) runs without no_new_privs, as Docker's
+containers do: setuid sudo then makes a process root *inside* the sandbox,
+which is what the API's ``user="root"`` already gives. Nothing else changes:
+the runtime installs the same seccomp filter (before it drops its own
+capabilities, since without no_new_privs the kernel wants CAP_SYS_ADMIN for
+that), the bounding set caps what any exec can gain, and the namespaces stay.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from typing import Any
 
 __all__ = [
     "AGENT_PATH",
+    "AGENT_NEW_PRIVS_ARGS",
     "CAPABILITIES",
     "CLONE_NAMESPACE_FLAGS",
     "DENIED_IOCTLS",
@@ -26,6 +35,7 @@ __all__ = [
 ]
 
 AGENT_PATH = "/.corral/agent"
+AGENT_NEW_PRIVS_ARGS = ("--new-privs", "allowed")  # the agent leaves no_new_privs off for its commands (agent.c)
 CFS_PERIOD_US = 100_000
 
 # Docker's default set minus NET_RAW and MKNOD: enough to switch users and
@@ -226,19 +236,21 @@ def build_config(
     cgroup_path: str,
     agent_binary: Path,
     log_denials: bool = True,
+    setuid_allowed: bool = False,
 ) -> dict[str, Any]:
-    """The config.json for one sandbox; ``root.path`` is ``rootfs`` in the bundle."""
+    """The config.json for one sandbox; ``root.path`` is ``rootfs`` in the bundle. ``setuid_allowed``: without
+    no_new_privs (see the module's docstring)."""
     capabilities = {key: list(CAPABILITIES) for key in ("bounding", "effective", "permitted")}
     return {
         "ociVersion": "1.0.2",
         "process": {
             "terminal": False,
             "user": {"uid": 0, "gid": 0},
-            "args": [AGENT_PATH],
+            "args": [AGENT_PATH, *(AGENT_NEW_PRIVS_ARGS if setuid_allowed else ())],
             "env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
             "cwd": "/",
             "capabilities": capabilities,
-            "noNewPrivileges": True,
+            "noNewPrivileges": not setuid_allowed,
         },
         "root": {"path": "rootfs", "readonly": False},
         "hostname": hostname,

@@ -148,11 +148,11 @@ class OciRuntime:
         await self._run(args, log_file=bundle.parent / "runtime.log")
         return int(pid_file.read_text())
 
-    async def exec_attached(self, container_id: str, ctl: socket.socket, agent_path: str, log_file: Path) -> None:
+    async def exec_attached(self, container_id: str, ctl: socket.socket, agent_argv: list[str], log_file: Path) -> None:
         """Start a second agent in a running container (re-attach after an edge restart)."""
         args = [
             str(self._launch), "--ctl-fd", str(ctl.fileno()), "--audit-session", "--refuse-clone3", "--",
-            *self._base(), "exec", "--detach", "--preserve-fds", "1", container_id, agent_path,
+            *self._base(), "exec", "--detach", "--preserve-fds", "1", container_id, *agent_argv,
         ]  # fmt: skip
         await self._run(args, pass_fds=(ctl.fileno(),), log_file=log_file)
 

@@ -9,8 +9,8 @@ and ``E2b-Sandbox-Port`` headers, ``interpreter`` the code interpreter's
 port 49999 (``run_code`` and contexts) backed by a small Python kernel
 shipped into the sandbox. ``processes``, ``pty`` and ``watch`` stand in for
 what E2B keeps inside envd (running processes, terminals, directory
-watchers); ``metrics`` samples a sandbox; ``template`` builds ``e2b-base``. docs/e2b.md says what
-is and is not supported.
+watchers); ``metrics`` samples a sandbox; ``template`` builds ``e2b-base``; ``builds``
+maps E2B's template build API onto Dockerfile builds. docs/e2b.md says what is and is not supported.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from corral.gateway.e2b import control, envd, interpreter, lifecycle
+from corral.gateway.e2b import builds, control, envd, interpreter, lifecycle
 from corral.gateway.e2b.common import e2b_api_key, quiet_aborted_streams
 from corral.gateway.e2b.metadata import FileMetadata
 from corral.gateway.e2b.metrics import sample
@@ -50,6 +50,8 @@ class E2BFacade:
         self._killing: set[str] = set()
         self._pauser: asyncio.Task[None] | None = None
         self.timeouts = lifecycle.TimeoutPauser(services.sandboxes)
+        self._scratch = contextlib.ExitStack()  # the template builds' files, removed at close
+        self.templates = builds.TemplateBuilds(self._scratch.enter_context(services.images.scratch("e2b-templates-")))
 
     def start(self) -> None:
         """Start pausing ``autoPause`` sandboxes at their timeout (until ``close``)."""
@@ -81,6 +83,8 @@ class E2BFacade:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._pauser
         await self.processes.close()
+        await self.templates.close()
+        self._scratch.close()
 
 
 def include_e2b(app: FastAPI, max_file_bytes: int, internet_egress: InternetEgress = "public") -> None:
@@ -101,5 +105,6 @@ def include_e2b(app: FastAPI, max_file_bytes: int, internet_egress: InternetEgre
     quiet_aborted_streams()
     app.include_router(control.router)
     app.include_router(lifecycle.router)
+    app.include_router(builds.router)
     app.include_router(envd.router)
     app.include_router(interpreter.router)

@@ -61,6 +61,7 @@ __all__ = [
     "refuse",
     "rfc3339",
     "services",
+    "signed_token",
     "target",
 ]
 
@@ -192,6 +193,11 @@ def _hmac(server_key: str, purpose: str) -> str:
 def e2b_api_key(server_key: str) -> str:
     """The E2B-style API key (``e2b_`` + 40 hex) that goes with a Corral server key."""
     return "e2b_" + _hmac(server_key, "e2b-api-key")[:40]
+
+
+def signed_token(server_key: str, purpose: str) -> str:
+    """A token only this server makes, for one ``purpose`` (e.g. one template file upload URL)."""
+    return _hmac(server_key, purpose)[:40]
 
 
 def access_token(server_key: str, sandbox_id: str) -> str:

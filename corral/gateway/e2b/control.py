@@ -5,6 +5,8 @@ A template is a Corral image: ``base`` and ``code-interpreter-v1`` are the
 any other template id is an image ref such as ``debian-12``. E2B's ``timeout``
 is the sandbox's TTL, ``metadata`` its labels, ``envVars`` its environment,
 ``allow_internet_access`` and ``network`` its egress rules (network.py).
+Its sandboxes allow setuid programs (``corral.setuid``), so the template's
+``user`` can ``sudo`` to root inside the sandbox, as on E2B.
 Create options Corral cannot honour are refused (400), never ignored.
 """
 
@@ -18,6 +20,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from corral.backends.base import SETUID_LABEL
 from corral.gateway.e2b.common import (
     ENVD_VERSION,
     ON_TIMEOUT_LABEL,
@@ -36,7 +39,7 @@ from corral.gateway.e2b.common import (
     rfc3339,
     services,
 )
-from corral.gateway.e2b.network import create_policy, update_policy
+from corral.gateway.e2b.network import create_policy, network_info, update_policy
 from corral.sdk._exceptions import NotFound
 from corral.sdk._models import CreateSandboxRequest, SandboxInfo, SandboxState
 
@@ -166,7 +169,7 @@ async def _create(request: Request) -> JSONResponse:
     if any(key.startswith("corral.") for key in metadata):
         raise E2BError(400, "metadata keys starting with 'corral.' are Corral's own")
     timeout_s = parse_timeout(body.get("timeout"), DEFAULT_TIMEOUT_S)
-    labels = {**metadata, TEMPLATE_LABEL: template_id}
+    labels = {**metadata, TEMPLATE_LABEL: template_id, SETUID_LABEL: "allowed"}  # sudo works, as on E2B
     if body.get("autoPause"):  # lifecycle.TimeoutPauser pauses it at its timeout
         on_timeout = "pause" if body.get("autoPauseMemory") is not False else "pause-filesystem"
         labels.update({ON_TIMEOUT_LABEL: on_timeout, TIMEOUT_LABEL: str(timeout_s)})
@@ -247,7 +250,9 @@ async def get_info(sandbox_id: str, request: Request) -> JSONResponse:
     info = live(request, sandbox_id)
     paused_on_timeout = ON_TIMEOUT_LABEL in info.labels  # and any request resumes it: autoResume
     lifecycle = {"onTimeout": "pause" if paused_on_timeout else "kill", "autoResume": paused_on_timeout}
-    return JSONResponse({**_listed(info), **sandbox_shape(request, info), "lifecycle": lifecycle})
+    internet, network = network_info(info.network)
+    shape = {**_listed(info), **sandbox_shape(request, info), "lifecycle": lifecycle}
+    return JSONResponse({**shape, "allowInternetAccess": internet, "network": network})
 
 
 @router.delete("/sandboxes/{sandbox_id}")

@@ -20,7 +20,7 @@ from corral.gateway.e2b.common import E2BError, refuse
 from corral.sdk._exceptions import InvalidRequest
 from corral.sdk._models import NetworkPolicy, NetworkRule
 
-__all__ = ["InternetEgress", "create_policy", "update_policy"]
+__all__ = ["InternetEgress", "create_policy", "network_info", "update_policy"]
 
 InternetEgress = Literal["public", "off"]
 
@@ -116,3 +116,31 @@ def update_policy(body: dict[str, Any], egress: InternetEgress) -> NetworkPolicy
     if unknown:
         raise refuse(f"network option(s) {', '.join(unknown)}", "unknown to this facade")
     return NetworkPolicy(allow=_rules(body, _internet(body.get("allow_internet_access"), egress)))
+
+
+def _entry(rule: NetworkRule) -> str:
+    """A rule as the allowOut/denyOut entry it came from: a host name, an address, or a CIDR."""
+    if rule.host is not None:
+        return rule.host
+    network = ipaddress.ip_network(rule.cidr or "", strict=False)
+    return str(network.network_address) if network.prefixlen == network.max_prefixlen else str(network)
+
+
+def network_info(policy: NetworkPolicy | None) -> tuple[bool, dict[str, Any]]:
+    """``get_info``'s ``allowInternetAccess`` and ``network``, read back from the rules as loaded (what the create
+    or the last ``update_network`` configured; ``_rules`` in reverse)."""
+    rules = list(policy.allow) if policy is not None else []
+    grant = [
+        NetworkRule(cidr=r.cidr, ports=list(r.ports), protocol=r.protocol, action=r.action) for r in internet_rules()
+    ]
+    internet = len(rules) >= len(grant) and rules[len(rules) - len(grant) :] == grant
+    if internet:
+        rules = rules[: len(rules) - len(grant)]
+    network: dict[str, list[str]] = {"allowOut": [], "denyOut": [], "dnsServers": []}
+    for rule in rules:
+        if rule.ports == [53] and rule.protocol in ("udp", "tcp"):
+            if rule.protocol == "udp":
+                network["dnsServers"].append(_entry(rule))
+        else:
+            network["allowOut" if rule.action == "allow" else "denyOut"].append(_entry(rule))
+    return internet, {"allowPublicTraffic": False, **{k: v for k, v in network.items() if v}}

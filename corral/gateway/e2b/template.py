@@ -3,9 +3,10 @@
 debian-12 already has bash, python3, coreutils and the user ``user`` (uid
 1000, home /home/user). This adds a layer with Debian's ``sudo`` package
 (fetched on the host with ``apt-get download``, unpacked with ``dpkg-deb``)
-and ``user ALL=(ALL:ALL) NOPASSWD: ALL``. Sandboxes run with no_new_privs,
-so sudo cannot raise a command's privileges: it works for root and says so
-for ``user`` (run such commands with ``user="root"``; docs/e2b.md).
+and ``user ALL=(ALL:ALL) NOPASSWD: ALL``. The facade's sandboxes allow
+setuid programs (``corral.setuid``), so ``user`` gets root inside the
+sandbox through sudo, within the sandbox's seccomp filter and capability
+bounding set (docs/e2b.md).
 ``python -m corral.gateway.e2b.template`` builds it once per node
 (scripts/setup.sh); a new debian-12 rebuilds it.
 """

@@ -21,6 +21,12 @@
  *                edge closes it the agent connects again every 50 ms.
  *   --tool PATH  as above (the sentry serves the root: the host cannot open it).
  *
+ * Any mode:
+ *   --new-privs allowed  leave no_new_privs off, so setuid programs (sudo) work
+ *                for sandboxes that allow them; otherwise every command runs
+ *                with it set. The seccomp filter and capability bounding set
+ *                apply either way.
+ *
  * Wire format (little endian), both directions:
  *   u32 length (of what follows) | u8 type | u32 job id | payload
  * Edge -> agent: EXEC, STDIN (empty payload closes stdin), SIGNAL, PING,
@@ -541,9 +547,11 @@ static void reconnect_path(void) {
 
 int main(int argc, char **argv) {
     const char *tool = NULL;
+    int new_privs_allowed = 0;
     ctl = 3;
     for (int i = 1; i + 1 < argc; i += 2) {
         if (strcmp(argv[i], "--fd") == 0) ctl = atoi(argv[i + 1]);
+        else if (strcmp(argv[i], "--new-privs") == 0) new_privs_allowed = strcmp(argv[i + 1], "allowed") == 0;
         else if (strcmp(argv[i], "--dev") == 0) ctl_dev = argv[i + 1];
         else if (strcmp(argv[i], "--connect") == 0) ctl_path = argv[i + 1];
         else if (strcmp(argv[i], "--root") == 0) sandbox_root = argv[i + 1];
@@ -552,8 +560,10 @@ int main(int argc, char **argv) {
     if (tool) tool_fd = open(tool, O_RDONLY | O_CLOEXEC);
     if (ctl_dev || ctl_path) ctl = -1;
     prctl(PR_SET_DUMPABLE, 0);
-    /* `crun exec` (a re-attached agent) does not set no_new_privs; every command must inherit it. */
-    prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
+    /* `crun exec` (a re-attached agent) does not set no_new_privs; every command must inherit it, unless the
+       sandbox allows setuid programs (`--new-privs allowed`: sudo; its seccomp filter and capability bounding set
+       stay, installed by the runtime and corral-launch). */
+    if (!new_privs_allowed) prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
     if (ctl >= 0) fcntl(ctl, F_SETFD, FD_CLOEXEC);
     signal(SIGPIPE, SIG_IGN);
     /* A clean shutdown signals every process of the sandbox; a re-attached agent (not PID 1, which the
