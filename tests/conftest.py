@@ -23,6 +23,18 @@ from corral.embedded import EmbeddedServer, linked_node_dir
 from corral.sdk._config import default_config_path
 
 REPO = Path(__file__).resolve().parent.parent
+SLOW_ENV = "CORRAL_TEST_SLOW"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``slow`` repeat heavy work a default run already does once (the conformance checks on a full
+    VM: test_vm.py boots one in every run): they run with CORRAL_TEST_SLOW=1 or when ``-m`` selects by marker."""
+    if os.environ.get(SLOW_ENV) == "1" or config.getoption("markexpr"):
+        return
+    skip = pytest.mark.skip(reason=f"slow: {SLOW_ENV}=1 runs it")
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(skip)
 
 
 def _user_files() -> dict[str, tuple[int, int]]:

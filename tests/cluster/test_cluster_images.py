@@ -1,5 +1,6 @@
-"""Registry images on a real 3-node Ray cluster (three raylets with edge actors over real crun, one gateway,
-PostgreSQL, all in a network namespace of the test's own), and a node that joins in the middle of a burst.
+"""Registry images on the package's real Ray cluster (tests/cluster/conftest.py: three raylets with edge actors
+over real crun, one gateway, PostgreSQL, in a network namespace of the test's own), a node that joins in the
+middle of a burst, and a node's layer cache under its budget.
 
 The registry is Debian's docker-registry on the host's 127.0.0.1, with images this module builds and pushes
 with skopeo (corral/bench/registry.py). The cluster's namespace has a loopback of its own and no route out,
@@ -13,11 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import statistics
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,15 +26,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import corral
-from corral.bench.registry import Blob, Registry, image_blobs, layer_tar, push, start_registry, tree_members
+from corral.bench.registry import Blob, Registry, image_blobs, layer_tar, push, tree_members
 from corral.bench.registry import write_layout as oci_layout
 from corral.cluster.local import LocalCluster
 from corral.images.bases import build_busybox_rootfs
 from corral.images.store import CHUNK_INDEX_BYTES
-from tests.ray_cluster import local_test_cluster
-
-pytestmark = pytest.mark.skipif(shutil.which("docker-registry") is None or shutil.which("skopeo") is None,
-                                reason="needs docker-registry and skopeo (apt)")  # fmt: skip
+from tests.cluster.conftest import edge_of
 
 APP_CONFIG = {"Env": ["PATH=/usr/bin:/bin", "GREETING=from the registry"], "WorkingDir": "/srv/app",
               "User": "user", "Cmd": ["sh", "-c", "cat /srv/app/motd"]}  # fmt: skip
@@ -67,50 +63,20 @@ def _push(tmp: Path, registry: Registry, repository: str, layers: list[bytes], c
 
 
 @pytest.fixture(scope="module")
-def pushed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pushed]:
-    tmp = tmp_path_factory.mktemp("cluster-registry")
-    registry = start_registry(tmp / "registry")
-    try:
-        blobs: dict[str, list[Blob]] = {}
-        for name in ("ns/app", "ns/burst-app"):  # no layer in common: each pull downloads all of its own
-            app_files = layer_tar({"srv": None, "srv/app": None, "srv/app/motd": b"hello from a pulled layer\n",
-                                   "srv/app/name": name.encode()})  # fmt: skip
-            blobs[name] = _push(tmp, registry, name, [_busybox_layer(tmp, name), app_files], APP_CONFIG)
-        data = {f"f{i}": os.urandom(DATA_FILE_BYTES) for i in range(DATA_FILES)}
-        data_layer = layer_tar({"data": None, **{f"data/{name}": content for name, content in data.items()}})
-        blobs["ns/big"] = _push(tmp, registry, "ns/big", [_busybox_layer(tmp, "big"), data_layer], {})
-        for round_ in range(COLD_ROUNDS):
-            cold = [_busybox_layer(tmp, f"cold{round_}"), layer_tar({"etc": None, "etc/round": f"{round_}\n".encode()})]
-            blobs[f"ns/cold{round_}"] = _push(tmp, registry, f"ns/cold{round_}", cold, {})
-        yield Pushed(registry, blobs, {name: hashlib.sha256(content).hexdigest() for name, content in data.items()})
-    finally:
-        registry.stop()
-
-
-@pytest.fixture(scope="module")
-def cluster(
-    pushed: Pushed, tmp_path_factory: pytest.TempPathFactory, postgres_url: str, test_env: dict[str, str]
-) -> Iterator[LocalCluster]:
-    port = int(pushed.registry.address.rsplit(":", 1)[1])
-    nodes = {edge_id: {"zone": "old"} for edge_id in ("e1", "e2", "e3")}
-    with local_test_cluster(
-        tmp_path_factory.mktemp("cluster"), postgres_url, test_env, nodes,
-        node_settings={"CORRAL_LAYER_FETCH": "on_demand"},
-        gateway_settings={"CORRAL_INSECURE_REGISTRIES": pushed.registry.address}, forward_ports=[port],
-    ) as local:  # fmt: skip
-        yield local
-
-
-@pytest.fixture
-def client(cluster: LocalCluster) -> Iterator[corral.Client]:
-    state = cluster.state
-    assert state is not None
-    with corral.Client(state.gateway_url, state.api_key, timeout_s=300) as c:
-        yield c
-
-
-def _edge(sandbox: corral.Sandbox) -> str:
-    return sandbox.id.split("-")[1]
+def pushed(registry: Registry, tmp_path_factory: pytest.TempPathFactory) -> Pushed:
+    tmp = tmp_path_factory.mktemp("cluster-images")
+    blobs: dict[str, list[Blob]] = {}
+    for name in ("ns/app", "ns/burst-app"):  # no layer in common: each pull downloads all of its own
+        app_files = layer_tar({"srv": None, "srv/app": None, "srv/app/motd": b"hello from a pulled layer\n",
+                               "srv/app/name": name.encode()})  # fmt: skip
+        blobs[name] = _push(tmp, registry, name, [_busybox_layer(tmp, name), app_files], APP_CONFIG)
+    data = {f"f{i}": os.urandom(DATA_FILE_BYTES) for i in range(DATA_FILES)}
+    data_layer = layer_tar({"data": None, **{f"data/{name}": content for name, content in data.items()}})
+    blobs["ns/big"] = _push(tmp, registry, "ns/big", [_busybox_layer(tmp, "big"), data_layer], {})
+    for round_ in range(COLD_ROUNDS):
+        cold = [_busybox_layer(tmp, f"cold{round_}"), layer_tar({"etc": None, "etc/round": f"{round_}\n".encode()})]
+        blobs[f"ns/cold{round_}"] = _push(tmp, registry, f"ns/cold{round_}", cold, {})
+    return Pushed(registry, blobs, {name: hashlib.sha256(content).hexdigest() for name, content in data.items()})
 
 
 def _manifest_gets(registry: Registry, repository: str, since: int) -> int:
@@ -128,7 +94,7 @@ def _pulled_once(pushed: Pushed, repository: str, since: int) -> None:
 def _config_applied_on_every_node(created: list[corral.Sandbox]) -> None:
     """Sandboxes on all three nodes, each started with the image's env, working dir and user; killed after."""
     try:
-        assert {_edge(sb) for sb in created} == {"e1", "e2", "e3"}
+        assert {edge_of(sb) for sb in created} == {"e1", "e2", "e3"}
         for sandbox in created:
             result = sandbox.exec('pwd; echo "$GREETING"; id -un; cat motd')
             lines = result.stdout.splitlines()
@@ -189,7 +155,7 @@ def test_a_node_that_joins_mid_burst_starts_sandboxes_from_layers_it_never_saw(
             try:
                 with client.create(ref, ttl_s=600) as sandbox:
                     assert sandbox.exec("cat /etc/image-base").stdout == "big\n"
-                    burst_edges.append(_edge(sandbox))
+                    burst_edges.append(edge_of(sandbox))
             except (corral.CorralError, AssertionError) as exc:  # reported below, never swallowed
                 failures.append(exc)
                 return
@@ -203,16 +169,16 @@ def test_a_node_that_joins_mid_burst_starts_sandboxes_from_layers_it_never_saw(
             time.sleep(0.1)
         before_join = len(burst_edges)
         state = cluster.state
-        assert state is not None and "e4" not in state.nodes  # a machine that has never seen the image
-        cluster.add_node("e4", labels={"zone": "new"})  # `corral cluster join`'s path, while the burst runs
+        assert state is not None and "e6" not in state.nodes  # a machine that has never seen the image
+        cluster.add_node("e6", labels={"zone": "new"})  # `corral cluster join`'s path, while the burst runs
         assert len(burst_edges) > before_join and not failures, "no create finished while the node joined"
         for _ in range(2):
             sandbox = client.create(ref, ttl_s=600, node_selector={"zone": "new"})
             on_new.append(sandbox)
-            assert _edge(sandbox) == "e4"
+            assert edge_of(sandbox) == "e6"
             assert sandbox.exec("sha256sum /data/f3").stdout.split()[0] == pushed.data_sha256["f3"]
         assert all(worker.is_alive() for worker in workers) and not failures, "the burst stopped"
-        fetched = _present_bytes(cluster, "e4", data_layer.digest)
+        fetched = _present_bytes(cluster, "e6", data_layer.digest)
         # One file of eight read: on demand, not the whole layer (eager would have fetched all of it).
         assert DATA_FILE_BYTES <= fetched < data_layer.size_bytes / 2, (fetched, data_layer.size_bytes)
     finally:
@@ -222,30 +188,30 @@ def test_a_node_that_joins_mid_burst_starts_sandboxes_from_layers_it_never_saw(
         for sandbox in on_new:
             sandbox.kill()
     assert not failures, failures
-    print(f"burst: {len(burst_edges)} creates, {burst_edges.count('e4')} of them on e4 after it joined")
+    print(f"burst: {len(burst_edges)} creates, {burst_edges.count('e6')} of them on e6 after it joined")
 
 
 def test_cold_create_on_a_fresh_node_vs_a_node_with_the_layers(
     pushed: Pushed, cluster: LocalCluster, client: corral.Client
 ) -> None:
-    """Create → first exec of an image the node never saw (e4 above) against one whose layers it has (e1 ran it
+    """Create → first exec of an image the node never saw (e6 above) against one whose layers it has (e1 ran it
     just before), same run; medians of COLD_ROUNDS images. Printed (docs/cluster.md), not asserted on time."""
     state = cluster.state
     assert state is not None
-    if "e4" not in state.nodes:  # run on its own, without the join test before it
-        cluster.add_node("e4", labels={"zone": "new"})
+    if "e6" not in state.nodes:  # run on its own, without the join test before it
+        cluster.add_node("e6", labels={"zone": "new"})
     cold_ms: list[float] = []
     warm_ms: list[float] = []
     for round_ in range(COLD_ROUNDS):
         ref = pushed.ref(f"ns/cold{round_}")
         client.images.pull(ref)
-        with client.create(ref, ttl_s=600, node_selector={"zone": "old"}) as first:  # its node gets the layers
-            warm_node = _edge(first)
-        for edge, selector, times in ((warm_node, {"zone": "old"}, warm_ms), ("e4", {"zone": "new"}, cold_ms)):
+        with client.create(ref, ttl_s=600, node_selector={"zone": "a"}) as first:  # its node gets the layers
+            warm_node = edge_of(first)
+        for edge, selector, times in ((warm_node, {"zone": "a"}, warm_ms), ("e6", {"zone": "new"}, cold_ms)):
             started = time.perf_counter()
             sandbox = client.create(ref, ttl_s=600, node_selector=selector)
             try:
-                while edge != "e4" and _edge(sandbox) != edge:  # the warm one must land where the layers are
+                while edge != "e6" and edge_of(sandbox) != edge:  # the warm one must land where the layers are
                     sandbox.kill()
                     started = time.perf_counter()
                     sandbox = client.create(ref, ttl_s=600, node_selector=selector)

@@ -1,5 +1,5 @@
-"""A real 3-node Ray cluster on this machine: three raylets, each with its edge actor over real crun
-containers, one gateway, PostgreSQL; all in a network namespace of the test's own.
+"""The package's real Ray cluster on this machine (tests/cluster/conftest.py): three raylets, each with its
+edge actor over real crun containers, one gateway, PostgreSQL; all in a network namespace of the test's own.
 
 Placement across nodes, label affinity, layers fetched by each node from the gateway, an edge actor killed
 and re-adopting its sandboxes, and a node removed and its sandboxes marked lost.
@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -25,39 +24,18 @@ from corral.cluster.local import LocalCluster, stop_session
 from corral.cluster.network import ClusterNetwork
 from corral.embedded import delete_leftover_sandboxes
 from corral.state.db import StateStore
-from tests.ray_cluster import NODE_LOST_AFTER_S, local_test_cluster
-
-
-@pytest.fixture(scope="module")
-def cluster(
-    tmp_path_factory: pytest.TempPathFactory, postgres_url: str, test_env: dict[str, str]
-) -> Iterator[LocalCluster]:
-    zones = {"e1": {"zone": "a"}, "e2": {"zone": "a"}, "e3": {"zone": "b"}}
-    with local_test_cluster(tmp_path_factory.mktemp("cluster"), postgres_url, test_env, zones) as local:
-        yield local
-
-
-@pytest.fixture
-def client(cluster: LocalCluster) -> Iterator[corral.Client]:
-    state = cluster.state
-    assert state is not None
-    with corral.Client(state.gateway_url, state.api_key) as c:
-        yield c
-
-
-def _edge(sandbox: corral.Sandbox) -> str:
-    return sandbox.id.split("-")[1]
+from tests.cluster.conftest import NODE_LOST_AFTER_S, NODES, edge_of
 
 
 def test_sandboxes_spread_over_the_nodes_and_fetch_their_layers(cluster: LocalCluster, client: corral.Client) -> None:
     nodes = {node["edge_id"]: node for node in cluster.cluster_nodes()}
-    assert {edge_id for edge_id, node in nodes.items() if node["state"] == "up"} == {"e1", "e2", "e3"}
+    assert set(NODES) <= {edge_id for edge_id, node in nodes.items() if node["state"] == "up"}
     assert nodes["e3"]["load"]["labels"] == {"zone": "b"}
 
     created = list(client.create_many(12, "busybox", ttl_s=600))
     try:
         assert len(created) == 12
-        assert {_edge(sb) for sb in created} == {"e1", "e2", "e3"}
+        assert set(NODES) <= {edge_of(sb) for sb in created}
         for sb in created[:3]:
             assert sb.exec("echo $((6 * 7))").stdout == "42\n"
         state = cluster.state
@@ -74,7 +52,7 @@ def test_sandboxes_spread_over_the_nodes_and_fetch_their_layers(cluster: LocalCl
 
 def test_node_selector_places_on_the_labelled_node(client: corral.Client) -> None:
     with client.create("busybox", ttl_s=600, node_selector={"zone": "b"}) as sb:
-        assert _edge(sb) == "e3"
+        assert edge_of(sb) == "e3"
         assert sb.exec("true").exit_code == 0
     with pytest.raises(corral.InvalidRequest, match="zone=c"):
         client.create("busybox", node_selector={"zone": "c"})
@@ -101,7 +79,7 @@ def test_a_snapshot_made_on_one_node_starts_on_another(client: corral.Client) ->
         parent.snapshot("cluster-snap")
     children = [client.create("cluster-snap", ttl_s=600, node_selector={"zone": "a"}) for _ in range(4)]
     try:
-        assert {_edge(child) for child in children} <= {"e1", "e2"}
+        assert {edge_of(child) for child in children} <= {"e1", "e2"}
         assert {child.exec("cat /data/result").stdout for child in children} == {"from e3"}
     finally:
         for child in children:
@@ -115,7 +93,7 @@ def test_a_gvisor_fork_starts_on_its_parents_node(cluster: LocalCluster, client:
         pid = parent.exec("cat /root/pid").stdout.strip()
         kids = parent.fork(2)
         try:
-            assert {_edge(kid) for kid in kids} == {"e3"}
+            assert {edge_of(kid) for kid in kids} == {"e3"}
             for kid in kids:
                 assert kid.exec("cat /root/state").stdout == "parent-file\n"
                 assert kid.exec(f"kill -0 {pid} && echo running").stdout == "running\n"
@@ -126,7 +104,7 @@ def test_a_gvisor_fork_starts_on_its_parents_node(cluster: LocalCluster, client:
         parent.exec("echo later > /root/state")
         (child,) = parent.fork(1, checkpoint=saved.id)
         try:
-            assert _edge(child) == "e3" and child.exec("cat /root/state").stdout == "parent-file\n"
+            assert edge_of(child) == "e3" and child.exec("cat /root/state").stdout == "parent-file\n"
         finally:
             child.kill()
     state = cluster.state
@@ -144,7 +122,7 @@ def test_a_second_gateway_serves_the_same_cluster(cluster: LocalCluster, client:
             assert seen.exec("cat /mark").stdout == "via-one\n"
             assert first.id in {info.id for info in replica.list()}
             with replica.create("busybox", ttl_s=600, node_selector={"zone": "a"}) as second:
-                assert _edge(second) in {"e1", "e2"}
+                assert edge_of(second) in {"e1", "e2"}
                 assert client.get(second.id).exec("echo $((1 + 1))").stdout == "2\n"
 
 
@@ -221,7 +199,7 @@ def test_a_machine_joins_and_leaves_with_the_cli(
         assert join.returncode == 0, join.stdout + join.stderr
         assert "node e4 joined" in join.stdout
         with client.create("busybox", ttl_s=600, node_selector={"zone": "c"}) as sandbox:
-            assert _edge(sandbox) == "e4"
+            assert edge_of(sandbox) == "e4"
             assert sandbox.exec("echo on-e4").stdout == "on-e4\n"
         leave = subprocess.run([*in_netns, "leave", "--data-dir", str(data_dir)], capture_output=True, text=True,
                                timeout=120, env=env)  # fmt: skip
@@ -238,23 +216,25 @@ def test_a_machine_joins_and_leaves_with_the_cli(
 
 
 def test_a_removed_node_is_marked_lost_with_its_sandboxes(cluster: LocalCluster, client: corral.Client) -> None:
-    on_e2 = client.create("busybox", ttl_s=600, node_selector={"zone": "a"})
-    while _edge(on_e2) != "e2":  # e1 or e2: keep creating until one lands on e2
-        on_e2.kill()
-        on_e2 = client.create("busybox", ttl_s=600, node_selector={"zone": "a"})
-    cluster.remove_node("e2")
+    """A node of zone a of its own (e7, so the package's three stay), removed as if its machine went away."""
+    cluster.add_node("e7", labels={"zone": "a"})
+    on_e7 = client.create("busybox", ttl_s=600, node_selector={"zone": "a"})
+    while edge_of(on_e7) != "e7":  # e1, e2 or e7: keep creating until one lands on e7
+        on_e7.kill()
+        on_e7 = client.create("busybox", ttl_s=600, node_selector={"zone": "a"})
+    cluster.remove_node("e7")
     deadline = time.monotonic() + NODE_LOST_AFTER_S + 30
-    while client.get(on_e2.id).info.state != corral.SandboxState.LOST:
+    while client.get(on_e7.id).info.state != corral.SandboxState.LOST:
         assert time.monotonic() < deadline, "the sandbox of the removed node was not marked lost"
         time.sleep(0.5)
-    info = client.get(on_e2.id).info
-    assert info.end_reason == "lost" and "e2" in (info.status_message or "")
-    with pytest.raises(corral.SandboxGone, match="e2"):
-        on_e2.exec("true")
-    assert {node["edge_id"]: node["state"] for node in cluster.cluster_nodes()}["e2"] == "lost"
-    later = [client.create("busybox", ttl_s=600, node_selector={"zone": "a"}) for _ in range(4)]
+    info = client.get(on_e7.id).info
+    assert info.end_reason == "lost" and "e7" in (info.status_message or "")
+    with pytest.raises(corral.SandboxGone, match="e7"):
+        on_e7.exec("true")
+    assert {node["edge_id"]: node["state"] for node in cluster.cluster_nodes()}["e7"] == "lost"
+    later = [client.create("busybox", ttl_s=600, node_selector={"zone": "a"}) for _ in range(6)]
     try:
-        assert {_edge(sb) for sb in later} == {"e1"}
+        assert {edge_of(sb) for sb in later} <= {"e1", "e2"}
     finally:
         for sb in later:
             sb.kill()
@@ -264,7 +244,7 @@ def test_a_removed_node_is_marked_lost_with_its_sandboxes(cluster: LocalCluster,
     )  # fmt: skip
     assert status.returncode == 0, status.stderr
     lines = {line.split()[1]: line for line in status.stdout.splitlines() if line.startswith("│ e")}
-    assert "lost" in lines["e2"] and "up" in lines["e1"]
+    assert "lost" in lines["e7"] and "up" in lines["e1"]
 
 
 def test_cluster_commands_up_twice_status_and_down(tmp_path: Path, postgres_url: str) -> None:

@@ -1,0 +1,94 @@
+"""The one real Ray cluster the modules of this package share (three raylets with edge actors over real crun,
+a gateway, PostgreSQL, all in a network namespace of the test's own), and the registry it pulls from.
+
+One cluster for the package, not one per module: bringing a cluster up and down costs about 45 s, the
+modules' tests leave the three first nodes as they found them (a test that removes or kills a node joins a
+node of its own for it, or waits for Ray to bring the edge back), and it is down again before the next
+package's tests run.
+
+Settings: fast heartbeats, no swap for paused sandboxes, the gateway as the layer store in the test's node
+dir, layers fetched on demand, and Debian's docker-registry on the host's 127.0.0.1 forwarded into the
+cluster's namespace (``LocalCluster(forward_ports=...)``, cluster/network.py), spoken to in plain HTTP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import corral
+from corral.bench.registry import Registry, start_registry
+from corral.cluster.local import LocalCluster
+
+NODE_LOST_AFTER_S = 8.0  # heartbeats every 0.5 s: room for a loaded machine before a false "lost"
+NODES = {"e1": {"zone": "a"}, "e2": {"zone": "a"}, "e3": {"zone": "b"}}
+"""The nodes every test may rely on, up, with these labels. Others join for a test (zone c, new, budget, gone)."""
+
+
+@contextlib.contextmanager
+def local_test_cluster(
+    directory: Path, postgres_url: str, test_env: dict[str, str], nodes: dict[str, dict[str, str]], *,
+    node_settings: dict[str, str] | None = None, gateway_settings: dict[str, str] | None = None,
+    forward_ports: list[int] | None = None,
+) -> Iterator[LocalCluster]:  # fmt: skip
+    """A LocalCluster over the test's PostgreSQL, with the tests' settings plus these, and ``nodes`` (edge id ->
+    labels) joined; down again at the end."""
+    local = LocalCluster(
+        directory,
+        database_url=postgres_url,
+        node_settings={"CORRAL_NODE_HEARTBEAT_S": "0.5", "CORRAL_PAUSE_SWAP_MB": "0", **(node_settings or {})},
+        gateway_settings={
+            "CORRAL_NODE_DIR": test_env["CORRAL_NODE_DIR"],  # the gateway is the layer store
+            "CORRAL_NODE_LOST_AFTER_S": str(NODE_LOST_AFTER_S),
+            "CORRAL_NODE_HEARTBEAT_S": "0.5",
+            **(gateway_settings or {}),
+        },
+        forward_ports=forward_ports,
+    )
+    local.up(0)
+    try:
+        for edge_id, labels in nodes.items():
+            local.add_node(edge_id, labels=labels)
+        yield local
+    finally:
+        local.down()
+
+
+@pytest.fixture(scope="package")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+    if shutil.which("docker-registry") is None or shutil.which("skopeo") is None:
+        pytest.skip("needs docker-registry and skopeo (apt)")
+    registry = start_registry(tmp_path_factory.mktemp("cluster-registry") / "registry")
+    try:
+        yield registry
+    finally:
+        registry.stop()
+
+
+@pytest.fixture(scope="package")
+def cluster(
+    registry: Registry, tmp_path_factory: pytest.TempPathFactory, postgres_url: str, test_env: dict[str, str]
+) -> Iterator[LocalCluster]:
+    port = int(registry.address.rsplit(":", 1)[1])
+    with local_test_cluster(
+        tmp_path_factory.mktemp("cluster"), postgres_url, test_env, NODES,
+        node_settings={"CORRAL_LAYER_FETCH": "on_demand"},
+        gateway_settings={"CORRAL_INSECURE_REGISTRIES": registry.address}, forward_ports=[port],
+    ) as local:  # fmt: skip
+        yield local
+
+
+@pytest.fixture
+def client(cluster: LocalCluster) -> Iterator[corral.Client]:
+    state = cluster.state
+    assert state is not None
+    with corral.Client(state.gateway_url, state.api_key, timeout_s=300) as c:
+        yield c
+
+
+def edge_of(sandbox: corral.Sandbox) -> str:
+    return sandbox.id.split("-")[1]
