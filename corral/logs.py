@@ -30,10 +30,11 @@ class _SandboxField(logging.Filter):
         self._edge_id = edge_id
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if getattr(record, "sandbox_id", None) is None:
-            record.sandbox_id = current_sandbox.get()
+        sandbox_id = getattr(record, "sandbox_id", None)
+        if sandbox_id is None:
+            sandbox_id = record.sandbox_id = current_sandbox.get()
         record.edge_id = self._edge_id
-        record.sandbox_tag = f" [{record.sandbox_id}]" if record.sandbox_id else ""
+        record.sandbox_tag = f" [{sandbox_id}]" if sandbox_id else ""
         return True
 
 

@@ -117,6 +117,7 @@ class _Episode:
         self.steps += 1
         reward = _reward(result) if submitted else 0.0
         truncated = not submitted and self.steps >= self.task.max_steps
+        assert result.exit_code is not None  # a finished command's status
         observation = _observation(self.task, result.stdout, result.stderr, result.exit_code)
         info = {"sandbox_id": self.sandbox_id, "episode_id": self.episode_id, "result": result,
                 "replayed": result.replayed}  # fmt: skip

@@ -19,10 +19,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from corral.config import Settings
+from corral.edge.protocol import Edge
 from corral.gateway.app import create_app
 from corral.gateway.auth import JobTokens
 from corral.gateway.fncall import FnCallService
@@ -40,6 +42,9 @@ from corral.images.registry import RegistryConfig, load_auth_file, registry_trus
 from corral.images.store import LayerStore
 from corral.logs import configure_logging
 from corral.node import build_edge, prepare_host
+
+if TYPE_CHECKING:
+    from corral.cluster.ray_edge import RayEdges
 from corral.state.db import StateStore
 from corral.trajectory import TrajectoryLog
 
@@ -99,7 +104,7 @@ def join_ray(address: str | None) -> None:
     ray.init(address=address or "auto", namespace=ACTOR_NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
 
 
-def _ray_edges():  # type: ignore[no-untyped-def]
+def _ray_edges() -> RayEdges:
     from corral.cluster.ray_edge import RayEdges  # ray is imported only by cluster gateways
 
     return RayEdges()
@@ -141,7 +146,7 @@ def serve(settings: Settings) -> None:
         catalogue.sync_from_store()
         audit_log = AuditLog(store.engine)
         fetcher = layer_fetcher(settings, catalogue.store, api_key, audit=audit_log.record)
-        edges = {}
+        edges: dict[str, Edge] = {}
         builder = LayerBuilder(catalogue, settings.data_dir / "build", settings.max_file_bytes)
         puller = ImagePuller(
             catalogue, builder, registry_config(settings), max_layer_bytes=settings.pull_max_layer_bytes

@@ -124,7 +124,7 @@ def run_pull_benchmark(*, runs: int, layer_mib: int, as_json: bool, console: Con
 
 def _report(samples: list[dict[str, Any]], app: list[Blob], app2: list[Blob], layer_mib: int) -> dict[str, Any]:
     def median(key: str) -> float:
-        return statistics.median(sample[key] for sample in samples)
+        return float(statistics.median(sample[key] for sample in samples))
 
     compressed = sum(len(blob.data) for blob in app[2:])
     # what a pull must receive on top of the layers: its manifest and config

@@ -104,8 +104,8 @@ def _measure(data_dir: Path, layout: host.CgroupLayout, *, rounds: int, samples:
         task = progress.add_task(f"{rounds} rounds × {len(PHASES)} phases × {samples} execs per kind",
                                  total=rounds * len(PHASES))  # fmt: skip
         with server.client() as client, client.create(IMAGE, cpu=1.0, ttl_s=SANDBOX_TTL_S) as latency:
-            for kind in KINDS.values():  # warm the page cache and the agent
-                _timed_exec(latency, kind)
+            for argv in KINDS.values():  # warm the page cache and the agent
+                _timed_exec(latency, argv)
             for _ in range(rounds):
                 for phase in PHASES:
                     with _batch_load(client, phase, batch) as loaders:

@@ -128,7 +128,9 @@ def join(
 
 
 @cluster_app.command("leave")
-def leave(data_dir: Annotated[Path, typer.Option(help="This node's data dir.")] = Path("/var/lib/corral/server")):
+def leave(
+    data_dir: Annotated[Path, typer.Option(help="This node's data dir.")] = Path("/var/lib/corral/server"),
+) -> None:
     """Stop this machine's raylet and edge (its sandboxes are marked lost by the gateways)."""
     from corral.cluster.local import stop_session
 

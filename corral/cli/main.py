@@ -16,7 +16,7 @@ import sys
 import tarfile
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -86,7 +86,9 @@ def serve(
     from corral.config import Settings
     from corral.server import serve as run_server
 
-    overrides = {k: v for k, v in {"port": port, "host": host, "data_dir": data_dir}.items() if v is not None}
+    overrides: dict[str, Any] = {
+        k: v for k, v in {"port": port, "host": host, "data_dir": data_dir}.items() if v is not None
+    }
     run_server(Settings(**overrides))
 
 
@@ -115,7 +117,7 @@ def create(
     """Create sandboxes and print their ids, one per line (IMAGE is the base when --workspace/--tools compose an
     environment). With --count, one batch request: ids as they become ready, a progress bar on stderr."""
     environment = {"base": image, "workspace": workspace, "tools": tools} if workspace or tools else None
-    args = {"cpu": cpu, "qos": qos, "memory_mb": memory_mb, "ttl_s": ttl_s, "labels": _labels(label),
+    args: dict[str, Any] = {"cpu": cpu, "qos": qos, "memory_mb": memory_mb, "ttl_s": ttl_s, "labels": _labels(label),
             "env": _labels(env), "user": user, "cwd": cwd, "environment": environment,
             "node_selector": _labels(node_selector)}  # fmt: skip
     if count == 1:
@@ -494,9 +496,9 @@ def copy(
             members = files.upload_tar(dst[1], buffer.getvalue())
             console.print(f"copied {members} entries to {dest}")
         else:
-            target = dst[1] + local.name if dst[1].endswith("/") else dst[1]
-            info = files.write(target, local.read_bytes(), mode=local.stat().st_mode & 0o7777)
-            console.print(f"copied {info.size} bytes to {dst[0]}:{target}")
+            remote = dst[1] + local.name if dst[1].endswith("/") else dst[1]
+            info = files.write(remote, local.read_bytes(), mode=local.stat().st_mode & 0o7777)
+            console.print(f"copied {info.size} bytes to {dst[0]}:{remote}")
         return
     assert src is not None
     files = client.get(src[0]).files
@@ -517,7 +519,7 @@ def copy(
 
 
 # The checks are ours (below): where tarfile has filters, tell it so instead of letting it apply its default.
-_CHECKED_HERE: dict[str, str] = {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}
+_CHECKED_HERE: dict[str, Any] = {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}
 
 
 def _extract_within(archive: tarfile.TarFile, dest: Path, top: str, renamed: str | None) -> int:

@@ -20,8 +20,10 @@ the namespace (``forward_loopback``: a registry on the host's 127.0.0.1).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+from typing import Any
 
 from corral.cluster.edge_actor import ACTOR_NAMESPACE, EdgeActor, actor_name, node_resource
 from corral.cluster.network import enter_netns, forward_loopback
@@ -44,8 +46,9 @@ def _run_in(netns: str | None, argv: list[str], *, node: bool = False) -> None:
 def _create_edge(address: str, edge_id: str) -> int:
     import ray
 
-    ray.init(address=address, namespace=ACTOR_NAMESPACE, log_to_driver=False, logging_level="WARNING")
+    ray.init(address=address, namespace=ACTOR_NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
     try:
+        actor: Any  # a handle to the detached actor, found or made
         try:
             actor = ray.get_actor(actor_name(edge_id), ACTOR_NAMESPACE)
         except ValueError:

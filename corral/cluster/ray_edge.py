@@ -10,7 +10,7 @@ VM/gVisor fork's checkpoint stays on its node, where its children start.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +59,7 @@ class RayEdge:
         except (ActorUnavailableError, RayActorError) as exc:
             raise self._unavailable(exc) from None
 
-    def __getattr__(self, method: str) -> Callable[..., Awaitable[Any]]:
+    def __getattr__(self, method: str) -> Callable[..., Coroutine[Any, Any, Any]]:
         if method.startswith("_"):
             raise AttributeError(method)
 

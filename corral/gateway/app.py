@@ -437,7 +437,8 @@ def create_app(  # type: ignore[no-untyped-def]
     @app.post("/v1/sandboxes/{sandbox_id}/grade", dependencies=[Auth])
     async def grade_sandbox(sandbox_id: str, body: GradeRequest, request: Request) -> GradeResult:
         """Grade its final state in a separate sandbox: hidden layers added, trusted tools on top."""
-        return await request.app.state.service.grader.grade(sandbox_id, body)
+        graded: GradeResult = await request.app.state.service.grader.grade(sandbox_id, body)
+        return graded
 
     @app.post("/v1/sandboxes/{sandbox_id}/fork", status_code=201, dependencies=[Auth])
     async def fork_sandbox(sandbox_id: str, body: ForkRequest, images: Images) -> list[SandboxInfo]:
@@ -498,7 +499,7 @@ def create_app(  # type: ignore[no-untyped-def]
     ) -> list[AuditEvent]:
         """Its audit events (each exec and file write is in its trajectory log)."""
         svc.get(sandbox_id)
-        return [AuditEvent.model_validate(e) for e in svc.audit_log.events(sandbox_id=sandbox_id, after_id=after_id)]
+        return [AuditEvent.model_validate(e) for e in svc.audit_trail.events(sandbox_id=sandbox_id, after_id=after_id)]
 
     @app.get("/v1/audit")
     async def audit_stream(
@@ -510,10 +511,10 @@ def create_app(  # type: ignore[no-untyped-def]
     ) -> list[AuditEvent]:
         """Events of every sandbox after ``after_id``, oldest first: poll with the last id to follow the stream."""
         caller.require_admin("read every sandbox's audit events")
-        events = svc.audit_log.events(after_id=after_id, severity=severity)
+        events = svc.audit_trail.events(after_id=after_id, severity=severity)
         if not events and wait_s > 0:
-            await svc.audit_log.wait(wait_s)
-            events = svc.audit_log.events(after_id=after_id, severity=severity)
+            await svc.audit_trail.wait(wait_s)
+            events = svc.audit_trail.events(after_id=after_id, severity=severity)
         return [AuditEvent.model_validate(e) for e in events]
 
     @app.get(

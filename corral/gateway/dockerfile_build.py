@@ -404,7 +404,8 @@ class DockerfileBuild:
                 absolute = posixpath.normpath(posixpath.join("/", path))
                 try:
                     data = await self._sandboxes.call(
-                        sandbox_id, lambda edge, path=absolute: edge.download_tar(sandbox_id, path)
+                        sandbox_id,
+                        lambda edge: edge.download_tar(sandbox_id, absolute),  # noqa: B023 - awaited here
                     )
                 except NotFound:
                     raise NotFound(f"{instruction.where()}: {absolute} is not in the source stage") from None

@@ -242,7 +242,7 @@ class FnCallService:
             if now - pool.last_call > _IDLE_SHRINK_S and pool.target > self._min_warm:
                 pool.target = self._min_warm
                 while len(pool.idle) > pool.target:
-                    self._spawn(self._sandboxes.kill(pool.idle.pop()))  # type: ignore[arg-type]
+                    self._spawn(self._sandboxes.kill(pool.idle.pop()))
 
     def stats(self) -> list[PoolStats]:
         return [
@@ -301,7 +301,8 @@ class FnCallService:
         for path, text in call.files.items():
             data = text.encode()
             await self._sandboxes.call(
-                sandbox_id, lambda edge, p=path, d=data: edge.write_file(sandbox_id, p, d, 0o644)
+                sandbox_id,
+                lambda edge: edge.write_file(sandbox_id, path, data, 0o644),  # noqa: B023 - awaited here
             )
         request = self._exec_request(call)
         return await self._sandboxes.call(sandbox_id, lambda edge: edge.exec(sandbox_id, request))

@@ -196,9 +196,10 @@ def _pool_families(pools: Iterable[PoolStats]) -> Iterator[Metric]:
             "replaced": "Sandboxes thrown away after a call that changed something.",
         }.items()
     }
+    families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {**levels, **counts}
     for pool in pools:
         key = [pool.image, f"{pool.cpu:g}", str(pool.memory_mb)]
-        for field, family in {**levels, **counts}.items():
+        for field, family in families.items():
             family.add_metric(key, float(getattr(pool, field)))
     yield from levels.values()
     yield from counts.values()

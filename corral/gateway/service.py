@@ -641,6 +641,13 @@ class SandboxService:
                     yield BatchEvent(type="progress" if done < count else "done", created=created, failed=failed,
                                      total=count, elapsed_s=elapsed_s)  # fmt: skip
 
+    @property
+    def audit_trail(self) -> AuditLog:
+        """The audit log, which a service that serves the API has (the control-plane bench places without one)."""
+        if self.audit_log is None:
+            raise InternalError("this server keeps no audit log")
+        return self.audit_log
+
     def get(self, sandbox_id: str) -> SandboxInfo:
         record = self._store.get(sandbox_id)
         if record is None:

@@ -73,7 +73,7 @@ def _to_model(step: Step) -> TrajectoryStep:
         step_id=step.step_id,
         kind=step.kind,
         request=step.request,
-        state=step.state,  # type: ignore[arg-type]
+        state=step.state,
         result=step.result,
         result_truncated=step.result_truncated,
         started_at=step.started_at,
@@ -264,7 +264,7 @@ class Trajectories:
             for stream in ("stdout", "stderr"):
                 text = getattr(result, stream)
                 if text:
-                    yield ExecEvent(type=stream, data=text)  # type: ignore[arg-type]
+                    yield ExecEvent(type=stream, data=text)
             yield ExecEvent(type="exit", command_id=result.command_id, result=result)
             return
         output: dict[str, list[str]] = {"stdout": [], "stderr": []}

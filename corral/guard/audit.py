@@ -181,9 +181,11 @@ class AuditLog:
         """The finding, and its line in the event stream (GET /v1/events), in one transaction."""
         now = time.time()
         with self._engine.begin() as conn:
-            audit_id = conn.execute(
+            inserted = conn.execute(
                 insert(audit_events).values(sandbox_id=sandbox_id, at=now, kind=kind, severity=severity, detail=detail)
-            ).inserted_primary_key[0]
+            ).inserted_primary_key
+            assert inserted is not None  # an INSERT of one row has its key
+            audit_id = inserted[0]
             owner = conn.execute(
                 select(sandboxes.c.edge_id, sandboxes.c.job).where(sandboxes.c.id == sandbox_id)
             ).first()

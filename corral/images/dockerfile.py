@@ -26,6 +26,7 @@ import tarfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pathspec
 from dockerfile_parse import DockerfileParser
@@ -311,7 +312,7 @@ class BuildContext:
     """The directory COPY and ADD read from, less what its .dockerignore excludes."""
 
     root: Path
-    _ignore: pathspec.PathSpec = field(init=False)
+    _ignore: pathspec.PathSpec[Any] = field(init=False)
     _negated: bool = field(init=False)
 
     def __post_init__(self) -> None:

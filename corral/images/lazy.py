@@ -40,6 +40,7 @@ import concurrent.futures
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import hashlib
 import io
 import json
@@ -54,7 +55,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import httpx
 
@@ -374,7 +375,7 @@ class OnDemandLayers:
         """Answer the helper's requests until it exits: each missing chunk fetched once, in parallel."""
         helper = filling.helper
         assert helper is not None and helper.stdout is not None
-        for line in io.BufferedReader(helper.stdout):  # the raw pipe (bufsize=0), read a line at a time
+        for line in io.BufferedReader(cast(io.RawIOBase, helper.stdout)):  # the raw pipe (bufsize=0), by lines
             fields = line.split()
             if len(fields) < 3 or fields[0] != b"F":
                 continue
@@ -391,7 +392,7 @@ class OnDemandLayers:
                         future = filling.in_flight[chunk] = self._pool.submit(
                             self._fetch_chunk, digest, filling, chunk, reader_pid
                         )
-                future.add_done_callback(lambda done, chunk=chunk: self._answer_fetch(filling, chunk, done))
+                future.add_done_callback(functools.partial(self._answer_fetch, filling, chunk))
 
     def _answer_fetch(self, filling: _Filling, chunk: int, done: concurrent.futures.Future[bool]) -> None:
         ok = not done.cancelled() and done.exception() is None and done.result()

@@ -210,7 +210,7 @@ class RegistryConfig:
         if retry_after_s is not None:
             return min(self.max_delay_s, retry_after_s)
         backoff_s = min(self.max_delay_s, self.backoff_s * 2 ** (retry - 1))
-        return backoff_s * random.uniform(0.5, 1.0)
+        return float(backoff_s * random.uniform(0.5, 1.0))
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ Ray and survives a trainer restart; the HTTP connection is re-created lazily.
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -233,7 +234,7 @@ class AsyncImages:
         response = await self._transport.request("GET", f"/v1/images/{ref}")
         return ImageDetail.model_validate(response.json())
 
-    async def tag(self, ref: str, *, layers: list[str] | None = None, source: str | None = None) -> ImageInfo:
+    async def tag(self, ref: str, *, layers: builtins.list[str] | None = None, source: str | None = None) -> ImageInfo:
         """Point ``ref`` at layer digests (bottom first) or at another image's layers."""
         body = _validated(TagRequest, {"layers": layers, "source": source}).model_dump()
         response = await self._transport.request("PUT", f"/v1/images/{ref}", json=body)
@@ -243,7 +244,7 @@ class AsyncImages:
         response = await self._transport.request("DELETE", f"/v1/images/{ref}")
         return ImageInfo.model_validate(response.json())
 
-    async def layers(self) -> list[LayerInfo]:
+    async def layers(self) -> builtins.list[LayerInfo]:
         response = await self._transport.request("GET", "/v1/layers")
         return [LayerInfo.model_validate(item) for item in response.json()]
 
@@ -730,22 +731,22 @@ class AsyncClient:
         response = await self._transport.request("DELETE", f"/v1/sandboxes/{sandbox_id}")
         return SandboxInfo.model_validate(response.json())
 
-    async def cluster_nodes(self) -> list[ClusterNode]:
+    async def cluster_nodes(self) -> builtins.list[ClusterNode]:
         """Every node in the shared state (several servers on one PostgreSQL): up or lost, last heartbeat, load."""
         response = await self._transport.request("GET", "/v1/cluster/nodes")
         return [ClusterNode.model_validate(item) for item in response.json()]
 
-    async def nodes(self) -> list[NodeStats]:
+    async def nodes(self) -> builtins.list[NodeStats]:
         """Each node's sandboxes per backend and state, CPU and memory committed vs used vs reclaimed, pressure."""
         response = await self._transport.request("GET", "/v1/nodes")
         return [NodeStats.model_validate(item) for item in response.json()]
 
     async def fncall(
         self,
-        cmd: str | list[str] | None = None,
+        cmd: str | builtins.list[str] | None = None,
         *,
         code: str | None = None,
-        args: list[Any] | None = None,
+        args: builtins.list[Any] | None = None,
         image: str | None = None,
         files: dict[str, str] | None = None,
         stdin: str | None = None,
@@ -765,7 +766,9 @@ class AsyncClient:
         response = await self._transport.request("POST", "/v1/fncall", json=body, timeout_s=timeout_s)
         return FnCallResult.model_validate(response.json())
 
-    async def fncall_batch(self, calls: list[FnCallRequest | dict[str, Any]]) -> list[FnCallResult | CorralError]:
+    async def fncall_batch(
+        self, calls: builtins.list[FnCallRequest | dict[str, Any]]
+    ) -> builtins.list[FnCallResult | CorralError]:
         """Many calls in one request, run concurrently; a failed call comes back as its error, in place."""
         body = _validated(FnCallBatch, {"calls": calls}).model_dump(mode="json")
         timeout_s = sum(call["timeout_s"] for call in body["calls"])
@@ -782,7 +785,7 @@ class AsyncClient:
         code: str,
         *,
         language: str = "python",
-        tests: list[dict[str, Any]] | None = None,
+        tests: builtins.list[dict[str, Any]] | None = None,
         timeout_s: float = 10.0,
         memory_mb: int = 256,
         image: str | None = None,
@@ -794,7 +797,7 @@ class AsyncClient:
         response = await self._transport.request("POST", "/v1/run_code", json=body, timeout_s=timeout_s * 100)
         return RunCodeResult.model_validate(response.json())
 
-    async def fncall_pools(self) -> list[PoolStats]:
+    async def fncall_pools(self) -> builtins.list[PoolStats]:
         response = await self._transport.request("GET", "/v1/fncall/pools")
         return [PoolStats.model_validate(item) for item in response.json()]
 
@@ -809,7 +812,7 @@ class AsyncClient:
         after_id: int = 0,
         follow: bool = False,
         sandbox_id: str | None = None,
-        kinds: list[str] | None = None,
+        kinds: builtins.list[str] | None = None,
         labels: dict[str, str] | None = None,
     ) -> AsyncIterator[Event]:
         """What happened to sandboxes and nodes, and audit findings, oldest first, from ``after_id`` on.
@@ -828,7 +831,7 @@ class AsyncClient:
 
     async def audit_events(
         self, *, after_id: int = 0, severity: str | None = None, wait_s: float = 0.0
-    ) -> list[AuditEvent]:
+    ) -> builtins.list[AuditEvent]:
         """Audit events of every sandbox after ``after_id``; ``wait_s`` waits for new ones (a stream, by polling)."""
         params: dict[str, Any] = {
             "after_id": after_id,

@@ -5,6 +5,7 @@ The synchronous SDK, with the same names and behaviour as the async one.
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Iterator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -231,7 +232,7 @@ class Images:
         response = self._transport.request("GET", f"/v1/images/{ref}")
         return ImageDetail.model_validate(response.json())
 
-    def tag(self, ref: str, *, layers: list[str] | None = None, source: str | None = None) -> ImageInfo:
+    def tag(self, ref: str, *, layers: builtins.list[str] | None = None, source: str | None = None) -> ImageInfo:
         """Point ``ref`` at layer digests (bottom first) or at another image's layers."""
         body = _validated(TagRequest, {"layers": layers, "source": source}).model_dump()
         response = self._transport.request("PUT", f"/v1/images/{ref}", json=body)
@@ -241,7 +242,7 @@ class Images:
         response = self._transport.request("DELETE", f"/v1/images/{ref}")
         return ImageInfo.model_validate(response.json())
 
-    def layers(self) -> list[LayerInfo]:
+    def layers(self) -> builtins.list[LayerInfo]:
         response = self._transport.request("GET", "/v1/layers")
         return [LayerInfo.model_validate(item) for item in response.json()]
 
@@ -728,22 +729,22 @@ class Client:
         response = self._transport.request("DELETE", f"/v1/sandboxes/{sandbox_id}")
         return SandboxInfo.model_validate(response.json())
 
-    def cluster_nodes(self) -> list[ClusterNode]:
+    def cluster_nodes(self) -> builtins.list[ClusterNode]:
         """Every node in the shared state (several servers on one PostgreSQL): up or lost, last heartbeat, load."""
         response = self._transport.request("GET", "/v1/cluster/nodes")
         return [ClusterNode.model_validate(item) for item in response.json()]
 
-    def nodes(self) -> list[NodeStats]:
+    def nodes(self) -> builtins.list[NodeStats]:
         """Each node's sandboxes per backend and state, CPU and memory committed vs used vs reclaimed, pressure."""
         response = self._transport.request("GET", "/v1/nodes")
         return [NodeStats.model_validate(item) for item in response.json()]
 
     def fncall(
         self,
-        cmd: str | list[str] | None = None,
+        cmd: str | builtins.list[str] | None = None,
         *,
         code: str | None = None,
-        args: list[Any] | None = None,
+        args: builtins.list[Any] | None = None,
         image: str | None = None,
         files: dict[str, str] | None = None,
         stdin: str | None = None,
@@ -763,7 +764,9 @@ class Client:
         response = self._transport.request("POST", "/v1/fncall", json=body, timeout_s=timeout_s)
         return FnCallResult.model_validate(response.json())
 
-    def fncall_batch(self, calls: list[FnCallRequest | dict[str, Any]]) -> list[FnCallResult | CorralError]:
+    def fncall_batch(
+        self, calls: builtins.list[FnCallRequest | dict[str, Any]]
+    ) -> builtins.list[FnCallResult | CorralError]:
         """Many calls in one request, run concurrently; a failed call comes back as its error, in place."""
         body = _validated(FnCallBatch, {"calls": calls}).model_dump(mode="json")
         timeout_s = sum(call["timeout_s"] for call in body["calls"])
@@ -780,7 +783,7 @@ class Client:
         code: str,
         *,
         language: str = "python",
-        tests: list[dict[str, Any]] | None = None,
+        tests: builtins.list[dict[str, Any]] | None = None,
         timeout_s: float = 10.0,
         memory_mb: int = 256,
         image: str | None = None,
@@ -792,7 +795,7 @@ class Client:
         response = self._transport.request("POST", "/v1/run_code", json=body, timeout_s=timeout_s * 100)
         return RunCodeResult.model_validate(response.json())
 
-    def fncall_pools(self) -> list[PoolStats]:
+    def fncall_pools(self) -> builtins.list[PoolStats]:
         response = self._transport.request("GET", "/v1/fncall/pools")
         return [PoolStats.model_validate(item) for item in response.json()]
 
@@ -807,7 +810,7 @@ class Client:
         after_id: int = 0,
         follow: bool = False,
         sandbox_id: str | None = None,
-        kinds: list[str] | None = None,
+        kinds: builtins.list[str] | None = None,
         labels: dict[str, str] | None = None,
     ) -> Iterator[Event]:
         """What happened to sandboxes and nodes, and audit findings, oldest first, from ``after_id`` on.
@@ -826,7 +829,7 @@ class Client:
 
     def audit_events(
         self, *, after_id: int = 0, severity: str | None = None, wait_s: float = 0.0
-    ) -> list[AuditEvent]:
+    ) -> builtins.list[AuditEvent]:
         """Audit events of every sandbox after ``after_id``; ``wait_s`` waits for new ones (a stream, by polling)."""
         params: dict[str, Any] = {
             "after_id": after_id,

@@ -9,6 +9,7 @@ here too and its logic in corral/images/catalogue.py.
 
 from __future__ import annotations
 
+import builtins
 import json
 import time
 from collections.abc import Iterable, Sequence
@@ -19,6 +20,7 @@ from sqlalchemy import (
     JSON,
     Boolean,
     Column,
+    DefaultClause,
     Float,
     Integer,
     MetaData,
@@ -191,7 +193,7 @@ def _add_missing_columns(engine: Engine) -> None:
             kind = column.type.compile(dialect=engine.dialect)
             if column.nullable:
                 ddl = f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {kind}'
-            elif column.server_default is not None:  # e.g. qos: old rows get the default
+            elif isinstance(column.server_default, DefaultClause):  # e.g. qos: old rows get the default
                 default = str(column.server_default.arg).replace("'", "''")
                 ddl = f"ALTER TABLE {table.name} ADD COLUMN \"{column.name}\" {kind} NOT NULL DEFAULT '{default}'"
             else:
@@ -226,9 +228,10 @@ def _copy_rows(conn: Connection, table: Table, rows: list[dict[str, Any]]) -> No
     as JSON null), a column missing from the rows as its Python-side default, or else its server default."""
     present = rows[0].keys()
     columns = [c for c in table.columns if c.name in present or (c.default is not None and c.default.is_scalar)]
-    fields = [(c.name, c.default.arg if c.default is not None else None, isinstance(c.type, JSON)) for c in columns]
+    fields = [(c.name, getattr(c.default, "arg", None), isinstance(c.type, JSON)) for c in columns]
     names = ", ".join(f'"{c.name}"' for c in columns)
     driver = conn.connection.driver_connection
+    assert driver is not None  # an open connection has its DBAPI connection
     with driver.cursor() as cursor, cursor.copy(f"COPY {table.name} ({names}) FROM STDIN") as copy:
         for row in rows:
             copy.write_row([_json_text(row.get(name, default)) if is_json else row.get(name, default)
@@ -424,8 +427,12 @@ class StateStore:
             return dict(row) if row else None
 
     def list(
-        self, *, states: list[str] | None = None, labels: dict[str, str] | None = None, edge_id: str | None = None
-    ) -> list[SandboxRecord]:
+        self,
+        *,
+        states: builtins.list[str] | None = None,
+        labels: dict[str, str] | None = None,
+        edge_id: str | None = None,
+    ) -> builtins.list[SandboxRecord]:
         query = select(sandboxes).order_by(sandboxes.c.created_at)
         if states:
             query = query.where(sandboxes.c.state.in_(states))
@@ -473,7 +480,7 @@ class StateStore:
                 self._postgres,
             )
 
-    def expired(self, now: float) -> list[str]:
+    def expired(self, now: float) -> builtins.list[str]:
         """Sandboxes past their TTL; a paused one only if its paused time counts."""
         counting = or_(
             sandboxes.c.state.in_([SandboxState.CREATING.value, SandboxState.RUNNING.value]),

@@ -27,9 +27,9 @@ import posixpath
 import secrets
 import stat
 import tarfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
-from typing import BinaryIO, Literal
+from typing import IO, BinaryIO, Literal
 
 from corral.sdk._exceptions import (
     Conflict,
@@ -259,7 +259,7 @@ class _Budget:
             raise PayloadTooLarge(self.message)
 
 
-def _budgeted_chunks(reader: BinaryIO, budget: _Budget) -> Iterator[bytes]:
+def _budgeted_chunks(reader: IO[bytes], budget: _Budget) -> Iterator[bytes]:
     while chunk := reader.read(CHUNK_BYTES):
         budget.take(len(chunk))
         yield chunk
@@ -570,7 +570,7 @@ class ConfinedTree:
         *,
         skip_pseudo_fs: bool,
         depth: int = 0,
-    ) -> Iterator[_Entry]:
+    ) -> Generator[_Entry, None, None]:
         """Depth-first walk from ``name`` in ``parent_fd`` that never follows a
         symlink; yields each entry before its children and each directory again
         (``leaving``) after them. Entries removed meanwhile are skipped. A procfs

@@ -75,6 +75,7 @@ class _SyscallNames:
 
     def __init__(self) -> None:
         self._cache: dict[tuple[int, int], str] = {}
+        self._lib: ctypes.CDLL | None
         try:
             self._lib = ctypes.CDLL("libseccomp.so.2")
             self._lib.seccomp_syscall_resolve_num_arch.restype = ctypes.c_void_p

@@ -108,10 +108,10 @@ def module_closure(modules_dep: str, wanted: tuple[str, ...]) -> list[str]:
         order.append(path)
 
     for name in wanted:
-        path = by_name.get(name.replace("-", "_"))
-        if path is None:
+        found = by_name.get(name.replace("-", "_"))
+        if found is None:
             raise GuestKitError(f"the guest kernel has no module {name}")
-        visit(path)
+        visit(found)
     return order
 
 

@@ -251,8 +251,13 @@ class Machine:
         except ProcessLookupError:
             return
         loop = asyncio.get_running_loop()
-        done = loop.create_future()
-        loop.add_reader(fd, lambda: done.done() or done.set_result(None))
+        done: asyncio.Future[None] = loop.create_future()
+
+        def exited() -> None:
+            if not done.done():
+                done.set_result(None)
+
+        loop.add_reader(fd, exited)
         try:
             await done
         finally:

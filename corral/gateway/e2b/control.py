@@ -111,7 +111,7 @@ def _listed(info: SandboxInfo) -> dict[str, Any]:
 def live(request: Request, sandbox_id: str) -> SandboxInfo:
     """A sandbox that still exists; an ended one is E2B's 404."""
     try:
-        info = services(request).sandboxes.get(sandbox_id)
+        info: SandboxInfo = services(request).sandboxes.get(sandbox_id)
     except NotFound:
         raise E2BError(404, f"sandbox {sandbox_id} not found") from None
     if info.state.value not in _LIVE_STATES:

@@ -277,9 +277,10 @@ async def _connect(request: Request, where: Target, message: dict[str, Any]) -> 
 async def _command_id(request: Request, where: Target, message: dict[str, Any]) -> str:
     pid, tag = _selector(message)
     process = facade(request).processes.find(where.sandbox_id, pid, tag)
-    if process.command_id is None:
+    command_id: str | None = process.command_id
+    if command_id is None:
         raise NotFound(f"process {process.pid} has not started yet")
-    return process.command_id
+    return command_id
 
 
 async def _frames(request: Request) -> AsyncIterator[dict[str, Any]]:

@@ -20,13 +20,15 @@ import sys
 import threading
 import time
 import traceback
+from types import FrameType
+from typing import Any
 
 _protocol = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
 _protocol_lock = threading.Lock()
 _DRAIN_WAIT_S = 2.0
 
 
-def _send(message):
+def _send(message: dict[str, Any]) -> None:
     line = json.dumps(message) + "\n"
     with _protocol_lock:
         _protocol.write(line)
@@ -40,8 +42,8 @@ class _Descriptors:
     thread is asked to empty the pipes first, so that output belongs to its cell.
     """
 
-    def __init__(self):
-        self._names = {}
+    def __init__(self) -> None:
+        self._names: dict[int, str] = {}
         for fd, name in ((1, "stdout"), (2, "stderr")):
             read_end, write_end = os.pipe()
             os.dup2(write_end, fd)
@@ -51,7 +53,7 @@ class _Descriptors:
         self._drained = threading.Event()
         threading.Thread(target=self._pump, daemon=True).start()
 
-    def _pump(self):
+    def _pump(self) -> None:
         while True:
             ready, _, _ = select.select(list(self._names), [], [], 0.05)
             for fd in ready:
@@ -63,7 +65,7 @@ class _Descriptors:
                 self._drain_asked.clear()
                 self._drained.set()
 
-    def drain(self):
+    def drain(self) -> None:
         self._drained.clear()
         self._drain_asked.set()
         self._drained.wait(_DRAIN_WAIT_S)
@@ -72,32 +74,32 @@ class _Descriptors:
 class _Stream(io.TextIOBase):
     """print() writes the text and the newline separately: send whole lines (the rest at flush)."""
 
-    def __init__(self, name):
+    def __init__(self, name: str) -> None:
         self._name = name
         self._pending = ""
 
-    def writable(self):
+    def writable(self) -> bool:
         return True
 
-    def write(self, text):
+    def write(self, text: str) -> int:
         self._pending += text
         if "\n" in self._pending:
             complete, _, self._pending = self._pending.rpartition("\n")
             self._send(complete + "\n")
         return len(text)
 
-    def flush(self):
+    def flush(self) -> None:
         if self._pending:
             self._send(self._pending)
             self._pending = ""
 
-    def _send(self, text):
+    def _send(self, text: str) -> None:
         _send({"type": self._name, "text": text, "timestamp": time.time_ns() // 1000})
 
 
-def _formats(value):
+def _formats(value: object) -> dict[str, Any]:
     """Rich representations a value offers (IPython's _repr_*_ convention), plus its text."""
-    result = {"text": repr(value)}
+    result: dict[str, Any] = {"text": repr(value)}
     for name in ("html", "markdown", "svg", "png", "jpeg", "latex", "json", "javascript"):
         method = getattr(value, f"_repr_{name}_", None)
         if callable(method):
@@ -110,11 +112,13 @@ def _formats(value):
     return result
 
 
-def _run(code, namespace, count):
+def _run(code: str, namespace: dict[str, Any], count: int) -> None:
     tree = ast.parse(code, f"<cell-{count}>", "exec")
-    last = None
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body.pop().value)
+    last: ast.Expression | None = None
+    final = tree.body[-1] if tree.body else None
+    if isinstance(final, ast.Expr):
+        tree.body.pop()
+        last = ast.Expression(final.value)
     exec(compile(tree, f"<cell-{count}>", "exec"), namespace)
     if last is not None:
         value = eval(compile(last, f"<cell-{count}>", "eval"), namespace)
@@ -126,20 +130,20 @@ def _run(code, namespace, count):
 class _Interrupts:
     """SIGINT interrupts a running cell only: between cells (or while a cell's end is sent) it is ignored."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.armed = False
         signal.signal(signal.SIGINT, self._handle)
 
-    def _handle(self, signum, frame):
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.armed:
             self.armed = False
             raise KeyboardInterrupt
 
 
-def main():
+def main() -> None:
     interrupts = _Interrupts()
     descriptors = _Descriptors()
-    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+    namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
     count = 0
     streams = (sys.stdout, sys.stderr)
     while True:

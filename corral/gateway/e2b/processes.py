@@ -11,6 +11,7 @@ number for the command (unique per sandbox), not the in-sandbox pid.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import itertools
 import logging
@@ -157,7 +158,7 @@ class ProcessTable:
         await self._cancel(list(self._processes.values()))
 
     @staticmethod
-    async def _cancel(processes: list[Process]) -> None:
+    async def _cancel(processes: builtins.list[Process]) -> None:
         tasks = [p.task for p in processes if p.task is not None]
         for task in tasks:
             task.cancel()

@@ -52,7 +52,10 @@ class Watchers:
         while pending:
             directory = pending.pop()
             try:
-                infos = await self._sandboxes.call(sandbox_id, lambda edge, d=directory: edge.list_dir(sandbox_id, d))
+                infos = await self._sandboxes.call(
+                    sandbox_id,
+                    lambda edge: edge.list_dir(sandbox_id, directory),  # noqa: B023 - awaited here
+                )
             except NotFound:
                 if directory == path:
                     raise
