@@ -60,3 +60,16 @@ def test_build_in_background_and_its_status(e2b_env: dict, tmp_path: Path) -> No
         assert time.monotonic() < deadline, status
         time.sleep(0.2)
     assert status.status.value == "ready" and status.template_id == built.template_id
+
+
+def test_upload_links_name_only_template_directories(e2b_env: dict[str, str]) -> None:
+    """The template id in the files routes is a template name: one that names another directory is refused."""
+    import httpx
+
+    headers = {"X-API-Key": e2b_env["E2B_API_KEY"]}
+    files_hash = "0" * 64
+    ok = httpx.get(f"{e2b_env['E2B_API_URL']}/templates/some-template/files/{files_hash}", headers=headers)
+    assert ok.status_code == 201 and ok.json()["present"] is False and "token=" in ok.json()["url"]
+    for bad in ("%2E%2E", ".hidden", "UPPER"):  # %2E%2E: ".." past the client, which would drop it
+        refused = httpx.get(f"{e2b_env['E2B_API_URL']}/templates/{bad}/files/{files_hash}", headers=headers)
+        assert refused.status_code == 400 and "template id" in refused.json()["message"], (bad, refused.text)

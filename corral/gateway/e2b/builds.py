@@ -23,6 +23,7 @@ import datetime as dt
 import hmac
 import json
 import re
+import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,6 +91,11 @@ class TemplateBuilds:
         self._builds: dict[str, _Build] = {}
 
     def files(self, template_id: str) -> Path:
+        """Where a template's uploads go; the id is a template name, so it names no other directory."""
+        try:
+            check_name(template_id, "template id")
+        except CorralError as exc:
+            raise E2BError(400, exc.message) from None
         return self._dir / template_id / "files"
 
     def new(self, template_id: str, tags: list[str]) -> _Build:
@@ -227,10 +233,14 @@ async def upload_files(template_id: str, files_hash: str, request: Request) -> R
         raise E2BError(404, f"template {template_id} has no build waiting for files")
     staging = files / f".{files_hash}.{uuid.uuid4().hex}"
     archive = staging.with_suffix(".tar")
-    with archive.open("wb") as out:
-        async for chunk in request.stream():
-            out.write(chunk)
     try:
+        received = 0
+        with archive.open("wb") as out:
+            async for chunk in request.stream():
+                received += len(chunk)
+                if received > MAX_UPLOAD_BYTES:  # the archive itself is bounded too, not only what it unpacks to
+                    raise E2BError(413, f"the uploaded files are over {MAX_UPLOAD_BYTES} bytes")
+                out.write(chunk)
         staging.mkdir()
         with archive.open("rb") as source:
             await asyncio.to_thread(extract_tar, source, staging, max_bytes=MAX_UPLOAD_BYTES)
@@ -239,6 +249,7 @@ async def upload_files(template_id: str, files_hash: str, request: Request) -> R
         raise E2BError(400, f"the uploaded files are not a tar archive Corral can unpack: {exc.message}") from None
     finally:
         archive.unlink(missing_ok=True)
+        await asyncio.to_thread(shutil.rmtree, staging, True)  # gone unless it became the hash's tree
     return Response(status_code=200)
 
 
