@@ -105,6 +105,13 @@ class Settings(BaseSettings):
         description="Repeats of a kernel-reported audit event (a refused syscall, a read of a sensitive path) "
         "in one sandbox are counted and reported at most once per this many seconds.",
     )
+    sandbox_disk_mb: int = Field(
+        10240,
+        ge=0,
+        description="Size limit of a container sandbox's writable layer (data and metadata) unless its create "
+        "asks for another (disk_mb); a writer past it gets EDQUOT. The layers live in one btrfs per node with "
+        "a quota per sandbox (a sparse image under the data dir); 0 = no limit by default.",
+    )
     events_retention_s: float = Field(
         7 * 86400.0,
         gt=0,

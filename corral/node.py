@@ -91,6 +91,7 @@ def build_edge(settings: Settings, host: HostSetup, events: EdgeEvents) -> Local
         layer_idle_unmount_s=settings.layer_idle_unmount_s,
         create_concurrency=settings.create_concurrency,
         audit_repeat_window_s=settings.audit_repeat_window_s,
+        default_disk_mb=settings.sandbox_disk_mb,
         resolver=HostResolver(settings.network_hosts_file),
         resolve_interval_s=settings.network_resolve_interval_s,
     )

@@ -460,7 +460,7 @@ class AuditEvent(_Model):
     sandbox_id: str
     at: float
     kind: str = Field(
-        description="e.g. oom_kill, pids_limit, timeout, output_capped, protected_path_modified, "
+        description="e.g. oom_kill, pids_limit, disk_full, timeout, output_capped, protected_path_modified, "
         "packages_modified, network_denied, syscall_denied, sensitive_path_read, and detector findings such as "
         "probe_kernel_memory or modifies_tests"
     )
