@@ -119,5 +119,6 @@ def build_edge(settings: Settings, host: HostSetup, events: EdgeEvents) -> Local
         settings.cpu_overcommit, settings.memory_overcommit, settings.max_file_bytes,
         memory_reserve_mb=settings.memory_reserve_mb, memory_full_pressure_pct=settings.memory_full_pressure_pct,
         pressure_pause_idle_s=settings.pressure_pause_idle_s, labels=settings.node_labels,
+        disk_floor_mb=settings.disk_floor_mb, data_dir=settings.data_dir,
     )  # fmt: skip
     return LocalEdge(settings.edge_id, backend, capacity, events)

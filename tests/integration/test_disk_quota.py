@@ -94,3 +94,23 @@ def test_limits_survive_a_restart_and_go_with_the_sandbox(quota_server: Embedded
         assert not (_layer(quota_server, kept.id).parent / lost.name).exists()  # an orphan's layer is removed
         handle.kill()
         assert not _layer(quota_server, kept.id).exists()
+
+
+def test_below_the_free_space_floor_creates_are_refused_naming_the_writers(
+    quota_server: EmbeddedServer, test_env: dict[str, str]
+) -> None:
+    with quota_server.client() as client:
+        small, big = client.create("busybox", disk_mb=64), client.create("busybox", disk_mb=64)
+        small.exec("dd if=/dev/zero of=/f bs=1M count=2")
+        big.exec("dd if=/dev/zero of=/f bs=1M count=40")
+    quota_server.stop()  # the same node again with a floor above its free space: it adopts both sandboxes
+    floor_mb = (_free_bytes(quota_server.data_dir) >> 20) + (1 << 20)
+    with restartable_server(quota_server.data_dir, {**test_env, "CORRAL_DISK_FLOOR_MB": str(floor_mb)}) as floored:
+        with floored.client() as client:
+            with pytest.raises(corral.CapacityExhausted) as refused:
+                client.create("busybox")
+            message = str(refused.value)
+            assert "the data disk is short" in message and f"{floor_mb} MiB kept in reserve" in message
+            assert f"biggest writers: {big.id} (40 MiB), {small.id} (2 MiB)" in message
+            for sandbox in (small, big):
+                client.connect(sandbox).kill()

@@ -59,6 +59,7 @@ _QGROUP_LIMIT = _ioc(_READ, 43, 48)  # u64 qgroupid, struct btrfs_qgroup_limit (
 _QUOTA_CTL_ENABLE_SIMPLE = 4
 _LIMIT_MAX_RFER = 1
 _FIRST_FREE_OBJECTID = 256  # a subvolume's root directory
+_COUNTED = ("referenced", "rsv_data", "rsv_meta_prealloc")  # a qgroup's sysfs files that add up to its usage
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
@@ -177,7 +178,9 @@ class QuotaPool:
             return None
         try:
             qgroup = self._sysfs / f"0_{self._qgroup(sandbox_id)}"
-            return int((qgroup / "referenced").read_text()), int((qgroup / "max_referenced").read_text())
+            # Written back (referenced) plus reserved for what is still dirty: what counts against the limit.
+            used = sum(int((qgroup / name).read_text()) for name in _COUNTED)
+            return used, int((qgroup / "max_referenced").read_text())
         except (OSError, ValueError):
             return None
 
