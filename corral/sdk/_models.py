@@ -191,7 +191,10 @@ class CreateSandboxRequest(_Model):
         None, description="Null (the default): loopback only. Else plugged in with this egress allowlist."
     )
     disk_mb: int | None = Field(
-        None, ge=8, le=1 << 20, description="Size limit of the writable layer in MiB; null = no limit (host disk)."
+        None,
+        ge=8,
+        le=1 << 20,
+        description="Size limit of the writable layer in MiB; null = the node's default (CORRAL_SANDBOX_DISK_MB).",
     )
     protected_paths: list[str] = Field(
         default_factory=list,

@@ -78,6 +78,15 @@ def test_disk_mb_overrides_the_default(quota_server: EmbeddedServer) -> None:
     assert not layer.exists()  # the kill removed its subvolume (its space and qgroup go in the background)
 
 
+def test_metadata_counts_so_the_number_of_files_is_bounded_too(quota_server: EmbeddedServer) -> None:
+    long_name = "n" * 200  # a long name makes each file cost more metadata, so the limit comes sooner
+    fill = f"mkdir /d; i=0; while true > /d/{long_name}$i; do i=$((i+1)); done 2>/dev/null; echo $i"
+    with quota_server.client() as client, client.create("busybox", disk_mb=8) as sandbox:
+        made = sandbox.exec(fill, timeout_s=60)
+        assert 2_000 < int(made.stdout) < 30_000, made  # empty files: inodes and names in the subvolume's metadata
+        assert "Disk quota exceeded" in sandbox.exec("touch /d/more 2>&1").stdout
+
+
 def test_limits_survive_a_restart_and_go_with_the_sandbox(quota_server: EmbeddedServer) -> None:
     with quota_server.client() as client:
         kept, killed_while_down = client.create("busybox"), client.create("busybox", disk_mb=16)
