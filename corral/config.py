@@ -105,6 +105,13 @@ class Settings(BaseSettings):
         description="Repeats of a kernel-reported audit event (a refused syscall, a read of a sensitive path) "
         "in one sandbox are counted and reported at most once per this many seconds.",
     )
+    sandbox_disk_mb: int = Field(
+        10240,
+        ge=0,
+        description="Size limit of a container sandbox's writable layer (data and metadata) unless its create "
+        "asks for another (disk_mb); a writer past it gets EDQUOT. The layers live in one btrfs per node with "
+        "a quota per sandbox (a sparse image under the data dir); 0 = no limit by default.",
+    )
     events_retention_s: float = Field(
         7 * 86400.0,
         gt=0,
@@ -132,6 +139,13 @@ class Settings(BaseSettings):
 
     memory_reserve_mb: int = Field(
         1024, ge=0, description="The node refuses new sandboxes when less memory than this is available (MemAvailable)."
+    )
+    disk_floor_mb: int = Field(
+        1024,
+        ge=0,
+        description="The node refuses new sandboxes when the data dir's filesystem has less free space than this "
+        "(the refusal names the sandboxes that wrote most), so the state database and the layer cache keep room; "
+        "0 = no floor.",
     )
     memory_full_pressure_pct: float = Field(
         10.0, gt=0, description="... or when memory pressure (PSI full avg10, %) is above this: the node thrashes."

@@ -91,6 +91,7 @@ def build_edge(settings: Settings, host: HostSetup, events: EdgeEvents) -> Local
         layer_idle_unmount_s=settings.layer_idle_unmount_s,
         create_concurrency=settings.create_concurrency,
         audit_repeat_window_s=settings.audit_repeat_window_s,
+        default_disk_mb=settings.sandbox_disk_mb,
         resolver=HostResolver(settings.network_hosts_file),
         resolve_interval_s=settings.network_resolve_interval_s,
     )
@@ -118,5 +119,6 @@ def build_edge(settings: Settings, host: HostSetup, events: EdgeEvents) -> Local
         settings.cpu_overcommit, settings.memory_overcommit, settings.max_file_bytes,
         memory_reserve_mb=settings.memory_reserve_mb, memory_full_pressure_pct=settings.memory_full_pressure_pct,
         pressure_pause_idle_s=settings.pressure_pause_idle_s, labels=settings.node_labels,
+        disk_floor_mb=settings.disk_floor_mb, data_dir=settings.data_dir,
     )  # fmt: skip
     return LocalEdge(settings.edge_id, backend, capacity, events)

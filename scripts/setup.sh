@@ -33,6 +33,7 @@ SETUP_LOG="${CORRAL_SETUP_LOG:-/var/tmp/corral-setup.log}"
 APT_PACKAGES=(erofs-utils:mkfs.erofs crun:crun runc:runc busybox-static:busybox debootstrap:debootstrap
               iproute2:ip nftables:nft gcc:gcc libc6-dev make:make postgresql qemu-system-x86:qemu-system-x86_64
               qemu-utils:qemu-img cpio:cpio kmod:modprobe e2fsprogs:mkfs.ext4
+              btrfs-progs:mkfs.btrfs  # one btrfs per node holds the writable layers, a quota each
               fuse3:fusermount3 libfuse3-dev pkg-config:pkg-config  # FUSE: corral-lazyfs, layers on demand
               procps:sysctl git:git  # sysctl in sandbox network namespaces; git workspaces
               docker-registry:docker-registry skopeo:skopeo apache2-utils:htpasswd  # registry tests

@@ -7,6 +7,7 @@ sandbox the tests left and stops the server by PID, even when a test failed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
@@ -86,10 +87,10 @@ def server(tmp_path_factory: pytest.TempPathFactory, test_env: dict[str, str]) -
         yield proc
 
 
-@pytest.fixture
-def fresh_server(tmp_path: Path, test_env: dict[str, str]) -> Iterator[EmbeddedServer]:
-    """A server of the test's own, for restart and fault tests."""
-    proc = EmbeddedServer(tmp_path / "server", env=test_env)
+@contextlib.contextmanager
+def restartable_server(data_dir: Path, env: dict[str, str]) -> Iterator[EmbeddedServer]:
+    """A started server that a test may stop and start again; it is running when shut down at the end."""
+    proc = EmbeddedServer(data_dir, env=env)
     proc.start()
     try:
         yield proc
@@ -97,6 +98,13 @@ def fresh_server(tmp_path: Path, test_env: dict[str, str]) -> Iterator[EmbeddedS
         if not proc.running():
             proc.start()  # bring it back so it can kill what it re-adopted
         proc.shutdown()
+
+
+@pytest.fixture
+def fresh_server(tmp_path: Path, test_env: dict[str, str]) -> Iterator[EmbeddedServer]:
+    """A server of the test's own, for restart and fault tests."""
+    with restartable_server(tmp_path / "server", test_env) as proc:
+        yield proc
 
 
 @pytest.fixture

@@ -10,11 +10,19 @@ at 0 and after every batch this records:
   cpu 0.01 is a CFS quota of 1 ms per 100 ms, so the p95 shows throttling and the p50 the node;
 - create latency of the batch just made;
 - the mount count of the server process: overlays live in each container's own mount namespace, so this
-  stays flat as containers pile up (overlays piling up in one shared namespace slow every later create).
+  stays flat as containers pile up (overlays piling up in one shared namespace slow every later create);
+  with quotas on, one more: the node's btrfs of writable layers.
 
 It stops early, and says why, if a create fails or MemAvailable falls under 2 GiB. At the end one bulk
 kill by label removes every sandbox (timed), the server stops, and what could be left behind is counted:
-containers in the crun state root, cgroups of our sandboxes, erofs/overlay mounts in the host namespace.
+containers in the crun state root, cgroups of our sandboxes, erofs/overlay mounts in the host namespace,
+the loop device of the quota pool.
+
+``--disk-quota on`` (the default) runs the server as shipped: every writable layer in its own subvolume
+of the node's quota pool (CORRAL_SANDBOX_DISK_MB); ``off`` sets no limit (layers on the data dir), and
+``compare`` runs off, on, on, off (ABBA: other tenants' drift hits both alike) and reports the ratios of
+host memory per sandbox and of the median create time, each the mean over a mode's two runs (target
+≤ 1.10 each: bounded disks must hold at density).
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.progress import Progress
 from rich.table import Table
 
@@ -51,6 +59,8 @@ MIN_AVAILABLE_MIB = 2048
 SERVER_ENV = {"CORRAL_CPU_OVERCOMMIT": "5000", "CORRAL_MEMORY_OVERCOMMIT": "50"}
 MIB_PER_SANDBOX_TARGET = 2.0
 EXEC_TARGET_MS = 20.0
+QUOTA_RATIO_TARGET = 1.10
+QUOTA_MODES = ("on", "off", "compare")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CRUN_TIMEOUT_S = 30.0
 
@@ -143,13 +153,17 @@ def _leftovers(data_dir: Path, ids: list[str]) -> dict[str, int]:
         containers = len(listing.stdout.split())
     mounts = [line for line in Path("/proc/mounts").read_text().splitlines() if line.split()[2] in ("erofs", "overlay")]
     cgroups = {path.name for pattern in ("corral/*", "*/corral/*") for path in CGROUP_ROOT.glob(pattern)}
-    return {"containers": containers, "cgroups": len(cgroups & set(ids)), "host_mounts": len(mounts)}
+    loops = subprocess.run(["losetup", "-j", str(data_dir / "writable.img")], capture_output=True, text=True,
+                           timeout=CRUN_TIMEOUT_S).stdout.splitlines()  # fmt: skip
+    return {"containers": containers, "cgroups": len(cgroups & set(ids)), "host_mounts": len(mounts),
+            "loop_devices": len(loops)}  # fmt: skip
 
 
-def _measure(data_dir: Path, count: int, step: int, progress: Progress) -> dict[str, Any]:
-    task = progress.add_task("starting corral serve", total=1)
-    server = EmbeddedServer(data_dir, env=SERVER_ENV)
+def _measure(data_dir: Path, count: int, step: int, progress: Progress, *, disk_quota: bool) -> dict[str, Any]:
+    task = progress.add_task(f"starting corral serve (disk quota {'on' if disk_quota else 'off'})", total=1)
+    server = EmbeddedServer(data_dir, env=SERVER_ENV if disk_quota else {**SERVER_ENV, "CORRAL_SANDBOX_DISK_MB": "0"})
     ids: list[str] = []
+    all_latencies: list[float] = []
     steps: list[dict[str, Any]] = []
     stopped: str | None = None
     kill: dict[str, Any] | None = None
@@ -167,6 +181,7 @@ def _measure(data_dir: Path, count: int, step: int, progress: Progress) -> dict[
                 new_ids, latencies, stopped = asyncio.run(_create_batch(server.url, server.api_key, batch))
                 batch_s = time.perf_counter() - started
                 ids.extend(new_ids)
+                all_latencies.extend(latencies)
                 progress.update(task, completed=len(ids))
                 create = {**summarize(latencies), "batch_s": batch_s} if latencies else None
                 if new_ids:
@@ -184,8 +199,9 @@ def _measure(data_dir: Path, count: int, step: int, progress: Progress) -> dict[
         leftovers = _leftovers(data_dir, ids)
         host.orphans.reap()
     progress.update(task, completed=1)
-    return {"baseline_used_mib": baseline_mib, "steps": steps, "stopped": stopped, "kill": kill,
-            "leftovers": leftovers}  # fmt: skip
+    return {"disk_quota": disk_quota, "baseline_used_mib": baseline_mib, "steps": steps, "stopped": stopped,
+            "kill": kill, "leftovers": leftovers,
+            "create_ms": summarize(all_latencies) if all_latencies else None}  # fmt: skip
 
 
 def _checks(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -207,10 +223,11 @@ def _table(report: dict[str, Any]) -> Table:
                f"{IMAGE}, cpu {CPU:g}, {MEMORY_MB} MiB limit, {CREATE_CONCURRENCY} creates in flight; exec on "
                f"{EXEC_PROBES} random sandboxes. Bulk kill: {killed}. "
                f"Left behind: {left['containers']} containers, {left['cgroups']} cgroups, "
-               f"{left['host_mounts']} erofs/overlay host mounts. "
+               f"{left['host_mounts']} erofs/overlay host mounts, {left['loop_devices']} loop devices. "
                f"Kernel {info['kernel']}, {info['cpu_count']} cpus, {info['mem_total_mib']:.0f} MiB RAM.")  # fmt: skip
+    title = f"corral bench density (disk quota {'on' if report['disk_quota'] else 'off'})"
     table = Table("sandboxes", "host MiB used", "MiB / sandbox", "exec p50 / p95", "create p50 (rate)", "server mounts",
-                  title="corral bench density", caption=caption)  # fmt: skip
+                  title=title, caption=caption)  # fmt: skip
     for row in report["steps"]:
         per_sandbox = f"{row['mib_per_sandbox']:.2f}" if row["mib_per_sandbox"] is not None else "-"
         probe = f"{row['exec']['p50']:.1f} / {row['exec']['p95']:.1f} ms" if row["exec"] else "-"
@@ -226,19 +243,74 @@ def _table(report: dict[str, Any]) -> Table:
     return table
 
 
-def run_density_benchmark(*, count: int, step: int, as_json: bool, console: Console) -> None:
-    """Fill the node with idle sandboxes, measuring host memory and responsiveness per step, then print a table."""
+def _quota_cost(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """What quotas add: ratios on/off of memory per sandbox (at the count every run reached) and of the median
+    create, each the mean over the runs of one mode."""
+    at = min(run["steps"][-1]["sandboxes"] for run in runs)
+
+    def mean(values: list[float | None]) -> float | None:
+        return sum(v for v in values if v is not None) / len(values) if None not in values else None
+
+    def slab_kib(run: dict[str, Any]) -> float:
+        row = next(row for row in run["steps"] if row["sandboxes"] >= at)
+        return (row["slab_unreclaimable_mib"] - run["steps"][0]["slab_unreclaimable_mib"]) * 1024 / row["sandboxes"]
+
+    mib, slab, create = [], [], []
+    for quota in (False, True):
+        mode = [run for run in runs if run["disk_quota"] is quota]
+        mib.append(mean([next(row["mib_per_sandbox"] for row in run["steps"] if row["sandboxes"] >= at)
+                         for run in mode]))  # fmt: skip
+        slab.append(mean([slab_kib(run) for run in mode]))
+        create.append(mean([run["create_ms"]["p50"] if run["create_ms"] else None for run in mode]))
+    ratios = {"mib_per_sandbox": mib[1] / mib[0] if mib[0] and mib[1] else None,
+              "create_p50": create[1] / create[0] if create[0] and create[1] else None}  # fmt: skip
+    # Kernel memory the sandboxes pin (unreclaimable slab: cgroups, namespaces, a subvolume's root): the
+    # steadier figure when other tenants move MemAvailable by hundreds of MiB; reported, not a target.
+    return {"sandboxes": at, "mib_per_sandbox_off_on": mib, "slab_unreclaimable_kib_per_sandbox_off_on": slab,
+            "create_p50_ms_off_on": create, "ratios": ratios,
+            "checks": [{"metric": f"quota_{name}_ratio", "target": f"≤ {QUOTA_RATIO_TARGET:g}", "value": ratio,
+                        "ok": ratio is not None and ratio <= QUOTA_RATIO_TARGET}
+                       for name, ratio in ratios.items()]}  # fmt: skip
+
+
+def _tables(report: dict[str, Any]) -> Group:
+    """A table per run, then what quotas cost when both ran."""
+    parts: list[Table | str] = [_table(run) for run in report["runs"]]
+    if cost := report.get("quota_cost"):
+        (mib_off, mib_on), (create_off, create_on) = cost["mib_per_sandbox_off_on"], cost["create_p50_ms_off_on"]
+        slab_off, slab_on = cost["slab_unreclaimable_kib_per_sandbox_off_on"]
+        verdicts = ", ".join(f"{check['metric']} {check['value']:.2f} " + ("ok" if check["ok"] else "missed")
+                             for check in cost["checks"] if check["value"] is not None)  # fmt: skip
+        parts.append(f"disk quota on/off at {cost['sandboxes']}: {mib_on:.2f}/{mib_off:.2f} MiB per sandbox "
+                     f"({slab_on:.0f}/{slab_off:.0f} KiB unreclaimable slab), "
+                     f"create p50 {create_on:.0f}/{create_off:.0f} ms: {verdicts} "
+                     f"(target ≤ {QUOTA_RATIO_TARGET:g})")  # fmt: skip
+    return Group(*parts)
+
+
+def run_density_benchmark(*, count: int, step: int, disk_quota: str, as_json: bool, console: Console) -> None:
+    """Fill the node with idle sandboxes, measuring host memory and responsiveness per step, then print a table
+    (one per run: with ``disk_quota="compare"``, without and with writable-layer quotas)."""
     if count < 1 or step < 1:
         raise InvalidRequest("--count and --step must be at least 1")
+    if disk_quota not in QUOTA_MODES:
+        raise InvalidRequest(f"--disk-quota must be one of {', '.join(QUOTA_MODES)}")
+    quotas = {"on": [True], "off": [False], "compare": [False, True, True, False]}[disk_quota]
+    host_info = {"kernel": platform.release(), "cpu_count": os.cpu_count(), "mem_total_mib": _meminfo_mib()["MemTotal"]}
+    params = {"count": count, "step": step, "image": IMAGE, "cpu": CPU, "memory_mb": MEMORY_MB,
+              "create_concurrency": CREATE_CONCURRENCY, "exec_probes": EXEC_PROBES, "server_env": SERVER_ENV,
+              "disk_quota": disk_quota}  # fmt: skip
+    runs: list[dict[str, Any]] = []
     with bench_session("bench-density", as_json=as_json, console=console) as (scratch, progress):
-        results = _measure(scratch / "server", count, step, progress)
-    report: dict[str, Any] = {
-        "unit": "MiB, ms",
-        "params": {"count": count, "step": step, "image": IMAGE, "cpu": CPU, "memory_mb": MEMORY_MB,
-                   "create_concurrency": CREATE_CONCURRENCY, "exec_probes": EXEC_PROBES, "server_env": SERVER_ENV},
-        "host": {"kernel": platform.release(), "cpu_count": os.cpu_count(),
-                 "mem_total_mib": _meminfo_mib()["MemTotal"]},
-        **results,
-    }  # fmt: skip
-    report["checks"] = _checks(report)
-    emit(report, _table, as_json=as_json, console=console)
+        for number, quota in enumerate(quotas):
+            run = {"host": host_info, **_measure(scratch / f"server-{number}", count, step, progress,
+                                                 disk_quota=quota)}  # fmt: skip
+            run["checks"] = _checks(run)
+            runs.append(run)
+    report: dict[str, Any] = {"unit": "MiB, ms", "params": params, "host": host_info, "runs": runs}
+    if disk_quota == "compare":
+        report["quota_cost"] = _quota_cost(runs)
+    report["checks"] = [check for run in runs for check in run["checks"]] + report.get("quota_cost", {}).get(
+        "checks", []
+    )
+    emit(report, _tables, as_json=as_json, console=console)

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -72,7 +72,7 @@ def throwaway_postgres() -> Iterator[str]:
 
 def emit(
     report: dict[str, Any],
-    table: Callable[[dict[str, Any]], Table],
+    table: Callable[[dict[str, Any]], RenderableType],
     *,
     as_json: bool,
     console: Console,

@@ -228,9 +228,13 @@ def bench_memory(
 def bench_density(
     count: Annotated[int, typer.Option(help="Idle sandboxes to create in all.")] = 1000,
     step: Annotated[int, typer.Option(help="Sandboxes created between two measurements.")] = 250,
+    disk_quota: Annotated[
+        str,
+        typer.Option(help="Writable-layer quotas: on (as shipped), off, or compare (off, then on, and the ratios)."),
+    ] = "on",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """Measure host memory per idle sandbox and exec round trip as the node fills, against a same-run baseline."""
     from corral.bench.density import run_density_benchmark
 
-    run_density_benchmark(count=count, step=step, as_json=as_json, console=console)
+    run_density_benchmark(count=count, step=step, disk_quota=disk_quota, as_json=as_json, console=console)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import heapq
 import io
 import logging
 import os
@@ -74,6 +75,8 @@ class NodeCapacity:
     memory_full_pressure_pct: float = 10.0  # ... and above this memory PSI "full" avg10 (the node thrashes)
     pressure_pause_idle_s: float = 30.0  # under pressure, sandboxes idle this long are paused (memory reclaimed)
     labels: dict[str, str] = field(default_factory=dict)  # reported in the load; creates select nodes by them
+    disk_floor_mb: int = 0  # below this much free space on the data dir's filesystem the node refuses new sandboxes
+    data_dir: Path | None = None
 
 
 @dataclass
@@ -297,8 +300,24 @@ class LocalEdge:
             log.info("sandbox %s paused %s", sandbox_id, why(sandbox))
             self._events.paused(sandbox_id, time.time())
 
+    def _disk_refusal(self) -> str | None:
+        """Why the node should take no new sandbox: its data disk is under the floor (naming the biggest
+        writers, the sandboxes to kill first), or None. One statvfs: cheaper than the host reading."""
+        cap = self._capacity
+        if not cap.disk_floor_mb or cap.data_dir is None:
+            return None
+        st = os.statvfs(cap.data_dir)
+        free_mb = st.f_bavail * st.f_frsize >> 20
+        if free_mb >= cap.disk_floor_mb:
+            return None
+        usages = ((usage[0], sandbox_id) for sandbox_id in self._sandboxes
+                  if (usage := self._backend.disk_usage(sandbox_id)) is not None)  # fmt: skip
+        writers = ", ".join(f"{sandbox_id} ({used >> 20} MiB)" for used, sandbox_id in heapq.nlargest(3, usages))
+        return (f"the data disk is short: {free_mb} MiB free on {cap.data_dir}, {cap.disk_floor_mb} MiB kept in "
+                f"reserve; biggest writers: {writers or 'none of its sandboxes'}")  # fmt: skip
+
     async def _admit(self, spec: SandboxSpec) -> None:
-        refusal = pressure_refusal(self._capacity, self._recent_host_reading())
+        refusal = pressure_refusal(self._capacity, self._recent_host_reading()) or self._disk_refusal()
         if refusal is not None:
             raise CapacityExhausted(
                 f"node {self.edge_id} refuses new sandboxes: {refusal}; retry later, or pause or kill idle ones"
@@ -737,6 +756,8 @@ def node_capacity(
     memory_reserve_mb: int = NodeCapacity.memory_reserve_mb,
     memory_full_pressure_pct: float = NodeCapacity.memory_full_pressure_pct,
     pressure_pause_idle_s: float = NodeCapacity.pressure_pause_idle_s,
+    disk_floor_mb: int = NodeCapacity.disk_floor_mb,
+    data_dir: Path | None = None,
 ) -> NodeCapacity:
     """This machine's cores and RAM, with the configured overcommit (and pressure limits and labels, see
     NodeCapacity)."""
@@ -745,5 +766,5 @@ def node_capacity(
     return NodeCapacity(
         cpu, memory_mb, cpu_overcommit, memory_overcommit, max_file_bytes, memory_reserve_mb=memory_reserve_mb,
         memory_full_pressure_pct=memory_full_pressure_pct, pressure_pause_idle_s=pressure_pause_idle_s,
-        labels=dict(labels or {}),
+        labels=dict(labels or {}), disk_floor_mb=disk_floor_mb, data_dir=data_dir,
     )  # fmt: skip

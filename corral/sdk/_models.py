@@ -191,7 +191,10 @@ class CreateSandboxRequest(_Model):
         None, description="Null (the default): loopback only. Else plugged in with this egress allowlist."
     )
     disk_mb: int | None = Field(
-        None, ge=8, le=1 << 20, description="Size limit of the writable layer in MiB; null = no limit (host disk)."
+        None,
+        ge=8,
+        le=1 << 20,
+        description="Size limit of the writable layer in MiB; null = the node's default (CORRAL_SANDBOX_DISK_MB).",
     )
     protected_paths: list[str] = Field(
         default_factory=list,
@@ -460,7 +463,7 @@ class AuditEvent(_Model):
     sandbox_id: str
     at: float
     kind: str = Field(
-        description="e.g. oom_kill, pids_limit, timeout, output_capped, protected_path_modified, "
+        description="e.g. oom_kill, pids_limit, disk_full, timeout, output_capped, protected_path_modified, "
         "packages_modified, network_denied, syscall_denied, sensitive_path_read, and detector findings such as "
         "probe_kernel_memory or modifies_tests"
     )

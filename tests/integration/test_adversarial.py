@@ -69,7 +69,7 @@ for name, (request, arg) in attempts.items():
 
 
 def test_extent_swap_ioctls_are_refused(client: corral.Client, bystander: corral.Sandbox) -> None:
-    with client.create("debian-12", disk_mb=64) as sandbox:  # the writable layer on ext4 of its own
+    with client.create("debian-12", disk_mb=64) as sandbox:  # the writable layer on btrfs (the quota pool)
         sandbox.exec("mkdir -p /work && echo the-answer > /work/protected && chmod 0400 /work/protected")
         result = sandbox.exec(f"python3 -c {shlex.quote(EXTENT_SWAP)}")
         outcome = dict(line.split() for line in result.stdout.splitlines())

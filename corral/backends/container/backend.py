@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -50,6 +49,7 @@ from corral.backends.container.kernel_watch import SeccompDenials, SensitiveRead
 from corral.backends.container.memory import CgroupMemory, prefetch_swapped
 from corral.backends.container.oci import AGENT_PATH, ContainerLimits, build_config
 from corral.backends.container.runtime import OciRuntime, Overlay
+from corral.backends.container.writable import QuotaPool
 from corral.guard.audit import PACKAGE_PREFIXES, PROTECTED_PREFIXES, EventThrottle, denied_syscall_severity
 from corral.images.erofs import build_erofs
 from corral.images.lazy import check_layer
@@ -63,7 +63,6 @@ log = logging.getLogger(__name__)
 _CHANGED_PATHS_MAX = 10_000
 _RUNTIMES = ("crun", "runc", RUNSC)
 _TIER_NAMES = frozenset(tier.strip("/") for tier in qos.TIERS.values())  # top-level cgroups sandboxes live under
-_DISK_IMAGE = "disk.img"
 
 
 def _read_int(path: str) -> int:
@@ -72,44 +71,6 @@ def _read_int(path: str) -> int:
         return int(os.read(fd, 64))
     finally:
         os.close(fd)
-
-
-def _run_quietly(argv: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
-
-
-def _make_disk(root: Path, disk_mb: int) -> None:
-    """A size-limited filesystem for the writable layer: a sparse ext4 image on a loop device, mounted in the
-    edge's namespace (the launcher inherits it). Writes past the size fail with ENOSPC inside the sandbox."""
-    image, mountpoint = root / _DISK_IMAGE, root / "disk"
-    mountpoint.mkdir(exist_ok=True)
-    with open(image, "wb") as f:
-        f.truncate(disk_mb << 20)
-    for argv in (
-        ["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-E", "lazy_itable_init=1,nodiscard", str(image)],
-        ["mount", "-o", "loop,nosuid,nodev", str(image), str(mountpoint)],
-    ):
-        run = _run_quietly(argv)
-        if run.returncode != 0:
-            raise InternalError(f"cannot make the sandbox's {disk_mb} MiB disk: {' '.join(argv[:1])}: {run.stderr}")
-
-
-def _remove_sandbox_dir(root: Path) -> None:
-    """Its bundle and writable layer; a size-limited disk is unmounted first (its loop device goes with it)."""
-    if os.path.ismount(root / "disk"):
-        _run_quietly(["umount", "-l", str(root / "disk")])
-    shutil.rmtree(root, ignore_errors=True)
-
-
-def _remount_disk(root: Path) -> None:
-    """After an edge restart: mount the loop device the running container still uses (the same block device,
-    so the same filesystem instance, never a second one on the same image)."""
-    mountpoint = root / "disk"
-    if os.path.ismount(mountpoint):
-        return
-    found = _run_quietly(["losetup", "-j", str(root / _DISK_IMAGE)]).stdout.split(":")[0]
-    if found:
-        _run_quietly(["mount", "-o", "nosuid,nodev", found, str(mountpoint)])
 
 
 def _changed_since(upper: Path, since: float) -> list[str]:
@@ -209,6 +170,7 @@ class ContainerBackend:
         layer_idle_unmount_s: float,
         create_concurrency: int,
         audit_repeat_window_s: float,
+        default_disk_mb: int = 0,
         resolver: HostResolver | None = None,
         resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S,
     ) -> None:
@@ -224,6 +186,10 @@ class ContainerBackend:
         self.agent_start_timeout_s = agent_start_timeout_s
         self._layer_idle_unmount_s = layer_idle_unmount_s
         self._create_slots = asyncio.Semaphore(create_concurrency)
+        self._default_disk_mb = default_disk_mb
+        self._pool = QuotaPool(data_dir)
+        self._pool_lock = asyncio.Lock()
+        self._pool_error: InternalError | None = None
         # One router namespace per server (its data dir), created when the first sandbox needs a network.
         self._fabric = NetworkFabric(
             "n" + hashlib.sha256(str(data_dir).encode()).hexdigest()[:10],
@@ -247,9 +213,31 @@ class ContainerBackend:
         return self._runtimes[name]
 
     def _layer_root(self, sandbox_id: str) -> Path:
-        """Where its writable layer lives: its own size-limited filesystem when it has disk_mb, else the data dir."""
-        root = self._dir / sandbox_id
-        return root / "disk" if (root / _DISK_IMAGE).exists() else root
+        """Where its writable layer lives: its subvolume of the quota pool when it has a limit, else the data dir."""
+        return self._pool.layer_dir(sandbox_id) if self._pool.has(sandbox_id) else self._dir / sandbox_id
+
+    async def _open_pool(self) -> bool:
+        """The quota pool, mounted on first use; False (and one warning) when this node cannot have one."""
+        async with self._pool_lock:
+            if not self._pool.is_open and self._pool_error is None:
+                try:
+                    await asyncio.to_thread(self._pool.open)
+                except InternalError as exc:
+                    self._pool_error = exc
+                    log.warning("%s: sandboxes' writable layers are not size-limited on this node", exc)
+        return self._pool.is_open
+
+    async def _limit_layer(self, spec: SandboxSpec) -> None:
+        """Its writable layer in a subvolume of ``disk_mb`` (else the node default); an explicit size this node
+        cannot enforce is refused, the default is skipped (with the warning ``_open_pool`` logged)."""
+        disk_mb = spec.disk_mb if spec.disk_mb is not None else self._default_disk_mb
+        if not disk_mb:
+            return
+        if not await self._open_pool():
+            if spec.disk_mb is not None:
+                raise InternalError(f"cannot give the sandbox a {disk_mb} MiB disk: {self._pool_error}")
+            return
+        await asyncio.to_thread(self._pool.add, spec.sandbox_id, disk_mb << 20)
 
     def upper(self, sandbox_id: str) -> Path:
         return self._layer_root(sandbox_id) / "upper"
@@ -275,10 +263,7 @@ class ContainerBackend:
 
     def disk_usage(self, sandbox_id: str) -> tuple[int, int] | None:
         """(bytes used, bytes total) of a size-limited writable layer; None when it has no limit."""
-        if not (self._dir / sandbox_id / _DISK_IMAGE).exists():
-            return None
-        st = os.statvfs(self._layer_root(sandbox_id))
-        return (st.f_blocks - st.f_bfree) * st.f_frsize, st.f_blocks * st.f_frsize
+        return self._pool.usage(sandbox_id)
 
     def _memory(self, spec: SandboxSpec) -> CgroupMemory:
         return CgroupMemory(self._layout, qos.cgroup_path(spec.sandbox_id, spec.qos))
@@ -291,14 +276,13 @@ class ContainerBackend:
         bundle = root / "bundle"
         try:  # a disk that cannot be made or a layer that cannot be mounted leaves nothing behind
             bundle.joinpath("rootfs").mkdir(parents=True, exist_ok=True)
-            if spec.disk_mb is not None:
-                await asyncio.to_thread(_make_disk, root, spec.disk_mb)
+            await self._limit_layer(spec)
             upper, work = self.upper(spec.sandbox_id), self.work(spec.sandbox_id)
             for path in (upper, work):
                 path.mkdir(parents=True, exist_ok=True)
             lowers = await self.acquire_layers(spec)
         except BaseException:
-            await asyncio.to_thread(_remove_sandbox_dir, root)
+            await asyncio.to_thread(self._remove_dirs, spec.sandbox_id)
             raise
         config = build_config(
             hostname=spec.sandbox_id[-12:],
@@ -326,7 +310,7 @@ class ContainerBackend:
                 agent.close()
             await runtime.kill_and_delete(spec.sandbox_id)
             self.release_layers(spec)
-            await asyncio.to_thread(_remove_sandbox_dir, root)
+            await asyncio.to_thread(self._remove_dirs, spec.sandbox_id)
             raise
         container = Container(spec, runtime, isolation, agent, init_pid, self._memory(spec), baseline=baseline)
         self._containers[spec.sandbox_id] = container
@@ -362,9 +346,9 @@ class ContainerBackend:
         if state is None or state.status not in ("running", "paused"):
             await self.destroy(spec.sandbox_id)
             return None
+        if self._pool.made:  # its writable layer may be in the pool: mount that first (the same filesystem)
+            await self._open_pool()
         await self.acquire_layers(spec)  # counted like a new sandbox; released on destroy
-        if spec.disk_mb is not None:
-            await asyncio.to_thread(_remount_disk, self._dir / spec.sandbox_id)
         paused = state.status == "paused"
         try:
             if paused:  # a new agent in a frozen cgroup would freeze before its hello
@@ -401,6 +385,8 @@ class ContainerBackend:
         for name in _RUNTIMES:
             if shutil.which(name) and (self._state_root / name).exists():
                 found += [cid for cid in await self.runtime(name).list_ids() if cid not in known_ids]
+        if self._pool.made and await self._open_pool():  # writable layers of sandboxes no record owns
+            found += [sid for sid in self._pool.sandbox_ids() if sid not in known_ids and sid not in found]
         return found
 
     def container(self, sandbox_id: str) -> Container:
@@ -449,7 +435,12 @@ class ContainerBackend:
             for name in _RUNTIMES:
                 if shutil.which(name):
                     await self.runtime(name).kill_and_delete(sandbox_id)
-        await asyncio.to_thread(_remove_sandbox_dir, self._dir / sandbox_id)
+        await asyncio.to_thread(self._remove_dirs, sandbox_id)
+
+    def _remove_dirs(self, sandbox_id: str) -> None:
+        """Its bundle and its writable layer (with its quota, when it has one)."""
+        self._pool.remove(sandbox_id)
+        shutil.rmtree(self._dir / sandbox_id, ignore_errors=True)
 
     async def pack_diff(self, sandbox_id: str, dest: Path) -> None:
         """Pack the sandbox's writable layer (whiteouts and opaque dirs kept) into an EROFS file.
@@ -706,5 +697,6 @@ class ContainerBackend:
         self._denials.close()
         self._reads.close()
         self._mounts.unmount_all()
+        await asyncio.to_thread(self._pool.close)
         if self._fabric_started:
             await asyncio.to_thread(self._fabric.close)
