@@ -253,7 +253,8 @@ def _quota_cost(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
     def slab_kib(run: dict[str, Any]) -> float:
         row = next(row for row in run["steps"] if row["sandboxes"] >= at)
-        return (row["slab_unreclaimable_mib"] - run["steps"][0]["slab_unreclaimable_mib"]) * 1024 / row["sandboxes"]
+        grown_mib = float(row["slab_unreclaimable_mib"] - run["steps"][0]["slab_unreclaimable_mib"])
+        return grown_mib * 1024 / int(row["sandboxes"])
 
     mib, slab, create = [], [], []
     for quota in (False, True):
