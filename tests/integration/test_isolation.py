@@ -82,8 +82,9 @@ def test_base_layer_is_read_only_and_shared(client: corral.Client, server: Embed
     with client.create("busybox") as first, client.create("busybox") as second:
         assert first.exec("echo hacked > /bin/busybox.note; rm /bin/ls; echo x >> /etc/passwd").exit_code == 0
         assert second.exec("ls /bin/ls && ! test -e /bin/busybox.note && ! grep -q '^x$' /etc/passwd").exit_code == 0
-        upper = server.data_dir / "sandboxes" / first.id / "upper"
-        assert (upper / "bin" / "busybox.note").exists()  # writes land in the sandbox's own upper dir
+        assert server.process is not None  # the quota pool is mounted in the server's mount namespace only
+        upper = Path(f"/proc/{server.process.pid}/root") / str(server.data_dir).lstrip("/") / "writable" / first.id
+        assert (upper / "upper" / "bin" / "busybox.note").exists()  # writes land in the sandbox's own upper dir
 
 
 def test_sandboxes_cannot_see_each_other(client: corral.Client) -> None:

@@ -1,8 +1,10 @@
 """Container sandboxes: an OCI runtime over an overlay of EROFS layers.
 
 Per sandbox, under ``<data_dir>/sandboxes/<id>/``: ``bundle/`` (config.json
-and the rootfs mountpoint), ``upper/`` and ``work/`` (the writable layer, on
-disk so it survives an edge restart). Layers are mounted once per edge by
+and the rootfs mountpoint); ``upper/`` and ``work/`` (the writable layer, on
+disk so it survives an edge restart) are in the sandbox's own size-limited
+subvolume of the node's quota pool (writable.py), or beside ``bundle/`` on a
+node without one. Layers are mounted once per edge by
 ``LayerMounts``; the overlay itself exists only in the container's mount
 namespace (see native/launch.c). Commands run through corral-agent.
 """

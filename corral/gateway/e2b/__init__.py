@@ -51,7 +51,9 @@ class E2BFacade:
         self._pauser: asyncio.Task[None] | None = None
         self.timeouts = lifecycle.TimeoutPauser(services.sandboxes)
         self._scratch = contextlib.ExitStack()  # the template builds' files, removed at close
-        self.templates = builds.TemplateBuilds(self._scratch.enter_context(services.images.scratch("e2b-templates-")))
+        self.templates = builds.TemplateBuilds(
+            lambda: self._scratch.enter_context(services.images.scratch("e2b-templates-"))
+        )
 
     def start(self) -> None:
         """Start pausing ``autoPause`` sandboxes at their timeout (until ``close``)."""

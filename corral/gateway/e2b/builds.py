@@ -25,6 +25,7 @@ import json
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -86,8 +87,11 @@ class _Dockerfile:
 class TemplateBuilds:
     """The template builds of one server: their state, uploaded files and running tasks (closed with the app)."""
 
-    def __init__(self, work_dir: Path) -> None:
-        self._dir = work_dir
+    def __init__(self, work_dir: Callable[[], Path]) -> None:
+        """``work_dir``: makes the directory for uploads and Dockerfiles, on the first build (a server that builds
+        no template leaves nothing in the builder's work dir)."""
+        self._make_dir = work_dir
+        self._made: Path | None = None
         self._builds: dict[str, _Build] = {}
 
     def files(self, template_id: str) -> Path:
@@ -96,7 +100,12 @@ class TemplateBuilds:
             check_name(template_id, "template id")
         except CorralError as exc:
             raise E2BError(400, exc.message) from None
-        return self._dir / template_id / "files"
+        return self._dir() / template_id / "files"
+
+    def _dir(self) -> Path:
+        if self._made is None:
+            self._made = self._make_dir()
+        return self._made
 
     def new(self, template_id: str, tags: list[str]) -> _Build:
         finished = [key for key, old in self._builds.items() if old.status in ("ready", "error")]
@@ -120,7 +129,7 @@ class TemplateBuilds:
     async def _run(self, build: _Build, images: ImageService, dockerfile: _Dockerfile, no_cache: bool) -> None:
         """One Dockerfile build per tag: the first runs the steps, the others are build-cache hits that tag the
         same layers and image config."""
-        path = self._dir / build.template_id / f"{build.build_id}.Dockerfile"
+        path = self._dir() / build.template_id / f"{build.build_id}.Dockerfile"
         try:
             path.write_text(dockerfile.text)
         except OSError as exc:
