@@ -28,11 +28,17 @@ CHOSEN = [  # what the SDKs differ in is in tests/e2b/sdk.py
     "tests/e2b/test_code_interpreter.py",
     "tests/e2b/test_e2b_sudo.py",
     "tests/e2b/test_e2b_template.py",
+    "tests/e2b/test_e2b_files.py",
+    "tests/e2b/test_e2b_network.py",
 ]
 LACKING = {  # tests of calls e2b 2.45 does not have
     "tests/e2b/test_e2b_sync.py::test_stdin_send_and_close": "commands.stream_input",
     "tests/e2b/test_e2b_lifecycle.py::test_connect_with_reboot_drops_processes_and_full_pause_keeps_them":
         "connect(on_resume=)",
+    "tests/e2b/test_e2b_network.py::test_update_network_replaces_the_rules": "update_network(dns_servers=)",
+    # 2.45 sends allow_internet_access=True on every create, so on a server without internet an unset create is
+    # an explicit grant there, refused (docs/e2b.md): the test's "unset: no error" is the newer SDKs' behaviour.
+    "tests/e2b/test_e2b_network.py::test_a_server_can_forbid_internet": "allow_internet_access left unset",
 }  # fmt: skip
 _RUN = "import sys; sys.path.insert(0, sys.argv.pop(1)); import pytest; sys.exit(pytest.main(sys.argv[1:]))"
 
@@ -47,4 +53,4 @@ def test_the_2_45_line_passes_the_chosen_tests(tmp_path: Path) -> None:
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
     passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed.group(1)) >= 41 and "skipped" not in summary, summary
+    assert passed and int(passed.group(1)) >= 48 and "skipped" not in summary, summary

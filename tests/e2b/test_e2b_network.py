@@ -221,5 +221,5 @@ def test_network_options_corral_cannot_honour_are_refused(create) -> None:  # ty
         create(network={"egress_proxy": {"address": "127.0.0.1:1080"}})
     with pytest.raises(SandboxException, match="wildcard host"):
         create(network={"allow_out": ["*.example.com"]})
-    with pytest.raises(SandboxException, match="network.allowPublicTraffic=True is not supported"):
-        create(network={"allow_public_traffic": True})
+    public = create(network={"allow_public_traffic": True, "allow_out": [PEER]})  # E2B's default: accepted,
+    assert public.get_info().network["allow_public_traffic"] is False  # and the access token is still needed

@@ -101,10 +101,8 @@ def create_policy(body: dict[str, Any], egress: InternetEgress) -> NetworkPolicy
     unknown = sorted(set(network) - _EGRESS_FIELDS - set(_REFUSED) - {"allowPublicTraffic"})
     if unknown:
         raise refuse(f"network option(s) {', '.join(unknown)}", "unknown to this facade")
-    if network.get("allowPublicTraffic"):
-        raise refuse(
-            "network.allowPublicTraffic=True", "every request to a sandbox needs its access token (X-Access-Token)"
-        )
+    # allowPublicTraffic is E2B's default (True: e2b 2.45 sends it with every network=): accepted, and every
+    # request to the sandbox still needs its access token, the stricter of the two (docs/e2b.md).
     rules = _rules(network, _internet(body.get("allow_internet_access"), egress))
     return NetworkPolicy(allow=rules) if rules else None
 
