@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
@@ -108,12 +109,11 @@ class NodeEdge:
     async def create(self, spec: SandboxSpec) -> str | None:
         """The gateway's spec names the layers; the files are this node's (fetched first if missing), and the
         node's layer cache is kept under its budget, sparing these layers until the sandbox runs on them."""
-        if self._fetcher is None:
+        fetcher = self._fetcher
+        with fetcher.hold(ref.digest for ref in spec.layers) if fetcher else contextlib.nullcontext():
             layers = await self.layer_refs(ref.mount_key for ref in spec.layers)
-            return await self.edge.create(dataclasses.replace(spec, layers=layers))
-        with self._fetcher.hold(ref.digest for ref in spec.layers):
-            layers = await self.layer_refs(ref.mount_key for ref in spec.layers)
-            await self._fetcher.enforce_cache_budget(self._layers_in_use)
+            if fetcher is not None:
+                await fetcher.enforce_cache_budget(self._layers_in_use)
             return await self.edge.create(dataclasses.replace(spec, layers=layers))
 
     def _layers_in_use(self) -> set[str]:

@@ -151,7 +151,11 @@ class QuotaPool:
         """A subvolume for the sandbox's writable layer, at most ``limit_bytes`` (data and metadata)."""
         self._ioctl(self.mountpoint, _SUBVOL_CREATE, _vol_args(sandbox_id))
         path = self.layer_dir(sandbox_id)
-        self._ioctl(path, _QGROUP_LIMIT, bytearray(struct.pack("6Q", 0, _LIMIT_MAX_RFER, limit_bytes, 0, 0, 0)))
+        try:
+            self._ioctl(path, _QGROUP_LIMIT, bytearray(struct.pack("6Q", 0, _LIMIT_MAX_RFER, limit_bytes, 0, 0, 0)))
+        except BaseException:
+            self.remove(sandbox_id)  # no unbounded layer, and none left behind
+            raise
         return path
 
     def remove(self, sandbox_id: str) -> None:
