@@ -110,6 +110,27 @@ async def check_exec(case: Case) -> None:
     assert (await case.run(case.sandbox_id, "exit 3"))[0] == 3
 
 
+async def check_terminal(case: Case) -> None:
+    case.needs(Capability.TERMINALS)
+    script = "stty size; [ -t 0 ] && [ -t 1 ] && [ -t 2 ] && echo tty; read line; stty size; echo got:$line"
+    command = CommandSpec(
+        ["/bin/sh", "-c", script], {"PATH": "/usr/bin:/bin"}, "/", "root", 30.0, 1 << 20, b"", (30, 100)
+    )
+    running = case.backend.run(case.sandbox_id, command)
+    out, streams, code = bytearray(), set(), -1
+    async for event in running.events():
+        if isinstance(event, CommandOutput):
+            out.extend(event.data)
+            streams.add(event.stream)
+            if out.endswith(b"tty\r\n"):  # typed only now: the terminal echoes input as it arrives
+                running.resize(40, 132)
+                running.write_stdin(b"typed\r")
+        elif isinstance(event, CommandExit):
+            code = event.exit_code
+    assert code == 0 and streams == {"stdout"}, (code, streams, out)
+    assert out.decode().split("\r\n") == ["30 100", "tty", "typed", "40 132", "got:typed", ""], out
+
+
 async def check_files(case: Case) -> None:
     sid = case.sandbox_id
     info = await case.files(sid, lambda t: t.write("/tmp/conformance/a.txt", b"alpha", mode=0o640))
@@ -215,7 +236,7 @@ async def check_destroy(case: Case) -> None:
 CHECKS: dict[str, Callable[[Case], Awaitable[None]]] = {
     check.__name__.removeprefix("check_"): check
     for check in (
-        check_offers, check_exec, check_files, check_pause_resume, check_stats, check_changed_paths,
+        check_offers, check_exec, check_terminal, check_files, check_pause_resume, check_stats, check_changed_paths,
         check_snapshot, check_fork, check_recycle, check_destroy,
     )
 }  # fmt: skip

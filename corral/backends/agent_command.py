@@ -32,6 +32,7 @@ class AgentCommand:
             timeout_ms=max(1, int(cmd.timeout_s * 1000)),
             output_cap_bytes=cmd.output_cap_bytes,
             has_stdin=cmd.stdin is not None,
+            terminal=cmd.terminal,
         )
         ooms_before = self._oom_kills() if self._oom_kills is not None else 0
         async for event in self._agent.run(self._job_id, order, cmd.stdin if cmd.stdin else None):
@@ -49,3 +50,7 @@ class AgentCommand:
 
     def signal(self, signo: int) -> None:
         self._agent.signal(self._job_id, signo)
+
+    def resize(self, rows: int, cols: int) -> None:
+        if self._command.terminal:
+            self._agent.resize(self._job_id, rows, cols)

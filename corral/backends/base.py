@@ -97,6 +97,7 @@ class CommandSpec:
     timeout_s: float
     output_cap_bytes: int
     stdin: bytes | None  # None: no stdin; b"": stdin stays open for write_stdin
+    terminal: tuple[int, int] | None = None  # (rows, cols): run on a pseudo-terminal (output comes as stdout)
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,9 @@ class Capability(StrEnum):
     LAYERS = "layers"
     """Its file changes are kept as a writable layer of their own: they pack into a layer (``pack_diff``:
     snapshots, forks that copy files) and ``changed_paths`` lists them (the trajectory log's provenance)."""
+    TERMINALS = "terminals"
+    """Commands can run on a pseudo-terminal (``CommandSpec.terminal``) and be resized (``RunningCommand.resize``):
+    every kind whose commands go through corral-agent."""
     RECYCLE = "recycle"
     """``recycle`` can find a sandbox as good as new after a call, so fncall pools reuse it; without it,
     ``recycle`` always answers False."""
@@ -230,6 +234,9 @@ class RunningCommand(Protocol):
         """Feed stdin (when started with stdin=b""); empty data closes it."""
 
     def signal(self, signo: int) -> None: ...
+
+    def resize(self, rows: int, cols: int) -> None:
+        """Set the window size of a command started with a terminal; ignored for one without."""
 
 
 class Backend(Protocol):

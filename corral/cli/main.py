@@ -7,6 +7,7 @@ CORRAL_API_KEY or the config file that `serve` wrote).
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import io
 import json
@@ -34,7 +35,8 @@ from rich.table import Column, Table
 
 from corral.cli.bench import bench_app
 from corral.cli.cluster import cluster_app
-from corral.sdk import BatchEvent, Client, CorralError, Event, PullEvent, SandboxInfo, TrajectoryStep
+from corral.cli.shell import DEFAULT_SHELL, run_shell
+from corral.sdk import AsyncClient, BatchEvent, Client, CorralError, Event, PullEvent, SandboxInfo, TrajectoryStep
 
 app = typer.Typer(help="Corral: sandboxes for agentic RL.", no_args_is_help=True, add_completion=False)
 # Piped output (CI logs, scripts) gets full-width tables instead of wrapped 80-column ones.
@@ -165,6 +167,25 @@ def exec_command(
             if result.oom_killed:
                 err_console.print("[red]killed: out of memory[/red]")
             raise typer.Exit(result.exit_code if result.exit_code is not None and result.exit_code >= 0 else 128)
+
+
+@app.command()
+def shell(
+    sandbox_id: str,
+    command: Annotated[
+        list[str] | None, typer.Argument(help="What to run (default: bash, else sh, as a login shell).")
+    ] = None,
+    user: str | None = None,
+    cwd: str | None = None,
+) -> None:
+    """An interactive terminal in a sandbox (like `docker exec -it`); exits with the command's exit code."""
+
+    async def session() -> int:
+        async with AsyncClient() as client:
+            sandbox = await client.get(sandbox_id)
+            return await run_shell(sandbox, command or DEFAULT_SHELL, user=user, cwd=cwd)
+
+    raise typer.Exit(asyncio.run(session()))
 
 
 @app.command("ls")

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from corral.backends.base import (
     Backend,
+    Capability,
     Checkpointing,
     CommandExit,
     CommandOutput,
@@ -32,6 +33,7 @@ from corral.backends.base import (
     RunningCommand,
     SandboxSpec,
     checkpoints_of,
+    find_offer,
     split_offer,
 )
 from corral.backends.common.network import AllowRule
@@ -89,6 +91,7 @@ class _Command:
     stderr: bytearray = field(default_factory=bytearray)
     exit: CommandExit | None = None
     task: asyncio.Task[None] | None = None
+    terminal: tuple[int, int] | None = None  # (rows, cols) it was started with, for a pty command
 
     def info(self) -> CommandInfo:
         return CommandInfo(command_id=self.command_id, cmd=self.cmd, running=self.exit is None, result=self.result())
@@ -469,6 +472,14 @@ class LocalEdge:
         if not argv or not argv[0]:
             raise InvalidRequest("cmd is empty: give a shell command string or a non-empty argv list")
         env = {"PATH": _DEFAULT_PATH, **spec.env, **request.env}
+        terminal = (request.pty.rows, request.pty.cols) if request.pty else None
+        if terminal and Capability.TERMINALS not in (
+            find_offer(self._backend.offers(), spec.backend, spec.runtime) or ()
+        ):
+            raise InvalidRequest(f"backend={spec.backend} runs no commands on a terminal: pty is not available")
+        if terminal:  # a terminal's input is always open (commands/{id}/stdin); its programs want TERM
+            keep_stdin_open = True
+            env.setdefault("TERM", "xterm-256color")
         stdin = request.stdin.encode() if request.stdin is not None else (b"" if keep_stdin_open else None)
         command_spec = CommandSpec(
             argv=argv,
@@ -478,10 +489,12 @@ class LocalEdge:
             timeout_s=request.timeout_s,
             output_cap_bytes=request.output_cap_bytes,
             stdin=stdin,
+            terminal=terminal,
         )
         command_id = f"c{sandbox.next_command}"
         sandbox.next_command += 1
-        command = _Command(command_id, request.cmd, self._backend.run(spec.sandbox_id, command_spec), time.monotonic())
+        running = self._backend.run(spec.sandbox_id, command_spec)
+        command = _Command(command_id, request.cmd, running, time.monotonic(), terminal=terminal)
         sandbox.commands[command_id] = command
         finished = [c for c in sandbox.commands.values() if c.exit is not None]
         for old in finished[: max(0, len(finished) - _FINISHED_COMMANDS_KEPT)]:
@@ -570,6 +583,12 @@ class LocalEdge:
 
     async def command_signal(self, sandbox_id: str, command_id: str, signo: int) -> None:
         (await self._command(sandbox_id, command_id)).running.signal(signo)
+
+    async def command_resize(self, sandbox_id: str, command_id: str, rows: int, cols: int) -> None:
+        command = await self._command(sandbox_id, command_id)
+        if command.terminal is None:
+            raise InvalidRequest(f"command {command_id} was not started with a pty: it has no window to resize")
+        command.running.resize(rows, cols)
 
     async def set_network(self, sandbox_id: str, allow: list[NetworkRule]) -> tuple[str, int, int]:
         await self._active(sandbox_id)

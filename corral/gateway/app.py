@@ -64,6 +64,7 @@ from corral.sdk._models import (
     NodeStats,
     PauseResult,
     PoolStats,
+    PtySize,
     PullRequest,
     ReplayRequest,
     ReplayResult,
@@ -590,6 +591,12 @@ def create_app(  # type: ignore[no-untyped-def]
     @app.post("/v1/sandboxes/{sandbox_id}/commands/{command_id}/signal", status_code=204, dependencies=[Auth])
     async def command_signal(sandbox_id: str, command_id: str, body: SignalRequest, svc: Service) -> Response:
         await svc.call(sandbox_id, lambda edge: edge.command_signal(sandbox_id, command_id, body.signal))
+        return Response(status_code=204)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/commands/{command_id}/resize", status_code=204, dependencies=[Auth])
+    async def command_resize(sandbox_id: str, command_id: str, body: PtySize, svc: Service) -> Response:
+        """A pty command's new window size (exec/stream or commands started with ``pty``)."""
+        await svc.call(sandbox_id, lambda edge: edge.command_resize(sandbox_id, command_id, body.rows, body.cols))
         return Response(status_code=204)
 
     @app.get(

@@ -46,6 +46,7 @@ __all__ = [
     "ForkRequest",
     "CheckpointInfo",
     "ExecRequest",
+    "PtySize",
     "ExecResult",
     "Event",
     "ExecEvent",
@@ -307,6 +308,11 @@ class SetTtlRequest(_Model):
     ttl_s: float | None = Field(..., gt=0, description="Seconds from now; null removes the TTL.")
 
 
+class PtySize(_Model):
+    rows: int = Field(24, ge=1, le=1000)
+    cols: int = Field(80, ge=1, le=1000)
+
+
 class ExecRequest(_Model):
     cmd: str | list[str] = Field(..., description="A shell command (run by /bin/sh -c) or an argv list.")
     env: dict[str, str] = Field(default_factory=dict)
@@ -322,6 +328,12 @@ class ExecRequest(_Model):
         min_length=1,
         max_length=256,
         description="The client's step id: a step sent again is answered from the trajectory log, not re-run.",
+    )
+    pty: PtySize | None = Field(
+        None,
+        description="Run on a pseudo-terminal of this size (its controlling terminal; output is all stdout; "
+        "TERM defaults to xterm-256color). Input stays open: POST commands/{command_id}/stdin, and "
+        "commands/{command_id}/resize.",
     )
 
 

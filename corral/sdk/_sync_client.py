@@ -56,6 +56,7 @@ from corral.sdk._models import (
     NodeStats,
     PauseResult,
     PoolStats,
+    PtySize,
     PullEvent,
     PullRequest,
     ReplayRequest,
@@ -150,10 +151,16 @@ def _exec_body(
     stdin: str | None,
     output_cap_bytes: int,
     step_id: str | None,
+    pty: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
-    fields = {"cmd": cmd, "env": env or {}, "cwd": cwd, "user": user, "timeout_s": timeout_s, "stdin": stdin,
-              "output_cap_bytes": output_cap_bytes, "step_id": step_id}  # fmt: skip
-    return _validated(ExecRequest, fields).model_dump(mode="json")
+    fields: dict[str, Any] = {"cmd": cmd, "env": env or {}, "cwd": cwd, "user": user, "timeout_s": timeout_s,
+                              "stdin": stdin, "output_cap_bytes": output_cap_bytes, "step_id": step_id}  # fmt: skip
+    if pty is not None:  # only when asked: servers before terminals refuse the field
+        fields["pty"] = {"rows": pty[0], "cols": pty[1]}
+    body = _validated(ExecRequest, fields).model_dump(mode="json")
+    if pty is None:
+        del body["pty"]
+    return body
 
 
 class Files:
@@ -434,9 +441,13 @@ class Sandbox:
         stdin: str | None = None,
         output_cap_bytes: int = DEFAULT_OUTPUT_CAP_BYTES,
         step_id: str | None = None,
+        pty: tuple[int, int] | None = None,
     ) -> Iterator[ExecEvent]:
-        """Run a command, yielding output as it comes; the last event is ``exit`` with the result."""
-        body = _exec_body(cmd, env, cwd, user, timeout_s, stdin, output_cap_bytes, step_id)
+        """Run a command, yielding output as it comes; the last event is ``exit`` with the result.
+
+        ``pty=(rows, cols)``: on a pseudo-terminal (all output is ``stdout``); the ``started`` event's command id
+        takes keystrokes (``send_stdin``) and window sizes (``resize``) while it runs. Leaving the stream kills it."""
+        body = _exec_body(cmd, env, cwd, user, timeout_s, stdin, output_cap_bytes, step_id, pty)
         for line in self._transport.stream_lines(
             "POST", f"/v1/sandboxes/{self.id}/exec/stream", json=body, timeout_s=timeout_s
         ):
@@ -452,9 +463,10 @@ class Sandbox:
         timeout_s: float = DEFAULT_EXEC_TIMEOUT_S,
         output_cap_bytes: int = DEFAULT_OUTPUT_CAP_BYTES,
         step_id: str | None = None,
+        pty: tuple[int, int] | None = None,
     ) -> CommandInfo:
-        """Start a background command; its stdin stays open (see send_stdin)."""
-        body = _exec_body(cmd, env, cwd, user, timeout_s, None, output_cap_bytes, step_id)
+        """Start a background command; its stdin stays open (see send_stdin). ``pty=(rows, cols)``: on a terminal."""
+        body = _exec_body(cmd, env, cwd, user, timeout_s, None, output_cap_bytes, step_id, pty)
         response = self._transport.request("POST", f"/v1/sandboxes/{self.id}/commands", json=body)
         return CommandInfo.model_validate(response.json())
 
@@ -469,6 +481,11 @@ class Sandbox:
         """Write to a background command's stdin; empty data closes it."""
         content = data.encode() if isinstance(data, str) else data
         self._transport.request("POST", f"/v1/sandboxes/{self.id}/commands/{command_id}/stdin", content=content)
+
+    def resize(self, command_id: str, rows: int, cols: int) -> None:
+        """Set the window size of a command started with ``pty`` (its programs get SIGWINCH)."""
+        body = _validated(PtySize, {"rows": rows, "cols": cols}).model_dump(mode="json")
+        self._transport.request("POST", f"/v1/sandboxes/{self.id}/commands/{command_id}/resize", json=body)
 
     def audit_events(self, *, after_id: int = 0) -> list[AuditEvent]:
         """What it did that a trainer should know about (quota hits, protected writes, detector findings)."""

@@ -180,6 +180,9 @@ class _CannedCommand:
     def signal(self, signo: int) -> None:
         return None
 
+    def resize(self, rows: int, cols: int) -> None:
+        return None
+
 
 @dataclass
 class _Simulated:

@@ -19,12 +19,15 @@ from corral.sdk._exceptions import Conflict, ServerUnavailable
 
 __all__ = ["AgentConnection", "AgentExit", "AgentOutput", "AgentStarted", "ExecOrder", "IpcCounts"]
 
-T_EXEC, T_STDIN, T_SIGNAL, T_PING, T_KILL_ALL = 1, 2, 3, 4, 5
+T_EXEC, T_STDIN, T_SIGNAL, T_PING, T_KILL_ALL, T_RESIZE = 1, 2, 3, 4, 5, 6
 T_STARTED, T_STDOUT, T_STDERR, T_EXIT, T_ERROR, T_PONG, T_HELLO = 10, 11, 12, 13, 14, 15, 20
 T_IPC_QUERY, T_IPC_COUNTS = 31, 32
 F_TIMED_OUT, F_OUT_TRUNC, F_ERR_TRUNC = 1, 2, 4
 _TOOL_FLAGS = {"": 0, "sandbox": 2, "guest": 2 | 4}  # EXEC flags: run the tool binary by fd; skip the chroot
-AGENT_VERSION = 1
+_X_TERMINAL = 8  # EXEC flag: a pseudo-terminal for the command; u16 rows, u16 cols follow the strings
+AGENT_VERSION = 2  # 2: terminals
+_AGENT_VERSIONS = frozenset({1, 2})  # agents an edge still talks to (one started by an older build keeps running)
+_TERMINAL_SIZE = struct.Struct("<HH")
 _HEADER = struct.Struct("<IBI")
 _EXEC_FIXED = struct.Struct("<IIQII")
 _MAX_FRAME = 16 << 20
@@ -42,6 +45,7 @@ class ExecOrder:
     output_cap_bytes: int
     has_stdin: bool
     tool: str = ""  # guest agents: "sandbox" runs the project's busybox in the sandbox's root, "guest" outside it
+    terminal: tuple[int, int] | None = None  # (rows, cols): the command runs on a pseudo-terminal
 
     def encode(self) -> bytes:
         strings = [self.user, self.cwd, *self.argv, *(f"{k}={v}" for k, v in self.env.items())]
@@ -49,13 +53,14 @@ class ExecOrder:
             if "\0" in text:
                 raise ValueError("NUL byte in command, environment, cwd or user")
         fixed = _EXEC_FIXED.pack(
-            (1 if self.has_stdin else 0) | _TOOL_FLAGS[self.tool],
+            (1 if self.has_stdin else 0) | _TOOL_FLAGS[self.tool] | (_X_TERMINAL if self.terminal else 0),
             self.timeout_ms,
             self.output_cap_bytes,
             len(self.argv),
             len(self.env),
         )
-        return fixed + b"".join(s.encode() + b"\0" for s in strings)
+        size = _TERMINAL_SIZE.pack(*self.terminal) if self.terminal else b""
+        return fixed + b"".join(s.encode() + b"\0" for s in strings) + size
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,7 @@ class AgentConnection:
         self._ids = itertools.count(1)
         self._read_task: asyncio.Task[None] | None = None
         self.agent_pid: int | None = None
+        self.agent_version = AGENT_VERSION  # what the agent said in its hello
         self.closed = asyncio.Event()
 
     async def start(self, hello_timeout_s: float, *, ping: bool = False) -> None:
@@ -130,9 +136,12 @@ class AgentConnection:
             self.close()
             raise ServerUnavailable("sandbox agent sent an unexpected greeting")
         version, self.agent_pid = struct.unpack_from("<II", payload)
-        if version != AGENT_VERSION:
+        if version not in _AGENT_VERSIONS:
             self.close()
-            raise ServerUnavailable(f"sandbox agent speaks version {version}, edge expects {AGENT_VERSION}")
+            raise ServerUnavailable(
+                f"sandbox agent speaks version {version}, edge expects one of {sorted(_AGENT_VERSIONS)}"
+            )
+        self.agent_version = version
         self._read_task = asyncio.get_running_loop().create_task(self._read_loop())
 
     async def _read_frame(self) -> tuple[int, int, bytes]:
@@ -194,6 +203,8 @@ class AgentConnection:
 
     async def run(self, job_id: int, order: ExecOrder, stdin: bytes | None = None) -> AsyncIterator[AgentEvent]:
         """Start a command as ``job_id`` and yield its events until (and including) its exit."""
+        if order.terminal and self.agent_version < 2:
+            raise Conflict("this sandbox's agent predates terminals (it was started by an older Corral): recreate it")
         job = _Job()
         self._jobs[job_id] = job
         try:
@@ -222,6 +233,10 @@ class AgentConnection:
 
     def signal(self, job_id: int, signo: int) -> None:
         self._send(T_SIGNAL, job_id, struct.pack("<I", signo))
+
+    def resize(self, job_id: int, rows: int, cols: int) -> None:
+        """Set a terminal command's window size (its foreground programs get SIGWINCH)."""
+        self._send(T_RESIZE, job_id, _TERMINAL_SIZE.pack(rows, cols))
 
     async def _ask(self, kind: int) -> _Answer:
         """Send a request that the agent answers with one frame; return that answer."""

@@ -111,7 +111,7 @@ class Gvisor:
     (``Checkpointing``); crun and runc sandboxes (``PlainOci``) keep their snapshots as file layers only."""
 
     # No recycle: the sandbox's processes live in the sentry, so the host cannot tell whether a call left one.
-    capabilities = frozenset({Capability.CPU_CLASSES, Capability.LAYERS, Capability.CHECKPOINTS})
+    capabilities = frozenset({Capability.CPU_CLASSES, Capability.LAYERS, Capability.CHECKPOINTS, Capability.TERMINALS})
 
     def __init__(self, parts: ContainerParts) -> None:
         self._parts = parts

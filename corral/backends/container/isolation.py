@@ -113,7 +113,7 @@ def _comm(pid: str) -> str | None:
 class PlainOci:
     """crun and runc: the agent is the container's init, on the socket it inherits as fd 3."""
 
-    capabilities = frozenset({Capability.CPU_CLASSES, Capability.LAYERS, Capability.RECYCLE})
+    capabilities = frozenset({Capability.CPU_CLASSES, Capability.LAYERS, Capability.RECYCLE, Capability.TERMINALS})
 
     def __init__(self, parts: ContainerParts) -> None:
         self._parts = parts

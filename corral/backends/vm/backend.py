@@ -237,7 +237,7 @@ class VmBackend:
         """One kind of machine, whatever OCI runtime a create names; no CPU classes yet, never pooled. A microvm's
         changes are an overlay's upper directory; a full VM's are inside its root disk, with no layer of their own."""
         layers = {Capability.LAYERS} if self.name == "microvm" else set()
-        return {self.name: frozenset({Capability.CHECKPOINTS, *layers})}
+        return {self.name: frozenset({Capability.CHECKPOINTS, Capability.TERMINALS, *layers})}
 
     def checkpoints(self, sandbox_id: str) -> Checkpointing | None:
         return self

@@ -29,12 +29,17 @@
  *
  * Wire format (little endian), both directions:
  *   u32 length (of what follows) | u8 type | u32 job id | payload
- * Edge -> agent: EXEC, STDIN (empty payload closes stdin), SIGNAL, PING,
+ * EXEC flags: 1 stdin, 2 tool, 4 outside the chroot, 8 a terminal: the command
+ *   gets a pseudo-terminal of the sandbox's devpts as its controlling terminal
+ *   and stdin/stdout/stderr (output comes as STDOUT); u16 rows, u16 cols follow
+ *   the strings.
+ * Edge -> agent: EXEC, STDIN (empty payload closes stdin; for a terminal it
+ *   is ignored: the user types ^D), SIGNAL, PING, RESIZE (u16 rows, u16 cols),
  *   KILL_ALL (SIGKILL every other process in the sandbox; answered with PONG),
  *   IPC_QUERY (how many SysV IPC objects the sandbox's IPC namespace holds).
  * Agent -> edge: HELLO, STARTED, STDOUT, STDERR, EXIT, ERROR, PONG,
  *   IPC_COUNTS (u32 shared memory segments, message queues, semaphore sets).
- * Keep in sync with corral/backends/container/agent_protocol.py.
+ * Keep in sync with corral/backends/common/agent_protocol.py.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -51,7 +56,9 @@
 #include <sys/prctl.h>
 #include <sys/sem.h>
 #include <sys/shm.h>
+#include <sys/ioctl.h>
 #include <sys/signalfd.h>
+#include <sys/stat.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -59,13 +66,14 @@
 #include <unistd.h>
 
 enum {
-    T_EXEC = 1, T_STDIN = 2, T_SIGNAL = 3, T_PING = 4, T_KILL_ALL = 5,
+    T_EXEC = 1, T_STDIN = 2, T_SIGNAL = 3, T_PING = 4, T_KILL_ALL = 5, T_RESIZE = 6,
     T_STARTED = 10, T_STDOUT = 11, T_STDERR = 12, T_EXIT = 13, T_ERROR = 14,
     T_PONG = 15, T_HELLO = 20,
     T_IPC_QUERY = 31, T_IPC_COUNTS = 32,
 };
 enum { F_TIMED_OUT = 1, F_OUT_TRUNC = 2, F_ERR_TRUNC = 4 };
-#define AGENT_VERSION 1
+enum { X_STDIN = 1, X_TOOL = 2, X_NO_CHROOT = 4, X_TERMINAL = 8 };
+#define AGENT_VERSION 2 /* 2: terminals (EXEC flag 8, RESIZE) */
 #define MAX_FRAME (16u << 20)
 #define MAX_JOBS 1024
 #define CHUNK 65536
@@ -81,6 +89,7 @@ struct job {
     char *in_buf;
     size_t in_len, in_off;
     int in_close;                 /* close stdin once the buffer is written */
+    int terminal;                 /* out_fd and in_fd are dups of a terminal's master side */
 };
 
 static int ctl = -1;
@@ -205,6 +214,7 @@ static void run_child(int in_fd, int out_w, int err_w, const char *user, const c
     dup2(in_fd, 0);
     dup2(out_w, 1);
     dup2(err_w, 2);
+    if ((flags & X_TERMINAL) && ioctl(0, TIOCSCTTY, 0) < 0) child_fail("cannot take the terminal", "", 126);
     int keep = use_tool ? tool_fd : -1;  /* the tool stays open for fexecve (it is close-on-exec) */
     if (keep < 3 ? close_range(3, ~0u, 0) < 0
                  : ((keep > 3 && close_range(3, (unsigned)keep - 1, 0) < 0) ||
@@ -237,6 +247,10 @@ static void run_child(int in_fd, int out_w, int err_w, const char *user, const c
         envp[k++] = user_env;
     }
     envp[k] = NULL;
+    if (flags & X_TERMINAL) {  /* the user owns their terminal, as after a login (write access for the tty group) */
+        (void)!fchown(0, uid, (gid_t)-1);
+        (void)!fchmod(0, 0620);
+    }
     if (setgroups(1, &gid) < 0 && uid != getuid()) child_fail("cannot set groups for", user, 126);
     if (setgid(gid) < 0) child_fail("cannot switch group for", user, 126);
     if (setuid(uid) < 0) child_fail("cannot switch to user", user, 126);
@@ -252,6 +266,33 @@ static void run_child(int in_fd, int out_w, int err_w, const char *user, const c
     }
     execvp(argv[0], argv);
     child_fail("cannot run", argv[0], errno == ENOENT ? 127 : 126);
+}
+
+/* A new pseudo-terminal of the devpts the commands see (the sandbox's root's, in guest mode): master and slave,
+ * both close-on-exec; the slave is not this agent's controlling terminal. -1 on failure (errno set). */
+static int open_terminal(uint16_t rows, uint16_t cols, int *slave) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/dev/pts/ptmx", sandbox_root ? sandbox_root : "");
+    int master = open(path, O_RDWR | O_NOCTTY | O_CLOEXEC);
+    if (master < 0) master = open("/dev/ptmx", O_RDWR | O_NOCTTY | O_CLOEXEC);
+    if (master < 0) return -1;
+    int unlock = 0;
+    struct winsize ws = {.ws_row = rows, .ws_col = cols};
+    if (ioctl(master, TIOCSPTLCK, &unlock) < 0 || ioctl(master, TIOCSWINSZ, &ws) < 0) goto fail;
+    *slave = ioctl(master, TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC);
+    if (*slave < 0) {  /* kernels or sandboxes (gVisor) without TIOCGPTPEER: open it by its number */
+        unsigned int n;
+        if (ioctl(master, TIOCGPTN, &n) < 0) goto fail;
+        snprintf(path, sizeof path, "%s/dev/pts/%u", sandbox_root ? sandbox_root : "", n);
+        *slave = open(path, O_RDWR | O_NOCTTY | O_CLOEXEC);
+        if (*slave < 0) goto fail;
+    }
+    return master;
+fail:;
+    int saved = errno;
+    close(master);
+    errno = saved;
+    return -1;
 }
 
 static void start_job(uint32_t id, const char *p, size_t len) {
@@ -302,13 +343,38 @@ static void start_job(uint32_t id, const char *p, size_t len) {
     for (uint32_t i = 0; i < envc; i++) envp[i] = strs[2 + argc + i];
 
     int out[2], err[2], in[2];
-    int has_stdin = flags & 1;
-    if (pipe2(out, O_CLOEXEC) < 0 || pipe2(err, O_CLOEXEC) < 0 || pipe2(in, O_CLOEXEC) < 0) {
+    int has_stdin = flags & X_STDIN, term_fd = -1;
+    if (flags & X_TERMINAL) {
+        uint16_t size[2] = {24, 80};
+        if ((size_t)(end - q) >= sizeof size) memcpy(size, q, sizeof size);
+        int slave = -1;
+        term_fd = open_terminal(size[0], size[1], &slave);
+        if (term_fd < 0) {
+            send_error(id, "cannot open a terminal%s: %s", "");
+            free(strs); free(envp); free(argv);
+            return;
+        }
+        /* The command's three fds are the slave; this side reads and writes the master through dups. */
+        out[0] = term_fd;
+        in[1] = fcntl(term_fd, F_DUPFD_CLOEXEC, 0);
+        out[1] = slave;
+        err[1] = fcntl(slave, F_DUPFD_CLOEXEC, 0);
+        in[0] = fcntl(slave, F_DUPFD_CLOEXEC, 0);
+        err[0] = -1;
+        if (in[1] < 0 || err[1] < 0 || in[0] < 0) {
+            send_error(id, "cannot open a terminal%s: %s", "");
+            int fds[] = {out[0], in[1], out[1], err[1], in[0]};
+            for (size_t i = 0; i < sizeof fds / sizeof fds[0]; i++)
+                if (fds[i] >= 0) close(fds[i]);
+            free(strs); free(envp); free(argv);
+            return;
+        }
+    } else if (pipe2(out, O_CLOEXEC) < 0 || pipe2(err, O_CLOEXEC) < 0 || pipe2(in, O_CLOEXEC) < 0) {
         send_error(id, "cannot create pipes%s: %s", "");
         free(strs); free(envp); free(argv);
         return;
     }
-    if (!has_stdin) {
+    if (!has_stdin && term_fd < 0) {
         close(in[1]);
         in[1] = -1;
         close(in[0]);
@@ -323,7 +389,7 @@ static void start_job(uint32_t id, const char *p, size_t len) {
     free(strs); free(envp); free(argv);
     if (pid < 0) {
         close(out[0]);
-        close(err[0]);
+        if (err[0] >= 0) close(err[0]);
         if (in[1] >= 0) close(in[1]);
         errno = fork_errno;
         send_error(id, "cannot start command (process limit reached?)%s: %s", "");
@@ -335,10 +401,11 @@ static void start_job(uint32_t id, const char *p, size_t len) {
     j->out_fd = out[0];
     j->err_fd = err[0];
     j->in_fd = in[1];
+    j->terminal = term_fd >= 0;
     j->cap = cap;
     j->deadline_ms = timeout_ms ? now_ms() + timeout_ms : 0;
     fcntl(j->out_fd, F_SETFL, O_NONBLOCK);
-    fcntl(j->err_fd, F_SETFL, O_NONBLOCK);
+    if (j->err_fd >= 0) fcntl(j->err_fd, F_SETFL, O_NONBLOCK);
     if (j->in_fd >= 0) fcntl(j->in_fd, F_SETFL, O_NONBLOCK);
     jobs[njobs++] = j;
     uint32_t upid = (uint32_t)pid;
@@ -374,6 +441,7 @@ static void flush_stdin(struct job *j) {
 static void add_stdin(struct job *j, const char *p, size_t len) {
     if (j->in_fd < 0) return;
     if (len == 0) {
+        if (j->terminal) return;  /* a terminal's input stays open while the command runs */
         j->in_close = 1;
     } else {
         j->in_buf = realloc(j->in_buf, j->in_len + len);
@@ -463,6 +531,14 @@ static void handle_frame(uint8_t type, uint32_t id, const char *p, size_t len) {
             memcpy(&sig, p, 4);
             kill(-j->pid, (int)sig);
             kill(j->pid, (int)sig);
+        }
+        break;
+    case T_RESIZE:
+        if ((j = find_job(id)) && j->terminal && j->in_fd >= 0 && len >= 4) {
+            uint16_t size[2];
+            memcpy(size, p, sizeof size);
+            struct winsize ws = {.ws_row = size[0], .ws_col = size[1]};
+            ioctl(j->in_fd, TIOCSWINSZ, &ws);  /* the kernel sends SIGWINCH to the terminal's foreground group */
         }
         break;
     case T_PING:
