@@ -16,13 +16,16 @@ How Inspect's contract maps onto Corral:
   ``SandboxUnavailableError``.
 - ``read_file``/``write_file``: Corral's file API (parents are created, writes are atomic); relative paths
   resolve against the sample's working directory (the config's ``cwd``, else the image's).
-- ``connection``: not provided (Inspect then omits it): Corral has no interactive shell to attach to. The
-  sandbox is labelled with the task name (``inspect.task``), so ``corral ls`` and ``corral exec`` find it.
+- ``connection``: ``corral shell ID --cwd WORKDIR [--user USER]`` (an interactive terminal in the sample's
+  sandbox), prefixed with ``CORRAL_URL=...`` (never the API key) so it reaches the same server; the
+  ``container`` field is the sandbox id. The sandbox is labelled with the task name (``inspect.task``), so
+  ``corral ls`` and ``corral exec`` find it too.
 """
 
 from __future__ import annotations
 
 import posixpath
+import shlex
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,6 +36,7 @@ import yaml  # type: ignore[import-untyped]  # inspect-ai depends on PyYAML; its
 from inspect_ai.util import (
     ExecResult,
     OutputLimitExceededError,
+    SandboxConnection,
     SandboxEnvironment,
     SandboxEnvironmentConfigType,
     SandboxEnvironmentLimits,
@@ -211,6 +215,18 @@ class CorralSandboxEnvironment(SandboxEnvironment):
         path = f"/tmp/.corral-inspect-stdin-{uuid.uuid4().hex}"
         await self.sandbox.files.write(path, data)  # readable by the exec's user
         return ["/bin/sh", "-c", 'exec <"$0" || exit 126; rm -f "$0" 2>/dev/null; exec "$@"', path, *argv]
+
+    @override
+    async def connection(self, *, user: str | None = None) -> SandboxConnection:
+        try:
+            state = (await self.client.get(self.sandbox.id)).info.state.value
+        except (NotFound, ServerUnavailable) as exc:
+            raise ConnectionError(f"Corral sandbox {self.sandbox.id} cannot be reached: {exc}") from exc
+        if state not in ("running", "paused"):  # a paused one resumes on the shell's first request
+            raise ConnectionError(f"Corral sandbox {self.sandbox.id} is {state}")
+        argv = ["corral", "shell", self.sandbox.id, "--cwd", self.workdir, *(["--user", user] if user else [])]
+        command = f"CORRAL_URL={shlex.quote(self.client.url)} {shlex.join(argv)}"
+        return SandboxConnection(type="corral", command=command, container=self.sandbox.id)
 
     @override
     async def write_file(self, file: str, contents: str | bytes) -> None:

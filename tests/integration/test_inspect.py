@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import uuid
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from inspect_ai.util import (
 import corral
 from corral.embedded import EmbeddedServer
 from corral.integrations.inspect import TASK_LABEL, CorralSandboxConfig, CorralSandboxEnvironment
+from tests.terminal import LocalTerminal
 
 
 @scorer(metrics=[accuracy()])
@@ -105,6 +108,21 @@ async def test_sandbox_contract_exec_and_files(
             await env.read_file("missing.txt")
         with pytest.raises(IsADirectoryError):
             await env.read_file("notes")
+
+        connection = await env.connection(user="nobody")
+        assert connection.type == "corral" and connection.container == env.as_type(CorralSandboxEnvironment).sandbox.id
+        # What a user pastes into their terminal: a shell in the sample's sandbox, as that user, in its workdir.
+        shell_env = {**server.env(), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+        terminal = LocalTerminal(["/bin/sh", "-c", connection.command], shell_env, rows=24, cols=80)
+        try:
+            terminal.expect(r"\$ ")
+            terminal.type("echo who:$(id -un) in:$PWD; exit 3\r")
+            terminal.expect(r"who:nobody in:/work\r\n")
+        finally:
+            assert terminal.close() == 3
+        await aclient.kill(env.as_type(CorralSandboxEnvironment).sandbox.id)
+        with pytest.raises(ConnectionError, match="is ended"):
+            await env.connection()
     finally:
         await CorralSandboxEnvironment.sample_cleanup("contract", config, environments, False)
     ended = await aclient.get(env.as_type(CorralSandboxEnvironment).sandbox.id)

@@ -2,15 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import os
 import re
-import select
-import struct
-import subprocess
 import sys
-import termios
 import time
 from collections.abc import Iterator
 
@@ -19,7 +12,7 @@ import pytest
 import corral
 from corral.embedded import EmbeddedServer
 from corral.sdk._exceptions import InvalidRequest
-from tests.conftest import REPO
+from tests.terminal import LocalTerminal
 
 
 @pytest.fixture(scope="module")
@@ -102,46 +95,10 @@ def test_resize_refuses_a_command_without_a_pty(sandbox: corral.Sandbox) -> None
     sandbox.signal(command.command_id, 9)
 
 
-class _Terminal:
-    """`corral shell` on a real local pseudo-terminal: its controlling terminal, as a user's would be."""
-
-    def __init__(self, server: EmbeddedServer, *args: str, rows: int, cols: int) -> None:
-        self.master, slave = os.openpty()
-        self.resize(rows, cols, slave)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "corral.cli.main", "shell", *args],
-            stdin=slave, stdout=slave, stderr=slave, env=server.env(), cwd=REPO,
-            start_new_session=True, preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
-        )  # fmt: skip
-        os.close(slave)
-        self.output = b""
-
-    def resize(self, rows: int, cols: int, fd: int | None = None) -> None:
-        fcntl.ioctl(self.master if fd is None else fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
-
-    def type(self, text: str) -> None:
-        os.write(self.master, text.encode())
-
-    def expect(self, pattern: str, timeout_s: float = 20) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not re.search(pattern.encode(), self.output):
-            left = deadline - time.monotonic()
-            assert left > 0, f"no {pattern!r} on the terminal: {self.output[-2000:]!r}"
-            if select.select([self.master], [], [], left)[0]:
-                with contextlib.suppress(OSError):  # EIO: the process closed the terminal
-                    self.output += os.read(self.master, 65536)
-
-    def close(self) -> int:
-        try:
-            return self.proc.wait(timeout=20)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            os.close(self.master)
-
-
 def test_corral_shell_is_an_interactive_terminal_in_the_sandbox(server: EmbeddedServer, debian: corral.Sandbox) -> None:
-    terminal = _Terminal(server, debian.id, rows=33, cols=111)
+    terminal = LocalTerminal(
+        [sys.executable, "-m", "corral.cli.main", "shell", debian.id], server.env(), rows=33, cols=111
+    )
     try:
         terminal.expect(r"root@\S*:\S*# ")  # bash's login prompt, from the sandbox's terminal
         terminal.type("stty size; echo $((6*7))\r")
