@@ -117,6 +117,39 @@ def test_the_live_view_counts_a_burst(browser: WebDriver, server: EmbeddedServer
     _screenshot(browser, "live")
 
 
+def test_a_sandbox_page_opens_a_live_terminal(
+    browser: WebDriver, server: EmbeddedServer, client: corral.Client
+) -> None:
+    """xterm.js on the sandbox's page: typed keys reach a shell on the sandbox's terminal, its output is drawn,
+    and leaving the page ends the shell."""
+    with client.create("busybox", memory_mb=64) as sandbox:
+        browser.get(f"{server.url}/ui/")
+        browser.find_element(By.ID, "key").send_keys(server.api_key)
+        browser.find_element(By.CSS_SELECTOR, "#login button").click()
+        _text_appears(browser, "memory committed")
+        browser.get(f"{server.url}/ui/#/sandbox/{sandbox.id}")
+        _text_appears(browser, "Open a terminal")
+        browser.find_element(By.ID, "open-terminal").click()
+
+        def screen() -> str:
+            return str(
+                browser.execute_script("return document.querySelector('#terminal .xterm-rows')?.innerText || ''")
+            )
+
+        WebDriverWait(browser, 30).until(lambda d: "# " in screen())  # busybox sh's prompt, drawn by xterm.js
+        assert sandbox.exec("ps -o args").stdout.splitlines().count("sh -l") == 1
+        keys = browser.find_element(By.CSS_SELECTOR, "#terminal .xterm-helper-textarea")
+        keys.send_keys("echo term-$((6*7)); stty size\n")
+        WebDriverWait(browser, 30).until(lambda d: "term-42" in screen() and "24 100" in screen())
+        _screenshot(browser, "terminal")
+
+        browser.get(f"{server.url}/ui/#/nodes")  # leaving the page closes the stream, which ends the shell
+        _text_appears(browser, "memory committed")
+        WebDriverWait(browser, 30, poll_frequency=0.5).until(
+            lambda d: "sh -l" not in sandbox.exec("ps -o args").stdout.splitlines()
+        )
+
+
 def test_a_wrong_key_is_refused_on_the_page(browser: WebDriver, server: EmbeddedServer) -> None:
     browser.get(f"{server.url}/ui/")
     browser.find_element(By.ID, "key").send_keys("ck_wrong")

@@ -117,8 +117,17 @@ async function sandboxPage(id) {
       ((network.allow || []).map((r) => `${r.cidr} ${r.protocol}${r.ports.length ? `:${r.ports.join(",")}` : ""}`)
         .join("; ") || "nothing") + `; denied packets: ${network.denied_egress_packets} out, ` +
       `${network.denied_ingress_packets} in`;
+  const terminal = el("div", { id: "terminal" });
+  const openTerminal = el("button", { id: "open-terminal", onclick: () => {
+    openTerminal.disabled = true;
+    runTerminal(id, terminal).catch((error) => terminal.append(el("p", { class: "error" }, error.message)))
+      .finally(() => { openTerminal.disabled = false; });
+  } }, "Open a terminal");
   page(`Sandbox ${id}`,
     table(["", ""], facts),
+    el("h2", {}, "Terminal"),
+    ...(["running", "paused"].includes(info.state) ? [openTerminal, terminal]
+      : [el("p", { class: "muted" }, `no terminal: the sandbox is ${info.state}`)]),
     el("h2", {}, "Network"), el("p", { id: "network" }, policy),
     el("h2", {}, `Audit events (${audit.length})`),
     table(["time", "severity", "kind", "detail"],
@@ -132,6 +141,68 @@ async function sandboxPage(id) {
       const took = s.finished_at ? `${Math.round((s.finished_at - s.started_at) * 1000)} ms` : s.state;
       return [s.seq, s.kind, request, el("pre", {}, output || s.state), when(s.started_at), took];
     })));
+}
+
+// A shell on a pseudo-terminal in the sandbox, drawn by xterm.js: exec/stream with pty carries its output (leaving
+// the page closes the stream, which ends the shell); keystrokes go to commands/{id}/stdin in order, window sizes
+// to commands/{id}/resize. The terminal interprets what the sandbox writes; nothing of it becomes page HTML.
+const SHELL = ["/bin/sh", "-c", "if command -v bash >/dev/null; then exec bash -l; else exec sh -l; fi"];
+
+async function runTerminal(id, container) {
+  const term = new Terminal({ rows: 24, cols: 100, convertEol: false, scrollback: 2000 });
+  container.replaceChildren();
+  term.open(container);
+  const controller = new AbortController();
+  const previousStop = stopLive;
+  stopLive = () => { controller.abort(); term.dispose(); if (previousStop) previousStop(); };
+  const auth = { Authorization: `Bearer ${sessionStorage.getItem(KEY_ITEM)}` };
+  const post = (path, init) => fetch(`/v1/sandboxes/${id}/commands/${commandId}/${path}`,
+    { method: "POST", headers: auth, ...init });
+  let commandId = null;
+  let sending = Promise.resolve();
+  const pending = [];
+  const flush = () => {
+    if (!commandId || !pending.length) return;
+    const data = pending.splice(0).join("");
+    sending = sending.then(() => post("stdin", { body: new TextEncoder().encode(data) }));
+  };
+  term.onData((data) => { pending.push(data); flush(); });
+  term.onResize(({ rows, cols }) => {
+    if (commandId) post("resize", { headers: { ...auth, "Content-Type": "application/json" },
+      body: JSON.stringify({ rows, cols }) });
+  });
+  const response = await fetch(`/v1/sandboxes/${id}/exec/stream`, {
+    method: "POST", signal: controller.signal, headers: { ...auth, "Content-Type": "application/json" },
+    body: JSON.stringify({ cmd: SHELL, pty: { rows: term.rows, cols: term.cols }, timeout_s: 86400,
+      env: { TERM: "xterm-256color" } }),
+  });
+  if (!response.ok) {
+    let message = `${response.status}`;
+    try { message = (await response.json()).error.message; } catch (_) { /* not a Corral error body */ }
+    throw new Error(message);
+  }
+  term.focus();
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    let chunk;
+    try { chunk = await reader.read(); } catch (_) { return; } // aborted: the page changed
+    if (chunk.done) return;
+    buffer += decoder.decode(chunk.value, { stream: true });
+    const lines = buffer.split("\n");
+    buffer = lines.pop();
+    for (const line of lines) {
+      if (!line) continue;
+      const event = JSON.parse(line);
+      if (event.type === "started") { commandId = event.command_id; flush(); }
+      else if (event.type === "stdout") term.write(event.data);
+      else if (event.type === "exit") {
+        const code = event.result ? event.result.exit_code : "?";
+        term.write(`\r\n[the shell ended: exit ${code}]\r\n`);
+      }
+    }
+  }
 }
 
 async function poolsPage() {
