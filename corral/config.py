@@ -76,7 +76,9 @@ class Settings(BaseSettings):
     )
     max_file_bytes: int = Field(256 << 20, description="Largest file or tar upload/download through the API.")
     max_logged_file_bytes: int = Field(
-        1 << 20, ge=0, description="File writes up to this size are kept whole in the trajectory log (for replay)."
+        1 << 20,
+        ge=0,
+        description="File writes and tar uploads up to this size are kept whole in the trajectory log (for replay).",
     )
     ttl_check_interval_s: float = Field(1.0, gt=0, description="How often expired sandboxes are looked for.")
     agent_start_timeout_s: float = Field(

@@ -35,7 +35,7 @@ from corral.backends.base import (
 )
 from corral.edge.protocol import new_sandbox_id
 from corral.images.store import LayerStore
-from corral.sdk import CorralError, NotFound
+from corral.sdk import Conflict, CorralError, NotFound
 
 __all__ = ["CHECKS", "run"]
 
@@ -140,6 +140,15 @@ async def check_files(case: Case) -> None:
     await case.files(sid, lambda t: t.mkdir("/tmp/conformance/d", parents=True))
     listed = await case.files(sid, lambda t: t.list("/tmp/conformance"))
     assert sorted(entry.name for entry in listed) == ["a.txt", "d"]
+    moved = await case.files(sid, lambda t: t.rename("/tmp/conformance/a.txt", "/tmp/conformance/new/b.txt"))
+    assert (moved.path, moved.size) == ("/tmp/conformance/new/b.txt", 5)
+    try:
+        await case.files(sid, lambda t: t.rename("/tmp/conformance/new/b.txt", "/tmp/conformance/d"))
+        raise AssertionError("a rename replaced a directory")
+    except Conflict:
+        pass
+    await case.files(sid, lambda t: t.rename("/tmp/conformance/new/b.txt", "/tmp/conformance/a.txt"))
+    assert await case.files(sid, lambda t: t.read("/tmp/conformance/a.txt", max_bytes=1024)) == b"alpha"
     await case.files(sid, lambda t: t.remove("/tmp/conformance", recursive=True))
     try:
         await case.files(sid, lambda t: t.stat("/tmp/conformance/a.txt"))

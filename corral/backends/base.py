@@ -199,6 +199,10 @@ class FileTree(Protocol):
 
     def remove(self, path: str, *, recursive: bool = False) -> None: ...
 
+    def rename(self, source: str, dest: str) -> FileInfo:
+        """rename(2): ``dest`` is the new path (its parents are made); a file or symlink there is replaced, a
+        directory there is a Conflict; a symlink is moved, not followed. Returns the entry at ``dest``."""
+
     def extract_tar(self, dest: str, fileobj: BinaryIO, *, max_bytes: int, keep_owners: bool = False) -> int:
         """Unpack a tar stream under ``dest``, member by member, confined like every other call; bytes written.
         Owners are not restored and setuid/setgid bits are dropped, unless ``keep_owners`` (image builds)."""

@@ -731,6 +731,9 @@ class LocalEdge:
     async def remove(self, sandbox_id: str, path: str, recursive: bool) -> None:
         await self._in_tree(sandbox_id, lambda t: t.remove(path, recursive=recursive))
 
+    async def rename(self, sandbox_id: str, source: str, dest: str) -> FileInfo:
+        return await self._in_tree(sandbox_id, lambda t: t.rename(source, dest))
+
     async def upload_tar(self, sandbox_id: str, path: str, data: bytes, keep_owners: bool = False) -> int:
         limit = self._capacity.max_file_bytes
         return await self._in_tree(

@@ -118,6 +118,8 @@ class Edge(Protocol):
 
     async def remove(self, sandbox_id: str, path: str, recursive: bool) -> None: ...
 
+    async def rename(self, sandbox_id: str, source: str, dest: str) -> FileInfo: ...
+
     async def upload_tar(self, sandbox_id: str, path: str, data: bytes, keep_owners: bool = False) -> int:
         """Unpack a tar under ``path``; ``keep_owners`` (image builds only, never an API upload): the members'
         owners and setuid/setgid bits are kept, as an image's layers keep them."""

@@ -66,6 +66,7 @@ from corral.sdk._models import (
     PoolStats,
     PtySize,
     PullRequest,
+    RenameRequest,
     ReplayRequest,
     ReplayResult,
     RunCodeRequest,
@@ -76,6 +77,7 @@ from corral.sdk._models import (
     SnapshotRequest,
     TagRequest,
     TrajectoryStep,
+    UploadResult,
 )
 from corral.state.db import EVENT_KINDS
 from corral.state.events import EventFilter
@@ -131,6 +133,10 @@ Images = Annotated[ImageService, Depends(_image_service)]
 Logged = Annotated[Trajectories, Depends(_trajectories)]
 FnCalls = Annotated[FnCallService, Depends(_fncall)]
 PathQuery = Annotated[str, Query(description="Absolute path inside the sandbox.")]
+StepIdQuery = Annotated[
+    str | None,
+    Query(min_length=1, max_length=256, description="The client's step id: a resend is answered from the log."),
+]
 
 
 _FNCALL_BODY = {
@@ -160,10 +166,6 @@ class NetworkPeer(BaseModel):
 class JobToken(BaseModel):
     job: str
     token: str = Field(description="Shown once; use it as the bearer key.")
-
-
-class UploadResult(BaseModel):
-    members: int
 
 
 def _label_pairs(items: list[str] | None) -> dict[str, str]:
@@ -616,7 +618,7 @@ def create_app(  # type: ignore[no-untyped-def]
         request: Request,
         logged: Logged,
         mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o644,
-        step_id: Annotated[str | None, Query(min_length=1, max_length=256)] = None,
+        step_id: StepIdQuery = None,
     ) -> FileInfo:
         """The raw request body becomes the file's content (replaced atomically); logged like a command."""
         data = await body_within_limit(request)
@@ -660,20 +662,29 @@ def create_app(  # type: ignore[no-untyped-def]
     async def list_dir(sandbox_id: str, path: PathQuery, svc: Service) -> list[FileInfo]:
         return await svc.call(sandbox_id, lambda edge: edge.list_dir(sandbox_id, path))
 
+    # Every file change goes through the trajectory log (Logged), so a replay reproduces the sandbox's files.
     @app.post("/v1/sandboxes/{sandbox_id}/files/mkdir", dependencies=[Auth])
-    async def mkdir(sandbox_id: str, body: MkdirRequest, svc: Service) -> FileInfo:
-        return await svc.call(sandbox_id, lambda edge: edge.mkdir(sandbox_id, body.path, body.parents, body.mode))
+    async def mkdir(sandbox_id: str, body: MkdirRequest, logged: Logged, step_id: StepIdQuery = None) -> FileInfo:
+        return await logged.mkdir(sandbox_id, body, step_id)
 
     @app.delete("/v1/sandboxes/{sandbox_id}/files", status_code=204, dependencies=[Auth])
-    async def remove(sandbox_id: str, path: PathQuery, svc: Service, recursive: bool = False) -> Response:
-        await svc.call(sandbox_id, lambda edge: edge.remove(sandbox_id, path, recursive))
+    async def remove(
+        sandbox_id: str, path: PathQuery, logged: Logged, recursive: bool = False, step_id: StepIdQuery = None
+    ) -> Response:
+        await logged.remove(sandbox_id, path, recursive, step_id)
         return Response(status_code=204)
 
+    @app.post("/v1/sandboxes/{sandbox_id}/files/rename", dependencies=[Auth])
+    async def rename(sandbox_id: str, body: RenameRequest, logged: Logged, step_id: StepIdQuery = None) -> FileInfo:
+        """Move ``source`` to ``dest`` (rename(2): a file there is replaced, a directory refused)."""
+        return await logged.rename(sandbox_id, body, step_id)
+
     @app.put("/v1/sandboxes/{sandbox_id}/files/tar", dependencies=[Auth])
-    async def upload_tar(sandbox_id: str, path: PathQuery, request: Request, svc: Service) -> UploadResult:
+    async def upload_tar(
+        sandbox_id: str, path: PathQuery, request: Request, logged: Logged, step_id: StepIdQuery = None
+    ) -> UploadResult:
         """Extract a tar (plain or compressed) from the body into the directory ``path``."""
-        data = await body_within_limit(request)
-        return UploadResult(members=await svc.call(sandbox_id, lambda edge: edge.upload_tar(sandbox_id, path, data)))
+        return await logged.upload_tar(sandbox_id, path, await body_within_limit(request), step_id)
 
     @app.get(
         "/v1/sandboxes/{sandbox_id}/files/tar",

@@ -34,11 +34,15 @@ from corral.sdk._models import (
     ExecRequest,
     ExecResult,
     FileInfo,
+    MkdirRequest,
+    RemoveResult,
+    RenameRequest,
     ReplayMismatch,
     ReplayRequest,
     ReplayResult,
     SandboxInfo,
     TrajectoryStep,
+    UploadResult,
 )
 from corral.trajectory import LOG_CAP_KEY, Replay, Step, TrajectoryLog
 
@@ -244,16 +248,47 @@ class Trajectories:
         run = functools.partial(self._sandboxes.call, sandbox_id, lambda edge: edge.start_command(sandbox_id, request))
         return await self._logged(sandbox_id, request.step_id, "start", body, run, CommandInfo)
 
-    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int, step_id: str | None) -> FileInfo:
-        request: dict[str, Any] = {"path": path, "mode": mode, "size": len(data)}
+    def _content(self, data: bytes) -> dict[str, Any]:
+        """How uploaded bytes are logged: whole (so a replay can send them again) up to the logged-file limit,
+        else by size and digest."""
         if len(data) <= self._max_logged_file_bytes:
-            request["data_b64"] = base64.b64encode(data).decode()  # so a replay can write it again
-        else:
-            request["sha256"] = hashlib.sha256(data).hexdigest()
+            return {"size": len(data), "data_b64": base64.b64encode(data).decode()}
+        return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int, step_id: str | None) -> FileInfo:
+        request: dict[str, Any] = {"path": path, "mode": mode, **self._content(data)}
         run = functools.partial(
             self._sandboxes.call, sandbox_id, lambda edge: edge.write_file(sandbox_id, path, data, mode)
         )
         return await self._logged(sandbox_id, step_id, "write_file", request, run, FileInfo)
+
+    async def mkdir(self, sandbox_id: str, body: MkdirRequest, step_id: str | None) -> FileInfo:
+        run = functools.partial(
+            self._sandboxes.call, sandbox_id, lambda edge: edge.mkdir(sandbox_id, body.path, body.parents, body.mode)
+        )
+        return await self._logged(sandbox_id, step_id, "mkdir", body.model_dump(mode="json"), run, FileInfo)
+
+    async def remove(self, sandbox_id: str, path: str, recursive: bool, step_id: str | None) -> RemoveResult:
+        async def run() -> RemoveResult:
+            await self._sandboxes.call(sandbox_id, lambda edge: edge.remove(sandbox_id, path, recursive))
+            return RemoveResult(path=path)
+
+        request = {"path": path, "recursive": recursive}
+        return await self._logged(sandbox_id, step_id, "remove", request, run, RemoveResult)
+
+    async def rename(self, sandbox_id: str, body: RenameRequest, step_id: str | None) -> FileInfo:
+        run = functools.partial(
+            self._sandboxes.call, sandbox_id, lambda edge: edge.rename(sandbox_id, body.source, body.dest)
+        )
+        return await self._logged(sandbox_id, step_id, "rename", body.model_dump(mode="json"), run, FileInfo)
+
+    async def upload_tar(self, sandbox_id: str, path: str, data: bytes, step_id: str | None) -> UploadResult:
+        async def run() -> UploadResult:
+            members = await self._sandboxes.call(sandbox_id, lambda edge: edge.upload_tar(sandbox_id, path, data))
+            return UploadResult(members=members)
+
+        request = {"path": path, **self._content(data)}
+        return await self._logged(sandbox_id, step_id, "upload_tar", request, run, UploadResult)
 
     async def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
         """Streamed output, logged like exec once the command ends (the whole output, capped)."""
@@ -371,9 +406,32 @@ class Trajectories:
                 for name in _REPLAY_COMPARED
                 if name in logged and logged[name] != getattr(result, name)
             ]
-        if step.kind == "write_file" and "data_b64" in step.request:
-            data = base64.b64decode(step.request["data_b64"])
-            path, mode = step.request["path"], step.request["mode"]
-            await self._sandboxes.call(sandbox_id, lambda edge: edge.write_file(sandbox_id, path, data, mode))
-            return []
-        return None  # background starts, and writes too large to have been logged whole
+        operation = self._file_operation(sandbox_id, step)
+        if operation is None:
+            return None
+        try:
+            await operation()
+        except CorralError as exc:  # it worked then (failed steps are not replayed): a difference to report
+            return [ReplayMismatch(seq=step.seq, step_id=step.step_id, field="error", logged=None,
+                                   replayed=_error(exc)["error"])]  # fmt: skip
+        return []
+
+    def _file_operation(self, sandbox_id: str, step: Step) -> Callable[[], Awaitable[object]] | None:
+        """A logged file step as the edge call that does it again; None for what cannot be redone: background
+        starts (their output went on after the log entry), uploads too large to have been logged whole."""
+        request, call = step.request, self._sandboxes.call
+        if step.kind in ("write_file", "upload_tar") and "data_b64" not in request:
+            return None
+        data = base64.b64decode(request.get("data_b64", ""))
+        if step.kind == "write_file":
+            return lambda: call(sandbox_id, lambda e: e.write_file(sandbox_id, request["path"], data, request["mode"]))
+        if step.kind == "upload_tar":
+            return lambda: call(sandbox_id, lambda e: e.upload_tar(sandbox_id, request["path"], data))
+        if step.kind == "mkdir":
+            body = MkdirRequest.model_validate(request)
+            return lambda: call(sandbox_id, lambda e: e.mkdir(sandbox_id, body.path, body.parents, body.mode))
+        if step.kind == "remove":
+            return lambda: call(sandbox_id, lambda e: e.remove(sandbox_id, request["path"], request["recursive"]))
+        if step.kind == "rename":
+            return lambda: call(sandbox_id, lambda e: e.rename(sandbox_id, request["source"], request["dest"]))
+        return None

@@ -46,6 +46,9 @@ __all__ = [
     "ForkRequest",
     "CheckpointInfo",
     "ExecRequest",
+    "RenameRequest",
+    "UploadResult",
+    "RemoveResult",
     "PtySize",
     "ExecResult",
     "Event",
@@ -342,7 +345,10 @@ class TrajectoryStep(_Model):
 
     seq: int = Field(description="Position in the sandbox's log, from 1, gap-free.")
     step_id: str
-    kind: str = Field(description="exec, exec_stream, start, write_file; checkpoint and restore (VMs, gVisor)")
+    kind: str = Field(
+        description="exec, exec_stream, start; write_file, upload_tar, mkdir, remove, rename; checkpoint and "
+        "restore (VMs, gVisor)"
+    )
     request: dict[str, Any]
     state: Literal["started", "done", "lost"] = Field(description="lost: the server died while it ran")
     result: dict[str, Any] | None
@@ -557,6 +563,21 @@ class MkdirRequest(_Model):
     path: str
     parents: bool = True
     mode: int = 0o755
+
+
+class RenameRequest(_Model):
+    source: str = Field(description="Absolute path inside the sandbox.")
+    dest: str = Field(
+        description="The new path (rename(2)): parents are made; a file there is replaced, a directory refused."
+    )
+
+
+class UploadResult(_Model):
+    members: int = Field(description="Tar members extracted.")
+
+
+class RemoveResult(_Model):
+    path: str
 
 
 class ImageConfig(_Model):

@@ -59,6 +59,7 @@ from corral.sdk._models import (
     PtySize,
     PullEvent,
     PullRequest,
+    RenameRequest,
     ReplayRequest,
     ReplayResult,
     RunCodeRequest,
@@ -142,6 +143,11 @@ def _validated(model: type[M], fields: dict[str, Any]) -> M:
         raise InvalidRequest(f"invalid request: {problems}") from None
 
 
+def _step(step_id: str | None) -> dict[str, str]:
+    """The query parameter of a logged file operation's client step id, when it has one."""
+    return {"step_id": step_id} if step_id else {}
+
+
 def _exec_body(
     cmd: str | list[str],
     env: dict[str, str] | None,
@@ -182,7 +188,7 @@ class Files:
     def write(self, path: str, data: bytes | str, *, mode: int = 0o644, step_id: str | None = None) -> FileInfo:
         """Write a file (replaced atomically); ``step_id`` makes a resend answer from the trajectory log."""
         content = data.encode() if isinstance(data, str) else data
-        params: dict[str, Any] = {"path": path, "mode": mode, **({"step_id": step_id} if step_id else {})}
+        params: dict[str, Any] = {"path": path, "mode": mode, **_step(step_id)}
         response = self._sandbox._transport.request("PUT", self._path("/content"), params=params, content=content)
         return FileInfo.model_validate(response.json())
 
@@ -203,20 +209,31 @@ class Files:
         response = self._sandbox._transport.request("GET", self._path("/list"), params={"path": path})
         return [FileInfo.model_validate(item) for item in response.json()]
 
-    def mkdir(self, path: str, *, parents: bool = True, mode: int = 0o755) -> FileInfo:
+    def mkdir(
+        self, path: str, *, parents: bool = True, mode: int = 0o755, step_id: str | None = None
+    ) -> FileInfo:
         body = _validated(MkdirRequest, {"path": path, "parents": parents, "mode": mode}).model_dump()
-        response = self._sandbox._transport.request("POST", self._path("/mkdir"), json=body)
+        response = self._sandbox._transport.request(
+            "POST", self._path("/mkdir"), json=body, params=_step(step_id)
+        )
         return FileInfo.model_validate(response.json())
 
-    def remove(self, path: str, *, recursive: bool = False) -> None:
-        self._sandbox._transport.request(
-            "DELETE", self._path(""), params={"path": path, "recursive": str(recursive).lower()}
-        )
+    def remove(self, path: str, *, recursive: bool = False, step_id: str | None = None) -> None:
+        params = {"path": path, "recursive": str(recursive).lower(), **_step(step_id)}
+        self._sandbox._transport.request("DELETE", self._path(""), params=params)
 
-    def upload_tar(self, path: str, tar_bytes: bytes) -> int:
+    def rename(self, source: str, dest: str, *, step_id: str | None = None) -> FileInfo:
+        """Move ``source`` to ``dest`` (rename(2): parents made; a file there is replaced, a directory refused)."""
+        body = _validated(RenameRequest, {"source": source, "dest": dest}).model_dump()
+        response = self._sandbox._transport.request(
+            "POST", self._path("/rename"), json=body, params=_step(step_id)
+        )
+        return FileInfo.model_validate(response.json())
+
+    def upload_tar(self, path: str, tar_bytes: bytes, *, step_id: str | None = None) -> int:
         """Extract a tar archive (plain or compressed) into directory ``path``; returns the member count."""
         response = self._sandbox._transport.request(
-            "PUT", self._path("/tar"), params={"path": path}, content=tar_bytes
+            "PUT", self._path("/tar"), params={"path": path, **_step(step_id)}, content=tar_bytes
         )
         return int(response.json()["members"])
 

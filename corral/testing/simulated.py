@@ -137,6 +137,19 @@ class _MemoryTree:
         for child in [*below, normal]:
             del self._entries[child]
 
+    def rename(self, source: str, dest: str) -> FileInfo:
+        src, dst = _normalise(source), _normalise(dest)
+        self._entry(src)
+        if src == "/" or dst == "/" or (dst + "/").startswith(src + "/"):
+            raise InvalidRequest(f"cannot move {src} to {dst}")
+        existing = self._entries.get(dst)
+        if existing is not None and existing.data is None:
+            raise Conflict(f"already exists in sandbox as a directory: {dst}; remove it first")
+        self._make_parents(dst)
+        for path in [p for p in self._entries if p == src or p.startswith(src.rstrip("/") + "/")]:
+            self._entries[dst + path[len(src) :]] = self._entries.pop(path)
+        return self._info(dst)
+
     def extract_tar(self, dest: str, fileobj: object, *, max_bytes: int, keep_owners: bool = False) -> int:
         raise InvalidRequest("the simulated backend keeps single files only: tar upload is not simulated")
 

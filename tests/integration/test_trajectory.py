@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
 import signal
+import tarfile
 
 import pytest
 
@@ -87,6 +89,46 @@ def test_replay_reproduces_the_state(client: corral.Client) -> None:
             assert copy.files.read_text("/work/sorted.txt") == "1\n2\n3\n"
             assert result.sandbox.labels["corral.replay_of"] == sandbox.id
             assert [m.step_id for m in result.mismatches] == []  # date +%N goes to a file: stdout matches
+        finally:
+            copy.kill()
+
+
+def test_every_file_change_is_logged_and_a_replay_makes_the_same_tree(client: corral.Client) -> None:
+    """write, mkdir, tar upload, rename and remove (with and without client step ids) are steps of the log, and a
+    replay of them gives a sandbox whose files are the same, member for member (issue 19)."""
+    archive = io.BytesIO()
+    with tarfile.open(fileobj=archive, mode="w:gz") as tar:
+        for name, data in (("pkg/a.txt", b"alpha\n"), ("pkg/sub/b.txt", b"beta\n"), ("pkg/gone.txt", b"x")):
+            member = tarfile.TarInfo(name)
+            member.size, member.mode = len(data), 0o640
+            tar.addfile(member, io.BytesIO(data))
+    tree = "find /work | sort | while read p; do stat -c '%n %F %a %s' \"$p\"; done; cat /work/pkg/a.txt /work/moved"
+    with client.create("busybox") as sandbox:
+        sandbox.files.mkdir("/work/empty/deep", mode=0o700, step_id="mk")
+        assert sandbox.files.upload_tar("/work", archive.getvalue()) == 3  # its parents are made
+        sandbox.files.write("/work/note.txt", "note\n", step_id="w")
+        assert sandbox.files.rename("/work/note.txt", "/work/moved", step_id="mv").path == "/work/moved"
+        sandbox.files.rename("/work/pkg/sub", "/work/pkg/renamed-dir")
+        sandbox.files.remove("/work/pkg/gone.txt", step_id="rm")
+        sandbox.files.remove("/work/empty", recursive=True)
+        with pytest.raises(corral.Conflict, match="as a directory"):
+            sandbox.files.rename("/work/moved", "/work/pkg")  # refused, and logged as failed: not replayed
+        assert sandbox.files.mkdir("/work/empty/deep", mode=0o700, step_id="mk").path == "/work/empty/deep"
+        assert not sandbox.files.exists("/work/empty")  # a resent step was answered from the log, not made again
+        steps = sandbox.trajectory()
+        assert [s.kind for s in steps] == ["mkdir", "upload_tar", "write_file", "rename", "rename", "remove",
+                                           "remove", "rename"]  # fmt: skip
+        assert steps[1].request["size"] == len(archive.getvalue()) and "data_b64" in steps[1].request
+        assert steps[-1].result is not None and steps[-1].result["error"]["code"] == "conflict"
+        expected = sandbox.exec(tree)
+        assert "/work/pkg/renamed-dir/b.txt regular file 640 5" in expected.stdout
+        assert "/work/empty" not in expected.stdout and "gone.txt" not in expected.stdout
+
+        result = sandbox.replay()
+        copy = client.connect(corral.Sandbox(result.sandbox, sandbox.url, sandbox.api_key))
+        try:
+            assert (result.steps, result.skipped, result.mismatches) == (8, [], [])  # 7 file steps, the listing
+            assert copy.exec(tree).stdout == expected.stdout
         finally:
             copy.kill()
 

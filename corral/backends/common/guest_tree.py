@@ -72,6 +72,13 @@ for f in * .*; do
 done
 """
 _READLINK = """exec readlink -- "$1" """
+_RENAME = """
+[ -e "$1" ] || [ -L "$1" ] || exit 40
+[ -d "$2" ] && [ ! -L "$2" ] && exit 43
+mkdir -p -- "$(dirname -- "$2")" || exit 1
+mv -f -- "$1" "$2" || exit 1
+stat -c '%f|%s|%Y|%u|%g|%n' -- "$2"
+"""
 _MKDIR = """
 if [ -e "$1" ] || [ -L "$1" ]; then
     [ -d "$1" ] && [ "$2" = 1 ] && exec stat -c '%f|%s|%Y|%u|%g|%n' -- "$1"
@@ -236,6 +243,18 @@ class GuestTree:
         if normal == "/":
             raise InvalidRequest("refusing to remove the sandbox's root")
         self._call(_REMOVE, [normal, "1" if recursive else "0"], path=normal)
+
+    def rename(self, source: str, dest: str) -> FileInfo:
+        src, dst = _normalise(source), _normalise(dest)
+        if src == "/" or dst == "/":
+            raise InvalidRequest("the sandbox's root cannot be renamed, nor replaced")
+        if (dst + "/").startswith(src + "/"):
+            raise InvalidRequest(f"cannot move {src} into itself ({dst})")
+        try:
+            out = self._call(_RENAME, [src, dst], path=src)
+        except Conflict:
+            raise Conflict(f"already exists in sandbox as a directory: {dst}; remove it first") from None
+        return self._with_link(_parse_stat(out.decode().strip(), dst))
 
     def write_tar(self, path: str, fileobj: BinaryIO) -> None:
         normal = _normalise(path)

@@ -383,6 +383,24 @@ class ConfinedTree:
                             with contextlib.suppress(FileNotFoundError):
                                 os.unlink(entry.name, dir_fd=entry.dir_fd)
 
+    def rename(self, source: str, dest: str) -> FileInfo:
+        src, dst = _normalise(source, final_component=True), _normalise(dest, final_component=True)
+        if src == "/" or dst == "/":
+            raise InvalidRequest("the sandbox's root cannot be renamed, nor replaced")
+        if (dst + "/").startswith(src + "/"):
+            raise InvalidRequest(f"cannot move {src} into itself ({dst})")
+        with (
+            _translated(src),
+            self._parent(src) as (src_fd, src_name),
+            self._parent(dst, create=True) as (dst_fd, dst_name),
+        ):
+            os.stat(src_name, dir_fd=src_fd, follow_symlinks=False)  # a missing source names the source
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISDIR(os.stat(dst_name, dir_fd=dst_fd, follow_symlinks=False).st_mode):
+                    raise Conflict(f"already exists in sandbox as a directory: {dst}; remove it first")
+            os.rename(src_name, dst_name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+            return self._info(dst_fd, dst_name, dst)
+
     def write_tar(self, path: str, fileobj: BinaryIO) -> None:
         """Uncompressed PAX tar of ``path``; directories recurse, symlinks are
         stored as symlinks, other special files and procfs/sysfs mounts are skipped.

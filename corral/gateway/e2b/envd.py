@@ -381,12 +381,10 @@ async def _edge(request: Request, where: Target, operation):  # type: ignore[no-
 
 
 async def _run_as_user(request: Request, where: Target, argv: list[str], what: str) -> None:
-    """mkdir and mv run in the sandbox as the request's user, so ownership and permissions are as in E2B."""
-    result = await _edge(
-        request,
-        where,
-        lambda edge: edge.exec(where.sandbox_id, ExecRequest(cmd=argv, user=where.user, cwd="/", timeout_s=60)),
-    )
+    """mkdir and mv run in the sandbox as the request's user, so ownership and permissions are as in E2B; through
+    the trajectory log, as every file change is, so a replay makes them again."""
+    command = ExecRequest(cmd=argv, user=where.user, cwd="/", timeout_s=60)
+    result = await services(request).trajectories.exec(where.sandbox_id, command)
     if result.exit_code != 0:
         detail = (result.stderr or result.stdout).strip()
         if "Permission denied" in detail:
@@ -445,7 +443,7 @@ async def _filesystem(request: Request, method: str, where: Target, message: dic
     if method == "Remove":
         path = where.path(message.get("path", ""))
         try:
-            await _edge(request, where, lambda e: e.remove(sandbox_id, path, True))
+            await services(request).trajectories.remove(sandbox_id, path, True, None)
         except NotFound:
             pass  # envd's Remove is os.RemoveAll: a path that is not there is already removed
         return JSONResponse({})
