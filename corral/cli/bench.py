@@ -201,6 +201,19 @@ def bench_fncall(
     run_fncall_benchmark(runs=runs, clients=clients, as_json=as_json, console=console)
 
 
+@bench_app.command("load")
+def bench_load(
+    sandboxes: Annotated[int, typer.Option(help="Sandboxes the execs are spread over.")] = 200,
+    execs: Annotated[int, typer.Option(help="Execs sent at once in each round.")] = 1000,
+    rounds: Annotated[int, typer.Option(help="Rounds of concurrent execs.")] = 5,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Concurrent execs through the HTTP API: errors and the latency tail, against one-at-a-time execs."""
+    from corral.bench.load import run_load_benchmark
+
+    run_load_benchmark(sandboxes=sandboxes, execs=execs, rounds=rounds, as_json=as_json, console=console)
+
+
 @bench_app.command("e2b")
 def bench_e2b(
     runs: Annotated[int, typer.Option(help="Creates per client; round trips are 10× as many.")] = 20,
