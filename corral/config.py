@@ -114,6 +114,14 @@ class Settings(BaseSettings):
         "asks for another (disk_mb); a writer past it gets EDQUOT. The layers live in one btrfs per node with "
         "a quota per sandbox (a sparse image under the data dir); 0 = no limit by default.",
     )
+    sandbox_open_files: int = Field(
+        16384,
+        ge=64,
+        le=1 << 20,
+        description="RLIMIT_NOFILE (soft and hard) of every process in a container sandbox: a sandbox cannot "
+        "raise it (no CAP_SYS_RESOURCE), so one agent opening files without end hits EMFILE, not the host's "
+        "file table. At most the node's own hard limit (raised to fs.nr_open where the node may).",
+    )
     events_retention_s: float = Field(
         7 * 86400.0,
         gt=0,

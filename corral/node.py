@@ -19,6 +19,7 @@ from corral.backends.common.host import (
     build_native_helpers,
     detect_cgroup_layout,
     enter_private_mount_namespace,
+    raise_open_files_limit,
 )
 from corral.backends.common.network import HostResolver
 from corral.backends.container.backend import ContainerBackend
@@ -72,6 +73,11 @@ def prepare_host(settings: Settings, *, inherited_namespace: bool = False) -> Ho
     else:
         layout = enter_node_namespace()
     become_child_subreaper()
+    open_files = raise_open_files_limit()
+    if open_files < settings.sandbox_open_files:
+        log.warning(
+            "RLIMIT_NOFILE of this node is %d: sandboxes get that, not %d", open_files, settings.sandbox_open_files
+        )
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     helpers = build_native_helpers(settings.node_dir)
     log.info(ensure_zram_swap(settings.pause_swap_mb))
@@ -92,6 +98,7 @@ def build_edge(settings: Settings, host: HostSetup, events: EdgeEvents) -> Local
         create_concurrency=settings.create_concurrency,
         audit_repeat_window_s=settings.audit_repeat_window_s,
         default_disk_mb=settings.sandbox_disk_mb,
+        open_files=settings.sandbox_open_files,
         resolver=HostResolver(settings.network_hosts_file),
         resolve_interval_s=settings.network_resolve_interval_s,
     )

@@ -78,6 +78,17 @@ def test_cgroup_limits_applied(client: corral.Client) -> None:
             assert (unified / "cpu.max").read_text().split()[0] == "50000"
 
 
+def test_open_files_are_bounded_and_cannot_be_raised(sandbox: corral.Sandbox) -> None:
+    """RLIMIT_NOFILE is the node's setting, soft and hard; without CAP_SYS_RESOURCE no command raises it, and
+    a command opening files past its limit gets EMFILE instead of filling the host's file table."""
+    limits = sandbox.exec("ulimit -Sn; ulimit -Hn").stdout.split()
+    assert limits == ["16384", "16384"]
+    raised = sandbox.exec("ulimit -n 16385 && echo raised")
+    assert raised.exit_code != 0 and "raised" not in raised.stdout
+    lowered = sandbox.exec("ulimit -n 16 && for i in $(seq 3 40); do eval \"exec $i</dev/null\"; done")
+    assert lowered.exit_code != 0 and "Too many open files" in lowered.stderr
+
+
 def test_base_layer_is_read_only_and_shared(client: corral.Client, server: EmbeddedServer) -> None:
     with client.create("busybox") as first, client.create("busybox") as second:
         assert first.exec("echo hacked > /bin/busybox.note; rm /bin/ls; echo x >> /etc/passwd").exit_code == 0

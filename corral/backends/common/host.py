@@ -16,6 +16,7 @@ import enum
 import errno
 import hashlib
 import os
+import resource
 import shutil
 import subprocess
 import time
@@ -116,6 +117,23 @@ def enter_private_mount_namespace(layout: CgroupLayout) -> None:
     if layout is CgroupLayout.HYBRID:
         # Room for many thousands of crun cgroup paths (4 MB filled after ~1,000).
         _mount("tmpfs", str(_CGROUP_ROOT / "unified"), "tmpfs", 0, "size=64m,mode=755")
+
+
+def raise_open_files_limit() -> int:
+    """Lift this process's RLIMIT_NOFILE to the kernel's ceiling (fs.nr_open) and return the hard limit.
+
+    A node holds fds per sandbox (agent sockets, cgroup and netns handles), so a distribution's default hard
+    limit caps density; and a sandbox's own limit (set by the runtime after it drops CAP_SYS_RESOURCE) can be
+    at most what it inherits."""
+    try:
+        ceiling = int(Path("/proc/sys/fs/nr_open").read_text())
+    except (OSError, ValueError):
+        ceiling = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (ceiling, ceiling))
+    except (OSError, ValueError):  # not allowed here: keep what we have
+        pass
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[1]
 
 
 def become_child_subreaper() -> None:

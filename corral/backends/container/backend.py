@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import resource
 import shutil
 import threading
 import time
@@ -49,7 +50,7 @@ from corral.backends.container.gvisor import RUNSC, Gvisor
 from corral.backends.container.isolation import Container, Isolation, PlainOci
 from corral.backends.container.kernel_watch import SeccompDenials, SensitiveReads, session_of
 from corral.backends.container.memory import CgroupMemory, prefetch_swapped
-from corral.backends.container.oci import AGENT_PATH, ContainerLimits, build_config
+from corral.backends.container.oci import AGENT_PATH, DEFAULT_OPEN_FILES, ContainerLimits, build_config
 from corral.backends.container.runtime import OciRuntime, Overlay
 from corral.backends.container.writable import QuotaPool
 from corral.guard.audit import PACKAGE_PREFIXES, PROTECTED_PREFIXES, EventThrottle, denied_syscall_severity
@@ -173,6 +174,7 @@ class ContainerBackend:
         create_concurrency: int,
         audit_repeat_window_s: float,
         default_disk_mb: int = 0,
+        open_files: int = DEFAULT_OPEN_FILES,
         resolver: HostResolver | None = None,
         resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S,
     ) -> None:
@@ -189,6 +191,7 @@ class ContainerBackend:
         self._layer_idle_unmount_s = layer_idle_unmount_s
         self._create_slots = asyncio.Semaphore(create_concurrency)
         self._default_disk_mb = default_disk_mb
+        self._open_files = min(open_files, resource.getrlimit(resource.RLIMIT_NOFILE)[1])  # at most what we have
         self._pool = QuotaPool(data_dir)
         self._pool_lock = asyncio.Lock()
         self._pool_error: InternalError | None = None
@@ -293,6 +296,7 @@ class ContainerBackend:
                 memory_mb=spec.memory_mb,
                 pids_max=spec.pids_max,
                 cpu_shares=qos.weight_to_shares(qos.weight_of(spec.qos)),
+                open_files=self._open_files,
             ),
             cgroup_path=qos.cgroup_path(spec.sandbox_id, spec.qos),
             agent_binary=self._helpers.agent,

@@ -166,12 +166,16 @@ MASKED_PATHS = [
 READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys"]
 
 
+DEFAULT_OPEN_FILES = 16384
+
+
 @dataclass(frozen=True)
 class ContainerLimits:
     cpu: float
     memory_mb: int
     pids_max: int
     cpu_shares: int = 1024  # v1 weight (the kernel's default); corral.backends.container.qos sets it per class
+    open_files: int = DEFAULT_OPEN_FILES  # RLIMIT_NOFILE, soft and hard: without CAP_SYS_RESOURCE it stays
 
 
 def _seccomp(log_denials: bool) -> dict[str, Any]:
@@ -251,6 +255,7 @@ def build_config(
             "cwd": "/",
             "capabilities": capabilities,
             "noNewPrivileges": not setuid_allowed,
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": limits.open_files, "soft": limits.open_files}],
         },
         "root": {"path": "rootfs", "readonly": False},
         "hostname": hostname,
