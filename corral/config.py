@@ -122,6 +122,12 @@ class Settings(BaseSettings):
         "raise it (no CAP_SYS_RESOURCE), so one agent opening files without end hits EMFILE, not the host's "
         "file table. At most the node's own hard limit (raised to fs.nr_open where the node may).",
     )
+    sandbox_output_buffer_mb: int = Field(
+        64,
+        ge=1,
+        description="Output of a sandbox's background commands (POST /commands) the edge keeps until read: past "
+        "it, finished commands are forgotten (oldest first), then new output is dropped and flagged truncated.",
+    )
     events_retention_s: float = Field(
         7 * 86400.0,
         gt=0,

@@ -127,5 +127,6 @@ def build_edge(settings: Settings, host: HostSetup, events: EdgeEvents) -> Local
         memory_reserve_mb=settings.memory_reserve_mb, memory_full_pressure_pct=settings.memory_full_pressure_pct,
         pressure_pause_idle_s=settings.pressure_pause_idle_s, labels=settings.node_labels,
         disk_floor_mb=settings.disk_floor_mb, data_dir=settings.data_dir,
+        output_buffer_bytes=settings.sandbox_output_buffer_mb << 20,
     )  # fmt: skip
     return LocalEdge(settings.edge_id, backend, capacity, events)

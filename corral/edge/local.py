@@ -25,6 +25,7 @@ from corral.backends.base import (
     Backend,
     Capability,
     Checkpointing,
+    CommandEvent,
     CommandExit,
     CommandOutput,
     CommandSpec,
@@ -79,6 +80,7 @@ class NodeCapacity:
     labels: dict[str, str] = field(default_factory=dict)  # reported in the load; creates select nodes by them
     disk_floor_mb: int = 0  # below this much free space on the data dir's filesystem the node refuses new sandboxes
     data_dir: Path | None = None
+    output_buffer_bytes: int = 64 << 20  # background commands' output kept per sandbox (until read or evicted)
 
 
 @dataclass
@@ -92,6 +94,7 @@ class _Command:
     exit: CommandExit | None = None
     task: asyncio.Task[None] | None = None
     terminal: tuple[int, int] | None = None  # (rows, cols) it was started with, for a pty command
+    dropped: set[str] = field(default_factory=set)  # streams cut here: the sandbox's output buffer was full
 
     def info(self) -> CommandInfo:
         return CommandInfo(command_id=self.command_id, cmd=self.cmd, running=self.exit is None, result=self.result())
@@ -104,8 +107,8 @@ class _Command:
             stderr=self.stderr.decode(errors="replace"),
             timed_out=bool(end and end.timed_out),
             oom_killed=bool(end and end.oom_killed),
-            stdout_truncated=bool(end and end.stdout_truncated),
-            stderr_truncated=bool(end and end.stderr_truncated),
+            stdout_truncated=bool(end and end.stdout_truncated) or "stdout" in self.dropped,
+            stderr_truncated=bool(end and end.stderr_truncated) or "stderr" in self.dropped,
             duration_ms=(time.monotonic() - self.started_at) * 1000,
             command_id=self.command_id,
         )
@@ -152,6 +155,10 @@ class _Sandbox:
 
     def busy(self) -> bool:
         return any(command.exit is None for command in self.commands.values())
+
+    def kept_output_bytes(self) -> int:
+        """What background commands' output this edge holds for the sandbox."""
+        return sum(len(c.stdout) + len(c.stderr) for c in self.commands.values() if c.task is not None)
 
 
 def to_allow_rules(allow: list[NetworkRule]) -> tuple[AllowRule, ...]:
@@ -550,7 +557,7 @@ class LocalEdge:
         async def consume() -> None:
             try:
                 async for event in command.running.events():
-                    self._record(command, event)
+                    self._record(command, self._within_buffer(sandbox, command, event))
                     if isinstance(event, CommandStarted) and not started.done():
                         started.set_result(None)
             except Exception as exc:  # surfaced to the caller waiting for the start
@@ -565,6 +572,22 @@ class LocalEdge:
         command.task = asyncio.get_running_loop().create_task(consume())
         await started
         return command.info()
+
+    def _within_buffer(self, sandbox: _Sandbox, command: _Command, event: CommandEvent) -> CommandEvent:
+        """A background command's output, kept within the sandbox's output buffer: finished commands' output
+        goes first (oldest first, the command with it), then what does not fit is dropped and flagged truncated."""
+        if not isinstance(event, CommandOutput):
+            return event
+        over = sandbox.kept_output_bytes() + len(event.data) - self._capacity.output_buffer_bytes
+        for old in [c for c in sandbox.commands.values() if c.exit is not None and c.task is not None]:
+            if over <= 0:
+                break
+            sandbox.commands.pop(old.command_id, None)
+            over -= len(old.stdout) + len(old.stderr)
+        if over <= 0:
+            return event
+        command.dropped.add(event.stream)
+        return CommandOutput(event.stream, event.data[: max(0, len(event.data) - over)])
 
     async def _command(self, sandbox_id: str, command_id: str) -> _Command:
         command = (await self._active(sandbox_id)).commands.get(command_id)
@@ -780,6 +803,7 @@ def node_capacity(
     pressure_pause_idle_s: float = NodeCapacity.pressure_pause_idle_s,
     disk_floor_mb: int = NodeCapacity.disk_floor_mb,
     data_dir: Path | None = None,
+    output_buffer_bytes: int = NodeCapacity.output_buffer_bytes,
 ) -> NodeCapacity:
     """This machine's cores and RAM, with the configured overcommit (and pressure limits and labels, see
     NodeCapacity)."""
@@ -789,4 +813,5 @@ def node_capacity(
         cpu, memory_mb, cpu_overcommit, memory_overcommit, max_file_bytes, memory_reserve_mb=memory_reserve_mb,
         memory_full_pressure_pct=memory_full_pressure_pct, pressure_pause_idle_s=pressure_pause_idle_s,
         labels=dict(labels or {}), disk_floor_mb=disk_floor_mb, data_dir=data_dir,
+        output_buffer_bytes=output_buffer_bytes,
     )  # fmt: skip

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 
 import corral
+from tests.conftest import restartable_server
 
 
 def test_exit_code_stdout_stderr(sandbox: corral.Sandbox) -> None:
@@ -127,3 +129,21 @@ async def test_many_commands_at_once(aclient: corral.AsyncClient) -> None:
         assert time.monotonic() - start < 5  # they ran in parallel, not one after another
     finally:
         await sandbox.kill()
+
+
+def test_background_output_is_bounded_per_sandbox(tmp_path: Path, test_env: dict[str, str]) -> None:
+    """A sandbox's background commands cannot make the edge hold more output than its buffer: finished
+    commands are forgotten first, then output past the buffer is dropped and flagged (issue 19)."""
+    env = {**test_env, "CORRAL_SANDBOX_OUTPUT_BUFFER_MB": "1"}
+    with restartable_server(tmp_path / "server", env) as server, server.client() as client:
+        with client.create("busybox", memory_mb=64) as sandbox:
+            first = sandbox.start("head -c 700000 /dev/zero")
+            assert len(sandbox.command(first.command_id, wait_s=30).result.stdout) == 700_000
+            second = sandbox.start("head -c 700000 /dev/zero")
+            done = sandbox.command(second.command_id, wait_s=30).result
+            assert (len(done.stdout), done.stdout_truncated) == (700_000, False)  # room made by forgetting the first
+            with pytest.raises(corral.NotFound):
+                sandbox.command(first.command_id)
+            third = sandbox.start("head -c 3000000 /dev/zero", output_cap_bytes=4 << 20)
+            cut = sandbox.command(third.command_id, wait_s=30).result
+            assert (cut.exit_code, len(cut.stdout), cut.stdout_truncated) == (0, 1 << 20, True)
