@@ -58,11 +58,13 @@ from pydantic import Field
 
 from corral.backends.common.network import NON_PUBLIC_NETWORKS
 from corral.sdk import AsyncClient, AsyncSandbox, NetworkRule, NotFound, SandboxGone
+from corral.sdk import ExecResult as CorralExecResult
 
 __all__ = ["CorralEnvironment", "CorralEnvironmentOptions", "ENVIRONMENT_TYPE"]
 
 ENVIRONMENT_TYPE = "corral"
 UNBOUNDED_EXEC_S = 86400  # Harbor's timeout_sec=None; Corral's longest exec bound
+OUTPUT_CAP_BYTES = 16 << 20  # per stream; Docker's exec returns all of it, Corral's default keeps 1 MiB
 _IMAGE_NAME_LEN = 100  # of Corral's 128-character names, leaving room for the prefix
 
 
@@ -209,19 +211,25 @@ class CorralEnvironment(BaseEnvironment):
             "env": self._merge_env(env),
             "user": None if resolved_user is None else str(resolved_user),
             "timeout_s": timeout_sec or UNBOUNDED_EXEC_S,
+            "output_cap_bytes": OUTPUT_CAP_BYTES,
         }
         argv = ["bash", "-c", command]
         callback = self._output_callback()
+        result: CorralExecResult | None = None
         if callback is None:
             result = await self.sandbox.exec(argv, **options)
         else:
             async for event in self.sandbox.exec_stream(argv, **options):
                 if event.type in ("stdout", "stderr") and event.data:
                     await callback(event.data, event.type)
-                elif event.type == "exit" and event.result is not None:
+                elif event.type == "exit":
                     result = event.result
+        if result is None:
+            raise RuntimeError(f"the exec stream of sandbox {self.sandbox.id} ended without the command's result")
         if result.timed_out:
             raise RuntimeError(f"Command timed out after {timeout_sec} seconds")
+        if result.stdout_truncated or result.stderr_truncated:
+            self.logger.warning(f"Output past {OUTPUT_CAP_BYTES} bytes per stream was dropped: {command[:200]!r}")
         return ExecResult(stdout=result.stdout, stderr=result.stderr, return_code=result.exit_code or 0)
 
     async def _apply_network_policy(self, network_policy: NetworkPolicy) -> None:

@@ -96,6 +96,9 @@ async def main(task_dir: Path, work: Path) -> dict[str, Any]:
         network = [(await env.sandbox.network()).allow]
         await env.set_network_policy(allowlist)
         network.append([rule.host or rule.cidr for rule in (await env.sandbox.network()).allow or []])
+        await env.set_network_policy(NetworkPolicy(network_mode=NetworkMode.PUBLIC))
+        public = (await env.sandbox.network()).allow or []
+        network.append({rule.action: sorted(r.cidr for r in public if r.action == rule.action) for rule in public})
         await env.set_network_policy(NetworkPolicy(network_mode=NetworkMode.NO_NETWORK))
         network.append((await env.sandbox.network()).allow)
         seen["network"] = network

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 import corral
+from corral.backends.common.network import NON_PUBLIC_NETWORKS
 from corral.embedded import EmbeddedServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -99,7 +100,7 @@ def _write_task(root: Path) -> Path:
     """A Harbor task: a Dockerfile that Corral builds, an instruction, the oracle's solution, a verifier."""
     files = {
         "task.toml": "[agent]\ntimeout_sec = 60.0\n\n[verifier]\ntimeout_sec = 60.0\n\n[environment]\ncpus = 1\n"
-        'memory_mb = 512\nnetwork_mode = "no-network"\nenv = { GREETING = "hello from the task" }\n',
+        'memory_mb = 512\nenv = { GREETING = "hello from the task" }\n',  # network_mode: Harbor's default, public
         "instruction.md": "Write the reversed contents of /app/seed.txt to /app/answer.txt.\n",
         "environment/Dockerfile": "FROM debian-12\nWORKDIR /app\nRUN echo corral > /app/seed.txt\n",
         "solution/solve.sh": "#!/bin/bash\nset -euo pipefail\nrev seed.txt > answer.txt\n"
@@ -137,6 +138,8 @@ def test_harbor_run_oracle_on_corral(
     (made,) = client.list(state=["ended"], labels={"suite": "corral-test", "harbor.task": "reverse-seed"})
     assert made.state.value == "ended"  # killed at the trial's end
     assert made.image.startswith("harbor-reverse-seed:")  # built from the task's Dockerfile by the server
+    assert (made.cpu, made.memory_mb, made.cwd) == (1.0, 512, "/app")  # the task's resources, the WORKDIR
+    assert made.network is not None and made.network.allow[-2].cidr == "0.0.0.0/0"  # Harbor's default: public
 
 
 def test_environment_contract(harbor_venv: Path, server: EmbeddedServer, client: corral.Client, tmp_path: Path) -> None:
@@ -158,7 +161,8 @@ def test_environment_contract(harbor_venv: Path, server: EmbeddedServer, client:
                                   "run.sh": "mode 755"}  # fmt: skip
     assert seen["downloaded_file"] == "beta"
     assert seen["kinds"] == {"dir": True, "file": True, "missing": False}
-    assert seen["network"] == [None, ["example.invalid", "192.0.2.0/24"], []]  # loopback, allowlist, closed
+    public = {"deny": sorted(NON_PUBLIC_NETWORKS), "allow": ["0.0.0.0/0", "::/0"]}  # as the E2B facade's internet
+    assert seen["network"] == [None, ["example.invalid", "192.0.2.0/24"], public, []]  # loopback first, closed last
     assert seen["after_stop"] == "ended"
     sandbox = client.get(seen["sandbox_id"])
     assert sandbox.info.labels["harbor.session"] == "contract__env" and sandbox.info.state.value == "ended"
