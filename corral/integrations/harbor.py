@@ -64,6 +64,7 @@ __all__ = ["CorralEnvironment", "CorralEnvironmentOptions", "ENVIRONMENT_TYPE"]
 
 ENVIRONMENT_TYPE = "corral"
 UNBOUNDED_EXEC_S = 86400  # Harbor's timeout_sec=None; Corral's longest exec bound
+REQUEST_TIMEOUT_S = 600.0  # a request's bound besides exec's own: a task directory's tar goes up in one
 OUTPUT_CAP_BYTES = 16 << 20  # per stream; Docker's exec returns all of it, Corral's default keeps 1 MiB
 _IMAGE_NAME_LEN = 100  # of Corral's 128-character names, leaving room for the prefix
 
@@ -117,14 +118,15 @@ class CorralEnvironment(BaseEnvironment):
         return self.options
 
     def _validate_definition(self) -> None:
-        if self._options.image is not None or self.task_env_config.docker_image:
+        if self._options.image is not None:
             return
-        if (self.environment_dir / COMPOSE_FILE_NAME).exists() and not self._dockerfile.exists():
+        compose = Path(self.environment_dir, COMPOSE_FILE_NAME)
+        if compose.exists():
             raise ValueError(
-                f"{self.environment_dir / COMPOSE_FILE_NAME}: Corral runs one sandbox per trial, not Docker "
-                "Compose services; give the task a Dockerfile or docker_image, or pass --ek image=<corral image>"
+                f"{compose}: Corral runs one sandbox per trial, not Docker Compose services; "
+                "pass --ek image=<a Corral image with what the task needs>"
             )
-        require_agent_environment_definition(self.environment_dir)
+        require_agent_environment_definition(self.environment_dir, docker_image=self.task_env_config.docker_image)
 
     @property
     def _dockerfile(self) -> Path:
@@ -138,7 +140,7 @@ class CorralEnvironment(BaseEnvironment):
         return self._sandbox
 
     async def start(self, force_build: bool) -> None:
-        client = self._client = AsyncClient(self._options.url, timeout_s=120.0)
+        client = self._client = AsyncClient(self._options.url, timeout_s=REQUEST_TIMEOUT_S)
         image = await self._image(client, force_build)
         policy = self._network_policy
         self._sandbox = await client.create(

@@ -46,6 +46,17 @@ async def main(task_dir: Path, work: Path) -> dict[str, Any]:
         network_policy=NetworkPolicy(network_mode=NetworkMode.NO_NETWORK), phase_network_policies=[allowlist],
     )  # fmt: skip
     seen: dict[str, Any] = {}
+    compose_only = work / "compose-env"
+    compose_only.mkdir()
+    (compose_only / "docker-compose.yaml").write_text("services: {main: {image: debian}}\n")
+    try:
+        EnvironmentFactory.create_environment_from_import_path(
+            "corral.integrations.harbor:CorralEnvironment", environment_dir=compose_only,
+            environment_name="compose", session_id="compose__env", trial_paths=trial_paths,
+            task_env_config=task.config.environment.model_copy(),
+        )  # fmt: skip
+    except ValueError as exc:
+        seen["compose"] = str(exc)
     await env.start(force_build=False)
     try:
         seen["sandbox_id"] = env.sandbox.id

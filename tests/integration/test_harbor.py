@@ -164,5 +164,6 @@ def test_environment_contract(harbor_venv: Path, server: EmbeddedServer, client:
     public = {"deny": sorted(NON_PUBLIC_NETWORKS), "allow": ["0.0.0.0/0", "::/0"]}  # as the E2B facade's internet
     assert seen["network"] == [None, ["example.invalid", "192.0.2.0/24"], public, []]  # loopback first, closed last
     assert seen["after_stop"] == "ended"
+    assert "not Docker Compose services" in seen["compose"]  # refused before any sandbox
     sandbox = client.get(seen["sandbox_id"])
     assert sandbox.info.labels["harbor.session"] == "contract__env" and sandbox.info.state.value == "ended"
