@@ -42,6 +42,8 @@ HELLO = {
     "go": 'package main\n\nimport "fmt"\n\nfunc main() { fmt.Println("hello from go") }\n',
 }
 COMPILED = {"cpp", "java", "go"}
+# The first test that needs the toolchain image waits for its build when setup.sh did not make it (minutes).
+needs_toolchains = pytest.mark.timeout(_BUILD_TIMEOUT_S + 60)
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +74,7 @@ def _b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
 
 
+@needs_toolchains
 @pytest.mark.parametrize("language", list(HELLO))
 def test_hello_world(endpoint: str, language: str, request: pytest.FixtureRequest) -> None:
     if language not in ("python", "bash"):
@@ -88,6 +91,7 @@ def test_hello_world(endpoint: str, language: str, request: pytest.FixtureReques
     assert result.executor_pod_name  # the sandbox that ran it
 
 
+@needs_toolchains
 def test_c_is_served_too(endpoint: str, toolchains: None) -> None:
     """C is not in the client's list of languages (SandboxFusion has none): a plain request runs it."""
     code = '#include <stdio.h>\n#include <math.h>\nint main(void) { printf("%.1f\\n", sqrt(2.25)); return 3; }\n'
@@ -97,6 +101,7 @@ def test_c_is_served_too(endpoint: str, toolchains: None) -> None:
     assert answer["run_result"]["stdout"] == "1.5\n" and answer["run_result"]["return_code"] == 3
 
 
+@needs_toolchains
 def test_compile_error_stops_before_the_run(endpoint: str, toolchains: None) -> None:
     result = run_code(RunCodeRequest(code="int main() { return undeclared; }\n", language="cpp"), endpoint=endpoint)
     assert result.status == RunStatus.Failed
@@ -127,6 +132,14 @@ def test_stdin_and_args(endpoint: str) -> None:
     assert answer["run_result"]["stdout"] == "10 ['-v', 'x y']\n"
 
 
+def test_code_too_long_for_the_command_line_runs_from_a_file(endpoint: str) -> None:
+    code = "#" + "x" * (200 << 10) + "\nprint(__file__)"  # past one argument's 128 KiB limit
+    result = run_code(RunCodeRequest(code=code, language="python"), endpoint=endpoint)
+    assert result.status == RunStatus.Success and result.run_result is not None
+    assert result.run_result.stdout == "/tmp/main.py\n"
+
+
+@needs_toolchains
 def test_stdin_of_a_compiled_program(endpoint: str, toolchains: None) -> None:
     code = "#include <iostream>\nint main() { long a, b; std::cin >> a >> b; std::cout << a * b << '\\n'; }\n"
     result = run_code(RunCodeRequest(code=code, language="cpp", stdin="6 7\n"), endpoint=endpoint)
@@ -199,6 +212,7 @@ def test_authentication(server: EmbeddedServer, endpoint: str) -> None:
     assert unknown.status_code in (400, 422) and "language" in unknown.text
 
 
+@needs_toolchains
 def test_the_cli_prints_the_endpoint_and_waits_for_the_toolchains(
     server: EmbeddedServer, endpoint: str, toolchains: None
 ) -> None:
