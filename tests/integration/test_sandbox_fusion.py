@@ -226,11 +226,12 @@ def test_the_cli_prints_the_endpoint_and_waits_for_the_toolchains(
 def test_a_missing_image_is_built_on_first_use(tmp_path: Path, test_env: dict[str, str]) -> None:
     """A node without the image builds it on the first call that needs it, and answers SandboxError meanwhile.
     The image here is busybox (CORRAL_SANDBOX_FUSION_IMAGE), built in a second: debian-12-toolchains is built
-    the same way, in minutes."""
+    the same way, in minutes. This server also has CORRAL_SANDBOX_FUSION_OPEN: the root routes take no key."""
     node_dir = linked_node_dir(tmp_path / "node", parts=("bin",))  # no layers at all
-    env = {**test_env, "CORRAL_NODE_DIR": str(node_dir), "CORRAL_SANDBOX_FUSION_IMAGE": "busybox"}
+    env = {**test_env, "CORRAL_NODE_DIR": str(node_dir), "CORRAL_SANDBOX_FUSION_IMAGE": "busybox",
+           "CORRAL_SANDBOX_FUSION_OPEN": "true"}  # fmt: skip
     with EmbeddedServer(tmp_path / "server", env=env) as server:
-        endpoint = f"{server.url}/sandbox-fusion/{sandbox_fusion_key(server.api_key)}"
+        endpoint = server.url  # open: SandboxFusion's own paths, no key
         call = {"language": "nodejs", "code": "console.log(1)"}
         first = httpx.post(f"{endpoint}/run_code", json=call, timeout=60).json()
         assert first["status"] == "SandboxError" and first["message"].startswith(f"{BUILDING} busybox"), first
