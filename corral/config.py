@@ -90,6 +90,17 @@ class Settings(BaseSettings):
     fncall_warm_budget: int = Field(
         32, ge=0, description="fncall: warm sandboxes across all pools on this node (they count against admission)."
     )
+    sandbox_fusion_open: bool = Field(
+        False,
+        description="SandboxFusion API: POST /run_code and /run_jupyter at the root need no key (SandboxFusion clients "
+        "send none). Only for a server that nothing but the trainer can reach; otherwise use the key-in-URL routes "
+        "that `corral sandbox-fusion` prints.",
+    )
+    sandbox_fusion_image: str = Field(
+        "debian-12-toolchains",
+        description="SandboxFusion API: the image C, C++, Java, Go and Node.js run on. The default is built on the "
+        "node's first call that needs it; another must have gcc, g++, javac, go and node on its PATH.",
+    )
     idle_pause_s: float | None = Field(
         None,
         gt=0,

@@ -204,7 +204,10 @@ def serve(settings: Settings) -> None:
 
     upload_dir = settings.data_dir / "uploads"
     upload_dir.mkdir(parents=True, exist_ok=True)
-    app = create_app(service_factory, settings.max_file_bytes, upload_dir, internet_egress=settings.internet_egress)
+    app = create_app(
+        service_factory, settings.max_file_bytes, upload_dir, internet_egress=settings.internet_egress,
+        sandbox_fusion_open=settings.sandbox_fusion_open, sandbox_fusion_image=settings.sandbox_fusion_image,
+    )  # fmt: skip
     # The stock asyncio loop, not uvloop: uvloop spawned the runtime processes
     # more slowly here (container create 16.9 ms vs 9.4 ms, median of 20).
     uvicorn.run(

@@ -8,6 +8,8 @@
 #   CORRAL_NODE_DIR    node-wide Corral files; layers go to $CORRAL_NODE_DIR/layers (default /var/lib/corral)
 #   CORRAL_PYTHON      interpreter for the venv (default python3.11, else python3)
 #   CORRAL_SETUP_LOG   where apt and pip write their output (default /var/tmp/corral-setup.log)
+#   CORRAL_SETUP_TOOLCHAINS  1 (default): build debian-12-toolchains, the SandboxFusion API's C, C++, Java, Go and
+#                      Node.js (about 1.4 GB, 5-6 minutes); 0: leave it to the server's first call that needs it
 #
 # Every probe of a tool that may be missing is written so that a missing tool means "install it": under
 # `set -euo pipefail`, `x="$(missing-tool | sed ...)"` would end the script with status 127 before the
@@ -19,7 +21,7 @@ CHECK=0
 case "${1:-}" in
     "") ;;
     --check) CHECK=1 ;;
-    -h | --help) sed -n '2,9s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h | --help) sed -n '2,12s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) printf 'setup: error: arguments: unknown argument %s; usage: scripts/setup.sh [--check]\n' "$1" >&2; exit 2 ;;
 esac
 
@@ -43,7 +45,7 @@ RUNSC_MIN_DATE=20230101  # bookworm's runsc (2022) has only the slow ptrace plat
 # $VENV/e2b-<version>, as "<version>=<pip requirements>": 2.30, from before the /v2 endpoints
 # (tests/e2b/test_e2b_old_sdk.py), and the 2.45 line with its code interpreter (tests/e2b/test_e2b_2_45.py).
 E2B_OLD_SDKS=("2.30.0=e2b==2.30.0" "2.45.1=e2b==2.45.1 e2b-code-interpreter==2.10.0")
-FIRST_BUILD_GIB=4        # free space the base images and the guest kit need on the node dir's filesystem
+FIRST_BUILD_GIB=7        # free space the base images (3 GB with the toolchain image's build) and the guest kit need
 
 PLANNED=0
 log() { printf 'setup: %s\n' "$*"; }
@@ -231,6 +233,9 @@ else
         fi
     fi
     node_step "base images" -m corral.images.bases --store "$LAYER_DIR" busybox debian-12 debian-12-systemd
+    if [[ "${CORRAL_SETUP_TOOLCHAINS:-1}" == 1 ]]; then  # the SandboxFusion API's compilers (corral/images/bases.py)
+        node_step "toolchain image" -m corral.images.bases --store "$LAYER_DIR" debian-12-toolchains
+    fi
     # E2B's "base" template (corral/gateway/e2b/template.py): debian-12 + sudo.
     node_step "e2b-base template" -m corral.gateway.e2b.template --store "$LAYER_DIR"
     # Debian's kernel (apt-get download), our initramfs, the KVM/TCG probe, the full-VM root disk.

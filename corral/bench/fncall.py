@@ -43,7 +43,7 @@ from rich.table import Table
 
 from corral.backends.common import host
 from corral.bench.containers import summarize
-from corral.bench.harness import ResultTable, bench_session, emit, ms_since
+from corral.bench.harness import ResultTable, bench_server, bench_session, emit, ms_since
 from corral.embedded import EmbeddedServer
 from corral.gateway.fncall import POOL_LABEL
 from corral.sdk import AsyncClient, Client, FnCallResult, InvalidRequest
@@ -248,23 +248,13 @@ def _cold(client: Client, samples: int, progress: Progress) -> dict[str, Any]:
 
 
 def _measure(data_dir: Path, runs: int, clients: int, progress: Progress) -> dict[str, Any]:
-    task = progress.add_task("starting corral serve", total=1)
-    server = EmbeddedServer(data_dir)
-    try:
-        server.start()
-        progress.update(task, completed=1)
-        with server.client() as client:
-            roundtrip = _roundtrip(client, runs, progress)
-            throughput = _throughput(server, runs, clients, progress)
-            batched = _batched(client, runs * THROUGHPUT_CALLS_PER_RUN, progress)
-            cold = _cold(client, max(3, runs // COLD_EVERY), progress)
-            _settle(client)  # calls hand their sandbox back in the background: let that finish before stopping
-            pools = [pool.model_dump() for pool in client.fncall_pools()]
-        task = progress.add_task("cleaning up (pools, sandboxes, server)", total=1)
-    finally:
-        server.shutdown()  # the server kills its pools' warm sandboxes as it stops
-        host.orphans.reap()
-    progress.update(task, completed=1)
+    with bench_server(data_dir, progress) as server, server.client() as client:
+        roundtrip = _roundtrip(client, runs, progress)
+        throughput = _throughput(server, runs, clients, progress)
+        batched = _batched(client, runs * THROUGHPUT_CALLS_PER_RUN, progress)
+        cold = _cold(client, max(3, runs // COLD_EVERY), progress)
+        _settle(client)  # calls hand their sandbox back in the background: let that finish before stopping
+        pools = [pool.model_dump() for pool in client.fncall_pools()]
     return {"roundtrip": roundtrip, "throughput": throughput, "batched": batched, "cold": cold, "pools": pools}
 
 

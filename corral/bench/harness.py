@@ -20,9 +20,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 from corral.backends.common import host
+from corral.embedded import EmbeddedServer
 from corral.sdk import ExecResult
 
-__all__ = ["bench_session", "emit", "ms_since", "require_success", "throwaway_postgres"]
+__all__ = ["bench_server", "bench_session", "emit", "ms_since", "require_success", "throwaway_postgres"]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,6 +54,23 @@ def bench_session(name: str, *, as_json: bool, console: Console) -> Iterator[tup
             yield scratch, progress
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextmanager
+def bench_server(data_dir: Path, progress: Progress) -> Iterator[EmbeddedServer]:
+    """A started `corral serve` of the bench's own, shut down afterwards (it kills its sandboxes and pools as it
+    stops), and what its sandboxes left behind reaped."""
+    task = progress.add_task("starting corral serve", total=1)
+    server = EmbeddedServer(data_dir)
+    try:
+        server.start()
+        progress.update(task, completed=1)
+        yield server
+        task = progress.add_task("cleaning up (sandboxes, server)", total=1)
+    finally:
+        server.shutdown()
+        host.orphans.reap()
+    progress.update(task, completed=1)
 
 
 @contextmanager

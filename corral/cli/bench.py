@@ -225,6 +225,18 @@ def bench_e2b(
     run_e2b_benchmark(runs=runs, as_json=as_json, console=console)
 
 
+@bench_app.command("sandbox-fusion")
+def bench_sandbox_fusion(
+    runs: Annotated[int, typer.Option(help="Round trips per client; throughput passes make 5× as many.")] = 100,
+    clients: Annotated[int, typer.Option(help="Concurrent callers in the throughput test.")] = 8,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Measure SandboxFusion's /run_code (its released client) against Corral's /v1/run_code in one run."""
+    from corral.bench.sandbox_fusion import run_sandbox_fusion_benchmark
+
+    run_sandbox_fusion_benchmark(runs=runs, clients=clients, as_json=as_json, console=console)
+
+
 @bench_app.command("memory")
 def bench_memory(
     count: Annotated[int, typer.Option(help="Sandboxes that read the shared layer, then idle ones paused.")] = 100,

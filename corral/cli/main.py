@@ -660,6 +660,43 @@ def e2b_env() -> None:
     console.print(f"export E2B_API_URL={url} E2B_SANDBOX_URL={url} E2B_API_KEY={e2b_api_key(key)}", highlight=False)
 
 
+_TOOLCHAIN_BUILD_TIMEOUT_S = 3600.0
+_TOOLCHAIN_POLL_S = 10.0
+
+
+@app.command("sandbox-fusion")
+def sandbox_fusion(
+    build: Annotated[
+        bool, typer.Option("--build", help="Build the toolchain image (C, C++, Java, Go, Node.js) now and wait.")
+    ] = False,
+) -> None:
+    """Print this server's SandboxFusion endpoint (verl's sandbox_fusion_url is it + /run_code)."""
+    import httpx
+
+    from corral.gateway.sandbox_fusion import BUILDING, sandbox_fusion_key
+
+    with _client() as client:
+        url, key = client.url, client.api_key
+    endpoint = f"{url.rstrip('/')}/sandbox-fusion/{sandbox_fusion_key(key)}"
+    console.print(f"export SANDBOX_FUSION_ENDPOINT={endpoint}", highlight=False)
+    console.print(f"# verl: sandbox_fusion_url: {endpoint}/run_code", highlight=False)
+    if not build:
+        return
+    deadline = time.monotonic() + _TOOLCHAIN_BUILD_TIMEOUT_S
+    call = {"language": "c", "code": "int main(void) { return 0; }", "compile_timeout": 60, "run_timeout": 10}
+    while True:  # the server builds it on the first call that needs it; such calls answer SandboxError meanwhile
+        answer = httpx.post(f"{endpoint}/run_code", json=call, timeout=120).json()
+        if answer["status"] != "SandboxError" or not answer["message"].startswith(BUILDING):
+            break
+        if time.monotonic() > deadline:
+            raise CorralError(f"the toolchain image was not built within {_TOOLCHAIN_BUILD_TIMEOUT_S:g} s")
+        err_console.print(f"{answer['message'].split(':')[0]} ...")
+        time.sleep(_TOOLCHAIN_POLL_S)
+    if answer["status"] != "Success":
+        raise CorralError(f"a C call on the toolchain image answered {answer['status']}: {answer['message']}")
+    console.print("the toolchain image is ready: C, C++, Java, Go and Node.js calls run")
+
+
 def main() -> None:
     try:
         app()

@@ -31,8 +31,10 @@ from corral.gateway.fncall import FnCallService
 from corral.gateway.images import ImageService
 from corral.gateway.metrics import CONTENT_TYPE, Levels
 from corral.gateway.request_timing import RequestTiming
+from corral.gateway.sandbox_fusion import include_sandbox_fusion
 from corral.gateway.service import SandboxService
 from corral.gateway.trajectory import Trajectories
+from corral.images.bases import TOOLCHAIN_IMAGE
 from corral.logs import current_sandbox
 from corral.sdk._exceptions import CorralError, InvalidRequest, PayloadTooLarge
 from corral.sdk._models import (
@@ -180,10 +182,16 @@ def _label_pairs(items: list[str] | None) -> dict[str, str]:
 
 
 def create_app(  # type: ignore[no-untyped-def]
-    service_factory, max_file_bytes: int, upload_dir: Path, *, internet_egress: InternetEgress = "public"
+    service_factory,
+    max_file_bytes: int,
+    upload_dir: Path,
+    *,
+    internet_egress: InternetEgress = "public",
+    sandbox_fusion_open: bool = False,
+    sandbox_fusion_image: str = TOOLCHAIN_IMAGE,
 ) -> FastAPI:
     """``service_factory`` is an async context manager yielding the Services; ``internet_egress`` is what an
-    E2B internet grant gives (CORRAL_INTERNET_EGRESS)."""
+    E2B internet grant gives (CORRAL_INTERNET_EGRESS); ``sandbox_fusion_*``: CORRAL_SANDBOX_FUSION_OPEN and _IMAGE."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -706,4 +714,6 @@ def create_app(  # type: ignore[no-untyped-def]
     include_e2b(
         app, max_file_bytes, internet_egress
     )  # E2B's API and envd protocol on the same port (corral/gateway/e2b)
+    # SandboxFusion's /run_code and /run_jupyter (corral/gateway/sandbox_fusion.py)
+    include_sandbox_fusion(app, open_access=sandbox_fusion_open, toolchain_image=sandbox_fusion_image)
     return app

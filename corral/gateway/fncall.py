@@ -20,8 +20,9 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from corral.gateway.service import SandboxService
 from corral.sdk._exceptions import CorralError, InvalidRequest, NotFound, SandboxGone, error_from_response
@@ -40,6 +41,7 @@ from corral.sdk._models import (
 __all__ = ["FnCallService"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 POOL_LABEL = "corral.fncall"  # SandboxService.list hides these unless asked
 _RESULT_MARKER = "\x1ecorral-result:"
 # Runs the caller's Python in-process: source and args arrive on stdin, so the call writes no file.
@@ -271,17 +273,7 @@ class FnCallService:
         if call.code is not None and call.stdin is not None:
             raise InvalidRequest("a code call takes `args`, not `stdin`")
         started = time.perf_counter()
-        pool = self._pool_for(call)
-        for attempt in range(2):
-            sandbox_id, hit = await self._take(pool)
-            try:
-                result = await self._run(sandbox_id, call)
-                break
-            except (SandboxGone, NotFound):
-                if not hit or attempt:
-                    raise  # a warm sandbox may have been killed meanwhile: take another once
-            finally:
-                self._spawn(self._give_back(pool, sandbox_id))
+        result, hit = await self.in_pool(call, lambda sandbox_id: self._run(sandbox_id, call))
         value, error, stdout = None, None, result.stdout
         if call.code is not None:
             stdout, _, tail = result.stdout.rpartition(_RESULT_MARKER)
@@ -297,15 +289,34 @@ class FnCallService:
             duration_ms=(time.perf_counter() - started) * 1000,
         )  # fmt: skip
 
+    async def in_pool(self, call: FnCallRequest, body: Callable[[str], Awaitable[T]]) -> tuple[T, bool]:
+        """``body(sandbox_id)`` on a sandbox of ``call``'s pool (its image, limits and network), given back after;
+        with whether it was a warm one. Only ``call``'s pool fields are used; ``body`` does the call's work."""
+        pool = self._pool_for(call)
+        for attempt in range(2):
+            sandbox_id, hit = await self._take(pool)
+            try:
+                return await body(sandbox_id), hit
+            except (SandboxGone, NotFound):
+                if not hit or attempt:
+                    raise  # a warm sandbox may have been killed meanwhile: take another once
+            finally:
+                self._spawn(self._give_back(pool, sandbox_id))
+        raise AssertionError("unreachable: the second attempt returns or raises")
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes) -> None:
+        await self._sandboxes.call(sandbox_id, lambda edge: edge.write_file(sandbox_id, path, data, 0o644))
+
+    async def read_file(self, sandbox_id: str, path: str) -> bytes:
+        return await self._sandboxes.call(sandbox_id, lambda edge: edge.read_file(sandbox_id, path))
+
+    async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
+        return await self._sandboxes.call(sandbox_id, lambda edge: edge.exec(sandbox_id, request))
+
     async def _run(self, sandbox_id: str, call: FnCallRequest) -> ExecResult:
         for path, text in call.files.items():
-            data = text.encode()
-            await self._sandboxes.call(
-                sandbox_id,
-                lambda edge: edge.write_file(sandbox_id, path, data, 0o644),  # noqa: B023 - awaited here
-            )
-        request = self._exec_request(call)
-        return await self._sandboxes.call(sandbox_id, lambda edge: edge.exec(sandbox_id, request))
+            await self.write_file(sandbox_id, path, text.encode())
+        return await self.exec(sandbox_id, self._exec_request(call))
 
     @staticmethod
     def _exec_request(call: FnCallRequest) -> ExecRequest:

@@ -22,6 +22,7 @@ from corral.backends.base import Capability
 from corral.edge.protocol import edge_of
 from corral.gateway.dockerfile_build import DockerfileBuild
 from corral.gateway.service import SandboxService
+from corral.images.bases import ensure_base_images
 from corral.images.builders import LayerBuilder, Progress
 from corral.images.catalogue import Catalogue, CatalogueLayer, input_key
 from corral.images.pull import ImagePuller
@@ -338,6 +339,20 @@ class ImageService:
     def scratch(self, prefix: str) -> contextlib.AbstractContextManager[Path]:
         """An empty directory in the builder's work dir, removed afterwards whatever happens."""
         return self._builder.scratch(prefix)
+
+    async def ensure_base_image(self, name: str) -> ImageInfo:
+        """One of corral/images/bases.py's images, built into the node's store if it is missing (in a thread; once
+        per node, under the store's build lock), then known here."""
+
+        def build() -> None:
+            with self._builder.scratch("base-") as work_dir:
+                ensure_base_images(
+                    self._catalogue.store, [name], work_dir=work_dir, progress=lambda line: log.info("images: %s", line)
+                )
+            self._catalogue.sync_from_store()
+
+        await asyncio.to_thread(build)
+        return image_info(self._catalogue.resolve(name))
 
     def build_layer_tree(
         self, make_tree: Callable[[Path], None], *, kind: str, parents: tuple[str, ...], source: dict[str, Any],

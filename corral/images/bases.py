@@ -5,7 +5,14 @@ busybox; ``debian-12`` is a debootstrap minbase with bash, python3 and git
 (about a minute). ``ensure_base_images()`` builds whichever is missing into
 the node's LayerStore under a file lock, so concurrent setups build once.
 
-Both images carry the same identity: root, ``user`` (uid 1000, home
+``debian-12-toolchains`` is debian-12's packages plus Debian's C, C++, Java,
+Go and Node.js toolchains, with Go's build cache filled for the standard
+library (so a first ``go build`` in a sandbox compiles only its own code):
+the SandboxFusion API (corral/gateway/sandbox_fusion.py) runs compiled
+languages on it. It is large (see TOOLCHAIN_PACKAGES), so setup builds it only
+when asked, and the server builds it on first use.
+
+Every image carries the same identity: root, ``user`` (uid 1000, home
 /home/user) and ``nobody``; hostname ``corral``; a localhost-only
 /etc/hosts; an empty /etc/resolv.conf for the runtime to fill (the host's
 would leak node-specific resolvers into a shared image).
@@ -37,6 +44,10 @@ from corral.sdk._exceptions import CorralError, InvalidRequest, NotFound
 __all__ = [
     "BASE_IMAGE_NAMES",
     "CHECK_HAS_WORK",
+    "GO_CACHE_DIR",
+    "KNOWN_IMAGE_NAMES",
+    "TOOLCHAIN_IMAGE",
+    "TOOLCHAIN_PACKAGES",
     "DEBIAN_PACKAGES",
     "DEFAULT_STORE_DIR",
     "DEFAULT_WORK_DIR",
@@ -54,6 +65,11 @@ CHECK_HAS_WORK = 10
 DEBIAN_PACKAGES = ("bash", "python3", "git", "ca-certificates", "coreutils")
 # A whole operating system for backend="vm": the same packages plus an init system to hand PID 1 to.
 SYSTEMD_PACKAGES = (*DEBIAN_PACKAGES, "systemd-sysv")
+TOOLCHAIN_IMAGE = "debian-12-toolchains"
+TOOLCHAIN_PACKAGES = (*DEBIAN_PACKAGES, "gcc", "g++", "libc6-dev", "default-jdk-headless", "golang-go", "nodejs")
+KNOWN_IMAGE_NAMES = (*BASE_IMAGE_NAMES, TOOLCHAIN_IMAGE)
+GO_CACHE_DIR = "/var/cache/go-build"  # GOCACHE in the image: sandboxes must set the same (and CGO_ENABLED=0)
+_GO_WARM_TIMEOUT_S = 1200.0
 DEFAULT_STORE_DIR = Path("/var/lib/corral/layers")
 DEFAULT_WORK_DIR = Path("/var/tmp/corral-build")
 DEFAULT_DEBIAN_MIRROR = "http://deb.debian.org/debian"
@@ -200,9 +216,9 @@ def ensure_base_images(
 ) -> list[ImageRecord]:
     """Return ``name:latest`` for each name, building (once per node) what is missing."""
     report: Progress = progress or (lambda message: None)
-    unknown = [name for name in names if name not in BASE_IMAGE_NAMES]
+    unknown = [name for name in names if name not in KNOWN_IMAGE_NAMES]
     if unknown:
-        raise InvalidRequest(f"unknown base image(s) {', '.join(unknown)}; known: {', '.join(BASE_IMAGE_NAMES)}")
+        raise InvalidRequest(f"unknown base image(s) {', '.join(unknown)}; known: {', '.join(KNOWN_IMAGE_NAMES)}")
     records: dict[str, ImageRecord] = {}
     for name in names:
         with contextlib.suppress(NotFound):
@@ -254,12 +270,39 @@ def _base_image_plan(name: str, work_dir: Path) -> tuple[str, Callable[[Path], N
         return "rootfs from the host's busybox-static (a second)", build_busybox_rootfs, version
     mirror = debian_mirror("bookworm")
     log_path = work_dir / f"{name}.debootstrap.log"
-    packages = SYSTEMD_PACKAGES if name == "debian-12-systemd" else DEBIAN_PACKAGES
-    build = functools.partial(
+    packages = {"debian-12-systemd": SYSTEMD_PACKAGES, TOOLCHAIN_IMAGE: TOOLCHAIN_PACKAGES}.get(name, DEBIAN_PACKAGES)
+    debootstrap = functools.partial(
         build_debian_rootfs, suite="bookworm", packages=packages, mirror=mirror, log_path=log_path
     )
     source = f"debootstrap --variant=minbase --include={','.join(packages)} bookworm {mirror}"
-    return f"debootstrap bookworm from {mirror} (about 1 minute; log {log_path})", build, source
+    if name != TOOLCHAIN_IMAGE:
+        return f"debootstrap bookworm from {mirror} (about 1 minute; log {log_path})", debootstrap, source
+
+    def build(rootfs: Path) -> None:
+        debootstrap(rootfs)
+        _warm_go_cache(rootfs, log_path)
+
+    return f"debootstrap bookworm with toolchains from {mirror} (minutes; log {log_path})", build, source
+
+
+def _warm_go_cache(rootfs: Path, log_path: Path) -> None:
+    """Compile Go's standard library into the image's build cache (chrooted; the environment sandboxes use)."""
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/root", "GOCACHE": GO_CACHE_DIR, "CGO_ENABLED": "0",
+           "GOFLAGS": "", "GOTOOLCHAIN": "local"}  # fmt: skip
+    chroot = shutil.which("chroot", path=_SBIN_PATH) or "/usr/sbin/chroot"
+    with open(log_path, "ab") as log:
+        returncode = _run_process_group(
+            [chroot, str(rootfs), "go", "build", "std"], log, env=env, timeout_s=_GO_WARM_TIMEOUT_S
+        )
+    if returncode != 0:
+        raise RuntimeError(f"go build std in the toolchain image failed ({returncode}); see {log_path}")
+    cache = rootfs / GO_CACHE_DIR.lstrip("/")
+    os.chmod(cache, 0o777)
+    for dirpath, dirnames, filenames in os.walk(cache):  # a sandbox's user (any uid) adds its own entries
+        for name in dirnames:
+            os.chmod(os.path.join(dirpath, name), 0o777)
+        for name in filenames:
+            os.chmod(os.path.join(dirpath, name), 0o666)
 
 
 def _describe(record: ImageRecord) -> str:
@@ -406,7 +449,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--store", type=Path, default=DEFAULT_STORE_DIR, help="layer store root")
     parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR, help="scratch space for rootfs trees")
-    parser.add_argument("names", nargs="*", help=f"images to ensure (default: {' '.join(BASE_IMAGE_NAMES)})")
+    parser.add_argument(
+        "names",
+        nargs="*",
+        help=f"images to ensure, of {' '.join(KNOWN_IMAGE_NAMES)} (default: {' '.join(BASE_IMAGE_NAMES)})",
+    )
     parser.add_argument(
         "--check", action="store_true", help=f"build nothing; say what is missing (exit {CHECK_HAS_WORK} if any)"
     )

@@ -102,6 +102,7 @@ def test_check_with_tools_and_images_missing_says_what_it_would_install(hiding: 
     ]  # fmt: skip
     assert "install runsc from bookworm-backports (have: none)" in plan
     assert f"build base images into {node_dir}/layers: busybox debian-12 debian-12-systemd" in plan
+    assert f"build base images into {node_dir}/layers: debian-12-toolchains" in plan  # the SandboxFusion compilers
     assert any(line.startswith("build the E2B template e2b-base") for line in plan)
     assert "compile corral-agent and corral-launch" in plan
     assert run.stdout.rstrip().endswith(f"setup: {len(plan)} step(s) would run; scripts/setup.sh does them")
