@@ -15,6 +15,7 @@ is off.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -298,9 +299,9 @@ class LocalCluster:
             assert gateway.process is not None
             state.gateway_pid, state.gateway_url = gateway.process.pid, gateway.url
             state.save()
-            for index in range(1, nodes + 1):
-                progress(f"joining node e{index} ({index}/{nodes})")
-                self.add_node(f"e{index}")
+            if nodes:
+                progress(f"joining {nodes} node{'s' if nodes > 1 else ''}")
+                self.add_nodes({f"e{index}": {} for index in range(1, nodes + 1)})
         except BaseException:
             self.down()
             raise
@@ -310,6 +311,35 @@ class LocalCluster:
         self, edge_id: str, labels: dict[str, str] | None = None, settings: dict[str, str] | None = None
     ) -> NodeProcess:
         """Join a node; ``settings``: ``CORRAL_*`` of this node only, over the cluster's node settings."""
+        node = self._record(self._start_node(edge_id, labels, settings))
+        self._wait_until_up(edge_id)
+        return node
+
+    def add_nodes(self, nodes: dict[str, dict[str, str]]) -> list[NodeProcess]:
+        """Join several nodes (edge id -> labels) side by side, then wait until each heartbeats. Every node that
+        started is recorded (so ``down`` stops it) before the first failure, if any, is raised."""
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(nodes))) as pool:
+            starts = [pool.submit(self._start_node, edge_id, labels, None) for edge_id, labels in nodes.items()]
+        joined, failures = [], []
+        for start in starts:
+            try:
+                joined.append(self._record(start.result()))
+            except Exception as exc:
+                failures.append(exc)
+        if failures:
+            raise failures[0]
+        for edge_id in nodes:
+            self._wait_until_up(edge_id)
+        return joined
+
+    def _record(self, node: NodeProcess) -> NodeProcess:
+        state = self._state()
+        state.nodes[node.edge_id] = node
+        state.save()
+        return node
+
+    def _start_node(self, edge_id: str, labels: dict[str, str] | None, settings: dict[str, str] | None) -> NodeProcess:
+        """Start a node's raylet and edge actor (blocking until the actor runs; before the node heartbeats)."""
         state = self._state()
         data_dir = self.directory / "nodes" / edge_id
         node_dir = self._node_dir or data_dir / "node"
@@ -324,11 +354,7 @@ class LocalCluster:
             ray_args=["--node-ip-address", node_address, "--object-store-memory", str(100 << 20),
                       "--temp-dir", str(self._ray_temp_dir())],
         )  # fmt: skip
-        node = NodeProcess(edge_id=edge_id, session=process.pid, data_dir=str(data_dir), labels=labels or {})
-        state.nodes[edge_id] = node
-        state.save()
-        self._wait_until_up(edge_id)
-        return node
+        return NodeProcess(edge_id=edge_id, session=process.pid, data_dir=str(data_dir), labels=labels or {})
 
     def _wait_until_up(self, edge_id: str) -> None:
         deadline = time.monotonic() + NODE_UP_TIMEOUT_S

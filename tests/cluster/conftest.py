@@ -51,8 +51,7 @@ def local_test_cluster(
     )
     local.up(0)
     try:
-        for edge_id, labels in nodes.items():
-            local.add_node(edge_id, labels=labels)
+        local.add_nodes(nodes)
         yield local
     finally:
         local.down()
