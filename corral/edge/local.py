@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from corral import tracing
 from corral.backends.base import (
     Backend,
     Checkpointing,
@@ -346,10 +347,13 @@ class LocalEdge:
         return self._host_reading[1]
 
     async def create(self, spec: SandboxSpec) -> str | None:
-        await self._admit(spec)
+        with tracing.span("corral.edge.admission", sandbox_id=spec.sandbox_id, edge_id=self.edge_id):
+            await self._admit(spec)
         self._starting.add(spec.sandbox_id)
         try:
-            note = await self._backend.create(spec)
+            with tracing.span("corral.edge.backend_start", sandbox_id=spec.sandbox_id, backend=spec.backend,
+                              edge_id=self.edge_id):  # fmt: skip
+                note = await self._backend.create(spec)
             if spec.sandbox_id in self._cancelled:
                 await self._backend.destroy(spec.sandbox_id)
                 raise SandboxGone(f"sandbox {spec.sandbox_id} was killed while it was starting")
@@ -496,14 +500,20 @@ class LocalEdge:
             command.exit = event
 
     async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
-        sandbox = await self._active(sandbox_id)
-        command = self._start(sandbox, request)
-        try:
-            async for event in command.running.events():
-                self._record(command, event)
-        finally:
-            sandbox.commands.pop(command.command_id, None)
-        return command.result()
+        with tracing.span("corral.edge.exec", sandbox_id=sandbox_id, edge_id=self.edge_id) as span:
+            sandbox = await self._active(sandbox_id)
+            span.set("backend", sandbox.spec.backend)
+            command = self._start(sandbox, request)
+            try:
+                with tracing.span("corral.agent.command", sandbox_id=sandbox_id) as agent:  # to the agent and back
+                    async for event in command.running.events():
+                        self._record(command, event)
+                    result = command.result()
+                    if result.exit_code is not None:  # None: it timed out or was killed
+                        agent.set("exit_code", result.exit_code)
+            finally:
+                sandbox.commands.pop(command.command_id, None)
+            return result
 
     async def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
         sandbox = await self._active(sandbox_id)

@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
+from corral import tracing
 from corral.backends.base import Capability, LayerRef, SandboxSpec, offer_key, setuid_allowed
 from corral.edge.adoption import end_stale, readopt
 from corral.edge.local import to_allow_rules
@@ -460,10 +461,18 @@ class SandboxService:
     ) -> SandboxInfo:
         """``restore_from``: a checkpoint directory on edge ``on_edge``'s node (a fork of a VM or gVisor sandbox:
         memory, processes, disk), so the sandbox starts there."""
-        await self._pull_missing(request)
-        async with self._layers_here(request):
-            request, image_name, layers = self._prepare(request)
-            return await self._create_placed(request, image_name, layers, restore_from=restore_from, on_edge=on_edge)
+        with tracing.span("corral.sandbox.create", backend=request.backend) as span:
+            async with contextlib.AsyncExitStack() as layers_held:
+                with tracing.span("corral.sandbox.create.image"):  # pulled, fetched, resolved to layer files
+                    await self._pull_missing(request)
+                    await layers_held.enter_async_context(self._layers_here(request))
+                    request, image_name, layers = self._prepare(request)
+                info = await self._create_placed(
+                    request, image_name, layers, restore_from=restore_from, on_edge=on_edge
+                )
+            span.set("sandbox_id", info.id)
+            span.set("edge_id", info.edge_id)
+            return info
 
     @contextlib.asynccontextmanager
     async def _layers_here(self, request: CreateSandboxRequest) -> AsyncIterator[None]:
@@ -499,12 +508,14 @@ class SandboxService:
         refused: dict[str, str] = {}  # edge id -> why it refused
         while True:
             try:
-                edge_id = on_edge or self.scheduler.place(
-                    cpu=request.cpu, memory_mb=request.memory_mb, backend=request.backend,
-                    runtime=request.runtime or self._default_runtime,
-                    layers=digests, selector=request.node_selector, exclude=frozenset(refused),
-                    max_in_flight=max_in_flight,
-                )  # fmt: skip
+                with tracing.span("corral.sandbox.create.placement") as placement:
+                    edge_id = on_edge or self.scheduler.place(
+                        cpu=request.cpu, memory_mb=request.memory_mb, backend=request.backend,
+                        runtime=request.runtime or self._default_runtime,
+                        layers=digests, selector=request.node_selector, exclude=frozenset(refused),
+                        max_in_flight=max_in_flight,
+                    )  # fmt: skip
+                    placement.set("edge_id", edge_id)
             except NodesBusy:
                 self._create_finished.clear()
                 await self._create_finished.wait()
@@ -554,7 +565,9 @@ class SandboxService:
             try:
                 await self._writes.insert(record)
                 try:
-                    note = await self.edge(spec.sandbox_id).create(spec)
+                    with tracing.span("corral.sandbox.create.start", sandbox_id=spec.sandbox_id, edge_id=edge_id,
+                                      backend=request.backend):  # fmt: skip
+                        note = await self.edge(spec.sandbox_id).create(spec)
                 finally:
                     self.scheduler.started(spec.sandbox_id)
                     self._create_finished.set()
