@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from prometheus_client.core import Metric
+
 from corral import tracing
 from corral.backends.base import (
     Backend,
@@ -38,6 +40,7 @@ from corral.backends.base import (
 from corral.backends.common.network import AllowRule
 from corral.backends.vm.memory import ksm_merged_bytes
 from corral.edge.host_readings import HostReadings, read_host
+from corral.edge.metrics import CountedEvents, EdgeMetrics
 from corral.edge.protocol import EdgeEvents
 from corral.guard.audit import classify_changes
 from corral.sdk._exceptions import CapacityExhausted, InvalidRequest, NotFound, SandboxGone
@@ -192,7 +195,8 @@ class LocalEdge:
         self._read_host = host_reader
         self._backend = backend
         self._capacity = capacity
-        self._events = events
+        self.metrics = EdgeMetrics(edge_id)
+        self._events = CountedEvents(events, self.metrics)  # what it does on its own, counted where it happens
         self._sandboxes: dict[str, _Sandbox] = {}
         self._starting: set[str] = set()
         self._committed = _Commitments()
@@ -347,6 +351,7 @@ class LocalEdge:
         return self._host_reading[1]
 
     async def create(self, spec: SandboxSpec) -> str | None:
+        started_s = time.perf_counter()
         with tracing.span("corral.edge.admission", sandbox_id=spec.sandbox_id, edge_id=self.edge_id):
             await self._admit(spec)
         self._starting.add(spec.sandbox_id)
@@ -364,7 +369,11 @@ class LocalEdge:
             self._starting.discard(spec.sandbox_id)
             self._cancelled.discard(spec.sandbox_id)
         self._track(spec)
+        self.metrics.started(spec.backend, time.perf_counter() - started_s)
         return note
+
+    async def metric_families(self) -> list[Metric]:
+        return self.metrics.families()
 
     def _track(self, spec: SandboxSpec) -> _Sandbox:
         self._committed.add(spec)
