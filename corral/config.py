@@ -30,6 +30,12 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="The least severe log lines written (info: every create, kill, pause and resume)."
     )
+    otel_traces: bool = Field(
+        False,
+        description="Export OpenTelemetry traces of sandbox create and exec (needs `pip install 'corral[otel]'`) "
+        "over OTLP/HTTP to OTEL_EXPORTER_OTLP_ENDPOINT (default http://localhost:4318), as OTEL_SERVICE_NAME "
+        "(default corral); off, OpenTelemetry is not even imported (docs/observability.md).",
+    )
     http_keepalive_s: int = Field(
         620,
         gt=0,

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
+from corral import tracing
 from corral.config import Settings
 from corral.edge.protocol import Edge
 from corral.gateway.app import create_app
@@ -127,6 +128,7 @@ def registry_config(settings: Settings) -> RegistryConfig:
 def serve(settings: Settings) -> None:
     tune_gc()
     configure_logging(settings.log_format, settings.log_level, settings.edge_id)
+    tracing.configure(settings.otel_traces)
     if settings.engine == "ray":
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         host = None
@@ -220,3 +222,4 @@ def serve(settings: Settings) -> None:
         log_config=None,  # its lines go through configure_logging's handler (text or JSON)
         timeout_keep_alive=settings.http_keepalive_s,
     )
+    tracing.shutdown()  # the spans of the last requests

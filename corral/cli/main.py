@@ -12,6 +12,7 @@ import datetime
 import io
 import json
 import posixpath
+import re
 import shlex
 import sys
 import tarfile
@@ -27,6 +28,7 @@ from rich.progress import (
     DownloadColumn,
     MofNCompleteColumn,
     Progress,
+    SpinnerColumn,
     TextColumn,
     TimeElapsedColumn,
     TransferSpeedColumn,
@@ -389,27 +391,39 @@ def images_build(
         options.update(path=source, commit=commit, workspace_path=workspace_path)
     elif source is not None:
         options.update(path=source)
-    with console.status(f"building {name}") as status:
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+               TextColumn("{task.fields[line]}", markup=False))  # fmt: skip
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
+        bar = progress.add_task(f"building {name}", total=None, line="")
 
-        def show(line: str) -> None:
+        def show(line: str) -> None:  # a build of this kind knows no step count: a spinner, the time, the last line
             console.print(line, style="dim", markup=False, highlight=False)
-            status.update(f"building {name}: {line[:60]}")
+            progress.update(bar, line=line[:60])
 
         image = _client().images.build(name, build_kind, on_progress=show, **options)
     console.print(f"built {image.name}: {len(image.layers)} layers, {_size(image.size_bytes)} MiB")
 
 
+_STEP_LINE = re.compile(r"Step (\d+)/(\d+) : (.*)")
+
+
 def _build_dockerfile(
     name: str, dockerfile: str, *, context: Path | None, build_args: dict[str, str], target: str | None, no_cache: bool
 ) -> None:
-    """One line per Dockerfile step ("Step 3/9 : RUN ...", "(cached)" when its layer was built before)."""
-    with console.status(f"building {name}") as status:
+    """One line per Dockerfile step ("Step 3/9 : RUN ...", "(cached)" when its layer was built before), and the
+    lines of what the steps print; in a terminal, under them a bar of steps done, the current step and the time
+    taken (CI logs and pipes get the lines alone)."""
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[step]}", markup=False))  # fmt: skip
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
+        bar = progress.add_task(f"building {name}", total=None, step="")
 
         def show(line: str) -> None:
-            step = line.startswith("Step ")
+            step = _STEP_LINE.match(line)
             console.print(line, style="bold" if step else "dim", markup=False, highlight=False)
             if step:
-                status.update(f"building {name}: {line[:70]}")
+                done, total, instruction = int(step[1]) - 1, int(step[2]), step[3]
+                progress.update(bar, completed=done, total=total, step=instruction[:60])
 
         image = _client().images.build_dockerfile(
             name, dockerfile, context=context.resolve() if context else None, build_args=build_args, target=target,

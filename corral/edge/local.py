@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from prometheus_client.core import Metric
+
+from corral import tracing
 from corral.backends.base import (
     Backend,
     Capability,
@@ -40,6 +43,7 @@ from corral.backends.base import (
 from corral.backends.common.network import AllowRule
 from corral.backends.vm.memory import ksm_merged_bytes
 from corral.edge.host_readings import HostReadings, read_host
+from corral.edge.metrics import CountedEvents, EdgeMetrics
 from corral.edge.protocol import EdgeEvents
 from corral.guard.audit import classify_changes
 from corral.sdk._exceptions import CapacityExhausted, InvalidRequest, NotFound, SandboxGone
@@ -201,7 +205,8 @@ class LocalEdge:
         self._read_host = host_reader
         self._backend = backend
         self._capacity = capacity
-        self._events = events
+        self.metrics = EdgeMetrics(edge_id)
+        self._events = CountedEvents(events, self.metrics)  # what it does on its own, counted where it happens
         self._sandboxes: dict[str, _Sandbox] = {}
         self._starting: set[str] = set()
         self._committed = _Commitments()
@@ -356,10 +361,14 @@ class LocalEdge:
         return self._host_reading[1]
 
     async def create(self, spec: SandboxSpec) -> str | None:
-        await self._admit(spec)
+        started_s = time.perf_counter()
+        with tracing.span("corral.edge.admission", sandbox_id=spec.sandbox_id, edge_id=self.edge_id):
+            await self._admit(spec)
         self._starting.add(spec.sandbox_id)
         try:
-            note = await self._backend.create(spec)
+            with tracing.span("corral.edge.backend_start", sandbox_id=spec.sandbox_id, backend=spec.backend,
+                              edge_id=self.edge_id):  # fmt: skip
+                note = await self._backend.create(spec)
             if spec.sandbox_id in self._cancelled:
                 await self._backend.destroy(spec.sandbox_id)
                 raise SandboxGone(f"sandbox {spec.sandbox_id} was killed while it was starting")
@@ -370,7 +379,11 @@ class LocalEdge:
             self._starting.discard(spec.sandbox_id)
             self._cancelled.discard(spec.sandbox_id)
         self._track(spec)
+        self.metrics.started(spec.backend, time.perf_counter() - started_s)
         return note
+
+    async def metric_families(self) -> list[Metric]:
+        return self.metrics.families()
 
     def _track(self, spec: SandboxSpec) -> _Sandbox:
         self._committed.add(spec)
@@ -516,14 +529,20 @@ class LocalEdge:
             command.exit = event
 
     async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
-        sandbox = await self._active(sandbox_id)
-        command = self._start(sandbox, request)
-        try:
-            async for event in command.running.events():
-                self._record(command, event)
-        finally:
-            sandbox.commands.pop(command.command_id, None)
-        return command.result()
+        with tracing.span("corral.edge.exec", sandbox_id=sandbox_id, edge_id=self.edge_id) as span:
+            sandbox = await self._active(sandbox_id)
+            span.set("backend", sandbox.spec.backend)
+            command = self._start(sandbox, request)
+            try:
+                with tracing.span("corral.agent.command", sandbox_id=sandbox_id) as agent:  # to the agent and back
+                    async for event in command.running.events():
+                        self._record(command, event)
+                    result = command.result()
+                    if result.exit_code is not None:  # None: it timed out or was killed
+                        agent.set("exit_code", result.exit_code)
+            finally:
+                sandbox.commands.pop(command.command_id, None)
+            return result
 
     async def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
         sandbox = await self._active(sandbox_id)

@@ -15,7 +15,7 @@ import re
 import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from corral.backends.base import SandboxSpec
 from corral.sdk._exceptions import NotFound
@@ -29,6 +29,9 @@ from corral.sdk._models import (
     NetworkRule,
     NodeStats,
 )
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 __all__ = ["EDGE_METHODS", "Edge", "EdgeDirectory", "EdgeEvents", "new_sandbox_id", "edge_of"]
 
@@ -72,6 +75,9 @@ class Edge(Protocol):
 
     async def stats(self) -> NodeStats:
         """What runs on the node, what is promised and used, and its pressure."""
+
+    async def metric_families(self) -> list[Metric]:
+        """The edge's own Prometheus counters and histograms (edge/metrics.py), for a gateway's scrape."""
 
     async def create(self, spec: SandboxSpec) -> str | None:
         """Admit and start a sandbox; raises CapacityExhausted if this node refuses. Returns a status note."""

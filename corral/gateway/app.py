@@ -244,6 +244,7 @@ def create_app(  # type: ignore[no-untyped-def]
         layers = await asyncio.to_thread(images.layers)
         levels = Levels(
             nodes=await svc.node_stats(),
+            edges=await svc.edge_metric_families(),
             pools=fncalls.stats(),
             layer_cache_bytes=sum(layer.size_bytes for layer in layers),
             layer_count=len(layers),

@@ -5,7 +5,8 @@ latencies) are counted where they happen, in this process, by prometheus-client'
 histograms. Levels (sandboxes per state, memory committed and resident, PSI, pool sizes, layer cache
 bytes) are read from the nodes when Prometheus scrapes, so a scrape shows the node as it is now and
 nothing has to keep gauges in step with the state. Every metric of a node carries its ``edge_id``;
-on a Ray cluster each gateway reports the nodes it sees, labelled the same way.
+on a Ray cluster each gateway reports the nodes it sees, labelled the same way. Each edge also counts what
+it does on its own (edge/metrics.py); a scrape asks every live edge for those samples and serves them here.
 
 The registry belongs to the service (not prometheus-client's global one), so several servers in one
 process (benchmarks, tests) keep separate counts.
@@ -22,14 +23,14 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from corral.edge.metrics import CREATE_BUCKETS_S
 from corral.sdk._models import NodeStats, PoolStats
 
 __all__ = ["CONTENT_TYPE", "GatewayMetrics", "Levels"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-# Sandbox creates take 10 ms (a warm container) to a minute (a cold VM image); execs 1 ms up.
-_CREATE_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Requests take from 1 ms (an exec of `true`) up.
 _REQUEST_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _MB = 1 << 20
 
@@ -39,6 +40,7 @@ class Levels:
     """What the nodes report now, read by the scrape handler (which awaits the nodes) before rendering."""
 
     nodes: list[NodeStats]
+    edges: list[Metric]  # each edge's own counters and histograms, edge_id-labelled (edge/metrics.py)
     pools: list[PoolStats]
     layer_cache_bytes: int
     layer_count: int
@@ -67,7 +69,7 @@ class GatewayMetrics:
             "corral_sandbox_create_duration_seconds",
             "Time from placement to a running sandbox, by backend (pulls and layer fetches excluded).",
             ["backend"],
-            buckets=_CREATE_BUCKETS_S,
+            buckets=CREATE_BUCKETS_S,
             registry=self.registry,
         )
         self.refusals = Counter(
@@ -123,12 +125,24 @@ class _LevelCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield from _node_families(self._levels.nodes)
+        yield from _merged(self._levels.edges)
         yield from _pool_families(self._levels.pools)
         cache = GaugeMetricFamily("corral_layer_cache_bytes", "Bytes of the layer store on this gateway's disk.")
         cache.add_metric([], self._levels.layer_cache_bytes)
         layers = GaugeMetricFamily("corral_layer_cache_layers", "Layers in this gateway's layer store.")
         layers.add_metric([], self._levels.layer_count)
         yield from (cache, layers)
+
+
+def _merged(families: Iterable[Metric]) -> Iterator[Metric]:
+    """The edges' families joined by name: one family (one HELP and TYPE) holds every edge's samples."""
+    joined: dict[str, Metric] = {}
+    for family in families:
+        into = joined.get(family.name)
+        if into is None:
+            into = joined[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+        into.samples.extend(family.samples)
+    yield from joined.values()
 
 
 def _gauge(name: str, documentation: str, labels: list[str] | None = None) -> GaugeMetricFamily:

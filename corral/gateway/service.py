@@ -17,6 +17,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
+from prometheus_client.core import Metric
+
+from corral import tracing
 from corral.backends.base import Capability, LayerRef, SandboxSpec, offer_key, setuid_allowed
 from corral.edge.adoption import end_stale, readopt
 from corral.edge.local import to_allow_rules
@@ -72,6 +75,7 @@ _ROOTS_CACHED = 1024
 _TOUCH_EVERY_S = 60.0  # a layer's last use (LRU eviction order) is recorded at most this often
 _PROGRESS_EVERY = 1000  # a progress line per this many results
 _EVENTS_PRUNE_EVERY_S = 300.0  # events older than the retention are deleted this often
+_EDGE_SCRAPE_TIMEOUT_S = 5.0  # a scrape leaves out a remote edge's metrics that take longer (Prometheus waits 10 s)
 
 
 class _GroupCommit:
@@ -460,10 +464,18 @@ class SandboxService:
     ) -> SandboxInfo:
         """``restore_from``: a checkpoint directory on edge ``on_edge``'s node (a fork of a VM or gVisor sandbox:
         memory, processes, disk), so the sandbox starts there."""
-        await self._pull_missing(request)
-        async with self._layers_here(request):
-            request, image_name, layers = self._prepare(request)
-            return await self._create_placed(request, image_name, layers, restore_from=restore_from, on_edge=on_edge)
+        with tracing.span("corral.sandbox.create", backend=request.backend) as span:
+            async with contextlib.AsyncExitStack() as layers_held:
+                with tracing.span("corral.sandbox.create.image"):  # pulled, fetched, resolved to layer files
+                    await self._pull_missing(request)
+                    await layers_held.enter_async_context(self._layers_here(request))
+                    request, image_name, layers = self._prepare(request)
+                info = await self._create_placed(
+                    request, image_name, layers, restore_from=restore_from, on_edge=on_edge
+                )
+            span.set("sandbox_id", info.id)
+            span.set("edge_id", info.edge_id)
+            return info
 
     @contextlib.asynccontextmanager
     async def _layers_here(self, request: CreateSandboxRequest) -> AsyncIterator[None]:
@@ -499,12 +511,14 @@ class SandboxService:
         refused: dict[str, str] = {}  # edge id -> why it refused
         while True:
             try:
-                edge_id = on_edge or self.scheduler.place(
-                    cpu=request.cpu, memory_mb=request.memory_mb, backend=request.backend,
-                    runtime=request.runtime or self._default_runtime,
-                    layers=digests, selector=request.node_selector, exclude=frozenset(refused),
-                    max_in_flight=max_in_flight,
-                )  # fmt: skip
+                with tracing.span("corral.sandbox.create.placement") as placement:
+                    edge_id = on_edge or self.scheduler.place(
+                        cpu=request.cpu, memory_mb=request.memory_mb, backend=request.backend,
+                        runtime=request.runtime or self._default_runtime,
+                        layers=digests, selector=request.node_selector, exclude=frozenset(refused),
+                        max_in_flight=max_in_flight,
+                    )  # fmt: skip
+                    placement.set("edge_id", edge_id)
             except NodesBusy:
                 self._create_finished.clear()
                 await self._create_finished.wait()
@@ -554,7 +568,9 @@ class SandboxService:
             try:
                 await self._writes.insert(record)
                 try:
-                    note = await self.edge(spec.sandbox_id).create(spec)
+                    with tracing.span("corral.sandbox.create.start", sandbox_id=spec.sandbox_id, edge_id=edge_id,
+                                      backend=request.backend):  # fmt: skip
+                        note = await self.edge(spec.sandbox_id).create(spec)
                 finally:
                     self.scheduler.started(spec.sandbox_id)
                     self._create_finished.set()
@@ -671,17 +687,32 @@ class SandboxService:
     def cluster_nodes(self) -> builtins.list[ClusterNode]:
         return [ClusterNode.model_validate(row) for row in self._store.nodes()]
 
+    def _remote_up(self) -> builtins.list[Edge]:
+        """The remote nodes placement uses now (up, heartbeating)."""
+        if self._remote is None:
+            return []
+        return [self._remote.get(edge_id) for edge_id in self.scheduler.nodes if edge_id not in self._edges]
+
     async def node_stats(self) -> builtins.list[NodeStats]:
         """Stats of this process's edges, and of every remote node that is up and answers."""
         stats = [await edge.stats() for edge in self._edges.values()]
         if self._layer_fetcher is not None:  # this node caches layers fetched from a layer source
             cached = await asyncio.to_thread(self._layer_fetcher.cache_bytes)
             stats = [node.model_copy(update={"layer_cache_bytes": cached}) for node in stats]
-        if self._remote is not None:
-            remote = [self._remote.get(edge_id) for edge_id in self.scheduler.nodes if edge_id not in self._edges]
-            answers = await asyncio.gather(*(edge.stats() for edge in remote), return_exceptions=True)
-            stats += [answer for answer in answers if isinstance(answer, NodeStats)]
-        return stats
+        answers = await asyncio.gather(*(edge.stats() for edge in self._remote_up()), return_exceptions=True)
+        return stats + [answer for answer in answers if isinstance(answer, NodeStats)]
+
+    async def edge_metric_families(self) -> builtins.list[Metric]:
+        """Every edge's own counters and histograms (edge/metrics.py): this process's, and those of the remote
+        nodes that are up and answer within ``_EDGE_SCRAPE_TIMEOUT_S`` (one call each, all at once)."""
+        families = [family for edge in self._edges.values() for family in await edge.metric_families()]
+        asked = [asyncio.wait_for(edge.metric_families(), _EDGE_SCRAPE_TIMEOUT_S) for edge in self._remote_up()]
+        for answer in await asyncio.gather(*asked, return_exceptions=True):
+            if isinstance(answer, BaseException):
+                log.warning("an edge's metrics did not come: %s", answer)
+            else:
+                families += answer
+        return families
 
     async def save_checkpoint(self, sandbox_id: str) -> CheckpointInfo:
         self._raise_if_ended(self.get(sandbox_id))

@@ -24,6 +24,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
+from corral import tracing
+from corral.edge.protocol import edge_of
 from corral.gateway.service import SandboxService
 from corral.guard.audit import detect_in_command
 from corral.sdk._exceptions import CorralError, InvalidRequest, NotFound, SandboxGone, error_from_response
@@ -240,7 +242,10 @@ class Trajectories:
             edge_findings.extend(found)
             return result
 
-        return await self._logged(sandbox_id, request.step_id, "exec", body, run, ExecResult, edge_findings)
+        with tracing.span("corral.sandbox.exec", sandbox_id=sandbox_id, edge_id=edge_of(sandbox_id)) as span:
+            if tracing.enabled():  # a read of the record, paid only while tracing
+                span.set("backend", self._sandboxes.record(sandbox_id)["backend"])
+            return await self._logged(sandbox_id, request.step_id, "exec", body, run, ExecResult, edge_findings)
 
     async def start(self, sandbox_id: str, request: ExecRequest) -> CommandInfo:
         """A background command: logged when it starts (its output is read through /commands)."""

@@ -19,6 +19,7 @@ import pytest
 import corral
 from corral.embedded import EmbeddedServer
 from tests.conftest import REPO
+from tests.terminal import run_in_terminal
 
 MULTI_STAGE = """\
 ARG BASE=busybox
@@ -171,6 +172,7 @@ def test_cli_scratch_with_copy_from_a_stage(server: EmbeddedServer, tmp_path: Pa
     built = cli("images", "build", "df-scratch", "--dockerfile", str(context / "Dockerfile"))
     assert built.returncode == 0, built.stderr
     assert "Step 3/5 : COPY --from=tools /bin/busybox /bin/busybox" in built.stdout
+    assert "━" not in built.stdout and "\x1b" not in built.stdout, "piped output gets plain lines, no progress bar"
     assert "built df-scratch:latest: 2 layers" in built.stdout
     again = cli("images", "build", "df-scratch", "--dockerfile", str(context / "Dockerfile"))
     assert again.returncode == 0 and "COPY hello.txt /greeting/ (cached)" in again.stdout, again.stdout
@@ -184,6 +186,22 @@ def test_cli_scratch_with_copy_from_a_stage(server: EmbeddedServer, tmp_path: Pa
         result = sandbox.exec(["/bin/busybox", "sh", "-c", "cat $GREETING_DIR/hello.txt; /bin/busybox ls /"])
         assert result.stdout.split("\n", 1)[0] == "hi from scratch", result
         assert "bin" in result.stdout and "greeting" in result.stdout
+
+
+def test_cli_build_in_a_terminal_shows_a_progress_bar(server: EmbeddedServer, tmp_path: Path) -> None:
+    """In a terminal `corral images build --dockerfile` draws a bar (steps done of all, the current step, the time
+    taken) under the step lines; piped, the lines alone (test_cli_scratch_with_copy_from_a_stage)."""
+    context = _context(tmp_path, "FROM busybox\nRUN sleep 1 && echo one > /one\nRUN sleep 1\nENV BAR=1\n", {})
+    command = [sys.executable, "-m", "corral.cli.main", "images", "build", "df-bar", "--dockerfile",
+               str(context / "Dockerfile"), "--no-cache"]  # fmt: skip
+    code, plain = run_in_terminal(command, server.env(), REPO, timeout_s=120)
+    assert code == 0, plain[-3000:]
+    assert "Step 2/4 : RUN sleep 1 && echo one > /one" in plain and "built df-bar:latest" in plain
+    drawn = re.findall(r"building df-bar [━╺╸]+ (\d)/4 (\d+:\d\d:\d\d) (.+?)(?=building df-bar|Step |\r|\n|$)", plain)
+    assert drawn, plain[-3000:]
+    shown = {(done, step.strip()) for done, _, step in drawn}
+    assert {("1", "RUN sleep 1 && echo one > /one"), ("2", "RUN sleep 1"), ("3", "ENV BAR=1")} <= shown, shown
+    assert max(elapsed for _, elapsed, _ in drawn) >= "0:00:01", drawn  # the clock ran with the build
 
 
 def test_escape_directive_backtick(client: corral.Client, tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import gzip
 import io
 import json
 import os
+import re
 import subprocess
 import tarfile
 import time
@@ -19,6 +20,7 @@ import pytest
 
 import corral
 from corral.embedded import EmbeddedServer
+from tests.terminal import run_in_terminal
 
 
 def _tree(root: Path, files: dict[str, str]) -> Path:
@@ -255,6 +257,12 @@ def test_cli_build_import_tag_rm_snapshot(server: EmbeddedServer, tmp_path: Path
     assert built.returncode == 0 and "built cli-tools:1" in built.stdout, built.stderr
     commands = cli("images", "build", "cli-cmd", "--on", "busybox", "--run", "echo from-the-builder > /made")
     assert commands.returncode == 0 and "from-the-builder" not in commands.stderr, commands.stderr
+    assert "\x1b" not in commands.stdout, "piped: plain lines, no spinner"
+    argv = [sys.executable, "-m", "corral.cli.main", "images", "build", "cli-spin", "--on", "busybox", "--run",
+            "sleep 1.5; echo spun > /spun"]  # fmt: skip
+    code, screen = run_in_terminal(argv, server.env(), REPO, timeout_s=120)
+    assert code == 0 and "built cli-spin:latest" in screen, screen[-3000:]
+    assert re.search(r"building cli-spin 0:00:0[1-9]", screen), screen[-3000:]  # in a terminal: spinner and clock
     archive = tmp_path / "rootfs.tar"
     archive.write_bytes(_tar({"etc/": None, "etc/imported": b"yes\n"}))
     imported = cli("images", "import", str(archive), "cli-import", "--kind", "tools")

@@ -85,7 +85,7 @@ def test_open_files_are_bounded_and_cannot_be_raised(sandbox: corral.Sandbox) ->
     assert limits == ["16384", "16384"]
     raised = sandbox.exec("ulimit -n 16385 && echo raised")
     assert raised.exit_code != 0 and "raised" not in raised.stdout
-    lowered = sandbox.exec("ulimit -n 16 && for i in $(seq 3 40); do eval \"exec $i</dev/null\"; done")
+    lowered = sandbox.exec('ulimit -n 16 && for i in $(seq 3 40); do eval "exec $i</dev/null"; done')
     assert lowered.exit_code != 0 and "Too many open files" in lowered.stderr
 
 

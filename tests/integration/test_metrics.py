@@ -62,6 +62,23 @@ def test_metrics_move_with_a_sandboxs_life(server: EmbeddedServer, client: corra
     assert ("corral_node_pressure_avg10_percent", frozenset({("edge_id", "e0"), ("resource", "memory_full")})) in after
 
 
+def test_the_edge_counts_what_it_does_on_its_own(server: EmbeddedServer, client: corral.Client) -> None:
+    """The edge's own registry (edge/metrics.py): its starts, and a resume it did because an exec reached a paused
+    sandbox, labelled with its edge_id (on a Ray cluster: tests/cluster/test_cluster_metrics.py)."""
+    started = ("corral_edge_sandbox_start_duration_seconds_count", {"edge_id": "e0", "backend": "container"})
+    resumed = ("corral_edge_sandbox_operations_total", {"edge_id": "e0", "operation": "resumed"})
+    before = _scrape(server)
+    with client.create("busybox", memory_mb=64) as sandbox:
+        sandbox.pause()
+        assert sandbox.exec("echo back").stdout == "back\n"  # the edge resumes it first
+        after = _scrape(server)
+    assert _value(after, started[0], **started[1]) == _value(before, started[0], **started[1]) + 1
+    assert _value(after, resumed[0], **resumed[1]) == _value(before, resumed[0], **resumed[1]) + 1
+    bucket = _value(after, "corral_edge_sandbox_start_duration_seconds_bucket", edge_id="e0", backend="container",
+                    le="+Inf")  # fmt: skip
+    assert bucket == _value(after, started[0], **started[1])
+
+
 def test_unmatched_paths_share_one_label(server: EmbeddedServer) -> None:
     headers = {"Authorization": f"Bearer {server.api_key}"}
     for path in ("/no/such/path/1", "/no/such/path/2"):
