@@ -37,7 +37,12 @@ def _labels(items: list[str] | None) -> dict[str, str]:
 
 @cluster_app.command("up")
 def up(
-    nodes: Annotated[int, typer.Option(min=1, help="Nodes (raylets, each with an edge) to start.")] = 3,
+    nodes: Annotated[
+        int,
+        typer.Option(
+            min=0, help="Nodes (raylets, each with an edge) to start; 0: add them later with `corral cluster join`."
+        ),
+    ] = 3,
     directory: DirOption = DEFAULT_DIR,
     database_url: Annotated[
         str | None, typer.Option(help="Shared PostgreSQL; default: start one in the cluster dir.")
