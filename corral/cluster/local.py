@@ -15,7 +15,6 @@ is off.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import json
 import os
@@ -326,21 +325,9 @@ class LocalCluster:
         return node
 
     def add_nodes(self, nodes: dict[str, dict[str, str]]) -> list[NodeProcess]:
-        """Join several nodes (edge id -> labels) side by side, then wait until each heartbeats. Every node that
-        started is recorded (so ``down`` stops it) before the first failure, if any, is raised."""
-        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(nodes))) as pool:
-            starts = [pool.submit(self._start_node, edge_id, labels, None) for edge_id, labels in nodes.items()]
-        joined, failures = [], []
-        for start in starts:
-            try:
-                joined.append(self._record(start.result()))
-            except Exception as exc:
-                failures.append(exc)
-        if failures:
-            raise failures[0]
-        for edge_id in nodes:
-            self._wait_until_up(edge_id)
-        return joined
+        """Join several nodes (edge id -> labels), one after another: raylets joining the same head from one
+        machine at once fail to register ("Failed to get node info: Deadline Exceeded", seen here)."""
+        return [self.add_node(edge_id, labels=labels) for edge_id, labels in nodes.items()]
 
     def _record(self, node: NodeProcess) -> NodeProcess:
         state = self._state()
