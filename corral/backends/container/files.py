@@ -389,17 +389,17 @@ class ConfinedTree:
             raise InvalidRequest("the sandbox's root cannot be renamed, nor replaced")
         if (dst + "/").startswith(src + "/"):
             raise InvalidRequest(f"cannot move {src} into itself ({dst})")
-        with (
-            _translated(src),
-            self._parent(src) as (src_fd, src_name),
-            self._parent(dst, create=True) as (dst_fd, dst_name),
-        ):
-            os.stat(src_name, dir_fd=src_fd, follow_symlinks=False)  # a missing source names the source
-            with contextlib.suppress(FileNotFoundError):
-                if stat.S_ISDIR(os.stat(dst_name, dir_fd=dst_fd, follow_symlinks=False).st_mode):
-                    raise Conflict(f"already exists in sandbox as a directory: {dst}; remove it first")
-            os.rename(src_name, dst_name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
-            return self._info(dst_fd, dst_name, dst)
+        with _translated(src), self._parent(src) as (src_fd, src_name):
+            os.stat(src_name, dir_fd=src_fd, follow_symlinks=False)  # a missing source: nothing made for the dest
+            with _translated(dst), self._parent(dst, create=True) as (dst_fd, dst_name):
+                return self._rename_into(src_fd, src_name, dst_fd, dst_name, dst)
+
+    def _rename_into(self, src_fd: int, src_name: str, dst_fd: int, dst_name: str, dst: str) -> FileInfo:
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISDIR(os.stat(dst_name, dir_fd=dst_fd, follow_symlinks=False).st_mode):
+                raise Conflict(f"already exists in sandbox as a directory: {dst}; remove it first")
+        os.rename(src_name, dst_name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+        return self._info(dst_fd, dst_name, dst)
 
     def write_tar(self, path: str, fileobj: BinaryIO) -> None:
         """Uncompressed PAX tar of ``path``; directories recurse, symlinks are
