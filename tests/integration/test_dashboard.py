@@ -55,6 +55,14 @@ def _text_appears(driver: WebDriver, text: str, timeout_s: float = 30) -> str:
     return driver.find_element(By.ID, "view").text
 
 
+def _sign_in(driver: WebDriver, server: EmbeddedServer) -> str:
+    """Open the dashboard, give it the key, and wait for the first page (nodes); its text."""
+    driver.get(f"{server.url}/")
+    driver.find_element(By.ID, "key").send_keys(server.api_key)
+    driver.find_element(By.CSS_SELECTOR, "#login button").click()
+    return _text_appears(driver, "memory committed")
+
+
 def _screenshot(driver: WebDriver, name: str) -> None:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     path = ARTIFACTS / f"{name}.png"
@@ -70,10 +78,7 @@ def test_every_page_shows_the_servers_state(browser: WebDriver, server: Embedded
         sandbox.exec("echo dashboard-$((6*7))")
         sandbox.exec("sleep 3", timeout_s=0.3)  # an audit finding: timeout
 
-        browser.get(f"{server.url}/")
-        browser.find_element(By.ID, "key").send_keys(server.api_key)
-        browser.find_element(By.CSS_SELECTOR, "#login button").click()
-        nodes = _text_appears(browser, "memory committed")
+        nodes = _sign_in(browser, server)
         assert "e0" in nodes and "container" in nodes
         _screenshot(browser, "nodes")
 
@@ -99,10 +104,7 @@ def test_every_page_shows_the_servers_state(browser: WebDriver, server: Embedded
 
 
 def test_the_live_view_counts_a_burst(browser: WebDriver, server: EmbeddedServer, client: corral.Client) -> None:
-    browser.get(f"{server.url}/ui/")
-    browser.find_element(By.ID, "key").send_keys(server.api_key)
-    browser.find_element(By.CSS_SELECTOR, "#login button").click()
-    _text_appears(browser, "memory committed")
+    _sign_in(browser, server)
     browser.get(f"{server.url}/ui/#/burst")
     _text_appears(browser, "since this page opened")
     sandboxes = list(client.create_many(5, "busybox", memory_mb=64, labels={"dash-burst": "1"}))
@@ -123,10 +125,7 @@ def test_a_sandbox_page_opens_a_live_terminal(
     """xterm.js on the sandbox's page: typed keys reach a shell on the sandbox's terminal, its output is drawn,
     and leaving the page ends the shell."""
     with client.create("busybox", memory_mb=64) as sandbox:
-        browser.get(f"{server.url}/ui/")
-        browser.find_element(By.ID, "key").send_keys(server.api_key)
-        browser.find_element(By.CSS_SELECTOR, "#login button").click()
-        _text_appears(browser, "memory committed")
+        _sign_in(browser, server)
         browser.get(f"{server.url}/ui/#/sandbox/{sandbox.id}")
         _text_appears(browser, "Open a terminal")
         browser.find_element(By.ID, "open-terminal").click()

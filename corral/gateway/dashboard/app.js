@@ -33,8 +33,8 @@ const mib = (mb) => `${Math.round(mb)} MiB`;
 const when = (ts) => (ts ? new Date(ts * 1000).toLocaleTimeString() : "-");
 const pairs = (labels) => Object.entries(labels || {}).map(([k, v]) => `${k}=${v}`).join(", ");
 
-async function api(path) {
-  const response = await fetch(path, { headers: { Authorization: `Bearer ${sessionStorage.getItem(KEY_ITEM)}` } });
+// A response that is not ok as an Error with Corral's message (or the status); a refused key shows the login.
+async function checked(response) {
   if (response.status === 401) {
     sessionStorage.removeItem(KEY_ITEM);
     showLogin("That key was not accepted.");
@@ -45,7 +45,30 @@ async function api(path) {
     try { message = (await response.json()).error.message; } catch (_) { /* not a Corral error body */ }
     throw new Error(message);
   }
-  return response.json();
+  return response;
+}
+
+async function api(path) {
+  const response = await fetch(path, { headers: { Authorization: `Bearer ${sessionStorage.getItem(KEY_ITEM)}` } });
+  return (await checked(response)).json();
+}
+
+// Each NDJSON line of a streamed response, parsed, until the stream ends or is aborted (the page changed).
+async function eachLine(response, onEvent) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    let chunk;
+    try { chunk = await reader.read(); } catch (_) { return; } // aborted
+    if (chunk.done) return;
+    buffer += decoder.decode(chunk.value, { stream: true });
+    const lines = buffer.split("\n");
+    buffer = lines.pop();
+    for (const line of lines) {
+      if (line) onEvent(JSON.parse(line)); // blank lines are keepalives
+    }
+  }
 }
 
 function page(title, ...content) {
@@ -176,33 +199,16 @@ async function runTerminal(id, container) {
     body: JSON.stringify({ cmd: SHELL, pty: { rows: term.rows, cols: term.cols }, timeout_s: 86400,
       env: { TERM: "xterm-256color" } }),
   });
-  if (!response.ok) {
-    let message = `${response.status}`;
-    try { message = (await response.json()).error.message; } catch (_) { /* not a Corral error body */ }
-    throw new Error(message);
-  }
+  await checked(response);
   term.focus();
-  const reader = response.body.getReader();
-  const decoder = new TextDecoder();
-  let buffer = "";
-  for (;;) {
-    let chunk;
-    try { chunk = await reader.read(); } catch (_) { return; } // aborted: the page changed
-    if (chunk.done) return;
-    buffer += decoder.decode(chunk.value, { stream: true });
-    const lines = buffer.split("\n");
-    buffer = lines.pop();
-    for (const line of lines) {
-      if (!line) continue;
-      const event = JSON.parse(line);
-      if (event.type === "started") { commandId = event.command_id; flush(); }
-      else if (event.type === "stdout") term.write(event.data);
-      else if (event.type === "exit") {
-        const code = event.result ? event.result.exit_code : "?";
-        term.write(`\r\n[the shell ended: exit ${code}]\r\n`);
-      }
+  await eachLine(response, (event) => {
+    if (event.type === "started") { commandId = event.command_id; flush(); }
+    else if (event.type === "stdout") term.write(event.data);
+    else if (event.type === "exit") {
+      const code = event.result ? event.result.exit_code : "?";
+      term.write(`\r\n[the shell ended: exit ${code}]\r\n`);
     }
-  }
+  });
 }
 
 async function poolsPage() {
@@ -267,34 +273,21 @@ async function burstPage() {
   running = since.length;
   const response = await fetch("/v1/events?follow=true&from_now=true", {
     headers: { Authorization: `Bearer ${sessionStorage.getItem(KEY_ITEM)}` }, signal: controller.signal });
-  const reader = response.body.getReader();
-  const decoder = new TextDecoder();
-  let buffer = "";
   let created = 0, ended = 0, failed = 0;
   totals.textContent = `running ${running}; created 0, ended 0, failed 0 since this page opened`;
   draw();
-  for (;;) {
-    let chunk;
-    try { chunk = await reader.read(); } catch (_) { return; } // aborted: the page changed
-    if (chunk.done) return;
-    buffer += decoder.decode(chunk.value, { stream: true });
-    const lines = buffer.split("\n");
-    buffer = lines.pop();
-    for (const line of lines) {
-      if (!line) continue; // keepalive
-      const event = JSON.parse(line);
-      const second = Math.floor(event.at);
-      const c = counts.get(second) || { created: 0, ended: 0, failed: 0 };
-      if (event.kind === "sandbox.running") { c.created++; created++; running++; }
-      if (event.kind === "sandbox.ended") {
-        const bad = ["error", "refused", "lost"].includes(event.detail.reason);
-        if (bad) { c.failed++; failed++; } else { c.ended++; ended++; }
-        running = Math.max(0, running - 1);
-      }
-      counts.set(second, c);
+  await eachLine(response, (event) => {
+    const second = Math.floor(event.at);
+    const c = counts.get(second) || { created: 0, ended: 0, failed: 0 };
+    if (event.kind === "sandbox.running") { c.created++; created++; running++; }
+    if (event.kind === "sandbox.ended") {
+      const bad = ["error", "refused", "lost"].includes(event.detail.reason);
+      if (bad) { c.failed++; failed++; } else { c.ended++; ended++; }
+      running = Math.max(0, running - 1);
     }
+    counts.set(second, c);
     totals.textContent = `running ${running}; created ${created}, ended ${ended}, failed ${failed} since this page opened`;
-  }
+  });
 }
 
 // -- routing ---------------------------------------------------------------------------------------
