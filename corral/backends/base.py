@@ -20,9 +20,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, TypeVar
 
+from corral.api.errors import InvalidRequest
+from corral.api.models import FileInfo
 from corral.backends.common.network import AllowRule, DeniedCounts
-from corral.sdk._exceptions import InvalidRequest
-from corral.sdk._models import FileInfo
 
 __all__ = [
     "Backend",

@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from corral.sdk._exceptions import NotFound
+from corral.api.errors import NotFound
 
 __all__ = ["find_checkpoint", "list_checkpoints", "save_checkpoint"]
 

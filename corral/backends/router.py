@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from corral.api.errors import InvalidRequest, NotFound
 from corral.backends.base import (
     Backend,
     Capability,
@@ -26,7 +27,6 @@ from corral.backends.base import (
     offer_key,
 )
 from corral.backends.common.network import AllowRule, DeniedCounts
-from corral.sdk._exceptions import InvalidRequest, NotFound
 
 __all__ = ["BackendRouter"]
 

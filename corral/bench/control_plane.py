@@ -42,6 +42,7 @@ import uvicorn
 from rich.console import Console
 from rich.table import Table
 
+from corral.api.models import CreateSandboxRequest
 from corral.backends.router import BackendRouter
 from corral.bench.harness import emit, throwaway_postgres
 from corral.config import Settings
@@ -59,7 +60,6 @@ from corral.images.builders import LayerBuilder
 from corral.images.catalogue import Catalogue
 from corral.images.store import LayerStore
 from corral.sdk import AsyncClient
-from corral.sdk._models import CreateSandboxRequest
 from corral.server import Services, tune_gc
 from corral.state.db import StateStore
 from corral.testing.simulated import SimulatedBackend

@@ -31,6 +31,8 @@ from collections.abc import AsyncIterator, Coroutine, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from corral.api.errors import InvalidRequest
+from corral.api.models import NodeStats, SandboxState
 from corral.backends.base import LayerRef, SandboxSpec
 from corral.config import Settings
 from corral.edge.adoption import ACTIVE_STATES, RECONCILE_EVERY_BEATS, end_stale, readopt
@@ -40,8 +42,6 @@ from corral.guard.audit import AuditLog
 from corral.images.fetch import layer_fetcher
 from corral.images.store import LayerStore
 from corral.node import build_edge, prepare_host
-from corral.sdk._exceptions import InvalidRequest
-from corral.sdk._models import NodeStats, SandboxState
 from corral.state.db import StateStore
 
 __all__ = [

@@ -17,9 +17,9 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
+from corral.api.errors import CorralError, InternalError, ServerUnavailable
+from corral.api.models import ExecEvent, ExecRequest
 from corral.cluster.edge_actor import ACTOR_NAMESPACE, WIRE_NAMES, actor_name
-from corral.sdk._exceptions import CorralError, InternalError, ServerUnavailable
-from corral.sdk._models import ExecEvent, ExecRequest
 
 __all__ = ["RayEdge", "RayEdges"]
 

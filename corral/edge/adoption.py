@@ -13,12 +13,12 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol
 
+from corral.api.errors import NotFound
+from corral.api.models import NetworkPolicy, SandboxState
 from corral.backends.base import LayerRef, SandboxSpec, setuid_allowed
 from corral.backends.common.network import AllowRule
 from corral.edge.local import to_allow_rules
 from corral.edge.protocol import Edge
-from corral.sdk._exceptions import NotFound
-from corral.sdk._models import NetworkPolicy, SandboxState
 from corral.state.db import StateStore
 
 __all__ = ["ACTIVE_STATES", "RECONCILE_EVERY_BEATS", "end_stale", "spec_from_record", "readopt"]

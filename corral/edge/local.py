@@ -24,6 +24,17 @@ from typing import Any, TypeVar
 from prometheus_client.core import Metric
 
 from corral import tracing
+from corral.api.errors import CapacityExhausted, InvalidRequest, NotFound, SandboxGone
+from corral.api.models import (
+    CommandInfo,
+    EdgeLoad,
+    ExecEvent,
+    ExecRequest,
+    ExecResult,
+    FileInfo,
+    NetworkRule,
+    NodeStats,
+)
 from corral.backends.base import (
     Backend,
     Capability,
@@ -46,17 +57,6 @@ from corral.edge.host_readings import HostReadings, read_host
 from corral.edge.metrics import CountedEvents, EdgeMetrics
 from corral.edge.protocol import EdgeEvents
 from corral.guard.audit import classify_changes
-from corral.sdk._exceptions import CapacityExhausted, InvalidRequest, NotFound, SandboxGone
-from corral.sdk._models import (
-    CommandInfo,
-    EdgeLoad,
-    ExecEvent,
-    ExecRequest,
-    ExecResult,
-    FileInfo,
-    NetworkRule,
-    NodeStats,
-)
 
 __all__ = ["LocalEdge", "NodeCapacity"]
 

@@ -17,9 +17,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from corral.backends.base import SandboxSpec
-from corral.sdk._exceptions import NotFound
-from corral.sdk._models import (
+from corral.api.errors import NotFound
+from corral.api.models import (
     CommandInfo,
     EdgeLoad,
     ExecEvent,
@@ -29,6 +28,7 @@ from corral.sdk._models import (
     NetworkRule,
     NodeStats,
 )
+from corral.backends.base import SandboxSpec
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric

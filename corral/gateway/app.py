@@ -1,7 +1,7 @@
 """The HTTP API (FastAPI on uvicorn): parse, authenticate, hand to the service.
 
 Handlers stay thin: every request is validated into a model from
-corral.sdk._models before it reaches SandboxService, and every CorralError
+corral.api.models before it reaches SandboxService, and every CorralError
 becomes its status with a ``{"error": {"code", "message"}}`` body. The
 OpenAPI document is served at /openapi.json.
 """
@@ -23,21 +23,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field, ValidationError
 
-from corral.gateway.auth import Caller
-from corral.gateway.e2b import include_e2b
-from corral.gateway.e2b.network import InternetEgress
-from corral.gateway.event_stream import follow_events
-from corral.gateway.fncall import FnCallService
-from corral.gateway.images import ImageService
-from corral.gateway.metrics import CONTENT_TYPE, Levels
-from corral.gateway.request_timing import RequestTiming
-from corral.gateway.sandbox_fusion import include_sandbox_fusion
-from corral.gateway.service import SandboxService
-from corral.gateway.trajectory import Trajectories
-from corral.images.bases import TOOLCHAIN_IMAGE
-from corral.logs import current_sandbox
-from corral.sdk._exceptions import CorralError, InvalidRequest, PayloadTooLarge
-from corral.sdk._models import (
+from corral.api.errors import CorralError, InvalidRequest, PayloadTooLarge
+from corral.api.models import (
     AuditEvent,
     BatchCreateRequest,
     BuildRequest,
@@ -81,6 +68,19 @@ from corral.sdk._models import (
     TrajectoryStep,
     UploadResult,
 )
+from corral.gateway.auth import Caller
+from corral.gateway.e2b import include_e2b
+from corral.gateway.e2b.network import InternetEgress
+from corral.gateway.event_stream import follow_events
+from corral.gateway.fncall import FnCallService
+from corral.gateway.images import ImageService
+from corral.gateway.metrics import CONTENT_TYPE, Levels
+from corral.gateway.request_timing import RequestTiming
+from corral.gateway.sandbox_fusion import include_sandbox_fusion
+from corral.gateway.service import SandboxService
+from corral.gateway.trajectory import Trajectories
+from corral.images.bases import TOOLCHAIN_IMAGE
+from corral.logs import current_sandbox
 from corral.state.db import EVENT_KINDS
 from corral.state.events import EventFilter
 

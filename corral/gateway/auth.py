@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from sqlalchemy import delete, insert, select
 from sqlalchemy.engine import Engine
 
-from corral.sdk._exceptions import AuthenticationError, InvalidRequest, PermissionDenied
+from corral.api.errors import AuthenticationError, InvalidRequest, PermissionDenied
 from corral.state.db import JOB_LABEL, job_tokens
 
 __all__ = ["Caller", "JobTokens", "JOB_LABEL"]

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from corral.api.errors import CorralError, InvalidRequest, NotFound
+from corral.api.models import BuildEvent, BuildRequest, ExecRequest, NetworkPolicy, is_registry_reference
 from corral.images.builders import Progress
 from corral.images.catalogue import Catalogue, input_key
 from corral.images.dockerfile import (
@@ -52,8 +54,6 @@ from corral.images.dockerfile import (
 from corral.images.image_config import ImageConfig
 from corral.images.store import ImageRecord, parse_ref
 from corral.images.unpack import extract_tar
-from corral.sdk._exceptions import CorralError, InvalidRequest, NotFound
-from corral.sdk._models import BuildEvent, BuildRequest, ExecRequest, NetworkPolicy, is_registry_reference
 
 if TYPE_CHECKING:
     from corral.gateway.images import ImageService

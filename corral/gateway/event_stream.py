@@ -11,7 +11,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from corral.sdk._models import Event
+from corral.api.models import Event
 from corral.state.events import EventFilter, EventLog
 
 __all__ = ["KEEPALIVE_S", "follow_events"]

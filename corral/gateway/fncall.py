@@ -24,9 +24,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from corral.gateway.service import SandboxService
-from corral.sdk._exceptions import CorralError, InvalidRequest, NotFound, SandboxGone, error_from_response
-from corral.sdk._models import (
+from corral.api.errors import CorralError, InvalidRequest, NotFound, SandboxGone, error_from_response
+from corral.api.models import (
     CreateSandboxRequest,
     ExecRequest,
     ExecResult,
@@ -37,6 +36,7 @@ from corral.sdk._models import (
     RunCodeResult,
     RunCodeTestResult,
 )
+from corral.gateway.service import SandboxService
 
 __all__ = ["FnCallService"]
 

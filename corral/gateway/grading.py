@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import contextlib
 
+from corral.api.errors import CorralError, NotFound
+from corral.api.models import CreateSandboxRequest, ExecRequest, GradeRequest, GradeResult
 from corral.gateway.images import ImageService
 from corral.gateway.service import SandboxService
-from corral.sdk._exceptions import CorralError, NotFound
-from corral.sdk._models import CreateSandboxRequest, ExecRequest, GradeRequest, GradeResult
 
 __all__ = ["Grader"]
 

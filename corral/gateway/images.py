@@ -18,17 +18,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from corral.backends.base import Capability
-from corral.edge.protocol import edge_of
-from corral.gateway.dockerfile_build import DockerfileBuild
-from corral.gateway.service import SandboxService
-from corral.images.bases import ensure_base_images
-from corral.images.builders import LayerBuilder, Progress
-from corral.images.catalogue import Catalogue, CatalogueLayer, input_key
-from corral.images.pull import ImagePuller
-from corral.images.store import ImageRecord, parse_ref
-from corral.sdk._exceptions import CorralError, InternalError, InvalidRequest, error_from_response
-from corral.sdk._models import (
+from corral.api.errors import CorralError, InternalError, InvalidRequest, error_from_response
+from corral.api.models import (
     BuildEvent,
     BuildRequest,
     CreateSandboxRequest,
@@ -44,6 +35,15 @@ from corral.sdk._models import (
     SandboxInfo,
     SnapshotInfo,
 )
+from corral.backends.base import Capability
+from corral.edge.protocol import edge_of
+from corral.gateway.dockerfile_build import DockerfileBuild
+from corral.gateway.service import SandboxService
+from corral.images.bases import ensure_base_images
+from corral.images.builders import LayerBuilder, Progress
+from corral.images.catalogue import Catalogue, CatalogueLayer, input_key
+from corral.images.pull import ImagePuller
+from corral.images.store import ImageRecord, parse_ref
 
 __all__ = ["ImageService"]
 

@@ -23,8 +23,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from corral.api.models import NodeStats, PoolStats
 from corral.edge.metrics import CREATE_BUCKETS_S
-from corral.sdk._models import NodeStats, PoolStats
 
 __all__ = ["CONTENT_TYPE", "GatewayMetrics", "Levels"]
 

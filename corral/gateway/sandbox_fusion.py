@@ -49,13 +49,13 @@ from fastapi import Path as FastApiPath
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
+from corral.api.errors import AuthenticationError, CorralError, InvalidRequest, NotFound
+from corral.api.models import ExecRequest, ExecResult, FnCallRequest
 from corral.gateway.e2b.common import signed_token
 from corral.gateway.fncall import FnCallService
 from corral.gateway.images import ImageService
 from corral.gateway.sandbox_fusion_jupyter import MARKER as _JUPYTER_MARKER
 from corral.images.bases import GO_CACHE_DIR, KNOWN_IMAGE_NAMES, TOOLCHAIN_IMAGE
-from corral.sdk._exceptions import AuthenticationError, CorralError, InvalidRequest, NotFound
-from corral.sdk._models import ExecRequest, ExecResult, FnCallRequest
 
 __all__ = [
     "BUILDING",

@@ -20,19 +20,7 @@ from typing import Any, TypeVar
 from prometheus_client.core import Metric
 
 from corral import tracing
-from corral.backends.base import Capability, LayerRef, SandboxSpec, offer_key, setuid_allowed
-from corral.edge.adoption import end_stale, readopt
-from corral.edge.local import to_allow_rules
-from corral.edge.protocol import Edge, EdgeDirectory, edge_of, new_sandbox_id
-from corral.gateway.metrics import GatewayMetrics
-from corral.guard.audit import AuditLog
-from corral.images.catalogue import Catalogue
-from corral.images.fetch import LayerFetcher
-from corral.images.image_config import ImageConfig, sandbox_defaults
-from corral.images.image_config import merge as merge_configs
-from corral.images.pull import ImagePuller
-from corral.scheduler.placement import NodesBusy, Scheduler
-from corral.sdk._exceptions import (
+from corral.api.errors import (
     CapacityExhausted,
     CorralError,
     InternalError,
@@ -41,7 +29,7 @@ from corral.sdk._exceptions import (
     SandboxGone,
     ServerUnavailable,
 )
-from corral.sdk._models import (
+from corral.api.models import (
     BatchEvent,
     BulkRequest,
     BulkResult,
@@ -57,6 +45,18 @@ from corral.sdk._models import (
     SandboxState,
     is_registry_reference,
 )
+from corral.backends.base import Capability, LayerRef, SandboxSpec, offer_key, setuid_allowed
+from corral.edge.adoption import end_stale, readopt
+from corral.edge.local import to_allow_rules
+from corral.edge.protocol import Edge, EdgeDirectory, edge_of, new_sandbox_id
+from corral.gateway.metrics import GatewayMetrics
+from corral.guard.audit import AuditLog
+from corral.images.catalogue import Catalogue
+from corral.images.fetch import LayerFetcher
+from corral.images.image_config import ImageConfig, sandbox_defaults
+from corral.images.image_config import merge as merge_configs
+from corral.images.pull import ImagePuller
+from corral.scheduler.placement import NodesBusy, Scheduler
 from corral.state.db import StateStore
 from corral.state.events import EventLog
 

@@ -25,11 +25,8 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from corral import tracing
-from corral.edge.protocol import edge_of
-from corral.gateway.service import SandboxService
-from corral.guard.audit import detect_in_command
-from corral.sdk._exceptions import CorralError, InvalidRequest, NotFound, SandboxGone, error_from_response
-from corral.sdk._models import (
+from corral.api.errors import CorralError, InvalidRequest, NotFound, SandboxGone, error_from_response
+from corral.api.models import (
     CheckpointInfo,
     CommandInfo,
     ExecEvent,
@@ -46,6 +43,9 @@ from corral.sdk._models import (
     TrajectoryStep,
     UploadResult,
 )
+from corral.edge.protocol import edge_of
+from corral.gateway.service import SandboxService
+from corral.guard.audit import detect_in_command
 from corral.trajectory import LOG_CAP_KEY, Replay, Step, TrajectoryLog
 
 __all__ = ["Trajectories"]

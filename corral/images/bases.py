@@ -37,9 +37,9 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Literal
 
+from corral.api.errors import CorralError, InvalidRequest, NotFound
 from corral.images.erofs import build_erofs
 from corral.images.store import ImageRecord, LayerStore
-from corral.sdk._exceptions import CorralError, InvalidRequest, NotFound
 
 __all__ = [
     "BASE_IMAGE_NAMES",

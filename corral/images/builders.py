@@ -18,12 +18,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from corral.api.errors import InvalidRequest, NotFound
 from corral.images.bases import build_debian_rootfs, debian_mirror
 from corral.images.catalogue import Catalogue, CatalogueLayer
 from corral.images.erofs import build_erofs
 from corral.images.image_config import ImageConfig, from_oci
 from corral.images.unpack import extract_tar, unpack_oci_archive
-from corral.sdk._exceptions import InvalidRequest, NotFound
 
 __all__ = ["Progress", "LayerBuilder"]
 

@@ -20,6 +20,8 @@ from sqlalchemy import delete, insert, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 
+from corral.api.errors import Conflict, InvalidRequest, NotFound
+from corral.api.models import ImageConfig
 from corral.images.registry import Reference, is_registry_reference, parse_reference
 from corral.images.store import (
     DEFAULT_VERSION,
@@ -30,8 +32,6 @@ from corral.images.store import (
     check_name,
     parse_ref,
 )
-from corral.sdk._exceptions import Conflict, InvalidRequest, NotFound
-from corral.sdk._models import ImageConfig
 from corral.state.db import build_cache, image_tags, layers
 
 __all__ = ["Catalogue", "CatalogueLayer", "input_key"]

@@ -31,7 +31,7 @@ from typing import Any
 import pathspec
 from dockerfile_parse import DockerfileParser
 
-from corral.sdk._exceptions import InvalidRequest, NotFound
+from corral.api.errors import InvalidRequest, NotFound
 
 __all__ = [
     "LAYER_INSTRUCTIONS",

@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from corral.sdk._exceptions import InternalError, InvalidRequest, NotFound
+from corral.api.errors import InternalError, InvalidRequest, NotFound
 
 __all__ = ["COMPRESSORS", "MKFS_TIMEOUT_S", "build_erofs"]
 

@@ -28,11 +28,11 @@ from pathlib import Path
 
 import httpx
 
+from corral.api.errors import InternalError, NotFound, ServerUnavailable
 from corral.config import Settings
 from corral.images.cache import NodeLayerCache, fetched_layers
 from corral.images.lazy import AuditSink, LayerSource, OnDemandLayers, build_lazyfs
 from corral.images.store import LayerStore
-from corral.sdk._exceptions import InternalError, NotFound, ServerUnavailable
 
 __all__ = ["LayerFetcher", "layer_fetcher"]
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from corral.sdk._exceptions import InvalidRequest
-from corral.sdk._models import ImageConfig
+from corral.api.errors import InvalidRequest
+from corral.api.models import ImageConfig
 
 __all__ = ["ImageConfig", "from_oci", "merge", "sandbox_defaults"]
 

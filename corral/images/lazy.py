@@ -59,8 +59,8 @@ from typing import IO, Any, cast
 
 import httpx
 
+from corral.api.errors import InternalError, NotFound, ServerUnavailable
 from corral.images.store import ChunkIndex, LayerStore, check_layer_file
-from corral.sdk._exceptions import InternalError, NotFound, ServerUnavailable
 
 __all__ = ["LAZY_FILE_NAME", "AuditSink", "LayerSource", "OnDemandLayers", "PartialFiles", "build_lazyfs",
            "check_layer", "is_on_demand_file"]  # fmt: skip

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from corral.api.errors import NotFound, ServerUnavailable
+from corral.api.models import PullEvent
 from corral.images.builders import LayerBuilder
 from corral.images.catalogue import Catalogue
 from corral.images.image_config import from_oci
@@ -41,8 +43,6 @@ from corral.images.registry import (
 )
 from corral.images.store import ImageOrigin, ImageRecord
 from corral.images.unpack import unpack_oci_layer
-from corral.sdk._exceptions import NotFound, ServerUnavailable
-from corral.sdk._models import PullEvent
 
 __all__ = ["ImagePuller", "PullProgress", "PullResult"]
 

@@ -49,8 +49,8 @@ from typing import Any, TypeVar
 
 import httpx
 
-from corral.sdk._exceptions import InvalidRequest, NotFound, PermissionDenied, ServerUnavailable
-from corral.sdk._models import is_registry_reference
+from corral.api.errors import InvalidRequest, NotFound, PermissionDenied, ServerUnavailable
+from corral.api.models import is_registry_reference
 
 __all__ = [
     "MANIFEST_ACCEPT",

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from corral.sdk._exceptions import InternalError, InvalidRequest, NotFound
-from corral.sdk._models import ImageConfig
+from corral.api.errors import InternalError, InvalidRequest, NotFound
+from corral.api.models import ImageConfig
 
 __all__ = [
     "CHUNK_INDEX_BYTES",

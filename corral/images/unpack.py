@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Literal, cast
 
-from corral.sdk._exceptions import InternalError, InvalidRequest, NotFound, PayloadTooLarge
+from corral.api.errors import InternalError, InvalidRequest, NotFound, PayloadTooLarge
 
 try:
     _zstandard: Any = importlib.import_module("zstandard")

@@ -47,8 +47,8 @@ from inspect_ai.util import (
 from pydantic import BaseModel, Field
 from typing_extensions import override
 
+from corral.api.models import is_registry_reference
 from corral.sdk import AsyncClient, AsyncSandbox, InvalidRequest, NotFound, SandboxGone, ServerUnavailable
-from corral.sdk._models import is_registry_reference
 
 __all__ = ["CorralSandboxConfig", "CorralSandboxEnvironment", "EVAL_LABEL", "TASK_LABEL"]
 

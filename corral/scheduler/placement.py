@@ -21,9 +21,9 @@ import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from corral.api.errors import CapacityExhausted, InvalidRequest
+from corral.api.models import EdgeLoad
 from corral.backends.base import find_offer, split_offer
-from corral.sdk._exceptions import CapacityExhausted, InvalidRequest
-from corral.sdk._models import EdgeLoad
 
 __all__ = ["NodeView", "NodesBusy", "Scheduler"]
 

@@ -1,14 +1,15 @@
 """The Corral SDK: clients, sandbox handles, models and errors.
 
 ``Client``/``Sandbox`` are synchronous, ``AsyncClient``/``AsyncSandbox`` the
-same API awaited. Installing the SDK alone needs only httpx and pydantic.
+same API awaited. Models and errors are corral.api's (the wire contract the server
+shares). Installing the SDK alone needs only httpx and pydantic.
 """
 
+from corral.api.errors import *  # noqa: F401,F403
+from corral.api.errors import __all__ as _error_names
+from corral.api.models import *  # noqa: F401,F403
+from corral.api.models import __all__ as _model_names
 from corral.sdk._async_client import AsyncClient, AsyncFiles, AsyncImages, AsyncSandbox
-from corral.sdk._exceptions import *  # noqa: F401,F403
-from corral.sdk._exceptions import __all__ as _exception_names
-from corral.sdk._models import *  # noqa: F401,F403
-from corral.sdk._models import __all__ as _model_names
 from corral.sdk._sync_client import Client, Files, Images, Sandbox
 
 __all__ = [
@@ -20,6 +21,6 @@ __all__ = [
     "Files",
     "Images",
     "Sandbox",
-    *_exception_names,
+    *_error_names,
     *_model_names,
 ]

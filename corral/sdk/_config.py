@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from corral.sdk._exceptions import AuthenticationError
+from corral.api.errors import AuthenticationError
 
 __all__ = ["default_config_path", "resolve_connection"]
 

@@ -13,9 +13,8 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from corral.sdk._config import resolve_connection
-from corral.sdk._exceptions import CorralError, InvalidRequest, ServerUnavailable, error_from_response
-from corral.sdk._models import (
+from corral.api.errors import CorralError, InvalidRequest, ServerUnavailable, error_from_response
+from corral.api.models import (
     DEFAULT_CPU,
     DEFAULT_EXEC_TIMEOUT_S,
     DEFAULT_MEMORY_MB,
@@ -70,6 +69,7 @@ from corral.sdk._models import (
     TrajectoryStep,
     is_registry_reference,
 )
+from corral.sdk._config import resolve_connection
 from corral.sdk._transport import POOL_LIMITS, sync_http_transport
 
 __all__ = ["Client", "Sandbox", "Files", "Images"]

@@ -41,7 +41,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.types import ARRAY
 
-from corral.sdk._models import SandboxInfo, SandboxState
+from corral.api.models import SandboxInfo, SandboxState
 
 __all__ = [
     "EVENT_KINDS",

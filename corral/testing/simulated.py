@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from corral.api.errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge
+from corral.api.models import FileInfo
 from corral.backends.base import (
     Capability,
     Checkpointing,
@@ -33,8 +35,6 @@ from corral.backends.base import (
     SandboxSpec,
 )
 from corral.backends.common.network import AllowRule, DeniedCounts
-from corral.sdk._exceptions import Conflict, InvalidRequest, NotFound, PayloadTooLarge
-from corral.sdk._models import FileInfo
 
 __all__ = ["SimulatedBackend"]
 

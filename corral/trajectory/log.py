@@ -47,7 +47,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import Connection, Engine, RowMapping
 from sqlalchemy.exc import IntegrityError
 
-from corral.sdk._exceptions import Conflict, InvalidRequest, NotFound
+from corral.api.errors import Conflict, InvalidRequest, NotFound
 
 __all__ = [
     "DEFAULT_LOG_OUTPUT_CAP_BYTES",

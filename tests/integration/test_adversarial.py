@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import corral
-from corral.sdk._models import AuditEvent
+from corral.api.models import AuditEvent
 
 TAINT = Path("/proc/sys/kernel/tainted")
 

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 import corral
+from corral.api.models import BatchEvent, CreateSandboxRequest, ExecRequest
 from corral.backends.router import BackendRouter
 from corral.bench import control_plane
 from corral.config import Settings
@@ -22,7 +23,6 @@ from corral.edge.local import LocalEdge, NodeCapacity
 from corral.gateway.service import SandboxService
 from corral.images.catalogue import Catalogue
 from corral.images.store import LayerStore
-from corral.sdk._models import BatchEvent, CreateSandboxRequest, ExecRequest
 from corral.state.db import StateStore
 from corral.testing.simulated import SimulatedBackend
 

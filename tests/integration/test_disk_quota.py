@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import corral
+from corral.api.models import AuditEvent
 from corral.embedded import EmbeddedServer
-from corral.sdk._models import AuditEvent
 from tests.conftest import restartable_server
 
 DEFAULT_MB = 8

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import corral
-from corral.sdk._models import AuditEvent
+from corral.api.models import AuditEvent
 
 GRADER = (
     'if [ "$(cat /work/answer)" = "$(cat /hidden/expected)" ]; then echo 1 > /reward; else echo 0 > /reward; fi; '

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 import corral
+from corral.api.models import ClusterNode, CreateSandboxRequest, ReplayRequest, SandboxInfo
 from corral.bench import control_plane
 from corral.embedded import EmbeddedServer
 from corral.gateway.service import SandboxService
 from corral.gateway.trajectory import Trajectories
 from corral.sdk import InvalidRequest
-from corral.sdk._models import ClusterNode, CreateSandboxRequest, ReplayRequest, SandboxInfo
 from corral.state.db import StateStore
 from corral.trajectory import TrajectoryLog
 

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 
 import corral
+from corral.api.errors import InvalidRequest
 from corral.embedded import EmbeddedServer
-from corral.sdk._exceptions import InvalidRequest
 from tests.terminal import LocalTerminal
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from corral.api.errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge
 from corral.backends.container.files import ConfinedTree
-from corral.sdk._exceptions import Conflict, InvalidRequest, NotFound, PayloadTooLarge
 
 SECRET = b"host secret, never readable from a sandbox"
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from corral.api.errors import InternalError
 from corral.backends.vm.backend import _CHECKED_ALREADY, guest_upper_members
-from corral.sdk._exceptions import InternalError
 
 
 def _archive(*members: tuple[tarfile.TarInfo, bytes | None]) -> bytes:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from corral.api.errors import InvalidRequest, NotFound
 from corral.images import (
     LayerStore,
     build_busybox_rootfs,
@@ -21,7 +22,6 @@ from corral.images import (
 )
 from corral.images.bases import debian_mirror
 from corral.images.store import CHUNK_INDEX_BYTES
-from corral.sdk._exceptions import InvalidRequest, NotFound
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting EROFS and chroot need root")
 

@@ -19,6 +19,7 @@ from itertools import count
 
 import pytest
 
+from corral.api.errors import Conflict, InvalidRequest, NotFound
 from corral.backends.common.network import (
     AllowRule,
     DeniedCounts,
@@ -28,7 +29,6 @@ from corral.backends.common.network import (
     _render_policy,
     internet_rules,
 )
-from corral.sdk._exceptions import Conflict, InvalidRequest, NotFound
 
 RUN = secrets.token_hex(3)
 PREFIX = f"corral-test-{RUN}-"

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 import corral
-from corral.sdk import _exceptions
-from corral.sdk._exceptions import error_from_response
+import corral.api
+from corral.api.errors import error_from_response
 from tests.conftest import REPO
 
 ERRORS = [
@@ -60,7 +60,10 @@ def test_sync_and_async_have_the_same_methods() -> None:
 def test_all_is_complete() -> None:
     for name in corral.__all__:
         assert hasattr(corral, name), name
-    assert set(_exceptions.__all__) <= set(corral.__all__)
+    assert set(corral.api.__all__) <= set(corral.__all__)  # the SDK offers the whole wire contract
+    for name in corral.api.__all__:
+        assert hasattr(corral.api, name), name
+    assert {"CorralError", "SandboxGone", "CreateSandboxRequest", "ExecResult"} <= set(corral.api.__all__)
 
 
 def test_client_needs_a_key(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
+from corral.api.errors import InvalidRequest, NotFound, PayloadTooLarge
 from corral.images import unpack
 from corral.images.unpack import extract_tar, unpack_oci_archive
-from corral.sdk._exceptions import InvalidRequest, NotFound, PayloadTooLarge
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="keeping file owners needs root")
 MTIME = 1_600_000_000

@@ -15,7 +15,7 @@ import struct
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from corral.sdk._exceptions import Conflict, ServerUnavailable
+from corral.api.errors import Conflict, ServerUnavailable
 
 __all__ = ["AgentConnection", "AgentExit", "AgentOutput", "AgentStarted", "ExecOrder", "IpcCounts"]
 

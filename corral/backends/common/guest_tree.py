@@ -17,8 +17,7 @@ import stat
 import tarfile
 from typing import BinaryIO
 
-from corral.backends.common.agent_protocol import AgentConnection, AgentExit, AgentOutput, ExecOrder
-from corral.sdk._exceptions import (
+from corral.api.errors import (
     Conflict,
     CorralError,
     InvalidRequest,
@@ -26,7 +25,8 @@ from corral.sdk._exceptions import (
     PayloadTooLarge,
     ServerUnavailable,
 )
-from corral.sdk._models import FileInfo
+from corral.api.models import FileInfo
+from corral.backends.common.agent_protocol import AgentConnection, AgentExit, AgentOutput, ExecOrder
 
 __all__ = ["GuestTree"]
 

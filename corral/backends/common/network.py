@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from corral.sdk._exceptions import CapacityExhausted, Conflict, InternalError, InvalidRequest, NotFound
+from corral.api.errors import CapacityExhausted, Conflict, InternalError, InvalidRequest, NotFound
 
 __all__ = [
     "AllowRule", "DeniedCounts", "HostResolver", "NetworkFabric", "NON_PUBLIC_NETWORKS", "SUBNET", "GATEWAY",

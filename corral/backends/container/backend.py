@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from corral.api.errors import Conflict, CorralError, InternalError, NotFound, SandboxGone
 from corral.backends.agent_command import AgentCommand
 from corral.backends.base import (
     Capability,
@@ -56,7 +57,6 @@ from corral.backends.container.writable import QuotaPool
 from corral.guard.audit import PACKAGE_PREFIXES, PROTECTED_PREFIXES, EventThrottle, denied_syscall_severity
 from corral.images.erofs import build_erofs
 from corral.images.lazy import check_layer
-from corral.sdk._exceptions import Conflict, CorralError, InternalError, NotFound, SandboxGone
 
 __all__ = ["ContainerBackend"]
 

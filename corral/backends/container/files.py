@@ -31,7 +31,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO, BinaryIO, Literal
 
-from corral.sdk._exceptions import (
+from corral.api.errors import (
     Conflict,
     CorralError,
     InternalError,
@@ -40,7 +40,7 @@ from corral.sdk._exceptions import (
     PayloadTooLarge,
     PermissionDenied,
 )
-from corral.sdk._models import FileInfo
+from corral.api.models import FileInfo
 
 __all__ = ["ConfinedTree"]
 

@@ -36,13 +36,13 @@ from collections.abc import Awaitable, Iterator
 from pathlib import Path
 from typing import Any
 
+from corral.api.errors import InternalError, InvalidRequest, NotFound, ServerUnavailable
 from corral.backends import checkpoints
 from corral.backends.base import Capability, Checkpointing, FileTree, SandboxSpec
 from corral.backends.common.agent_protocol import AgentConnection
 from corral.backends.common.guest_tree import GuestTree
 from corral.backends.container.isolation import Container, ContainerParts
 from corral.backends.container.runtime import RUNSC, RUNSC_FLAGS, OciRuntime, Overlay
-from corral.sdk._exceptions import InternalError, InvalidRequest, NotFound, ServerUnavailable
 
 __all__ = ["BUSYBOX", "CTL_DIR", "RUNSC", "RUNSC_FLAGS", "TOOL_PATH", "Gvisor", "adapt_config"]
 

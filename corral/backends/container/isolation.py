@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from corral.api.errors import Conflict, InvalidRequest, NotFound
 from corral.backends.base import Capability, Checkpointing, FileTree, ReclaimResult, SandboxSpec
 from corral.backends.common.agent_protocol import AgentConnection
 from corral.backends.container.files import ConfinedTree
 from corral.backends.container.memory import CgroupMemory
 from corral.backends.container.oci import AGENT_NEW_PRIVS_ARGS, AGENT_PATH
 from corral.backends.container.runtime import OciRuntime, Overlay
-from corral.sdk._exceptions import Conflict, InvalidRequest, NotFound
 
 __all__ = ["Container", "ContainerParts", "Isolation", "PlainOci"]
 

@@ -30,9 +30,9 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from corral.api.errors import CorralError
 from corral.backends.container.files import ConfinedTree
 from corral.guard.audit import under
-from corral.sdk._exceptions import CorralError
 
 __all__ = ["SeccompDenials", "SeccompRecord", "SensitiveRead", "SensitiveReads", "session_of"]
 

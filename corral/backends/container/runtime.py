@@ -16,8 +16,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from corral.api.errors import InternalError, InvalidRequest
 from corral.backends.common.host import orphans
-from corral.sdk._exceptions import InternalError, InvalidRequest
 
 __all__ = ["RUNSC", "RUNSC_FLAGS", "OciRuntime", "OciRuntimeFailed", "ContainerState", "Overlay"]
 

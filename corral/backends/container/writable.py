@@ -31,7 +31,7 @@ import subprocess
 import threading
 from pathlib import Path
 
-from corral.sdk._exceptions import InternalError
+from corral.api.errors import InternalError
 
 __all__ = ["QuotaPool"]
 

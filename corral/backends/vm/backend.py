@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from corral.api.errors import Conflict, InternalError, InvalidRequest, NotFound, SandboxGone, ServerUnavailable
 from corral.backends import checkpoints
 from corral.backends.agent_command import AgentCommand
 from corral.backends.base import (
@@ -56,7 +57,6 @@ from corral.backends.vm.network import create_guest_link, delete_namespace, name
 from corral.backends.vm.qemu import SHM_DIR, Accelerator, Machine, MachineConfig, console_tail, host_tsc_khz
 from corral.guard.audit import PROTECTED_PREFIXES
 from corral.images.erofs import build_erofs
-from corral.sdk._exceptions import Conflict, InternalError, InvalidRequest, NotFound, SandboxGone, ServerUnavailable
 
 __all__ = [
     "VmBackend",

@@ -13,8 +13,8 @@ import hashlib
 import os
 import subprocess
 
+from corral.api.errors import InternalError
 from corral.backends.common.network import GUEST_LINK_IFNAME
-from corral.sdk._exceptions import InternalError
 
 __all__ = ["GUEST_ADDRESS", "GUEST_GATEWAY", "namespace_name", "create_guest_link", "delete_namespace"]
 

@@ -14,6 +14,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from corral.api.errors import NotFound
 from corral.backends.common.host import build_native_helpers, native_helper_paths
 from corral.backends.vm.accel import cached_accelerator, choose_accelerator
 from corral.backends.vm.backend import DEFAULT_DISK_MB, root_disk_image, root_disk_path
@@ -21,7 +22,6 @@ from corral.backends.vm.guest import GuestKitError, ensure_guest_kit, guest_kit_
 from corral.config import Settings
 from corral.images.bases import CHECK_HAS_WORK
 from corral.images.store import LayerStore
-from corral.sdk._exceptions import NotFound
 
 # Images whose full-VM root disk (an ext4 built from their layers) is made ahead of the first create.
 FULL_VM_IMAGES = ("debian-12-systemd",)

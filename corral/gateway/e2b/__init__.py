@@ -23,6 +23,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from corral.api.models import SandboxInfo
 from corral.gateway.e2b import builds, control, envd, interpreter, lifecycle
 from corral.gateway.e2b.common import e2b_api_key, quiet_aborted_streams
 from corral.gateway.e2b.metadata import FileMetadata
@@ -30,7 +31,6 @@ from corral.gateway.e2b.metrics import sample
 from corral.gateway.e2b.network import InternetEgress
 from corral.gateway.e2b.processes import ProcessTable
 from corral.gateway.e2b.watch import Watchers
-from corral.sdk._models import SandboxInfo
 
 __all__ = ["E2BFacade", "e2b_api_key", "include_e2b"]
 

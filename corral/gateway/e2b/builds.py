@@ -33,12 +33,12 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from corral.api.errors import CorralError, NotFound
+from corral.api.models import BuildEvent, BuildRequest
 from corral.gateway.e2b.common import E2BError, E2BRoute, check_api_key, facade, refuse, services, signed_token
 from corral.gateway.e2b.control import image_of, json_body
 from corral.images.store import DEFAULT_VERSION, check_name
 from corral.images.unpack import extract_tar
-from corral.sdk._exceptions import CorralError, NotFound
-from corral.sdk._models import BuildEvent, BuildRequest
 
 if TYPE_CHECKING:
     from corral.gateway.images import ImageService

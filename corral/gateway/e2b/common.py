@@ -32,9 +32,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.types import Receive, Scope, Send
 
+from corral.api.errors import AuthenticationError, CorralError, InvalidRequest, NotFound, SandboxGone
+from corral.api.models import ExecRequest, SandboxInfo, SandboxState
 from corral.gateway.http_protocol import RESET_CONNECTION
-from corral.sdk._exceptions import AuthenticationError, CorralError, InvalidRequest, NotFound, SandboxGone
-from corral.sdk._models import ExecRequest, SandboxInfo, SandboxState
 
 __all__ = [
     "END_STREAM",

@@ -20,6 +20,8 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from corral.api.errors import NotFound
+from corral.api.models import CreateSandboxRequest, SandboxInfo, SandboxState
 from corral.backends.base import SETUID_LABEL
 from corral.gateway.e2b.common import (
     ENVD_VERSION,
@@ -40,8 +42,6 @@ from corral.gateway.e2b.common import (
     services,
 )
 from corral.gateway.e2b.network import create_policy, network_info, update_policy
-from corral.sdk._exceptions import NotFound
-from corral.sdk._models import CreateSandboxRequest, SandboxInfo, SandboxState
 
 __all__ = [
     "router", "DEFAULT_TIMEOUT_S", "TEMPLATE_IMAGES", "image_of", "json_body", "live", "parse_timeout", "sandbox_shape",

@@ -27,6 +27,8 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.datastructures import UploadFile
 
+from corral.api.errors import Conflict, CorralError, InvalidRequest, NotFound, PayloadTooLarge, SandboxGone
+from corral.api.models import ExecRequest, FileInfo, SandboxState
 from corral.gateway.e2b import pty
 from corral.gateway.e2b.common import (
     END_STREAM,
@@ -48,8 +50,6 @@ from corral.gateway.e2b.metadata import FileMetadata
 from corral.gateway.e2b.processes import NO_TIMEOUT_S, OUTPUT_CAP_BYTES, Event, Process
 from corral.gateway.e2b.signed import files_target
 from corral.gateway.e2b.watch import Watchers
-from corral.sdk._exceptions import Conflict, CorralError, InvalidRequest, NotFound, PayloadTooLarge, SandboxGone
-from corral.sdk._models import ExecRequest, FileInfo, SandboxState
 
 __all__ = ["router", "end_frame", "entry"]
 

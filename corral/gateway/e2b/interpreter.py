@@ -26,11 +26,11 @@ import anyio
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from corral.api.errors import CorralError, InvalidRequest, NotFound
+from corral.api.models import ExecRequest
 from corral.gateway.e2b.common import INTERPRETER_PORT, E2BError, Target, facade, from_corral, target
 from corral.gateway.e2b.processes import NO_TIMEOUT_S, OUTPUT_CAP_BYTES, Event, Process, ProcessTable
 from corral.gateway.service import SandboxService
-from corral.sdk._exceptions import CorralError, InvalidRequest, NotFound
-from corral.sdk._models import ExecRequest
 
 __all__ = ["router", "Kernels", "KERNEL_PATH"]
 

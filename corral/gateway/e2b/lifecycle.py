@@ -31,6 +31,8 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from corral.api.errors import CorralError, NotFound
+from corral.api.models import ForkRequest, ImageInfo, SandboxInfo, SandboxState
 from corral.gateway.e2b.common import (
     ON_TIMEOUT_LABEL,
     TIMEOUT_LABEL,
@@ -43,8 +45,6 @@ from corral.gateway.e2b.common import (
     services,
 )
 from corral.gateway.e2b.control import DEFAULT_TIMEOUT_S, json_body, live, parse_timeout, sandbox_shape
-from corral.sdk._exceptions import CorralError, NotFound
-from corral.sdk._models import ForkRequest, ImageInfo, SandboxInfo, SandboxState
 
 __all__ = ["router", "SNAPSHOT_PREFIX", "MAX_FORK_COUNT", "DEFAULT_FORK_TIMEOUT_S", "TimeoutPauser"]
 

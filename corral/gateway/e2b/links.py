@@ -19,8 +19,8 @@ import posixpath
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from corral.sdk._exceptions import InvalidRequest, NotFound
-from corral.sdk._models import FileInfo
+from corral.api.errors import InvalidRequest, NotFound
+from corral.api.models import FileInfo
 
 __all__ = ["MAX_LINK_HOPS", "Link", "LinkLoop", "Resolver"]
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from corral.api.errors import InvalidRequest
+from corral.api.models import ExecRequest
 from corral.gateway.service import SandboxService
-from corral.sdk._exceptions import InvalidRequest
-from corral.sdk._models import ExecRequest
 
 __all__ = ["METADATA_HEADER_PREFIX", "FileMetadata"]
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from corral.api.errors import CorralError
+from corral.api.models import ExecRequest, SandboxInfo
 from corral.gateway.e2b.common import rfc3339
 from corral.gateway.service import SandboxService
-from corral.sdk._exceptions import CorralError
-from corral.sdk._models import ExecRequest, SandboxInfo
 
 __all__ = ["sample"]
 

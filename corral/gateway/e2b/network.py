@@ -15,10 +15,10 @@ from __future__ import annotations
 import ipaddress
 from typing import Any, Literal
 
+from corral.api.errors import InvalidRequest
+from corral.api.models import NetworkPolicy, NetworkRule
 from corral.backends.common.network import AllowRule, internet_rules
 from corral.gateway.e2b.common import E2BError, refuse
-from corral.sdk._exceptions import InvalidRequest
-from corral.sdk._models import NetworkPolicy, NetworkRule
 
 __all__ = ["InternetEgress", "create_policy", "network_info", "update_policy"]
 

@@ -18,9 +18,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from corral.api.errors import Conflict, CorralError, InternalError, NotFound, SandboxGone
+from corral.api.models import ExecRequest, ExecResult
 from corral.gateway.trajectory import Trajectories
-from corral.sdk._exceptions import Conflict, CorralError, InternalError, NotFound, SandboxGone
-from corral.sdk._models import ExecRequest, ExecResult
 
 __all__ = ["ProcessTable", "Process", "Event", "OUTPUT_CAP_BYTES", "NO_TIMEOUT_S"]
 

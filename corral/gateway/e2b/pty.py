@@ -15,9 +15,9 @@ import secrets
 import shlex
 from typing import Any
 
+from corral.api.errors import InvalidRequest
+from corral.api.models import ExecRequest
 from corral.gateway.service import SandboxService
-from corral.sdk._exceptions import InvalidRequest
-from corral.sdk._models import ExecRequest
 
 __all__ = ["PTY_MARKER_ENV", "new_marker", "pty_argv", "resize"]
 

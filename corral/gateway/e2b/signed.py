@@ -19,6 +19,8 @@ from typing import Literal
 
 from fastapi import Request
 
+from corral.api.errors import NotFound
+from corral.api.models import SandboxInfo, SandboxState
 from corral.gateway.e2b.common import (
     ENVD_PORT,
     E2BError,
@@ -29,8 +31,6 @@ from corral.gateway.e2b.common import (
     services,
     target,
 )
-from corral.sdk._exceptions import NotFound
-from corral.sdk._models import SandboxInfo, SandboxState
 
 __all__ = ["files_target", "signature"]
 

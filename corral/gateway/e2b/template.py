@@ -21,10 +21,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from corral.api.errors import CorralError, NotFound
 from corral.images.bases import CHECK_HAS_WORK, DEFAULT_STORE_DIR, DEFAULT_WORK_DIR, ensure_base_images
 from corral.images.erofs import build_erofs
 from corral.images.store import ImageRecord, LayerStore
-from corral.sdk._exceptions import CorralError, NotFound
 
 __all__ = ["IMAGE_NAME", "current_e2b_base", "ensure_e2b_base", "main"]
 

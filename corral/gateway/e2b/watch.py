@@ -19,10 +19,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from corral.api.errors import CorralError, InvalidRequest, NotFound
+from corral.api.models import FileInfo
 from corral.gateway.e2b.common import END_STREAM, Target, frame
 from corral.gateway.service import SandboxService
-from corral.sdk._exceptions import CorralError, InvalidRequest, NotFound
-from corral.sdk._models import FileInfo
 
 __all__ = ["Watchers", "POLL_INTERVAL_S"]
 
