@@ -17,7 +17,6 @@ import os
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,6 +32,7 @@ from corral.gateway.grading import Grader
 from corral.gateway.http_protocol import ResettableHttpToolsProtocol
 from corral.gateway.images import ImageService
 from corral.gateway.service import SandboxService
+from corral.gateway.services import Services
 from corral.gateway.trajectory import Trajectories
 from corral.guard.audit import AuditLog
 from corral.images.builders import LayerBuilder
@@ -56,18 +56,6 @@ log = logging.getLogger("corral")
 # of thousands of long-lived objects (records, specs, tasks); at the default the collector took about half of
 # a 32,000 burst's time (docs/spec.md, Control plane).
 GC_THRESHOLDS = (50_000, 20, 100)
-
-
-@dataclass(frozen=True)
-class Services:
-    """What the HTTP layer talks to."""
-
-    sandboxes: SandboxService
-    images: ImageService
-    trajectories: Trajectories
-    tokens: JobTokens
-    fncall: FnCallService
-    grader: Grader
 
 
 def _write_private(path: Path, text: str) -> None:

@@ -55,12 +55,13 @@ from corral.gateway.fncall import FnCallService
 from corral.gateway.grading import Grader
 from corral.gateway.images import ImageService
 from corral.gateway.service import SandboxService
+from corral.gateway.services import Services
 from corral.gateway.trajectory import Trajectories
 from corral.images.builders import LayerBuilder
 from corral.images.catalogue import Catalogue
 from corral.images.store import LayerStore
 from corral.sdk import AsyncClient
-from corral.server import Services, tune_gc
+from corral.server import tune_gc
 from corral.state.db import StateStore
 from corral.testing.simulated import SimulatedBackend
 from corral.trajectory import TrajectoryLog
@@ -278,12 +279,12 @@ async def _measure(nodes: list[int], creates: int, burst: int, live: int, databa
             gets = []
             for sandbox_id in random.Random(1).sample(ids, min(LOOKUPS, len(ids))):
                 begun = time.perf_counter()
-                service.get(sandbox_id)
+                await service.get(sandbox_id)
                 gets.append(time.perf_counter() - begun)
             lists, listed = [], []
             for job in random.Random(2).sample(range(1, jobs + 1), min(20, jobs)):
                 begun = time.perf_counter()
-                listed = service.list(states=None, labels={"job": f"job-{job}"})
+                listed = await service.list(states=None, labels={"job": f"job-{job}"})
                 lists.append(time.perf_counter() - begun)
             report["live"] = {
                 "nodes": biggest, "tracked": len(ids), "fill_per_s": (len(ids) - burst) / fill_s if jobs else 0.0,

@@ -108,7 +108,7 @@ async def _authenticate(
     if sandbox_id is not None:
         current_sandbox.set(sandbox_id)  # on every log line written while serving this request
     if caller.job is not None and sandbox_id is not None:
-        caller.check_owner(sandbox_id, services.sandboxes.record(sandbox_id)["labels"])
+        caller.check_owner(sandbox_id, (await services.sandboxes.record(sandbox_id))["labels"])
     return caller
 
 
@@ -391,11 +391,11 @@ def create_app(  # type: ignore[no-untyped-def]
         state: Annotated[list[str] | None, Query(description="Filter by state; default creating and running.")] = None,
         label: Annotated[list[str] | None, Query(description="key=value; all must match.")] = None,
     ) -> list[SandboxInfo]:
-        return svc.list(states=state, labels=caller.check_labels(_label_pairs(label)))
+        return await svc.list(states=state, labels=caller.check_labels(_label_pairs(label)))
 
     @app.get("/v1/sandboxes/{sandbox_id}", dependencies=[Auth])
     async def get_sandbox(sandbox_id: str, svc: Service) -> SandboxInfo:
-        return svc.get(sandbox_id)
+        return await svc.get(sandbox_id)
 
     @app.delete("/v1/sandboxes/{sandbox_id}", dependencies=[Auth])
     async def kill_sandbox(sandbox_id: str, svc: Service) -> SandboxInfo:
@@ -404,7 +404,7 @@ def create_app(  # type: ignore[no-untyped-def]
     @app.get("/v1/cluster/nodes", dependencies=[Auth])
     async def cluster_nodes(svc: Service) -> list[ClusterNode]:
         """Every node the shared state knows (all gateways' edges): up or lost, last heartbeat, load."""
-        return svc.cluster_nodes()
+        return await svc.cluster_nodes()
 
     @app.get("/v1/nodes", dependencies=[Auth])
     async def node_stats(svc: Service) -> list[NodeStats]:
@@ -433,7 +433,7 @@ def create_app(  # type: ignore[no-untyped-def]
 
     @app.post("/v1/sandboxes/{sandbox_id}/ttl", dependencies=[Auth])
     async def set_ttl(sandbox_id: str, body: SetTtlRequest, svc: Service) -> SandboxInfo:
-        return svc.set_ttl(sandbox_id, body.ttl_s)
+        return await svc.set_ttl(sandbox_id, body.ttl_s)
 
     @app.post("/v1/sandboxes/{sandbox_id}/pause", dependencies=[Auth])
     async def pause_sandbox(sandbox_id: str, svc: Service, wait_reclaim: bool = False) -> PauseResult:
@@ -510,8 +510,9 @@ def create_app(  # type: ignore[no-untyped-def]
         sandbox_id: str, svc: Service, after_id: Annotated[int, Query(ge=0)] = 0
     ) -> list[AuditEvent]:
         """Its audit events (each exec and file write is in its trajectory log)."""
-        svc.get(sandbox_id)
-        return [AuditEvent.model_validate(e) for e in svc.audit_trail.events(sandbox_id=sandbox_id, after_id=after_id)]
+        await svc.get(sandbox_id)
+        events = await svc.database.run(svc.audit_trail.events, sandbox_id=sandbox_id, after_id=after_id)
+        return [AuditEvent.model_validate(e) for e in events]
 
     @app.get("/v1/audit")
     async def audit_stream(
@@ -523,10 +524,10 @@ def create_app(  # type: ignore[no-untyped-def]
     ) -> list[AuditEvent]:
         """Events of every sandbox after ``after_id``, oldest first: poll with the last id to follow the stream."""
         caller.require_admin("read every sandbox's audit events")
-        events = svc.audit_trail.events(after_id=after_id, severity=severity)
+        events = await svc.database.run(svc.audit_trail.events, after_id=after_id, severity=severity)
         if not events and wait_s > 0:
             await svc.audit_trail.wait(wait_s)
-            events = svc.audit_trail.events(after_id=after_id, severity=severity)
+            events = await svc.database.run(svc.audit_trail.events, after_id=after_id, severity=severity)
         return [AuditEvent.model_validate(e) for e in events]
 
     @app.get(
@@ -641,7 +642,7 @@ def create_app(  # type: ignore[no-untyped-def]
         limit: Annotated[int | None, Query(ge=1, le=10000)] = None,
     ) -> list[TrajectoryStep]:
         """The sandbox's log of commands and file writes, in order."""
-        return logged.steps(sandbox_id, after_seq=after_seq, limit=limit)
+        return await logged.steps(sandbox_id, after_seq=after_seq, limit=limit)
 
     @app.get(
         "/v1/sandboxes/{sandbox_id}/trajectory.jsonl",
@@ -650,13 +651,13 @@ def create_app(  # type: ignore[no-untyped-def]
         responses={200: {"content": {"application/x-ndjson": {}}, "description": "One step per line."}},
     )
     async def export_trajectory(sandbox_id: str, logged: Logged) -> StreamingResponse:
-        lines = logged.export_jsonl(sandbox_id)
+        lines = await logged.export_jsonl(sandbox_id)
         return StreamingResponse((line.encode() for line in lines), media_type="application/x-ndjson")
 
     @app.get("/v1/sandboxes/{sandbox_id}/trajectory/provenance", dependencies=[Auth])
     async def provenance(sandbox_id: str, path: PathQuery, logged: Logged) -> list[TrajectoryStep]:
         """The steps that changed ``path``, oldest first."""
-        return logged.provenance(sandbox_id, path)
+        return await logged.provenance(sandbox_id, path)
 
     @app.post("/v1/sandboxes/{sandbox_id}/trajectory/replay", status_code=201, dependencies=[Auth])
     async def replay_trajectory(sandbox_id: str, body: ReplayRequest, logged: Logged) -> ReplayResult:

@@ -89,7 +89,7 @@ class FnCallService:
 
     async def start(self) -> None:
         """Sandboxes of an earlier run's pools are not ours any more: remove them; then keep house."""
-        stale = [info.id for info in self._sandboxes.list(states=None, labels={POOL_LABEL: "1"})]
+        stale = [info.id for info in await self._sandboxes.list(states=None, labels={POOL_LABEL: "1"})]
         await asyncio.gather(*(self._sandboxes.kill(sandbox_id) for sandbox_id in stale), return_exceptions=True)
         self._spawn(self._keep_house())
 

@@ -37,7 +37,7 @@ class Grader:
         return stack
 
     async def grade(self, sandbox_id: str, request: GradeRequest) -> GradeResult:
-        agent = self._sandboxes.record(sandbox_id)
+        agent = await self._sandboxes.record(sandbox_id)
         snapshot = await self._images.snapshot(sandbox_id, None)
         stack = self._grader_stack(snapshot.layers, request)
         grader = await self._sandboxes.create(

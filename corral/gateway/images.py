@@ -379,7 +379,7 @@ class ImageService:
         """New sandboxes from this one now: same limits, env, user, TTL length and guard settings (protected and
         sensitive paths, disk limit). Containers get its filesystem; VMs and gVisor (runsc) containers get its memory,
         processes and disks too (a checkpoint restored once per child)."""
-        parent = self._sandboxes.record(sandbox_id)
+        parent = await self._sandboxes.record(sandbox_id)
         if self._sandboxes.has_capability(parent, Capability.CHECKPOINTS):
             children = await self._fork_checkpointed(sandbox_id, parent, request)
         elif request.checkpoint is not None:
@@ -419,8 +419,8 @@ class ImageService:
 
     async def snapshot(self, sandbox_id: str, name: str | None) -> SnapshotInfo:
         """The sandbox's changes so far as a diff layer on top of its own layers."""
-        info = self._sandboxes.get(sandbox_id)
-        parents = self._sandboxes.layers_of(sandbox_id)
+        info = await self._sandboxes.get(sandbox_id)
+        parents = await self._sandboxes.layers_of(sandbox_id)
         with self._builder.scratch("snap-") as scratch:
             image = scratch / "diff.erofs"
             await self._sandboxes.call(sandbox_id, lambda edge: edge.pack_diff(sandbox_id, image))

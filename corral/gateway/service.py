@@ -59,6 +59,7 @@ from corral.images.pull import ImagePuller
 from corral.scheduler.placement import NodesBusy, Scheduler
 from corral.state.db import StateStore
 from corral.state.events import EventLog
+from corral.state.thread import DatabaseThread
 
 __all__ = ["SandboxService"]
 
@@ -79,17 +80,19 @@ _EDGE_SCRAPE_TIMEOUT_S = 5.0  # a scrape leaves out a remote edge's metrics that
 
 
 class _GroupCommit:
-    """The record writes of concurrent creates, committed together: one transaction per event-loop turn.
+    """The record writes of concurrent creates, committed together: one transaction for all that arrived while
+    the previous one ran (on the database thread).
 
     A create still awaits its own record being written before its edge acts (and its running mark before it
     answers); a burst of creates just shares the transactions, so the database is not the bottleneck.
     """
 
-    def __init__(self, store: StateStore) -> None:
+    def __init__(self, store: StateStore, db: DatabaseThread) -> None:
         self._store = store
+        self._db = db
         self._inserts: list[tuple[dict[str, Any], asyncio.Future[None]]] = []
         self._running: list[tuple[str, str | None, asyncio.Future[bool]]] = []
-        self._scheduled = False
+        self._flushing: asyncio.Task[None] | None = None
 
     async def insert(self, record: dict[str, Any]) -> None:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -104,30 +107,34 @@ class _GroupCommit:
         return await future
 
     def _schedule(self) -> None:
-        if not self._scheduled:
-            self._scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+        if self._flushing is None:
+            self._flushing = asyncio.get_running_loop().create_task(self._flush())
 
-    def _flush(self) -> None:
-        self._scheduled = False
-        inserts, self._inserts = self._inserts, []
-        running, self._running = self._running, []
-        if inserts:
-            try:
-                self._store.insert_many([record for record, _ in inserts])
-            except Exception as exc:
-                _settle([future for _, future in inserts], error=exc)
-            else:
-                _settle([future for _, future in inserts])
-        if running:
-            try:
-                marked = self._store.mark_running_many({sandbox_id: note for sandbox_id, note, _ in running})
-            except Exception as exc:
-                _settle([future for _, _, future in running], error=exc)
-            else:
-                for sandbox_id, _, future in running:
-                    if not future.done():
-                        future.set_result(sandbox_id in marked)
+    async def _flush(self) -> None:
+        try:
+            await asyncio.sleep(0)  # the writes of this event-loop turn join the first transaction
+            while self._inserts or self._running:
+                inserts, self._inserts = self._inserts, []
+                running, self._running = self._running, []
+                if inserts:
+                    try:
+                        await self._db.run(self._store.insert_many, [record for record, _ in inserts])
+                    except Exception as exc:
+                        _settle([future for _, future in inserts], error=exc)
+                    else:
+                        _settle([future for _, future in inserts])
+                if running:
+                    notes = {sandbox_id: note for sandbox_id, note, _ in running}
+                    try:
+                        marked = await self._db.run(self._store.mark_running_many, notes)
+                    except Exception as exc:
+                        _settle([future for _, _, future in running], error=exc)
+                    else:
+                        for sandbox_id, _, future in running:
+                            if not future.done():
+                                future.set_result(sandbox_id in marked)
+        finally:
+            self._flushing = None
 
 
 def _settle(futures: list[asyncio.Future[Any]], error: Exception | None = None) -> None:
@@ -178,7 +185,9 @@ class SandboxService:
         self._ttl_interval_s = ttl_check_interval_s
         self._reaper: asyncio.Task[None] | None = None
         self.scheduler = Scheduler()
-        self._writes = _GroupCommit(store)
+        # Every store call (and the trajectory log's, gateway/trajectory.py): the event loop never waits on them.
+        self.database = self._db = DatabaseThread()
+        self._writes = _GroupCommit(store, self._db)
         # create's root → (until, stack, name, image config)
         self._roots: dict[tuple[Any, ...], tuple[float, list[str], str, ImageConfig]] = {}
         self._touched: dict[str, float] = {}  # layer digest → when its last use was recorded (monotonic)
@@ -194,7 +203,7 @@ class SandboxService:
                 self.scheduler.reserve(record["id"], edge_id, cpu=record["cpu"], memory_mb=record["memory_mb"],
                                        layers=record["layers"], starting=False)  # fmt: skip
         if self._remote is not None:
-            self._sync_remote_nodes(time.time() - self._node_lost_after_s)
+            self._sync_remote_nodes(time.time() - self._node_lost_after_s, await self._db.run(self._store.nodes))
         self._reaper = asyncio.get_running_loop().create_task(self._reap_expired())
         self._watcher = asyncio.get_running_loop().create_task(self._watch_nodes())
 
@@ -208,20 +217,20 @@ class SandboxService:
             try:
                 now = time.time()
                 loads = {edge_id: (await edge.load()).model_dump() for edge_id, edge in self._edges.items()}
-                for edge_id in self._store.heartbeat_many(loads, now):
+                for edge_id in await self._db.run(self._store.heartbeat_many, loads, now):
                     log.warning("node %s is back after it was marked lost", edge_id)
                     for sandbox_id in await end_stale(self._edges[edge_id], self._store):
                         self.scheduler.release(sandbox_id)
                 before = now - self._node_lost_after_s
-                for edge_id in self._store.silent_nodes(before, exclude=set(self._edges)):
+                for edge_id in await self._db.run(self._store.silent_nodes, before, exclude=set(self._edges)):
                     message = (f"its node {edge_id} went silent: no heartbeat for {self._node_lost_after_s:g}s "
                                "(the machine or its server stopped)")  # fmt: skip
-                    lost = self._store.mark_node_lost(edge_id, before, message)
+                    lost = await self._db.run(self._store.mark_node_lost, edge_id, before, message)
                     self.metrics.ended.labels("lost").inc(lost)
                     log.warning("node %s marked lost after %.0fs of silence; %d sandboxes lost", edge_id,
                                 self._node_lost_after_s, lost)  # fmt: skip
                 if self._remote is not None:
-                    self._sync_remote_nodes(before)
+                    self._sync_remote_nodes(before, await self._db.run(self._store.nodes))
                 if now - self._events_pruned_at > _EVENTS_PRUNE_EVERY_S:
                     self._events_pruned_at = now
                     await asyncio.to_thread(self.events.prune, self._events_retention_s)
@@ -229,9 +238,10 @@ class SandboxService:
                 log.exception("node watcher failed; retrying")
             await asyncio.sleep(self._heartbeat_s)
 
-    def _sync_remote_nodes(self, before: float) -> None:
-        """Place on the remote nodes that heartbeat, by the loads they report; stop placing on silent ones."""
-        for row in self._store.nodes():
+    def _sync_remote_nodes(self, before: float, nodes: builtins.list[dict[str, Any]]) -> None:
+        """Place on the remote nodes that heartbeat (``nodes``: the store's rows), by the loads they report; stop
+        placing on silent ones."""
+        for row in nodes:
             edge_id = row["edge_id"]
             if edge_id in self._edges:
                 continue
@@ -248,33 +258,34 @@ class SandboxService:
                     await task
         for edge in self._edges.values():
             await edge.close()
+        await asyncio.to_thread(self._db.close)  # what the edges reported while closing is written
 
     # -- what edges report (EdgeEvents) -------------------------------------
 
     def ended(self, sandbox_id: str, reason: str, message: str) -> None:
         self.scheduler.release(sandbox_id)
-        self._store.end(sandbox_id, SandboxState.ENDED, reason, message)
+        self._db.submit(self._store.end, sandbox_id, SandboxState.ENDED, reason, message)
         self.metrics.ended.labels(reason).inc()
         log.info("ended: %s: %s", reason, message, extra={"sandbox_id": sandbox_id})
 
     def paused(self, sandbox_id: str, at: float) -> None:
-        self._store.mark_paused(sandbox_id, at)
+        self._db.submit(self._store.mark_paused, sandbox_id, at)
         self.metrics.operations.labels("paused").inc()
 
     def resumed(self, sandbox_id: str, at: float) -> None:
-        self._store.mark_resumed(sandbox_id, at)
+        self._db.submit(self._store.mark_resumed, sandbox_id, at)
         self.metrics.operations.labels("resumed").inc()
 
     def audit(self, sandbox_id: str, kind: str, severity: str, detail: dict[str, Any]) -> None:
         self.metrics.audit.labels(kind, severity).inc()
         if self.audit_log is not None:
-            self.audit_log.record(sandbox_id, kind, severity, detail)
+            self._db.submit(self.audit_log.record, sandbox_id, kind, severity, detail)
 
     async def _reap_expired(self) -> None:
         while True:
             await asyncio.sleep(self._ttl_interval_s)
             try:
-                for sandbox_id in self._store.expired(time.time()):
+                for sandbox_id in await self._db.run(self._store.expired, time.time()):
                     if edge_of(sandbox_id) not in self._edges and self._remote is None:
                         continue  # another server's node: its own gateway destroys it there
                     log.info("sandbox %s reached its TTL", sandbox_id)
@@ -341,7 +352,7 @@ class SandboxService:
             if is_registry_reference(ref):
                 await self._puller.ensure(ref)
         if self._catalogue.generation != generation:  # a pull tagged something (this create's or another's)
-            self.enforce_layer_budget()
+            await self._db.run(self.enforce_layer_budget)
 
     def enforce_layer_budget(self, progress: Callable[[str], None] | None = None,
                              keep: frozenset[str] = frozenset()) -> None:  # fmt: skip
@@ -355,17 +366,17 @@ class SandboxService:
             if progress is not None:
                 progress(f"evicted unused layer {digest[:19]}… to stay under {budget_mb} MB")
 
-    def record(self, sandbox_id: str) -> dict[str, Any]:
-        record = self._store.get(sandbox_id)
+    async def record(self, sandbox_id: str) -> dict[str, Any]:
+        record = await self._db.run(self._store.get, sandbox_id)
         if record is None:
             raise NotFound(f"no sandbox {sandbox_id}")
         return record
 
     async def set_network(self, sandbox_id: str, policy: NetworkPolicy) -> NetworkStatus:
         """Replace a running sandbox's egress allowlist (e.g. open the mirror for setup, close it for the task)."""
-        self._raise_if_ended(self.get(sandbox_id))
+        self._raise_if_ended(await self.get(sandbox_id))
         address, egress, ingress = await self.call(sandbox_id, lambda edge: edge.set_network(sandbox_id, policy.allow))
-        self._store.update(sandbox_id, network=policy.model_dump())
+        await self._db.run(self._store.update, sandbox_id, network=policy.model_dump())
         return NetworkStatus(
             address=address, allow=policy.allow, denied_egress_packets=egress, denied_ingress_packets=ingress
         )
@@ -381,7 +392,7 @@ class SandboxService:
             await edge.attach_network_peer(name, netns_path, address)
 
     async def network_status(self, sandbox_id: str) -> NetworkStatus:
-        record = self.record(sandbox_id)
+        record = await self.record(sandbox_id)
         address, egress, ingress = await self.call(sandbox_id, lambda edge: edge.network_status(sandbox_id))
         policy = NetworkPolicy.model_validate(record["network"]) if record["network"] is not None else None
         return NetworkStatus(
@@ -411,8 +422,8 @@ class SandboxService:
         """Whether a recorded sandbox's kind (backend and runtime) has ``capability``, as its nodes declare it."""
         return capability in (self.scheduler.capabilities(record["backend"], record["runtime"]) or ())
 
-    def layers_of(self, sandbox_id: str) -> list[str]:
-        return list(self.record(sandbox_id)["layers"])
+    async def layers_of(self, sandbox_id: str) -> list[str]:
+        return list((await self.record(sandbox_id))["layers"])
 
     def layers_in_use(self) -> set[str]:
         return {d.partition("#")[0] for record in self._store.list(states=_ACTIVE) for d in record["layers"]}
@@ -422,8 +433,9 @@ class SandboxService:
         return {d.partition("#")[0] for edge_id in self._edges
                 for record in self._store.list(states=_ACTIVE, edge_id=edge_id) for d in record["layers"]}  # fmt: skip
 
-    def _prepare(self, request: CreateSandboxRequest) -> tuple[CreateSandboxRequest, str, tuple[LayerRef, ...]]:
-        """Validate a create and resolve its layers: (request with defaults, listed image name, layers)."""
+    async def _prepare(self, request: CreateSandboxRequest) -> tuple[CreateSandboxRequest, str, tuple[LayerRef, ...]]:
+        """Validate a create and resolve its layers: (request with defaults, listed image name, layers). The
+        catalogue is read on the database thread, once a second per image (``_ROOT_CACHE_S``)."""
         for name in request.env:
             if not name or "=" in name or "\0" in name:
                 raise InvalidRequest(f"invalid environment variable name {name!r}")
@@ -443,7 +455,7 @@ class SandboxService:
         if cached is not None and cached[0] > now:
             _, digests, image_name, config = cached
         else:
-            digests, image_name, config = self._resolve_root(request)
+            digests, image_name, config = await self._db.run(self._resolve_root, request)
             if len(self._roots) >= _ROOTS_CACHED:
                 self._roots.clear()
             self._roots[key] = (now + _ROOT_CACHE_S, digests, image_name, config)
@@ -455,7 +467,7 @@ class SandboxService:
         plain = {d.partition("#")[0] for d in digests}  # an alias is a second mount of the same layer
         stale = [d for d in plain if self._touched.get(d, -_TOUCH_EVERY_S) < now - _TOUCH_EVERY_S]
         if stale:
-            self._catalogue.touch(stale)
+            self._db.submit(self._catalogue.touch, stale)
             self._touched.update((digest, now) for digest in stale)
         return request, image_name, layers
 
@@ -469,7 +481,7 @@ class SandboxService:
                 with tracing.span("corral.sandbox.create.image"):  # pulled, fetched, resolved to layer files
                     await self._pull_missing(request)
                     await layers_held.enter_async_context(self._layers_here(request))
-                    request, image_name, layers = self._prepare(request)
+                    request, image_name, layers = await self._prepare(request)
                 info = await self._create_placed(
                     request, image_name, layers, restore_from=restore_from, on_edge=on_edge
                 )
@@ -486,7 +498,7 @@ class SandboxService:
         if fetcher is None:
             yield
             return
-        digests = [entry.partition("#")[0] for entry in self._resolve_root(request)[0]]
+        digests = [entry.partition("#")[0] for entry in (await self._db.run(self._resolve_root, request))[0]]
         with fetcher.hold(digests):
             for digest in digests:
                 await fetcher.ensure(digest)
@@ -576,7 +588,7 @@ class SandboxService:
                     self._create_finished.set()
             except (CapacityExhausted, ServerUnavailable) as exc:  # refused, or its node is unreachable
                 self.scheduler.release(spec.sandbox_id)
-                self._store.end(spec.sandbox_id, SandboxState.ENDED, "refused", exc.message)
+                await self._db.run(self._store.end, spec.sandbox_id, SandboxState.ENDED, "refused", exc.message)
                 refused[edge_id] = exc.message
                 self.metrics.refusals.labels(edge_id, exc.code).inc()
                 if on_edge is not None:
@@ -586,13 +598,15 @@ class SandboxService:
                 continue
             except BaseException as exc:
                 self.scheduler.release(spec.sandbox_id)
-                self._store.end(spec.sandbox_id, SandboxState.ENDED, "error", str(exc) or type(exc).__name__)
+                self._db.submit(
+                    self._store.end, spec.sandbox_id, SandboxState.ENDED, "error", str(exc) or type(exc).__name__
+                )
                 self.metrics.creates.labels(request.backend, "failed").inc()
                 raise
             if not await self._writes.mark_running(spec.sandbox_id, note):
                 await self.edge(spec.sandbox_id).destroy(spec.sandbox_id)  # killed while it was starting
                 self.scheduler.release(spec.sandbox_id)
-                self._raise_if_ended(self.get(spec.sandbox_id))
+                self._raise_if_ended(await self.get(spec.sandbox_id))
             if edge_id not in self._edges:
                 self.scheduler.forget(spec.sandbox_id)  # its node's heartbeat counts it from now on
             took_s = time.perf_counter() - started_s
@@ -624,7 +638,7 @@ class SandboxService:
 
     async def _create_batch(self, request: CreateSandboxRequest, count: int, *, concurrency: int,
                             per_node: int) -> AsyncIterator[BatchEvent]:  # fmt: skip
-        request, image_name, layers = self._prepare(request)
+        request, image_name, layers = await self._prepare(request)
         started = time.perf_counter()
         queue: asyncio.Queue[BatchEvent] = asyncio.Queue()
         next_index = iter(range(count))
@@ -664,28 +678,28 @@ class SandboxService:
             raise InternalError("this server keeps no audit log")
         return self.audit_log
 
-    def get(self, sandbox_id: str) -> SandboxInfo:
-        record = self._store.get(sandbox_id)
+    async def get(self, sandbox_id: str) -> SandboxInfo:
+        record = await self._db.run(self._store.get, sandbox_id)
         if record is None:
             edge_of(sandbox_id)  # a malformed id gets the more useful message
             raise NotFound(f"no sandbox {sandbox_id}: it never existed here (check the id, or CORRAL_URL)")
         return StateStore.to_info(record)
 
-    def list(self, *, states: list[str] | None, labels: dict[str, str]) -> list[SandboxInfo]:
+    async def list(self, *, states: list[str] | None, labels: dict[str, str]) -> list[SandboxInfo]:
         """Sandboxes by state and labels; fncall pool sandboxes only when asked for by their label."""
-        records = self._store.list(states=states or _ACTIVE, labels=labels)
+        records = await self._db.run(self._store.list, states=states or _ACTIVE, labels=labels)
         if _POOL_LABEL not in labels:
             records = [r for r in records if _POOL_LABEL not in r["labels"]]
         return [StateStore.to_info(r) for r in records]
 
     async def kill(self, sandbox_id: str) -> SandboxInfo:
-        info = self.get(sandbox_id)
+        info = await self.get(sandbox_id)
         if info.state in _LIVE:
             await self._destroy(sandbox_id, "killed")
-        return self.get(sandbox_id)
+        return await self.get(sandbox_id)
 
-    def cluster_nodes(self) -> builtins.list[ClusterNode]:
-        return [ClusterNode.model_validate(row) for row in self._store.nodes()]
+    async def cluster_nodes(self) -> builtins.list[ClusterNode]:
+        return [ClusterNode.model_validate(row) for row in await self._db.run(self._store.nodes)]
 
     def _remote_up(self) -> builtins.list[Edge]:
         """The remote nodes placement uses now (up, heartbeating)."""
@@ -715,25 +729,25 @@ class SandboxService:
         return families
 
     async def save_checkpoint(self, sandbox_id: str) -> CheckpointInfo:
-        self._raise_if_ended(self.get(sandbox_id))
+        self._raise_if_ended(await self.get(sandbox_id))
         saved = await self.call(sandbox_id, lambda edge: edge.save_checkpoint(sandbox_id))
         return CheckpointInfo.model_validate(saved)
 
     async def list_checkpoints(self, sandbox_id: str) -> builtins.list[CheckpointInfo]:
-        self._raise_if_ended(self.get(sandbox_id))
+        self._raise_if_ended(await self.get(sandbox_id))
         found = await self.call(sandbox_id, lambda edge: edge.list_checkpoints(sandbox_id))
         return [CheckpointInfo.model_validate(item) for item in found]
 
     async def restore_checkpoint(self, sandbox_id: str, checkpoint_id: str) -> SandboxInfo:
         """Rewind the sandbox to one of its checkpoints (memory, processes, disk); it runs afterwards."""
-        self._raise_if_ended(self.get(sandbox_id))
+        self._raise_if_ended(await self.get(sandbox_id))
         await self.call(sandbox_id, lambda edge: edge.rewind(sandbox_id, checkpoint_id))  # resumes it first
-        return self.get(sandbox_id)
+        return await self.get(sandbox_id)
 
     async def shutdown(self, sandbox_id: str, timeout_s: float) -> SandboxInfo:
         if not 0 <= timeout_s <= 600:
             raise InvalidRequest(f"timeout_s must be between 0 and 600, got {timeout_s}")
-        info = self.get(sandbox_id)
+        info = await self.get(sandbox_id)
         if info.state in _LIVE:
             clean = False
             try:
@@ -741,21 +755,21 @@ class SandboxService:
             finally:  # destroyed and ended whatever the clean stop did
                 message = "stopped cleanly" if clean else f"still running after {timeout_s:g}s: killed"
                 await self._destroy(sandbox_id, "shutdown", message)
-        return self.get(sandbox_id)
+        return await self.get(sandbox_id)
 
     async def pause(self, sandbox_id: str, wait_reclaim: bool = False) -> PauseResult:
         """Freeze it with its state kept and give its memory back; any later request resumes it."""
-        info = self.get(sandbox_id)
+        info = await self.get(sandbox_id)
         self._raise_if_ended(info)
         started = time.perf_counter()
         before, after = await self.call(sandbox_id, lambda edge: edge.pause(sandbox_id, wait_reclaim))
         duration_ms = (time.perf_counter() - started) * 1000
         if info.state != SandboxState.PAUSED:
-            self._store.mark_paused(sandbox_id, time.time())
+            await self._db.run(self._store.mark_paused, sandbox_id, time.time())
             self.metrics.operations.labels("paused").inc()
             log.info("paused in %.0f ms", duration_ms)  # the request's sandbox (corral.logs.current_sandbox)
         return PauseResult(
-            sandbox=self.get(sandbox_id),
+            sandbox=await self.get(sandbox_id),
             memory_before_bytes=before,
             memory_after_bytes=after,
             reclaim_pending=not wait_reclaim,
@@ -763,13 +777,13 @@ class SandboxService:
         )
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
-        info = self.get(sandbox_id)
+        info = await self.get(sandbox_id)
         self._raise_if_ended(info)
         await self.call(sandbox_id, lambda edge: edge.resume(sandbox_id))
-        self._store.mark_resumed(sandbox_id, time.time())
+        await self._db.run(self._store.mark_resumed, sandbox_id, time.time())
         if info.state == SandboxState.PAUSED:
             self.metrics.operations.labels("resumed").inc()
-        return self.get(sandbox_id)
+        return await self.get(sandbox_id)
 
     async def bulk(self, request: BulkRequest) -> BulkResult:
         """One action on every live sandbox whose labels match; failures are reported per sandbox."""
@@ -777,34 +791,31 @@ class SandboxService:
             raise InvalidRequest("a bulk action needs a label selector (e.g. {'job': 'j1'}): refusing to act on all")
         if request.action == "set_ttl" and request.ttl_s is None and not request.clear_ttl:
             raise InvalidRequest("set_ttl needs ttl_s (or clear_ttl=true)")
-        targets = [info.id for info in self.list(states=None, labels=request.labels)]
+        targets = [info.id for info in await self.list(states=None, labels=request.labels)]
         actions: dict[str, Callable[[str], Awaitable[object]]] = {
             "pause": self.pause,
             "resume": self.resume,
             "kill": self.kill,
-            "set_ttl": lambda sandbox_id: self._set_ttl_async(sandbox_id, request.ttl_s),
+            "set_ttl": lambda sandbox_id: self.set_ttl(sandbox_id, request.ttl_s),
         }
         results = await asyncio.gather(*(actions[request.action](t) for t in targets), return_exceptions=True)
         failed = {t: str(r) for t, r in zip(targets, results, strict=True) if isinstance(r, BaseException)}
         return BulkResult(matched=len(targets), done=[t for t in targets if t not in failed], failed=failed)
-
-    async def _set_ttl_async(self, sandbox_id: str, ttl_s: float | None) -> SandboxInfo:
-        return self.set_ttl(sandbox_id, ttl_s)
 
     async def _destroy(self, sandbox_id: str, reason: str, message: str | None = None) -> None:
         edge = self._edge_for(edge_of(sandbox_id))
         if edge is not None:
             await edge.destroy(sandbox_id)
         self.scheduler.release(sandbox_id)
-        self._store.end(sandbox_id, SandboxState.ENDED, reason, message)
+        await self._db.run(self._store.end, sandbox_id, SandboxState.ENDED, reason, message)
         self.metrics.ended.labels(reason).inc()
         log.info("ended: %s", reason, extra={"sandbox_id": sandbox_id})
 
-    def set_ttl(self, sandbox_id: str, ttl_s: float | None) -> SandboxInfo:
-        info = self.get(sandbox_id)
+    async def set_ttl(self, sandbox_id: str, ttl_s: float | None) -> SandboxInfo:
+        info = await self.get(sandbox_id)
         self._raise_if_ended(info)
-        self._store.update(sandbox_id, expires_at=time.time() + ttl_s if ttl_s else None)
-        return self.get(sandbox_id)
+        await self._db.run(self._store.update, sandbox_id, expires_at=time.time() + ttl_s if ttl_s else None)
+        return await self.get(sandbox_id)
 
     @staticmethod
     def _raise_if_ended(info: SandboxInfo) -> None:
@@ -833,7 +844,7 @@ class SandboxService:
         try:
             return await operation(self.edge(sandbox_id))
         except (NotFound, ServerUnavailable) as exc:
-            self._explain_missing(sandbox_id, exc)
+            await self._explain_missing(sandbox_id, exc)
             raise
 
     async def stream(self, sandbox_id: str, operation: Callable[[Edge], AsyncIterator[T]]) -> AsyncIterator[T]:
@@ -841,11 +852,11 @@ class SandboxService:
             async for item in operation(self.edge(sandbox_id)):
                 yield item
         except (NotFound, ServerUnavailable) as exc:
-            self._explain_missing(sandbox_id, exc)
+            await self._explain_missing(sandbox_id, exc)
             raise
 
-    def _explain_missing(self, sandbox_id: str, exc: CorralError) -> None:
-        record = self._store.get(sandbox_id)
+    async def _explain_missing(self, sandbox_id: str, exc: CorralError) -> None:
+        record = await self._db.run(self._store.get, sandbox_id)
         if record is None:
             raise NotFound(f"no sandbox {sandbox_id}") from exc
         self._raise_if_ended(StateStore.to_info(record))

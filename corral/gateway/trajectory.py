@@ -108,6 +108,7 @@ class Trajectories:
     def __init__(self, log: TrajectoryLog, sandboxes: SandboxService, *, max_logged_file_bytes: int) -> None:
         self._log = log
         self._sandboxes = sandboxes
+        self._db = sandboxes.database  # the log is written and read on the state's thread, in order
         self._max_logged_file_bytes = max_logged_file_bytes
         # Steps without a client id are written just after their answer leaves (within _FLUSH_DELAY_S),
         # off the request path: there is no resend to match, so they need not be durable before it.
@@ -120,11 +121,16 @@ class Trajectories:
             self._flush_handle = asyncio.get_running_loop().call_later(_FLUSH_DELAY_S, self.flush)
 
     def flush(self) -> None:
-        """Write the pending steps, in the order they finished."""
+        """Write the pending steps, in the order they finished (queued on the database thread: whatever is
+        asked of it later sees them)."""
         if self._flush_handle is not None:
             self._flush_handle.cancel()
             self._flush_handle = None
         pending, self._pending = self._pending, []
+        if pending:
+            self._db.submit(self._append_all, pending)
+
+    def _append_all(self, pending: list[tuple[str, str, dict[str, Any], dict[str, Any]]]) -> None:
         for sandbox_id, kind, request, result in pending:
             self._log.append(sandbox_id, _auto_id(), kind, request, result)
 
@@ -132,26 +138,27 @@ class Trajectories:
         """A VM checkpoint, marked in the log: a later restore rewinds the log's meaning to this point."""
         self.flush()
         info = await self._sandboxes.save_checkpoint(sandbox_id)
-        self._log.append(sandbox_id, _auto_id(), "checkpoint", {}, {"checkpoint": info.id})
+        await self._db.run(self._log.append, sandbox_id, _auto_id(), "checkpoint", {}, {"checkpoint": info.id})
         return info
 
     async def restore(self, sandbox_id: str, checkpoint_id: str) -> SandboxInfo:
         """Rewind to a checkpoint; the log records it, so replay skips what the rewind undid."""
         self.flush()
         info = await self._sandboxes.restore_checkpoint(sandbox_id, checkpoint_id)
-        self._log.append(sandbox_id, _auto_id(), "restore", {"checkpoint": checkpoint_id}, {"state": info.state.value})
+        await self._db.run(self._log.append, sandbox_id, _auto_id(), "restore", {"checkpoint": checkpoint_id},
+                           {"state": info.state.value})  # fmt: skip
         return info
 
     def mark_lost(self) -> int:
         """At start: steps that were running when the server died have no known outcome."""
         return self._log.mark_lost()
 
-    def _begin(self, sandbox_id: str, step_id: str, kind: str, request: dict[str, Any]) -> Step | Replay:
+    async def _begin(self, sandbox_id: str, step_id: str, kind: str, request: dict[str, Any]) -> Step | Replay:
         if step_id.startswith(_AUTO_PREFIX):
             raise InvalidRequest(f"step ids starting with {_AUTO_PREFIX!r} are Corral's own: choose another")
-        self._sandboxes.get(sandbox_id)  # unknown sandboxes get no log entries
+        await self._sandboxes.get(sandbox_id)  # unknown sandboxes get no log entries
         self.flush()  # earlier steps first: the log's order is the order steps finished or began
-        return self._log.begin(sandbox_id, step_id, kind, request)
+        return await self._db.run(self._log.begin, sandbox_id, step_id, kind, request)
 
     @staticmethod
     def _replayed(step: Step) -> dict[str, Any]:
@@ -187,7 +194,7 @@ class Trajectories:
             with contextlib.suppress(NotFound, SandboxGone):
                 found += await self._sandboxes.call(sandbox_id, lambda edge: edge.audit_after_command(sandbox_id))
         for kind, severity, detail in found:
-            audit.record(sandbox_id, kind, severity, detail)
+            self._db.submit(audit.record, sandbox_id, kind, severity, detail)
 
     async def _logged(
         self,
@@ -213,7 +220,7 @@ class Trajectories:
             await self._audit(sandbox_id, _command_text(request), result if isinstance(result, ExecResult) else None,
                               edge_findings)  # fmt: skip
             return result
-        step = self._begin(sandbox_id, step_id, kind, request)
+        step = await self._begin(sandbox_id, step_id, kind, request)
         if isinstance(step, Replay):
             replayed = self._replayed(step.step)
             return model.model_validate(
@@ -224,9 +231,9 @@ class Trajectories:
             result = await operation()
             files = await self._sandboxes.call(sandbox_id, lambda edge: edge.changed_paths(sandbox_id, since))
         except CorralError as exc:
-            self._log.fail(step, _error(exc)["error"])
+            await self._db.run(self._log.fail, step, _error(exc)["error"])
             raise
-        self._log.finish(step, result.model_dump(mode="json"), files=files)
+        await self._db.run(self._log.finish, step, result.model_dump(mode="json"), files=files)  # before the answer
         await self._audit(sandbox_id, _command_text(request), result if isinstance(result, ExecResult) else None,
                           edge_findings)  # fmt: skip
         return result
@@ -244,7 +251,7 @@ class Trajectories:
 
         with tracing.span("corral.sandbox.exec", sandbox_id=sandbox_id, edge_id=edge_of(sandbox_id)) as span:
             if tracing.enabled():  # a read of the record, paid only while tracing
-                span.set("backend", self._sandboxes.record(sandbox_id)["backend"])
+                span.set("backend", (await self._sandboxes.record(sandbox_id))["backend"])
             return await self._logged(sandbox_id, request.step_id, "exec", body, run, ExecResult, edge_findings)
 
     async def start(self, sandbox_id: str, request: ExecRequest) -> CommandInfo:
@@ -298,7 +305,7 @@ class Trajectories:
     async def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
         """Streamed output, logged like exec once the command ends (the whole output, capped)."""
         body = request.model_dump(mode="json", exclude={"step_id"})
-        step = self._begin(sandbox_id, request.step_id, "exec_stream", body) if request.step_id else None
+        step = await self._begin(sandbox_id, request.step_id, "exec_stream", body) if request.step_id else None
         if isinstance(step, Replay):
             result = ExecResult.model_validate({**self._replayed(step.step), "replayed": True})
             for stream in ("stdout", "stderr"):
@@ -318,25 +325,26 @@ class Trajectories:
                     files = None
                     if step is not None and since is not None:
                         files = await self._sandboxes.call(sandbox_id, lambda e: e.changed_paths(sandbox_id, since))
-                    self._record(sandbox_id, step, "exec_stream", body, outcome, files)
+                    await self._db.run(self._record, sandbox_id, step, "exec_stream", body, outcome, files)
                     await self._audit(sandbox_id, _command_text(body), event.result)
                 elif event.type in output:
                     output[event.type].append(event.data or "")
                 yield event
         except (NotFound, SandboxGone):
             if step is not None and outcome is None:
-                self._log.fail(step, {"code": "sandbox_gone", "message": "the sandbox ended during the command"})
+                gone = {"code": "sandbox_gone", "message": "the sandbox ended during the command"}
+                self._db.submit(self._log.fail, step, gone)
                 outcome = {}
             raise
         except CorralError as exc:
             if outcome is None:
-                self._record(sandbox_id, step, "exec_stream", body, _error(exc), None)
+                self._db.submit(self._record, sandbox_id, step, "exec_stream", body, _error(exc), None)
                 outcome = {}
             raise
         finally:
             if outcome is None:  # the client went away mid-stream; the edge killed the command
                 error = {"error": {"code": "conflict", "message": "the client went away; the command was killed"}}
-                self._record(sandbox_id, step, "exec_stream", body, error, None)
+                self._db.submit(self._record, sandbox_id, step, "exec_stream", body, error, None)
 
     def _record(
         self,
@@ -347,8 +355,9 @@ class Trajectories:
         result: dict[str, Any],
         files: list[str] | None,
     ) -> None:
+        """On the database thread (``_append_all`` for a step without a client id)."""
         if step is None:
-            self._append_auto(sandbox_id, kind, request, result)
+            self._append_all([(sandbox_id, kind, request, result)])
         elif "error" in result:
             self._log.fail(step, result["error"])
         else:
@@ -356,28 +365,32 @@ class Trajectories:
 
     # -- reading the log ------------------------------------------------
 
-    def steps(self, sandbox_id: str, *, after_seq: int, limit: int | None) -> list[TrajectoryStep]:
-        self._sandboxes.get(sandbox_id)
+    async def steps(self, sandbox_id: str, *, after_seq: int, limit: int | None) -> list[TrajectoryStep]:
+        await self._sandboxes.get(sandbox_id)
         self.flush()
-        return [_to_model(step) for step in self._log.steps(sandbox_id, after_seq=after_seq, limit=limit)]
+        found = await self._db.run(self._log.steps, sandbox_id, after_seq=after_seq, limit=limit)
+        return [_to_model(step) for step in found]
 
-    def export_jsonl(self, sandbox_id: str) -> Iterator[str]:
-        self._sandboxes.get(sandbox_id)
+    async def export_jsonl(self, sandbox_id: str) -> Iterator[str]:
+        """The lines, read as they are sent (a StreamingResponse iterates a plain iterator on a worker thread),
+        after the steps queued so far are written."""
+        await self._sandboxes.get(sandbox_id)
         self.flush()
+        await self._db.run(lambda: None)
         return self._log.export_jsonl(sandbox_id)
 
-    def provenance(self, sandbox_id: str, path: str) -> list[TrajectoryStep]:
-        self._sandboxes.get(sandbox_id)
+    async def provenance(self, sandbox_id: str, path: str) -> list[TrajectoryStep]:
+        await self._sandboxes.get(sandbox_id)
         self.flush()
-        return [_to_model(step) for step in self._log.provenance(sandbox_id, path)]
+        return [_to_model(step) for step in await self._db.run(self._log.provenance, sandbox_id, path)]
 
     # -- replay ---------------------------------------------------------
 
     async def replay(self, sandbox_id: str, request: ReplayRequest) -> ReplayResult:
         """Re-run a sandbox's logged steps, in order, in a fresh sandbox from the same layers and settings."""
         self.flush()
-        original = self._sandboxes.record(sandbox_id)
-        steps = _effective_steps(self._log.steps(sandbox_id))
+        original = await self._sandboxes.record(sandbox_id)
+        steps = _effective_steps(await self._db.run(self._log.steps, sandbox_id))
         fresh = await self._sandboxes.create(
             self._sandboxes.request_like(
                 original, labels={**request.labels, "corral.replay_of": sandbox_id}, ttl_s=request.ttl_s
@@ -392,7 +405,7 @@ class Trajectories:
             else:
                 mismatches += differences
         return ReplayResult(
-            sandbox=self._sandboxes.get(fresh.id),
+            sandbox=await self._sandboxes.get(fresh.id),
             steps=len(steps) - len(skipped),
             skipped=skipped,
             mismatches=mismatches,

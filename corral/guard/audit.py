@@ -175,6 +175,7 @@ class AuditLog:
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self._new = asyncio.Event()
+        self._followed_on: asyncio.AbstractEventLoop | None = None  # the loop of the clients that wait()
         audit_metadata.create_all(engine)
 
     def record(self, sandbox_id: str, kind: str, severity: str, detail: dict[str, Any]) -> None:
@@ -194,7 +195,9 @@ class AuditLog:
                 event = {"at": now, "kind": "audit", "sandbox_id": sandbox_id, "edge_id": owner.edge_id,
                          "job": owner.job, "detail": finding}  # fmt: skip
                 write_events(conn, [event], postgres=False)
-        self._new.set()
+        loop = self._followed_on
+        if loop is not None and not loop.is_closed():  # record() runs on the gateway's database thread
+            loop.call_soon_threadsafe(self._new.set)
 
     def events(
         self, *, sandbox_id: str | None = None, after_id: int = 0, severity: str | None = None, limit: int = 1000
@@ -209,6 +212,7 @@ class AuditLog:
 
     async def wait(self, timeout_s: float) -> None:
         """Until a new event is recorded (or the timeout): lets clients follow the events as a stream."""
+        self._followed_on = asyncio.get_running_loop()
         self._new.clear()
         try:
             await asyncio.wait_for(self._new.wait(), timeout_s)

@@ -76,7 +76,7 @@ async def _batch_on(store: StateStore, tmp_path: Path, *, nodes: int, count: int
         assert progress[-1].type == "done" and progress[-1].failed == 0
         per_node_counts = [node.sandboxes for node in service.scheduler.nodes.values()]
         assert sum(per_node_counts) == count and max(per_node_counts) - min(per_node_counts) <= count // nodes
-        assert len(service.list(states=["running"], labels={"job": "big"})) == count
+        assert len(await service.list(states=["running"], labels={"job": "big"})) == count
         assert len(store.list(states=["running"])) == count
 
 

@@ -40,7 +40,7 @@ def _edges_of(infos: list[SandboxInfo]) -> set[str]:
 async def _cluster_nodes(service: SandboxService, count: int) -> list[ClusterNode]:
     """The shared state's nodes once every edge has sent its first heartbeat."""
     deadline = time.monotonic() + 10
-    while len(nodes := service.cluster_nodes()) < count and time.monotonic() < deadline:
+    while len(nodes := await service.cluster_nodes()) < count and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     return nodes
 
@@ -62,9 +62,9 @@ async def test_a_node_selector_places_every_sandbox_on_a_matching_node(tmp_path:
             ]
             assert len(batch) == 40 and _edges_of(batch) == {"n3"}
             assert store.get(batch[0].id)["node_selector"] == SSD_IN_B
-            assert service.get(batch[0].id).node_selector == SSD_IN_B
+            assert (await service.get(batch[0].id)).node_selector == SSD_IN_B
 
-            like = service.request_like(service.record(batch[0].id), labels={"copy": "1"})  # forks and replays
+            like = service.request_like(await service.record(batch[0].id), labels={"copy": "1"})  # forks and replays
             assert like.node_selector == SSD_IN_B
             copies = await asyncio.gather(*(service.create(like) for _ in range(10)))
             assert _edges_of(copies) == {"n3"}

@@ -25,7 +25,7 @@ import logging
 import struct
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -35,6 +35,9 @@ from starlette.types import Receive, Scope, Send
 from corral.api.errors import AuthenticationError, CorralError, InvalidRequest, NotFound, SandboxGone
 from corral.api.models import ExecRequest, SandboxInfo, SandboxState
 from corral.gateway.http_protocol import RESET_CONNECTION
+
+if TYPE_CHECKING:
+    from corral.gateway.services import Services
 
 __all__ = [
     "END_STREAM",
@@ -205,8 +208,8 @@ def access_token(server_key: str, sandbox_id: str) -> str:
     return "ea_" + _hmac(server_key, f"envd:{sandbox_id}")[:40]
 
 
-def services(request: Request) -> Any:
-    return request.app.state.service
+def services(request: Request) -> Services:
+    return request.app.state.service  # type: ignore[no-any-return]
 
 
 def facade(request: Request) -> Any:
@@ -274,7 +277,7 @@ def gone(sandbox_id: str) -> E2BError:
     return E2BError(502, f"The sandbox {sandbox_id} was not found")
 
 
-def target(request: Request, user: str | None = None) -> Target:
+async def target(request: Request, user: str | None = None) -> Target:
     """Route a data-plane request by its ``E2b-Sandbox-Id``/``E2b-Sandbox-Port`` headers and check its token."""
     sandbox_id = request.headers.get("e2b-sandbox-id")
     if not sandbox_id:
@@ -294,7 +297,7 @@ def target(request: Request, user: str | None = None) -> Target:
     if token is None or not hmac.compare_digest(token.encode(), access_token(state.server_key, sandbox_id).encode()):
         raise E2BError(401, f"missing or wrong X-Access-Token for sandbox {sandbox_id}")
     try:
-        info = services(request).sandboxes.get(sandbox_id)
+        info = await services(request).sandboxes.get(sandbox_id)
     except NotFound:
         raise gone(sandbox_id) from None
     if info.state not in (SandboxState.RUNNING, SandboxState.PAUSED, SandboxState.CREATING):

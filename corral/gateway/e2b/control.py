@@ -108,10 +108,10 @@ def _listed(info: SandboxInfo) -> dict[str, Any]:
     }
 
 
-def live(request: Request, sandbox_id: str) -> SandboxInfo:
+async def live(request: Request, sandbox_id: str) -> SandboxInfo:
     """A sandbox that still exists; an ended one is E2B's 404."""
     try:
-        info: SandboxInfo = services(request).sandboxes.get(sandbox_id)
+        info: SandboxInfo = await services(request).sandboxes.get(sandbox_id)
     except NotFound:
         raise E2BError(404, f"sandbox {sandbox_id} not found") from None
     if info.state.value not in _LIVE_STATES:
@@ -232,7 +232,7 @@ async def list_sandboxes(request: Request) -> JSONResponse:
     labels, states = _selector(request)
     if request.query_params.get("template"):
         labels[TEMPLATE_LABEL] = request.query_params["template"]
-    infos = services(request).sandboxes.list(states=states, labels=labels)
+    infos = await services(request).sandboxes.list(states=states, labels=labels)
     started_after = _started_after(request.query_params.get("startedAfter"))
     if started_after is not None:  # compared as shown (startedAt: microseconds, rounded), not as stored (a float)
         infos = [info for info in infos if dt.datetime.fromtimestamp(info.created_at, dt.UTC) >= started_after]
@@ -247,7 +247,7 @@ async def list_sandboxes(request: Request) -> JSONResponse:
 @router.get("/sandboxes/{sandbox_id}")
 async def get_info(sandbox_id: str, request: Request) -> JSONResponse:
     check_api_key(request)
-    info = live(request, sandbox_id)
+    info = await live(request, sandbox_id)
     paused_on_timeout = ON_TIMEOUT_LABEL in info.labels  # and any request resumes it: autoResume
     lifecycle = {"onTimeout": "pause" if paused_on_timeout else "kill", "autoResume": paused_on_timeout}
     internet, network = network_info(info.network)
@@ -258,7 +258,7 @@ async def get_info(sandbox_id: str, request: Request) -> JSONResponse:
 @router.delete("/sandboxes/{sandbox_id}")
 async def kill(sandbox_id: str, request: Request) -> Response:
     check_api_key(request)
-    live(request, sandbox_id)
+    await live(request, sandbox_id)
     await facade(request).kill(sandbox_id)
     return Response(status_code=204)
 
@@ -267,11 +267,11 @@ async def kill(sandbox_id: str, request: Request) -> Response:
 async def set_timeout(sandbox_id: str, request: Request) -> Response:
     check_api_key(request)
     body = await json_body(request)
-    live(request, sandbox_id)
+    await live(request, sandbox_id)
     timeout_s = parse_timeout(body.get("timeout"), None)
     if timeout_s is None:
         raise E2BError(400, "timeout is required (seconds from now)")
-    services(request).sandboxes.set_ttl(sandbox_id, timeout_s or None)
+    await services(request).sandboxes.set_ttl(sandbox_id, timeout_s or None)
     return Response(status_code=204)
 
 
@@ -281,7 +281,7 @@ async def pause(sandbox_id: str, request: Request) -> Response:
     keeps memory and processes, so they are dropped first."""
     check_api_key(request)
     body = await json_body(request)
-    info = live(request, sandbox_id)
+    info = await live(request, sandbox_id)
     if info.state == SandboxState.PAUSED:
         raise E2BError(409, f"sandbox {sandbox_id} is already paused")
     if body.get("memory") is False:
@@ -297,14 +297,14 @@ async def _connect(sandbox_id: str, request: Request) -> JSONResponse:
     body = await json_body(request)
     timeout_s = parse_timeout(body.get("timeout"), None)
     svc = services(request).sandboxes
-    resumed = live(request, sandbox_id).state == SandboxState.PAUSED
+    resumed = (await live(request, sandbox_id)).state == SandboxState.PAUSED
     if resumed:  # first: a resume moves the TTL on by the time spent paused
         await svc.resume(sandbox_id)
         if body.get("memory") is False:  # on_resume="reboot": a cold boot (a no-op for a running sandbox)
             await drop_processes(svc, sandbox_id)
-    info = svc.get(sandbox_id)
+    info = await svc.get(sandbox_id)
     if timeout_s and info.expires_at is not None and info.expires_at < time.time() + timeout_s:
-        info = svc.set_ttl(sandbox_id, timeout_s)
+        info = await svc.set_ttl(sandbox_id, timeout_s)
     return JSONResponse(sandbox_shape(request, info), status_code=201 if resumed else 200)
 
 
@@ -318,7 +318,7 @@ async def metrics(sandbox_id: str, request: Request) -> JSONResponse:
     """One sample, taken now, from inside the sandbox (corral/gateway/e2b/metrics.py); none while paused, and
     none when the ``start``/``end`` window (Unix seconds) does not hold the current second."""
     check_api_key(request)
-    info = live(request, sandbox_id)
+    info = await live(request, sandbox_id)
     if info.state == SandboxState.PAUSED:
         return JSONResponse([])  # sampling runs a command, which would resume it
     start, end = (_unix_s(request, name) for name in ("start", "end"))
@@ -345,7 +345,7 @@ async def update_network(sandbox_id: str, request: Request) -> Response:
     namespace; a sandbox without network is plugged in."""
     check_api_key(request)
     body = await json_body(request)
-    live(request, sandbox_id)
+    await live(request, sandbox_id)
     policy = update_policy(body, facade(request).internet_egress)
     await services(request).sandboxes.set_network(sandbox_id, policy)
     return Response(status_code=204)

@@ -323,7 +323,7 @@ async def _stream_input(request: Request, where: Target) -> ConnectStream:
 async def process_rpc(method: str, request: Request) -> Response:
     streaming = method in ("Start", "Connect", "StreamInput")
     try:
-        where = target(request, basic_user(request))
+        where = await target(request, basic_user(request))
         message = await _message(request)
         svc = services(request).sandboxes
         if method == "Start":
@@ -469,7 +469,7 @@ async def _filesystem(request: Request, method: str, where: Target, message: dic
 @router.post("/filesystem.Filesystem/{method}")
 async def filesystem_rpc(method: str, request: Request) -> Response:
     try:
-        where = target(request, basic_user(request))
+        where = await target(request, basic_user(request))
         return await _filesystem(request, method, where, await _message(request))
     except E2BError as exc:
         return exc.response()
@@ -485,7 +485,7 @@ async def filesystem_rpc(method: str, request: Request) -> Response:
 @router.get("/files")
 async def read_file(request: Request, path: str, username: str | None = None) -> Response:
     try:
-        where = files_target(request, "read", path, username)
+        where = await files_target(request, "read", path, username)
         full = where.path(path)
         data = await _edge(request, where, lambda e: e.read_file(where.sandbox_id, full))
     except E2BError as exc:
@@ -520,7 +520,7 @@ async def _upload_body(request: Request, limit: int) -> bytes:
 @router.post("/files")
 async def write_files(request: Request, path: str | None = None, username: str | None = None) -> Response:
     try:
-        where = files_target(request, "write", path, username)
+        where = await files_target(request, "write", path, username)
         limit = facade(request).max_file_bytes
         files: list[tuple[str, bytes]] = []
         if request.headers.get("content-type", "").startswith("multipart/form-data"):
@@ -555,7 +555,7 @@ async def health(request: Request) -> Response:
     """204 while the sandbox runs; 502 once it ended and while it is paused, as envd behind E2B's proxy answers
     (asking does not resume a paused sandbox, unlike every other request)."""
     try:
-        where = target(request)
+        where = await target(request)
     except E2BError as exc:
         return exc.response()
     if where.info.state == SandboxState.PAUSED:

@@ -192,8 +192,8 @@ class Kernels:
         await self._signal(kernel, 2)
 
 
-def _interpreter_target(request: Request) -> Target:
-    where = target(request)
+async def _interpreter_target(request: Request) -> Target:
+    where = await target(request)
     if where.port != INTERPRETER_PORT:
         raise E2BError(404, f"{request.url.path} is served on the code interpreter's port {INTERPRETER_PORT}")
     return where
@@ -206,7 +206,7 @@ def _plain_error(exc: CorralError | E2BError) -> Response:
 @router.post("/execute")
 async def execute(request: Request) -> Response:
     try:
-        where = _interpreter_target(request)
+        where = await _interpreter_target(request)
         body = await request.json()
         if body.get("language") not in _LANGUAGES:
             raise InvalidRequest(
@@ -231,7 +231,7 @@ async def execute(request: Request) -> Response:
 @router.post("/contexts")
 async def create_context(request: Request) -> Response:
     try:
-        where = _interpreter_target(request)
+        where = await _interpreter_target(request)
         body = await request.json() if (await request.body()).strip() else {}
         if body.get("language") not in _LANGUAGES:
             raise InvalidRequest(f"language {body.get('language')!r} is not supported: Python only")
@@ -244,7 +244,7 @@ async def create_context(request: Request) -> Response:
 @router.get("/contexts")
 async def list_contexts(request: Request) -> Response:
     try:
-        where = _interpreter_target(request)
+        where = await _interpreter_target(request)
     except E2BError as exc:
         return exc.response()
     return JSONResponse([k.describe() for k in facade(request).kernels.list(where.sandbox_id)])
@@ -253,7 +253,7 @@ async def list_contexts(request: Request) -> Response:
 @router.delete("/contexts/{context_id}")
 async def remove_context(context_id: str, request: Request) -> Response:
     try:
-        where = _interpreter_target(request)
+        where = await _interpreter_target(request)
         await facade(request).kernels.remove(where.sandbox_id, context_id)
     except (CorralError, E2BError) as exc:
         return _plain_error(exc)
@@ -263,7 +263,7 @@ async def remove_context(context_id: str, request: Request) -> Response:
 @router.post("/contexts/{context_id}/restart")
 async def restart_context(context_id: str, request: Request) -> Response:
     try:
-        where = _interpreter_target(request)
+        where = await _interpreter_target(request)
         await facade(request).kernels.restart(where, context_id)
     except (CorralError, E2BError) as exc:
         return _plain_error(exc)

@@ -79,11 +79,12 @@ async def create_snapshot(sandbox_id: str, request: Request) -> JSONResponse:
     body = await json_body(request)
     if body.get("memory") is True:  # unset (the SDK's default) is taken as a filesystem snapshot
         raise refuse("create_snapshot(mode='full')", f"{_FILES_ONLY}; pass mode='filesystem'")
-    live(request, sandbox_id)
+    await live(request, sandbox_id)
     images = services(request).images
     name = body.get("name")
     if name:
         snap = await images.snapshot(sandbox_id, _snapshot_ref(str(name)))
+        assert snap.image is not None  # a snapshot given a name is tagged with it
         ref = snap.image
     else:
         snap = await images.snapshot(sandbox_id, None)
@@ -137,15 +138,15 @@ async def fork(sandbox_id: str, request: Request) -> JSONResponse:
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_FORK_COUNT:
         raise E2BError(400, f"count must be a whole number from 1 to {MAX_FORK_COUNT}, got {count!r}")
     ttl_s = parse_timeout(body.get("timeout"), DEFAULT_FORK_TIMEOUT_S)
-    parent = live(request, sandbox_id)
+    parent = await live(request, sandbox_id)
     svc = services(request).sandboxes
     children = await services(request).images.fork(sandbox_id, ForkRequest(count=count))
-    if parent.state == SandboxState.PAUSED and svc.get(sandbox_id).state != SandboxState.PAUSED:
+    if parent.state == SandboxState.PAUSED and (await svc.get(sandbox_id)).state != SandboxState.PAUSED:
         await svc.pause(sandbox_id)  # packing its files resumed it; E2B leaves the parent as it was
     results = []
     for child in children:
-        svc.set_ttl(child.id, ttl_s or None)
-        results.append({"sandbox": sandbox_shape(request, svc.get(child.id))})
+        await svc.set_ttl(child.id, ttl_s or None)
+        results.append({"sandbox": sandbox_shape(request, await svc.get(child.id))})
     return JSONResponse(results, status_code=201)
 
 
@@ -178,10 +179,10 @@ class TimeoutPauser:
             self._rescan_at = now + PAUSE_RESCAN_S
             for on_timeout in ("pause", "pause-filesystem"):
                 labels = {ON_TIMEOUT_LABEL: on_timeout}
-                self._followed |= {info.id for info in self._sandboxes.list(states=["running"], labels=labels)}
+                self._followed |= {info.id for info in await self._sandboxes.list(states=["running"], labels=labels)}
         for sandbox_id in list(self._followed):
             try:
-                info = self._sandboxes.get(sandbox_id)
+                info = await self._sandboxes.get(sandbox_id)
             except NotFound:
                 info = None
             if info is None or info.state in (SandboxState.ENDED, SandboxState.LOST):
@@ -193,7 +194,7 @@ class TimeoutPauser:
     async def _pause(self, info: SandboxInfo, *, keep_memory: bool) -> None:
         period_s = int(info.labels.get(TIMEOUT_LABEL) or DEFAULT_TIMEOUT_S)
         try:
-            self._sandboxes.set_ttl(info.id, period_s)  # first: from now on the reaper cannot reach it
+            await self._sandboxes.set_ttl(info.id, period_s)  # first: from now on the reaper cannot reach it
             if not keep_memory:
                 await drop_processes(self._sandboxes, info.id)
             await self._sandboxes.pause(info.id)

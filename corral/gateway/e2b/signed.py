@@ -57,19 +57,19 @@ def _expiration(request: Request) -> int | None:
     return expiration_s
 
 
-def files_target(request: Request, operation: Operation, path: str | None, username: str | None) -> Target:
+async def files_target(request: Request, operation: Operation, path: str | None, username: str | None) -> Target:
     """The sandbox a ``/files`` request is for: by its signature when it has one, else by headers and token."""
     given = request.query_params.get("signature")
     if given is None:
-        return target(request, username or basic_user(request))
+        return await target(request, username or basic_user(request))
     expiration_s = _expiration(request)
     server_key = facade(request).server_key
     wanted = request.headers.get("e2b-sandbox-id")
     try:
         infos: list[SandboxInfo] = (
-            [services(request).sandboxes.get(wanted)]
+            [await services(request).sandboxes.get(wanted)]
             if wanted
-            else services(request).sandboxes.list(states=_LIVE, labels={})
+            else await services(request).sandboxes.list(states=_LIVE, labels={})
         )
     except NotFound:
         infos = []
