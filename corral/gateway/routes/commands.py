@@ -1,0 +1,81 @@
+"""Commands in a sandbox: exec (waited, or streamed), background commands and their stdin, signals and
+terminal size. exec and start go through the trajectory log (gateway/trajectory.py)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from corral.api.models import (
+    CommandInfo,
+    ExecRequest,
+    ExecResult,
+    PtySize,
+)
+from corral.gateway.routes.deps import (
+    Auth,
+    Logged,
+    Service,
+    body_within_limit,
+    ndjson,
+)
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+class SignalRequest(BaseModel):
+    signal: int = 9
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/exec", dependencies=[Auth])
+async def exec_command(sandbox_id: str, body: ExecRequest, logged: Logged) -> ExecResult:
+    """Run a command and wait; with ``step_id``, a step sent again is answered from the trajectory log."""
+    return await logged.exec(sandbox_id, body)
+
+
+@router.post(
+    "/v1/sandboxes/{sandbox_id}/exec/stream",
+    dependencies=[Auth],
+    response_class=StreamingResponse,
+    responses={200: {"content": {"application/x-ndjson": {}}, "description": "One ExecEvent per line."}},
+)
+async def exec_stream(sandbox_id: str, body: ExecRequest, logged: Logged) -> StreamingResponse:
+    return await ndjson(logged.exec_stream(sandbox_id, body))
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/commands", status_code=201, dependencies=[Auth])
+async def start_command(sandbox_id: str, body: ExecRequest, logged: Logged) -> CommandInfo:
+    return await logged.start(sandbox_id, body)
+
+
+@router.get("/v1/sandboxes/{sandbox_id}/commands/{command_id}", dependencies=[Auth])
+async def get_command(
+    sandbox_id: str, command_id: str, svc: Service, wait_s: Annotated[float, Query(ge=0, le=3600)] = 0
+) -> CommandInfo:
+    return await svc.call(sandbox_id, lambda edge: edge.command(sandbox_id, command_id, wait_s))
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/commands/{command_id}/stdin", status_code=204, dependencies=[Auth])
+async def command_stdin(sandbox_id: str, command_id: str, request: Request, svc: Service) -> Response:
+    """Raw body bytes go to the command's stdin; an empty body closes it."""
+    data = await body_within_limit(request)
+    await svc.call(sandbox_id, lambda edge: edge.command_stdin(sandbox_id, command_id, data))
+    return Response(status_code=204)
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/commands/{command_id}/signal", status_code=204, dependencies=[Auth])
+async def command_signal(sandbox_id: str, command_id: str, body: SignalRequest, svc: Service) -> Response:
+    await svc.call(sandbox_id, lambda edge: edge.command_signal(sandbox_id, command_id, body.signal))
+    return Response(status_code=204)
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/commands/{command_id}/resize", status_code=204, dependencies=[Auth])
+async def command_resize(sandbox_id: str, command_id: str, body: PtySize, svc: Service) -> Response:
+    """A pty command's new window size (exec/stream or commands started with ``pty``)."""
+    await svc.call(sandbox_id, lambda edge: edge.command_resize(sandbox_id, command_id, body.rows, body.cols))
+    return Response(status_code=204)

@@ -1,0 +1,131 @@
+"""What every route module shares: authentication, the services as dependencies, query shapes, request bodies
+within the upload limit, and NDJSON streams.
+
+A route module imports these and declares its routes on an ``APIRouter`` of its own; create_app (gateway/app.py)
+includes them all. The services and limits live on ``app.state`` (set by create_app and its lifespan)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import AsyncIterator
+from typing import IO, Annotated
+
+from fastapi import Depends, Query, Request
+from fastapi.responses import StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel
+
+from corral.api.errors import InvalidRequest, PayloadTooLarge
+from corral.gateway.auth import Caller
+from corral.gateway.fncall import FnCallService
+from corral.gateway.images import ImageService
+from corral.gateway.service import SandboxService
+from corral.gateway.trajectory import Trajectories
+from corral.logs import current_sandbox
+
+__all__ = [
+    "Auth", "CallerDep", "FnCalls", "Images", "Logged", "PathQuery", "Service", "StepIdQuery", "body_within_limit",
+    "label_pairs", "ndjson", "ndjson_lines", "save_body",
+]  # fmt: skip
+
+_bearer = HTTPBearer(auto_error=False)
+
+
+async def _authenticate(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> Caller:
+    """The caller, checked against the sandbox in the path (a job token reaches only its job's sandboxes)."""
+    services = request.app.state.service
+    caller: Caller = services.tokens.caller(credentials.credentials if credentials else None)
+    sandbox_id = request.path_params.get("sandbox_id")
+    if sandbox_id is not None:
+        current_sandbox.set(sandbox_id)  # on every log line written while serving this request
+    if caller.job is not None and sandbox_id is not None:
+        caller.check_owner(sandbox_id, (await services.sandboxes.record(sandbox_id))["labels"])
+    return caller
+
+
+async def _service(request: Request) -> SandboxService:
+    return request.app.state.service.sandboxes  # type: ignore[no-any-return]
+
+
+async def _image_service(request: Request) -> ImageService:
+    return request.app.state.service.images  # type: ignore[no-any-return]
+
+
+async def _fncall(request: Request) -> FnCallService:
+    return request.app.state.service.fncall  # type: ignore[no-any-return]
+
+
+async def _trajectories(request: Request) -> Trajectories:
+    return request.app.state.service.trajectories  # type: ignore[no-any-return]
+
+
+Auth = Depends(_authenticate)
+CallerDep = Annotated[Caller, Depends(_authenticate)]
+Service = Annotated[SandboxService, Depends(_service)]
+Images = Annotated[ImageService, Depends(_image_service)]
+Logged = Annotated[Trajectories, Depends(_trajectories)]
+FnCalls = Annotated[FnCallService, Depends(_fncall)]
+PathQuery = Annotated[str, Query(description="Absolute path inside the sandbox.")]
+StepIdQuery = Annotated[
+    str | None,
+    Query(min_length=1, max_length=256, description="The client's step id: a resend is answered from the log."),
+]
+
+
+def label_pairs(items: list[str] | None) -> dict[str, str]:
+    """``label=key=value`` query parameters as a dict."""
+    labels = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise InvalidRequest(f"label filter {item!r} must look like key=value")
+        labels[key] = value
+    return labels
+
+
+async def save_body(request: Request, sink: IO[bytes]) -> None:
+    """Stream an upload to a file, within the size limit (CORRAL_MAX_FILE_BYTES, ``app.state.max_file_bytes``)."""
+    max_file_bytes: int = request.app.state.max_file_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and int(declared) > max_file_bytes:
+        raise PayloadTooLarge(
+            f"upload of {declared} bytes is over the limit of {max_file_bytes} (CORRAL_MAX_FILE_BYTES)"
+        )
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_file_bytes:
+            raise PayloadTooLarge(f"upload is over the limit of {max_file_bytes} bytes (CORRAL_MAX_FILE_BYTES)")
+        sink.write(chunk)
+    sink.flush()
+
+
+async def body_within_limit(request: Request) -> bytes:
+    buffer = io.BytesIO()
+    await save_body(request, buffer)
+    return buffer.getvalue()
+
+
+def ndjson_lines(events: AsyncIterator[BaseModel]) -> StreamingResponse:
+    """One model per line, as they come (a build's or a pull's progress: their errors are events too)."""
+
+    async def lines() -> AsyncIterator[bytes]:
+        async for event in events:
+            yield event.model_dump_json(exclude_none=True).encode() + b"\n"
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+async def ndjson(events: AsyncIterator[BaseModel]) -> StreamingResponse:
+    """One model per line. The first is awaited here, so errors before it (an unknown sandbox or image, bad
+    limits) still get their status instead of a 200 with a broken stream."""
+    first = await anext(events)
+
+    async def rest() -> AsyncIterator[BaseModel]:
+        yield first
+        async for event in events:
+            yield event
+
+    return ndjson_lines(rest())

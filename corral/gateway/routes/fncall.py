@@ -1,0 +1,70 @@
+"""fncall: short isolated calls from the pre-warmed pools (gateway/fncall.py), and run_code's tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
+from corral.api.models import (
+    FnCallBatch,
+    FnCallRequest,
+    FnCallResult,
+    PoolStats,
+    RunCodeRequest,
+    RunCodeResult,
+)
+from corral.gateway.routes.deps import (
+    Auth,
+    FnCalls,
+)
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+_FNCALL_BODY = {
+    "requestBody": {
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/FnCallRequest"}}},
+        "required": True,
+    },
+    "responses": {
+        "422": {
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/HTTPValidationError"}}},
+            "description": "Validation Error",
+        }
+    },
+}
+
+
+@router.post("/v1/fncall", dependencies=[Auth], response_model=FnCallResult, openapi_extra=_FNCALL_BODY)
+async def fncall(request: Request, fncalls: FnCalls) -> Response:
+    """One short call in a pre-warmed, isolated sandbox: a command, or Python whose main() returns JSON."""
+    # The hottest route: the body is parsed and the result serialized by pydantic's core in one step
+    # each, instead of FastAPI's generic body solving and response validation (same document, same errors).
+    try:
+        body = FnCallRequest.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from exc
+    result = await fncalls.call(body)
+    return Response(result.model_dump_json(), media_type="application/json")
+
+
+@router.post("/v1/fncall/batch", dependencies=[Auth])
+async def fncall_batch(body: FnCallBatch, fncalls: FnCalls) -> list[FnCallResult | dict[str, Any]]:
+    """Many calls at once; each result is a FnCallResult or an error body, in order."""
+    return await fncalls.batch(body.calls)
+
+
+@router.get("/v1/fncall/pools", dependencies=[Auth])
+async def fncall_pools(fncalls: FnCalls) -> list[PoolStats]:
+    """Each pool's warm size, target and hit rate."""
+    return fncalls.stats()
+
+
+@router.post("/v1/run_code", dependencies=[Auth])
+async def run_code(body: RunCodeRequest, fncalls: FnCalls) -> RunCodeResult:
+    """Run a python or bash program against tests (stdin, expected stdout), one isolated call per test."""
+    return await fncalls.run_code(body)
