@@ -185,8 +185,9 @@ class SandboxService:
         self._ttl_interval_s = ttl_check_interval_s
         self._reaper: asyncio.Task[None] | None = None
         self.scheduler = Scheduler()
-        # Every store call (and the trajectory log's, gateway/trajectory.py): the event loop never waits on them.
-        self.database = self._db = DatabaseThread()
+        # Every store call (and the trajectory log's, gateway/trajectory.py): the event loop never waits on a
+        # database server (SQLite: inline, state/thread.py says why).
+        self.database = self._db = DatabaseThread(inline=store.engine.dialect.name == "sqlite")
         self._writes = _GroupCommit(store, self._db)
         # create's root → (until, stack, name, image config)
         self._roots: dict[tuple[Any, ...], tuple[float, list[str], str, ImageConfig]] = {}
