@@ -26,7 +26,17 @@ from corral.cluster.local import LocalCluster
 
 NODE_LOST_AFTER_S = 8.0  # heartbeats every 0.5 s: room for a loaded machine before a false "lost"
 NODES = {"e1": {"zone": "a"}, "e2": {"zone": "a"}, "e3": {"zone": "b"}}
-"""The nodes every test may rely on, up, with these labels. Others join for a test (zone c, new, budget, gone)."""
+"""The nodes every test may rely on, up, with these labels. Others join for a test (e4 by the CLI, e6)."""
+FRESH_NODE = "e6"
+FRESH_NODE_LABELS = {"zone": "new"}
+FRESH_NODE_CACHE_BUDGET_MB = 6
+FRESH_NODE_SETTINGS = {
+    "CORRAL_LAYER_CACHE_BUDGET_MB": str(FRESH_NODE_CACHE_BUDGET_MB),
+    "CORRAL_LAYER_IDLE_UNMOUNT_S": "0",
+}
+"""A machine that has never seen the package's images: joined once, by the first test that needs one (a join
+costs ~15 s), while a burst runs or on its own (``join_fresh_node``). Its layer cache has a small budget and idle
+layers unmount at once, for the eviction test; the others only need it fresh."""
 
 
 @contextlib.contextmanager
@@ -87,6 +97,14 @@ def client(cluster: LocalCluster) -> Iterator[corral.Client]:
     assert state is not None
     with corral.Client(state.gateway_url, state.api_key, timeout_s=300) as c:
         yield c
+
+
+def join_fresh_node(cluster: LocalCluster) -> None:
+    """The fresh node (``FRESH_NODE``), joined unless a test before joined it."""
+    state = cluster.state
+    assert state is not None
+    if FRESH_NODE not in state.nodes:
+        cluster.add_node(FRESH_NODE, labels=FRESH_NODE_LABELS, settings=FRESH_NODE_SETTINGS)
 
 
 def edge_of(sandbox: corral.Sandbox) -> str:

@@ -2,7 +2,7 @@
 edge actor over real crun containers, one gateway, PostgreSQL; all in a network namespace of the test's own.
 
 Placement across nodes, label affinity, layers fetched by each node from the gateway, an edge actor killed
-and re-adopting its sandboxes, and a node removed and its sandboxes marked lost.
+and re-adopting its sandboxes, and a node that leaves and its sandboxes marked lost.
 """
 
 from __future__ import annotations
@@ -177,11 +177,12 @@ def test_an_edge_killed_comes_back_and_readopts_its_sandboxes(cluster: LocalClus
         sandbox.kill()
 
 
-def test_a_machine_joins_and_leaves_with_the_cli(
+def test_a_machine_joins_and_leaves_with_the_cli_and_its_sandboxes_are_marked_lost(
     cluster: LocalCluster, client: corral.Client, tmp_path: Path, postgres_url: str
 ) -> None:
     """`corral cluster join` and `leave` as an operator runs them on a new machine (here: in the cluster's
-    network namespace, which stands in for the cluster network)."""
+    network namespace, which stands in for the cluster network). `leave` stops the machine's raylet and edge as
+    if it went away: its sandboxes are marked lost, with the node, and placement goes on without it."""
     state = cluster.state
     assert state is not None and state.netns is not None
     data_dir = tmp_path / "e4"
@@ -191,60 +192,46 @@ def test_a_machine_joins_and_leaves_with_the_cli(
     join = subprocess.run(
         [*in_netns, "join", "--address", state.ray_address, "--edge-id", "e4", "--gateway-url", state.gateway_url,
          "--database-url", postgres_url, "--api-key", state.api_key, "--data-dir", str(data_dir),
-         "--label", "zone=c"],
+         "--label", "zone=a", "--label", "joined=cli"],
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     node = json.loads((data_dir / "node.json").read_text()) if (data_dir / "node.json").exists() else None
     try:
         assert join.returncode == 0, join.stdout + join.stderr
         assert "node e4 joined" in join.stdout
-        with client.create("busybox", ttl_s=600, node_selector={"zone": "c"}) as sandbox:
-            assert edge_of(sandbox) == "e4"
-            assert sandbox.exec("echo on-e4").stdout == "on-e4\n"
+        on_e4 = client.create("busybox", ttl_s=600, node_selector={"joined": "cli"})
+        assert edge_of(on_e4) == "e4"
+        assert on_e4.exec("echo on-e4").stdout == "on-e4\n"
         leave = subprocess.run([*in_netns, "leave", "--data-dir", str(data_dir)], capture_output=True, text=True,
                                timeout=120, env=env)  # fmt: skip
         assert leave.returncode == 0, leave.stdout + leave.stderr
         node = None
         deadline = time.monotonic() + NODE_LOST_AFTER_S + 30
-        while {n["edge_id"]: n["state"] for n in cluster.cluster_nodes()}["e4"] != "lost":
-            assert time.monotonic() < deadline, "the node that left was not marked lost"
+        while client.get(on_e4.id).info.state != corral.SandboxState.LOST:
+            assert time.monotonic() < deadline, "the sandbox of the node that left was not marked lost"
             time.sleep(0.5)
+        info = client.get(on_e4.id).info
+        assert info.end_reason == "lost" and "e4" in (info.status_message or "")
+        with pytest.raises(corral.SandboxGone, match="e4"):
+            on_e4.exec("true")
+        assert {n["edge_id"]: n["state"] for n in cluster.cluster_nodes()}["e4"] == "lost"
+        later = [client.create("busybox", ttl_s=600, node_selector={"zone": "a"}) for _ in range(6)]
+        try:
+            assert {edge_of(sb) for sb in later} <= {"e1", "e2"}
+        finally:
+            for sb in later:
+                sb.kill()
+        status = subprocess.run(
+            [sys.executable, "-m", "corral.cli.main", "cluster", "status", "--dir", str(cluster.directory)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert status.returncode == 0, status.stderr
+        lines = {line.split()[1]: line for line in status.stdout.splitlines() if line.startswith("│ e")}
+        assert "lost" in lines["e4"] and "up" in lines["e1"]
     finally:
         if node is not None:
             stop_session(int(node["session"]))
         delete_leftover_sandboxes(data_dir)
-
-
-def test_a_removed_node_is_marked_lost_with_its_sandboxes(cluster: LocalCluster, client: corral.Client) -> None:
-    """A node of zone a of its own (e7, so the package's three stay), removed as if its machine went away."""
-    cluster.add_node("e7", labels={"zone": "a"})
-    on_e7 = client.create("busybox", ttl_s=600, node_selector={"zone": "a"})
-    while edge_of(on_e7) != "e7":  # e1, e2 or e7: keep creating until one lands on e7
-        on_e7.kill()
-        on_e7 = client.create("busybox", ttl_s=600, node_selector={"zone": "a"})
-    cluster.remove_node("e7")
-    deadline = time.monotonic() + NODE_LOST_AFTER_S + 30
-    while client.get(on_e7.id).info.state != corral.SandboxState.LOST:
-        assert time.monotonic() < deadline, "the sandbox of the removed node was not marked lost"
-        time.sleep(0.5)
-    info = client.get(on_e7.id).info
-    assert info.end_reason == "lost" and "e7" in (info.status_message or "")
-    with pytest.raises(corral.SandboxGone, match="e7"):
-        on_e7.exec("true")
-    assert {node["edge_id"]: node["state"] for node in cluster.cluster_nodes()}["e7"] == "lost"
-    later = [client.create("busybox", ttl_s=600, node_selector={"zone": "a"}) for _ in range(6)]
-    try:
-        assert {edge_of(sb) for sb in later} <= {"e1", "e2"}
-    finally:
-        for sb in later:
-            sb.kill()
-    status = subprocess.run(
-        [sys.executable, "-m", "corral.cli.main", "cluster", "status", "--dir", str(cluster.directory)],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert status.returncode == 0, status.stderr
-    lines = {line.split()[1]: line for line in status.stdout.splitlines() if line.startswith("│ e")}
-    assert "lost" in lines["e7"] and "up" in lines["e1"]
 
 
 def test_cluster_commands_up_twice_status_and_down(tmp_path: Path, postgres_url: str) -> None:

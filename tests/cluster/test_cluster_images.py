@@ -31,7 +31,13 @@ from corral.bench.registry import write_layout as oci_layout
 from corral.cluster.local import LocalCluster
 from corral.images.bases import build_busybox_rootfs
 from corral.images.store import CHUNK_INDEX_BYTES
-from tests.cluster.conftest import edge_of
+from tests.cluster.conftest import (
+    FRESH_NODE_CACHE_BUDGET_MB,
+    FRESH_NODE_LABELS,
+    FRESH_NODE_SETTINGS,
+    edge_of,
+    join_fresh_node,
+)
 
 APP_CONFIG = {"Env": ["PATH=/usr/bin:/bin", "GREETING=from the registry"], "WorkingDir": "/srv/app",
               "User": "user", "Cmd": ["sh", "-c", "cat /srv/app/motd"]}  # fmt: skip
@@ -170,7 +176,7 @@ def test_a_node_that_joins_mid_burst_starts_sandboxes_from_layers_it_never_saw(
         before_join = len(burst_edges)
         state = cluster.state
         assert state is not None and "e6" not in state.nodes  # a machine that has never seen the image
-        cluster.add_node("e6", labels={"zone": "new"})  # `corral cluster join`'s path, while the burst runs
+        cluster.add_node("e6", labels=FRESH_NODE_LABELS, settings=FRESH_NODE_SETTINGS)  # while the burst runs
         assert len(burst_edges) > before_join and not failures, "no create finished while the node joined"
         for _ in range(2):
             sandbox = client.create(ref, ttl_s=600, node_selector={"zone": "new"})
@@ -196,10 +202,7 @@ def test_cold_create_on_a_fresh_node_vs_a_node_with_the_layers(
 ) -> None:
     """Create → first exec of an image the node never saw (e6 above) against one whose layers it has (e1 ran it
     just before), same run; medians of COLD_ROUNDS images. Printed (docs/cluster.md), not asserted on time."""
-    state = cluster.state
-    assert state is not None
-    if "e6" not in state.nodes:  # run on its own, without the join test before it
-        cluster.add_node("e6", labels={"zone": "new"})
+    join_fresh_node(cluster)  # unless the join test before did
     cold_ms: list[float] = []
     warm_ms: list[float] = []
     for round_ in range(COLD_ROUNDS):
@@ -240,35 +243,32 @@ def test_a_ray_node_keeps_its_layer_cache_under_its_budget(
     pushed: Pushed, cluster: LocalCluster, client: corral.Client
 ) -> None:
     """The edge actor evicts as the embedded server does: a partial layer nothing runs on goes when a create
-    brings new layers past CORRAL_LAYER_CACHE_BUDGET_MB; one a running sandbox reads stays; /metrics shows it."""
-    budget_mb = 6
-    cluster.add_node(
-        "e5",
-        labels={"zone": "budget"},
-        settings={"CORRAL_LAYER_CACHE_BUDGET_MB": str(budget_mb), "CORRAL_LAYER_IDLE_UNMOUNT_S": "0"},
-    )
+    brings new layers past CORRAL_LAYER_CACHE_BUDGET_MB; one a running sandbox reads stays; /metrics shows it.
+    On the fresh node (e6, which the tests above may have used: its budget evicted what they left)."""
+    budget_mb = FRESH_NODE_CACHE_BUDGET_MB
+    join_fresh_node(cluster)
     big, app = pushed.ref("ns/big"), pushed.ref("ns/app")
     for ref in (big, app):
         client.images.pull(ref)
     data_layer = client.images.inspect(big).layers[-1].digest
     state = cluster.state
     assert state is not None
-    partial = Path(state.nodes["e5"].data_dir) / "node" / "layers" / "partial" / f"{data_layer[7:]}.data"
-    with client.create(big, ttl_s=600, node_selector={"zone": "budget"}) as sandbox:
+    partial = Path(state.nodes["e6"].data_dir) / "node" / "layers" / "partial" / f"{data_layer[7:]}.data"
+    with client.create(big, ttl_s=600, node_selector=FRESH_NODE_LABELS) as sandbox:
         assert sandbox.exec("cat /data/f0 /data/f1 /data/f2 /data/f3 > /dev/null").exit_code == 0
-        assert _present_bytes(cluster, "e5", data_layer) >= 4 * DATA_FILE_BYTES  # 8 MiB: over the budget
+        assert _present_bytes(cluster, "e6", data_layer) >= 4 * DATA_FILE_BYTES  # 8 MiB: over the budget
         assert partial.exists()
-        assert _scrape_node_cache_bytes(cluster, "e5") >= 4 * DATA_FILE_BYTES
-    pid = cluster.edge_pid("e5")
+        assert _scrape_node_cache_bytes(cluster, "e6") >= 4 * DATA_FILE_BYTES
+    pid = cluster.edge_pid("e6")
     assert pid is not None
     deadline = time.monotonic() + 30
     mountinfo = Path(f"/proc/{pid}/mountinfo")
     while any(" - erofs " in line and data_layer[7:] in line for line in mountinfo.read_text().splitlines()):
         assert time.monotonic() < deadline, "the data layer stayed mounted after its sandbox ended (idle unmount)"
         time.sleep(0.2)
-    with client.create(app, ttl_s=600, node_selector={"zone": "budget"}) as sandbox:  # new layers: a check
+    with client.create(app, ttl_s=600, node_selector=FRESH_NODE_LABELS) as sandbox:  # new layers: a check
         assert sandbox.exec("cat /srv/app/motd").stdout == "hello from a pulled layer\n"
         assert not partial.exists(), "the unused partial layer stayed past the budget"
-        assert _scrape_node_cache_bytes(cluster, "e5") <= budget_mb << 20
-        with client.create(big, ttl_s=600, node_selector={"zone": "budget"}) as again:  # fetched anew, correct
+        assert _scrape_node_cache_bytes(cluster, "e6") <= budget_mb << 20
+        with client.create(big, ttl_s=600, node_selector=FRESH_NODE_LABELS) as again:  # fetched anew, correct
             assert again.exec("sha256sum /data/f3").stdout.split()[0] == pushed.data_sha256["f3"]
