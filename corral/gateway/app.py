@@ -47,6 +47,7 @@ from corral.sdk._models import (
     ClusterNode,
     CommandInfo,
     CreateSandboxRequest,
+    ExecEvent,
     ExecRequest,
     ExecResult,
     FileInfo,
@@ -577,8 +578,12 @@ def create_app(  # type: ignore[no-untyped-def]
 
         async def lines() -> AsyncIterator[bytes]:
             yield first.model_dump_json(exclude_none=True).encode() + b"\n"
-            async for event in events:
-                yield event.model_dump_json(exclude_none=True).encode() + b"\n"
+            try:
+                async for event in events:
+                    yield event.model_dump_json(exclude_none=True).encode() + b"\n"
+            except CorralError as exc:  # the status is sent: say it in the stream, not by cutting it
+                error = ExecEvent(type="error", error=exc.to_body()["error"])
+                yield error.model_dump_json(exclude_none=True).encode() + b"\n"
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
