@@ -7,7 +7,9 @@ test fails, after the server and its sandboxes are gone."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import shutil
 import sqlite3
 import subprocess
 import time
@@ -17,6 +19,9 @@ from pathlib import Path
 import pytest
 
 import corral
+from corral.bench.registry import Registry, image_blobs, layer_tar, push, start_registry, tree_members, write_layout
+from corral.embedded import EmbeddedServer, linked_node_dir
+from corral.images.bases import build_busybox_rootfs
 from tests.conftest import restartable_server
 
 DISK_MB = 512
@@ -84,3 +89,54 @@ def test_data_disk_filled_to_the_floor_keeps_the_state_and_the_trajectories(
                 expiry = dict(db.execute("SELECT id, expires_at FROM sandboxes").fetchall())
             assert sorted(on_disk) == sorted((i, s) for i, steps in acknowledged.items() for s in steps)
             assert all(expiry[sandbox.id] > time.time() + 3000 for sandbox in writers), expiry  # set_ttl's write
+
+
+CACHE_DISK_MB = 48
+BIG_LAYER_MB = 16  # random bytes: gzip does not shrink them, so the layer costs the cache its full size
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Iterator[Registry]:
+    if shutil.which("docker-registry") is None or shutil.which("skopeo") is None:
+        pytest.skip("needs docker-registry and skopeo (apt)")
+    started = start_registry(tmp_path / "registry")
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+def test_layer_cache_disk_full_during_a_pull_fails_clearly_and_leaves_no_partial_layer(
+    tmp_path: Path, test_env: dict[str, str], registry: Registry
+) -> None:
+    """A create whose image is pulled while the layer cache's disk has no room for its big layer: a clear
+    error, no layer file or record of it half made, and once space is freed the same create succeeds."""
+    tree = tmp_path / "rootfs"
+    build_busybox_rootfs(tree)
+    big = os.urandom(BIG_LAYER_MB << 20)
+    blobs = image_blobs([layer_tar(tree_members(tree)), layer_tar({"data": None, "data/big": big})], {})
+    push(write_layout(tmp_path / "layout", "v1", blobs), "v1", registry, "ns/big")
+    ref = f"{registry.address}/ns/big:v1"
+    with small_disk(tmp_path / "cache", CACHE_DISK_MB) as cache:
+        node_dir = linked_node_dir(cache / "node", parts=("bin",))  # no layers: the pull fills this disk
+        filler = cache / "filler"
+        with open(filler, "wb") as f:  # leave less room than the big layer needs
+            f.truncate(0)
+            os.posix_fallocate(f.fileno(), 0, (_free_mb(cache) - BIG_LAYER_MB // 2) << 20)
+        env = {**test_env, "CORRAL_NODE_DIR": str(node_dir), "CORRAL_INSECURE_REGISTRIES": registry.address}
+        with EmbeddedServer(tmp_path / "server", env=env) as server, server.client() as client:
+            with pytest.raises(
+                corral.CapacityExhausted, match=f"the layer cache.s disk is full: a {BIG_LAYER_MB} MiB layer"
+            ) as full:
+                client.create(ref)
+            assert "nothing of it was kept" in str(full.value) and "retry" in str(full.value)
+            stored = {p.name for p in (node_dir / "layers" / "layers").iterdir()}
+            assert not {name for name in stored if name.endswith(".tmp")}, stored  # no partial file
+            assert {name.removesuffix(".erofs") for name in stored if name.endswith(".erofs")} == {
+                layer.digest.removeprefix("sha256:") for layer in client.images.layers()
+            }  # none without a record
+            with pytest.raises(corral.NotFound):
+                client.images.inspect(ref)
+            filler.unlink()
+            with client.create(ref) as sandbox:
+                assert sandbox.exec("md5sum /data/big").stdout.split()[0] == hashlib.md5(big).hexdigest()
