@@ -205,6 +205,7 @@ def test_admission_refuses_beyond_overcommit_and_frees_on_kill(tmp_path, test_en
 # creates in flight, up to per_node = 32 of them), but at 200 the test took 40 s here (creates ~16/s on 2
 # shared cores, adoption ~110 ms per sandbox after the restart, the bulk kill ~50 ms each).
 CRASH_BATCH = 1_000 if os.environ.get(SLOW_ENV) == "1" else 60
+ADOPT_S = 0.25  # a restart adopts one sandbox after the other, ~110 ms each here (crun state, exec of an agent)
 CRASH_ENV = {"CORRAL_CPU_OVERCOMMIT": "5000", "CORRAL_MEMORY_OVERCOMMIT": "50"}  # room for them all on 2 cores
 
 
@@ -238,7 +239,7 @@ def test_server_killed_mid_batch_create_leaves_records_that_match_reality(
         assert outcome and isinstance(outcome[0], corral.CorralError), outcome  # told, not a silent short batch
         reported = list(ready)
         assert 0 < len(reported) < CRASH_BATCH
-        server.start()
+        server.start(timeout_s=60 + ADOPT_S * CRASH_BATCH)  # it answers once it has adopted every sandbox
         with server.client() as client:
             records = {info.id: info for info in client.list(state=list(corral.SandboxState), labels=labels)}
             states = Counter(info.state.value for info in records.values())
