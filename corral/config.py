@@ -178,7 +178,7 @@ class Settings(BaseSettings):
         ge=0,
         description="The node refuses new sandboxes when the data dir's filesystem has less free space than this "
         "(the refusal names the sandboxes that wrote most), so the state database and the layer cache keep room; "
-        "0 = no floor.",
+        "the writable layers together can never take the last half of it (their pool is sized so); 0 = no floor.",
     )
     memory_full_pressure_pct: float = Field(
         10.0, gt=0, description="... or when memory pressure (PSI full avg10, %) is above this: the node thrashes."

@@ -36,6 +36,10 @@ __all__ = ["HostSetup", "PRIVATE_MOUNT_NS_ENV", "prepare_host", "build_edge"]
 log = logging.getLogger("corral")
 
 PRIVATE_MOUNT_NS_ENV = "CORRAL_PRIVATE_MOUNT_NS"
+# The writable layers' pool is sized to leave floor / 2 of the data disk free however much sandboxes write:
+# creates stop at the floor, and the half below it is the state database's, the trajectory log's and the
+# layer cache's (docs/architecture.md, "Free-space floor").
+DISK_RESERVE_FRACTION_OF_FLOOR = 2
 """Set by the process that entered the private mount namespace, to its id (``mnt:[...]``), for its children
 (a Ray raylet and its workers, which are multi-threaded and cannot unshare one of their own)."""
 
@@ -98,6 +102,7 @@ def build_edge(settings: Settings, host: HostSetup, events: EdgeEvents) -> Local
         create_concurrency=settings.create_concurrency,
         audit_repeat_window_s=settings.audit_repeat_window_s,
         default_disk_mb=settings.sandbox_disk_mb,
+        disk_reserve_mb=settings.disk_floor_mb // DISK_RESERVE_FRACTION_OF_FLOOR,
         open_files=settings.sandbox_open_files,
         resolver=HostResolver(settings.network_hosts_file),
         resolve_interval_s=settings.network_resolve_interval_s,

@@ -95,9 +95,11 @@ def restartable_server(data_dir: Path, env: dict[str, str]) -> Iterator[Embedded
     try:
         yield proc
     finally:
-        if not proc.running():
-            proc.start()  # bring it back so it can kill what it re-adopted
-        proc.shutdown()
+        try:
+            if not proc.running():
+                proc.start()  # bring it back so it can kill what it re-adopted
+        finally:  # even if it cannot come back: its containers are deleted by their runtime state
+            proc.shutdown()
 
 
 @pytest.fixture

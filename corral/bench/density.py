@@ -32,8 +32,6 @@ import contextlib
 import os
 import platform
 import random
-import shutil
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -47,6 +45,7 @@ from corral.bench.containers import summarize
 from corral.bench.harness import bench_session, emit
 from corral.embedded import EmbeddedServer
 from corral.sdk import AsyncClient, Client, CorralError, InvalidRequest
+from corral.testing.leftovers import find_leftovers
 
 __all__ = ["run_density_benchmark"]
 
@@ -61,8 +60,6 @@ MIB_PER_SANDBOX_TARGET = 2.0
 EXEC_TARGET_MS = 20.0
 QUOTA_RATIO_TARGET = 1.10
 QUOTA_MODES = ("on", "off", "compare")
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-CRUN_TIMEOUT_S = 30.0
 
 
 def _meminfo_mib() -> dict[str, float]:
@@ -143,22 +140,6 @@ def _sample(
             "slab_unreclaimable_mib": meminfo["SUnreclaim"]}  # fmt: skip
 
 
-def _leftovers(data_dir: Path, ids: list[str]) -> dict[str, int]:
-    """What outlived the server: containers in its crun root, our cgroups, erofs/overlay mounts on the host."""
-    state_root = data_dir / "run" / "crun"
-    containers = 0
-    if state_root.is_dir() and (crun := shutil.which("crun")):
-        listing = subprocess.run([crun, "--root", str(state_root), "list", "-q"], capture_output=True, text=True,
-                                 stdin=subprocess.DEVNULL, timeout=CRUN_TIMEOUT_S)  # fmt: skip
-        containers = len(listing.stdout.split())
-    mounts = [line for line in Path("/proc/mounts").read_text().splitlines() if line.split()[2] in ("erofs", "overlay")]
-    cgroups = {path.name for pattern in ("corral/*", "*/corral/*") for path in CGROUP_ROOT.glob(pattern)}
-    loops = subprocess.run(["losetup", "-j", str(data_dir / "writable.img")], capture_output=True, text=True,
-                           timeout=CRUN_TIMEOUT_S).stdout.splitlines()  # fmt: skip
-    return {"containers": containers, "cgroups": len(cgroups & set(ids)), "host_mounts": len(mounts),
-            "loop_devices": len(loops)}  # fmt: skip
-
-
 def _measure(data_dir: Path, count: int, step: int, progress: Progress, *, disk_quota: bool) -> dict[str, Any]:
     task = progress.add_task(f"starting corral serve (disk quota {'on' if disk_quota else 'off'})", total=1)
     server = EmbeddedServer(data_dir, env=SERVER_ENV if disk_quota else {**SERVER_ENV, "CORRAL_SANDBOX_DISK_MB": "0"})
@@ -196,7 +177,7 @@ def _measure(data_dir: Path, count: int, step: int, progress: Progress, *, disk_
                 kill = {"matched": result.matched, "killed": len(result.done), "failed": len(result.failed),
                         "wall_s": time.perf_counter() - started}  # fmt: skip
         server.shutdown()
-        leftovers = _leftovers(data_dir, ids)
+        leftovers = find_leftovers(data_dir, ids).counts()
         host.orphans.reap()
     progress.update(task, completed=1)
     return {"disk_quota": disk_quota, "baseline_used_mib": baseline_mib, "steps": steps, "stopped": stopped,
@@ -222,8 +203,8 @@ def _table(report: dict[str, Any]) -> Table:
     caption = (f"Baseline {report['baseline_used_mib']:.0f} MiB in use before the first create (same run); "
                f"{IMAGE}, cpu {CPU:g}, {MEMORY_MB} MiB limit, {CREATE_CONCURRENCY} creates in flight; exec on "
                f"{EXEC_PROBES} random sandboxes. Bulk kill: {killed}. "
-               f"Left behind: {left['containers']} containers, {left['cgroups']} cgroups, "
-               f"{left['host_mounts']} erofs/overlay host mounts, {left['loop_devices']} loop devices. "
+               f"Left behind: {left['containers']} containers, {left['processes']} processes, {left['cgroups']} "
+               f"cgroups, {left['mounts']} mounts, {left['veths']} veths, {left['loop_devices']} loop devices. "
                f"Kernel {info['kernel']}, {info['cpu_count']} cpus, {info['mem_total_mib']:.0f} MiB RAM.")  # fmt: skip
     title = f"corral bench density (disk quota {'on' if report['disk_quota'] else 'off'})"
     table = Table("sandboxes", "host MiB used", "MiB / sandbox", "exec p50 / p95", "create p50 (rate)", "server mounts",

@@ -72,11 +72,14 @@ async def readopt(
         except NotFound:
             store.end(record["id"], SandboxState.LOST, "lost", "its image layers are gone from this node")
     states = await edge.adopt(specs)
+    starting = {record["id"]: record["state"] == SandboxState.CREATING.value for record in records}
     for sandbox_id, state in states.items():
         if state == SandboxState.PAUSED.value:
             store.update(sandbox_id, state=state)
         elif state is not None:
             store.update(sandbox_id, state=SandboxState.RUNNING.value)
+        elif starting[sandbox_id]:
+            store.end(sandbox_id, SandboxState.LOST, "lost", "a restart of its edge cut its create short")
         else:
             store.end(sandbox_id, SandboxState.LOST, "lost", "the sandbox did not survive a restart of its edge")
     adopted = [record for record in records if states.get(record["id"]) is not None]

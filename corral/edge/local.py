@@ -19,12 +19,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from prometheus_client.core import Metric
 
 from corral import tracing
-from corral.api.errors import CapacityExhausted, InvalidRequest, NotFound, SandboxGone
+from corral.api.errors import CapacityExhausted, InvalidRequest, NotFound, SandboxGone, ServerUnavailable
 from corral.api.models import (
     CommandInfo,
     EdgeLoad,
@@ -68,6 +68,12 @@ _HOUSEKEEPING_INTERVAL_S = 1.0
 _PRESSURE_PAUSES_PER_ROUND = 8  # sandboxes paused per housekeeping round while memory is short
 _NETWORK_AUDIT_EVERY = 5
 _DISK_FULL_FRACTION = 0.95
+# A command whose agent connection dropped waits this long for the sandbox's watcher to end the sandbox, so its
+# client hears that the sandbox ended (410, with the reason) rather than of a lost connection (a crun kill and
+# delete take tens of milliseconds; the agent is the sandbox's init, so its end is the sandbox's).
+_AGENT_LOSS_SETTLE_S = 5.0
+ENDED_BY_ITSELF = ("the sandbox's init process (its Corral agent) exited or was killed, and every process in the "
+                   "sandbox ended with it")  # fmt: skip
 _ADMISSION_READING_MAX_AGE_S = 0.5  # reading /proc costs ~0.2 ms: a burst's admissions share one reading
 
 
@@ -99,6 +105,7 @@ class _Command:
     task: asyncio.Task[None] | None = None
     terminal: tuple[int, int] | None = None  # (rows, cols) it was started with, for a pty command
     dropped: set[str] = field(default_factory=set)  # streams cut here: the sandbox's output buffer was full
+    lost: ServerUnavailable | None = None  # its agent connection dropped while it ran
 
     def info(self) -> CommandInfo:
         return CommandInfo(command_id=self.command_id, cmd=self.cmd, running=self.exit is None, result=self.result())
@@ -400,7 +407,23 @@ class LocalEdge:
         self._committed.remove(sandbox_id)
         log.warning("sandbox %s stopped by itself (%s)", sandbox_id, reason)
         await self._backend.destroy(sandbox_id)
-        self._events.ended(sandbox_id, reason, "the sandbox's init process exited")
+        self._events.ended(sandbox_id, reason, ENDED_BY_ITSELF)
+
+    async def _events_or_end(self, sandbox: _Sandbox, command: _Command) -> AsyncIterator[CommandEvent]:
+        """The command's events; if its agent connection drops, SandboxGone once the sandbox has ended."""
+        try:
+            async for event in command.running.events():
+                yield event
+        except ServerUnavailable as exc:
+            await self._agent_lost(sandbox, exc)
+
+    async def _agent_lost(self, sandbox: _Sandbox, exc: ServerUnavailable) -> NoReturn:
+        """A command's agent connection dropped: say the sandbox ended if its watcher finds it did (bounded)."""
+        if sandbox.watcher is not None:
+            await asyncio.wait({sandbox.watcher}, timeout=_AGENT_LOSS_SETTLE_S)
+            if sandbox.watcher.done() and sandbox.spec.sandbox_id not in self._sandboxes:
+                raise SandboxGone(f"sandbox {sandbox.spec.sandbox_id} ended while the command ran: {ENDED_BY_ITSELF}")
+        raise exc
 
     async def adopt(self, specs: list[SandboxSpec]) -> dict[str, str | None]:
         alive: dict[str, str | None] = {}
@@ -535,7 +558,7 @@ class LocalEdge:
             command = self._start(sandbox, request)
             try:
                 with tracing.span("corral.agent.command", sandbox_id=sandbox_id) as agent:  # to the agent and back
-                    async for event in command.running.events():
+                    async for event in self._events_or_end(sandbox, command):
                         self._record(command, event)
                     result = command.result()
                     if result.exit_code is not None:  # None: it timed out or was killed
@@ -549,7 +572,7 @@ class LocalEdge:
         command = self._start(sandbox, request)
         decoders = {name: codecs.getincrementaldecoder("utf-8")(errors="replace") for name in ("stdout", "stderr")}
         try:
-            async for event in command.running.events():
+            async for event in self._events_or_end(sandbox, command):
                 if isinstance(event, CommandStarted):
                     yield ExecEvent(type="started", command_id=command.command_id)
                 elif isinstance(event, CommandOutput):
@@ -584,6 +607,7 @@ class LocalEdge:
                     started.set_exception(exc)
                 elif command.exit is None:
                     command.exit = CommandExit(exit_code=-1)
+                    command.lost = exc if isinstance(exc, ServerUnavailable) else None
             finally:
                 if not started.done():
                     started.set_result(None)
@@ -616,8 +640,11 @@ class LocalEdge:
 
     async def command(self, sandbox_id: str, command_id: str, wait_s: float) -> CommandInfo:
         command = await self._command(sandbox_id, command_id)
+        sandbox = self._get(sandbox_id)
         if command.task is not None and wait_s > 0:
             await asyncio.wait({command.task}, timeout=wait_s)
+        if command.lost is not None:
+            await self._agent_lost(sandbox, command.lost)
         return command.info()
 
     async def command_stdin(self, sandbox_id: str, command_id: str, data: bytes) -> None:

@@ -14,7 +14,10 @@ Layout under ``root``::
     .build.lock               taken by ensure_base_images() (bases.py)
 
 Temp files start with a dot and end in ``.tmp``; leftovers of crashed writers
-are swept when a store is opened.
+are swept when a store is opened. A layer that does not fit on the store's disk
+(ENOSPC, EDQUOT) leaves nothing (its temp file goes, and the ``.erofs`` is linked
+in last) and is refused as CapacityExhausted naming the free space, so a create
+that pulls it can be retried once room is made.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from corral.api.errors import InternalError, InvalidRequest, NotFound
+from corral.api.errors import CapacityExhausted, InternalError, InvalidRequest, NotFound
 from corral.api.models import ImageConfig
 
 __all__ = [
@@ -204,6 +207,16 @@ class LayerStore:
             # Both are linked, not renamed, so the first importer's record wins.
             _link_json_if_absent(self._layers / f"{hex_digest}.json", sidecar)
             _link_if_absent(tmp, self._layers / f"{hex_digest}.erofs")
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            st = os.statvfs(self._layers)
+            raise CapacityExhausted(
+                f"the layer cache's disk is full: a {source.stat().st_size >> 20} MiB layer does not fit in "
+                f"{(st.f_bavail * st.f_frsize) >> 20} MiB free at {self._layers}; nothing of it was kept. Free "
+                "space there (delete unused images, or set CORRAL_LAYER_DISK_BUDGET_MB so unused layers are evicted) "
+                "and retry"
+            ) from exc
         finally:
             tmp.unlink(missing_ok=True)
         return self.layer(digest)

@@ -6,12 +6,26 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
 
 import httpx
+import pytest
 
 import corral
 from corral.embedded import EmbeddedServer
+from corral.testing.leftovers import find_leftovers
+from tests.conftest import SLOW_ENV, restartable_server
+
+
+def _containers(data_dir: Path, status: str) -> set[str]:
+    """Ids of the server's crun containers in ``status``."""
+    listing = subprocess.run(["crun", "--root", str(data_dir / "run" / "crun"), "list", "--format", "json"],
+                             capture_output=True, text=True, check=True, timeout=60)  # fmt: skip
+    return {c["id"] for c in json.loads(listing.stdout or "[]") or [] if c["status"] == status}
 
 
 def test_out_of_memory_is_reported_and_contained(client: corral.Client, server: EmbeddedServer) -> None:
@@ -125,18 +139,15 @@ def _zombie_children(pid: int) -> list[int]:
 
 
 def test_nothing_left_behind(fresh_server: EmbeddedServer) -> None:
-    """No mounts, cgroups, sandbox dirs or zombie processes after sandboxes end."""
+    """No containers, processes, mounts, cgroups, veths, loop devices, sandbox dirs or zombies after sandboxes end."""
     with fresh_server.client() as client:
         ids = [client.create("busybox").id for _ in range(3)]
         for sandbox_id in ids:
             client.kill(sandbox_id)
     for sandbox_id in ids:
         assert not (fresh_server.data_dir / "sandboxes" / sandbox_id).exists()
-        for controller in ("memory", "pids", "cpu"):
-            assert not os.path.exists(f"/sys/fs/cgroup/{controller}/corral/{sandbox_id}")
-    mounts = open("/proc/mounts").read()
-    assert str(fresh_server.data_dir) not in mounts  # overlays live only in the containers' namespaces
     assert fresh_server.process is not None
+    assert not (left := find_leftovers(fresh_server.data_dir, ids, server_pid=fresh_server.process.pid)), left
     deadline = time.monotonic() + 5
     while _zombie_children(fresh_server.process.pid):  # the edge reaps what it inherits as subreaper
         assert time.monotonic() < deadline, _zombie_children(fresh_server.process.pid)
@@ -188,3 +199,122 @@ def test_admission_refuses_beyond_overcommit_and_frees_on_kill(tmp_path, test_en
         first.kill()
         second = client.create("busybox", cpu=cores)  # the killed sandbox's share was given back
         assert second.exec("true").exit_code == 0
+
+
+# 1,000 with CORRAL_TEST_SLOW=1, as issue 19 asks; 60 by default: the fault is the same (the kill lands with
+# creates in flight, up to per_node = 32 of them), but at 200 the test took 40 s here (creates ~16/s on 2
+# shared cores, adoption ~110 ms per sandbox after the restart, the bulk kill ~50 ms each).
+CRASH_BATCH = 1_000 if os.environ.get(SLOW_ENV) == "1" else 60
+ADOPT_S = 0.25  # a restart adopts one sandbox after the other, ~110 ms each here (crun state, exec of an agent)
+CRASH_ENV = {"CORRAL_CPU_OVERCOMMIT": "5000", "CORRAL_MEMORY_OVERCOMMIT": "50"}  # room for them all on 2 cores
+
+
+def test_server_killed_mid_batch_create_leaves_records_that_match_reality(
+    tmp_path: Path, test_env: dict[str, str]
+) -> None:
+    """SIGKILL while a batch create streams, then restart: no record stays creating; those running run and
+    answer; the rest ended with a reason; a bulk kill then leaves nothing behind."""
+    labels = {"fault": "mid-batch"}
+    ready: list[str] = []
+    outcome: list[BaseException] = []
+    with restartable_server(tmp_path / "server", {**test_env, **CRASH_ENV}) as server:
+        with server.client() as client:
+
+            def consume() -> None:
+                try:
+                    for handle in client.create_many(CRASH_BATCH, "busybox", cpu=0.1, memory_mb=64, labels=labels):
+                        ready.append(handle.id)
+                except BaseException as exc:  # the test asserts on it below
+                    outcome.append(exc)
+
+            thread = threading.Thread(target=consume)
+            thread.start()
+            deadline = time.monotonic() + 120
+            while len(ready) < CRASH_BATCH // 3 and thread.is_alive():
+                assert time.monotonic() < deadline, f"only {len(ready)} of {CRASH_BATCH} ready"
+                time.sleep(0.005)
+            server.stop(signal.SIGKILL)
+            thread.join(timeout=30)
+        assert not thread.is_alive(), "the batch's client hung after its server died"
+        assert outcome and isinstance(outcome[0], corral.CorralError), outcome  # told, not a silent short batch
+        reported = list(ready)
+        assert 0 < len(reported) < CRASH_BATCH
+        server.start(timeout_s=60 + ADOPT_S * CRASH_BATCH)  # it answers once it has adopted every sandbox
+        with server.client() as client:
+            records = {info.id: info for info in client.list(state=list(corral.SandboxState), labels=labels)}
+            states = Counter(info.state.value for info in records.values())
+            assert set(reported) <= records.keys()
+            assert states["creating"] == 0, states
+            running = {sandbox_id for sandbox_id, info in records.items() if info.state == corral.SandboxState.RUNNING}
+            assert set(reported) <= running, "a sandbox handed to the client was lost"
+            assert running == _containers(server.data_dir, "running")  # and crun runs exactly those
+            for sandbox_id in running:
+                assert client.get(sandbox_id).exec(f"echo {sandbox_id}").stdout == f"{sandbox_id}\n"
+            for info in records.values():
+                if info.id not in running:
+                    assert info.state in (corral.SandboxState.ENDED, corral.SandboxState.LOST), info
+                    assert info.end_reason and info.status_message, info
+            killed = client.bulk(labels, "kill")
+            assert sorted(killed.done) == sorted(running) and not killed.failed
+            assert client.list(labels=labels) == []
+            assert server.process is not None
+            left = find_leftovers(server.data_dir, records, server_pid=server.process.pid)
+            assert not left, left
+
+
+def _crun_pid(data_dir: Path, sandbox_id: str) -> int:
+    """The host pid of a container's init: the agent the sandbox was created with."""
+    state = subprocess.run(["crun", "--root", str(data_dir / "run" / "crun"), "state", sandbox_id],
+                           capture_output=True, text=True, check=True, timeout=30)  # fmt: skip
+    return int(json.loads(state.stdout)["pid"])
+
+
+def _until(predicate: Callable[[], bool], timeout_s: float, what: str) -> float:
+    """Seconds until ``predicate()`` held; fails after ``timeout_s``."""
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout_s, f"{what} not within {timeout_s:g} s"
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
+def test_agent_killed_from_outside_ends_the_sandbox_and_says_so(client: corral.Client, server: EmbeddedServer) -> None:
+    """kill -9 of the sandbox's agent (its init) from the host while a command runs, another streams and a
+    background command streams into the edge: every client gets an error at once, and the sandbox is ended
+    with a reason that says what happened (with its init gone the kernel ended every process in it, so it
+    cannot serve again: ending it is the truth, not a choice)."""
+    sandbox = client.create("busybox")
+    background = sandbox.start("while true; do echo tick; sleep 0.1; done")
+    errors: list[BaseException] = []
+
+    def run(call: Callable[[], object]) -> None:
+        try:
+            call()
+        except BaseException as exc:  # asserted on below
+            errors.append(exc)
+
+    calls: list[Callable[[], object]] = [
+        lambda: sandbox.exec("sleep 60", timeout_s=90),
+        lambda: list(sandbox.exec_stream("echo streaming; sleep 60", timeout_s=90)),
+        lambda: sandbox.command(background.command_id, wait_s=60),
+    ]
+    waiters = [threading.Thread(target=run, args=(call,)) for call in calls]
+    for waiter in waiters:
+        waiter.start()
+    _until(lambda: "tick" in sandbox.command(background.command_id).result.stdout, 10, "the background output")
+    time.sleep(0.2)  # the exec is in flight
+    os.kill(_crun_pid(server.data_dir, sandbox.id), signal.SIGKILL)
+    started = time.monotonic()
+    for waiter in waiters:
+        waiter.join(timeout=10)
+    answered_s = time.monotonic() - started
+    assert not any(waiter.is_alive() for waiter in waiters), "a client hung after the agent died"
+    assert answered_s < 5, answered_s
+    assert len(errors) == len(calls) and all(isinstance(e, corral.SandboxGone) for e in errors), errors
+    assert all("agent" in e.message for e in errors if isinstance(e, corral.SandboxGone)), errors
+    info = client.get(sandbox.id).info
+    assert info.state == corral.SandboxState.ENDED and info.end_reason == "exited", info
+    assert "agent" in (info.status_message or "") and "killed" in (info.status_message or ""), info
+    assert sandbox.id not in _containers(server.data_dir, "running") | _containers(server.data_dir, "stopped")
+    with pytest.raises(corral.SandboxGone, match="exited"):
+        sandbox.exec("true")

@@ -47,7 +47,7 @@ from corral.api.errors import CapacityExhausted, Conflict, InternalError, Invali
 
 __all__ = [
     "AllowRule", "DeniedCounts", "HostResolver", "NetworkFabric", "NON_PUBLIC_NETWORKS", "SUBNET", "GATEWAY",
-    "GUEST_LINK_IFNAME", "MAX_ALLOW_RULES", "internet_rules",
+    "GUEST_LINK_IFNAME", "MAX_ALLOW_RULES", "internet_rules", "sandbox_veth_name",
 ]  # fmt: skip
 
 IpProtocol = Literal["tcp", "udp", "icmp", "any"]
@@ -298,6 +298,11 @@ def _veth_name(prefix: str, key: str) -> str:
     return prefix + hashlib.sha256(key.encode()).hexdigest()[:10]
 
 
+def sandbox_veth_name(sandbox_id: str) -> str:
+    """The router namespace's end of a sandbox's veth pair."""
+    return _veth_name("cv", sandbox_id)
+
+
 def _host_index(address: str) -> int:
     try:
         ip = ipaddress.IPv4Address(address)
@@ -370,7 +375,7 @@ class NetworkFabric:
             _load_policy(netns, text)
             with self._lock:
                 self._loaded[sandbox_id] = _Loaded(netns, tuple(rules), text)
-            self._plug(_veth_name("cv", sandbox_id), netns, _SANDBOX_IFNAME, index, as_sandbox=True)
+            self._plug(sandbox_veth_name(sandbox_id), netns, _SANDBOX_IFNAME, index, as_sandbox=True)
         except BaseException:
             with self._lock:
                 self._release(self._sandboxes.pop(sandbox_id))
@@ -430,7 +435,7 @@ class NetworkFabric:
                 return
         if os.path.exists(self.namespace_path):
             # On failure this raises and keeps the record, so a retry can finish the job.
-            _run(["ip", "-n", self.namespace, "link", "del", _veth_name("cv", sandbox_id)], ok_if="Cannot find device")
+            _run(["ip", "-n", self.namespace, "link", "del", sandbox_veth_name(sandbox_id)], ok_if="Cannot find device")
         with self._lock:
             if sandbox_id in self._sandboxes:
                 self._release(self._sandboxes.pop(sandbox_id))

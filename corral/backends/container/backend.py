@@ -174,6 +174,7 @@ class ContainerBackend:
         create_concurrency: int,
         audit_repeat_window_s: float,
         default_disk_mb: int = 0,
+        disk_reserve_mb: int = 0,
         open_files: int = DEFAULT_OPEN_FILES,
         resolver: HostResolver | None = None,
         resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S,
@@ -192,7 +193,7 @@ class ContainerBackend:
         self._create_slots = asyncio.Semaphore(create_concurrency)
         self._default_disk_mb = default_disk_mb
         self._open_files = min(open_files, resource.getrlimit(resource.RLIMIT_NOFILE)[1])  # at most what we have
-        self._pool = QuotaPool(data_dir)
+        self._pool = QuotaPool(data_dir, disk_reserve_mb << 20)
         self._pool_lock = asyncio.Lock()
         self._pool_error: InternalError | None = None
         # One router namespace per server (its data dir), created when the first sandbox needs a network.

@@ -13,10 +13,16 @@ background (its id is never reused: btrfs hands out subvolume ids in order). A w
 gets EDQUOT ("Disk quota exceeded"), btrfs's errno for a quota (XFS gives ENOSPC for a project quota).
 
 The image is sparse, sized to the data dir's filesystem, and mounted with ``discard=async`` so space
-freed inside goes back to the host. The mount lives in the edge's mount namespace; each container's
-overlay keeps the btrfs alive while it runs, so after a server restart the same loop device is mounted
-again (the same filesystem, never a second one over the same image) and adopted sandboxes keep their
-layers and limits. When the server stops with no sandbox left, the last unmount frees the loop device.
+freed inside goes back to the host. The btrfs itself is sized (``btrfs filesystem resize``, ~50 ms) so
+that, full, it leaves ``reserve_bytes`` of the host's disk free: the quotas bound each sandbox, this bounds
+them all together, so however much sandboxes write, the state database, the trajectory log and the layer
+cache on the same disk keep that reserve (the node's free-space floor refuses creates before it). A new
+pool is sized when it is made; later opens only grow it when the host has gained room (see ``_fit``).
+
+The mount lives in the edge's mount namespace; each container's overlay keeps the btrfs alive while it
+runs, so after a server restart the same loop device is mounted again (the same filesystem, never a second
+one over the same image) and adopted sandboxes keep their layers and limits. When the server stops with
+no sandbox left, the last unmount frees the loop device.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ _IMAGE = "writable.img"
 _MOUNTPOINT = "writable"
 _MOUNT_OPTIONS = "loop,nosuid,nodev,noatime,discard=async"
 _TIMEOUT_S = 60
+_MIN_FS_BYTES = 256 << 20  # the kernel refuses a smaller btrfs
 
 
 def _ioc(direction: int, number: int, size: int) -> int:
@@ -74,8 +81,9 @@ class QuotaPool:
     """The node's btrfs of writable layers under ``data_dir``: ``open`` it (idempotent), then a subvolume
     with a limit per sandbox. Unusable (no btrfs, no mkfs.btrfs, not root) is reported by ``open``."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, reserve_bytes: int = 0) -> None:
         self._image = data_dir / _IMAGE
+        self._reserve_bytes = reserve_bytes
         self.mountpoint = data_dir / _MOUNTPOINT
         self._lock = threading.Lock()
         self._sysfs: Path | None = None  # /sys/fs/btrfs/<fsid>/qgroups once open
@@ -95,17 +103,18 @@ class QuotaPool:
         sandboxes still hold. Raises InternalError with the reason when this node cannot have one."""
         with self._lock:
             if self._sysfs is None:
-                self._mount()
+                self._fit(made=self._mount())
                 self._sysfs = Path("/sys/fs/btrfs") / self._fsid() / "qgroups"
 
-    def _mount(self) -> None:
+    def _mount(self) -> bool:
+        """Mount the pool; whether it was made just now (empty)."""
         if os.path.ismount(self.mountpoint):
-            return
+            return False
         self.mountpoint.mkdir(parents=True, exist_ok=True)
         attached = _run(["losetup", "-j", str(self._image)]).stdout.split(":")[0] if self._image.exists() else ""
         if attached:  # sandboxes from before a restart hold it: mount that filesystem, not the image anew
             self._check(_run(["mount", "-o", _MOUNT_OPTIONS.removeprefix("loop,"), attached, str(self.mountpoint)]))
-            return
+            return False
         made = False
         if not self._image.exists():
             if shutil.which("mkfs.btrfs") is None:
@@ -121,6 +130,27 @@ class QuotaPool:
         self._check(_run(["mount", "-o", _MOUNT_OPTIONS, str(self._image), str(self.mountpoint)]))
         if made:
             self._ioctl(self.mountpoint, _QUOTA_CTL, bytearray(struct.pack("QQ", _QUOTA_CTL_ENABLE_SIMPLE, 0)))
+        return made
+
+    def _fit(self, *, made: bool) -> None:
+        """Size the filesystem so that, full, it leaves ``reserve_bytes`` free on the host's disk: what it holds
+        there now plus the host's free space, less the reserve (at least the smallest btrfs, at most the image).
+        Only a pool made just now is sized down: shrinking one in use relocates its chunks, and tried here on a
+        nearly full one it aborted a transaction with ENOSPC and left the filesystem read-only."""
+        if not self._reserve_bytes:
+            return
+        host, image = os.statvfs(self._image.parent), self._image.stat()
+        held_bytes = image.st_blocks * 512
+        size_bytes = held_bytes + host.f_bavail * host.f_frsize - self._reserve_bytes
+        size_bytes = max(_MIN_FS_BYTES, min(image.st_size, size_bytes))
+        pool = os.statvfs(self.mountpoint)
+        if not made and size_bytes <= pool.f_blocks * pool.f_frsize:
+            return
+        resized = _run(["btrfs", "filesystem", "resize", str(size_bytes), str(self.mountpoint)])
+        if resized.returncode != 0:  # it stays as it is; the floor still refuses creates
+            log.warning(
+                "could not size the writable-layer pool to %d MiB: %s", size_bytes >> 20, resized.stderr.strip()
+            )
 
     def _check(self, run: subprocess.CompletedProcess[str]) -> None:
         if run.returncode != 0:

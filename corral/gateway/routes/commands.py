@@ -9,8 +9,10 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
+from corral.api.errors import CorralError
 from corral.api.models import (
     CommandInfo,
+    ExecEvent,
     ExecRequest,
     ExecResult,
     PtySize,
@@ -45,7 +47,12 @@ async def exec_command(sandbox_id: str, body: ExecRequest, logged: Logged) -> Ex
     responses={200: {"content": {"application/x-ndjson": {}}, "description": "One ExecEvent per line."}},
 )
 async def exec_stream(sandbox_id: str, body: ExecRequest, logged: Logged) -> StreamingResponse:
-    return await ndjson(logged.exec_stream(sandbox_id, body))
+    return await ndjson(logged.exec_stream(sandbox_id, body), _error_event)
+
+
+def _error_event(exc: CorralError) -> ExecEvent:
+    """The last line of an exec stream that failed after it began (the agent or the edge gone)."""
+    return ExecEvent(type="error", error=exc.to_body()["error"])
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/commands", status_code=201, dependencies=[Auth])

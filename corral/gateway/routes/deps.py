@@ -7,7 +7,7 @@ includes them all. The services and limits live on ``app.state`` (set by create_
 from __future__ import annotations
 
 import io
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import IO, Annotated
 
 from fastapi import Depends, Query, Request
@@ -15,7 +15,7 @@ from fastapi.responses import StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 
-from corral.api.errors import InvalidRequest, PayloadTooLarge
+from corral.api.errors import CorralError, InvalidRequest, PayloadTooLarge
 from corral.gateway.auth import Caller
 from corral.gateway.fncall import FnCallService
 from corral.gateway.images import ImageService
@@ -108,19 +108,29 @@ async def body_within_limit(request: Request) -> bytes:
     return buffer.getvalue()
 
 
-def ndjson_lines(events: AsyncIterator[BaseModel]) -> StreamingResponse:
-    """One model per line, as they come (a build's or a pull's progress: their errors are events too)."""
+def ndjson_lines(
+    events: AsyncIterator[BaseModel], on_error: Callable[[CorralError], BaseModel] | None = None
+) -> StreamingResponse:
+    """One model per line, as they come (a build's or a pull's progress: their errors are events too).
+    ``on_error``: the last line for an error after the status was sent (say it in the stream, not by cutting it)."""
 
     async def lines() -> AsyncIterator[bytes]:
-        async for event in events:
-            yield event.model_dump_json(exclude_none=True).encode() + b"\n"
+        try:
+            async for event in events:
+                yield event.model_dump_json(exclude_none=True).encode() + b"\n"
+        except CorralError as exc:
+            if on_error is None:
+                raise
+            yield on_error(exc).model_dump_json(exclude_none=True).encode() + b"\n"
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 
 
-async def ndjson(events: AsyncIterator[BaseModel]) -> StreamingResponse:
+async def ndjson(
+    events: AsyncIterator[BaseModel], on_error: Callable[[CorralError], BaseModel] | None = None
+) -> StreamingResponse:
     """One model per line. The first is awaited here, so errors before it (an unknown sandbox or image, bad
-    limits) still get their status instead of a 200 with a broken stream."""
+    limits) still get their status instead of a 200 with a broken stream; ``on_error`` as for ndjson_lines."""
     first = await anext(events)
 
     async def rest() -> AsyncIterator[BaseModel]:
@@ -128,4 +138,4 @@ async def ndjson(events: AsyncIterator[BaseModel]) -> StreamingResponse:
         async for event in events:
             yield event
 
-    return ndjson_lines(rest())
+    return ndjson_lines(rest(), on_error)
