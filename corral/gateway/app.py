@@ -22,6 +22,7 @@ from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Stre
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field, ValidationError
+from sqlalchemy.exc import DBAPIError
 
 from corral.gateway.auth import Caller
 from corral.gateway.e2b import include_e2b
@@ -47,6 +48,7 @@ from corral.sdk._models import (
     ClusterNode,
     CommandInfo,
     CreateSandboxRequest,
+    ExecEvent,
     ExecRequest,
     ExecResult,
     FileInfo,
@@ -81,7 +83,7 @@ from corral.sdk._models import (
     TrajectoryStep,
     UploadResult,
 )
-from corral.state.db import EVENT_KINDS
+from corral.state.db import EVENT_KINDS, database_unreachable, unreachable_error
 from corral.state.events import EventFilter
 
 __all__ = ["create_app"]
@@ -205,6 +207,14 @@ def create_app(  # type: ignore[no-untyped-def]
     @app.exception_handler(CorralError)
     async def corral_error(_request: Request, exc: CorralError) -> JSONResponse:
         return JSONResponse(exc.to_body(), status_code=exc.status)
+
+    @app.exception_handler(DBAPIError)
+    async def database_error(request: Request, exc: DBAPIError) -> JSONResponse:
+        """The state database gone (a restart): a retryable 502 naming it, not a 500 with a traceback."""
+        if not database_unreachable(exc):
+            raise exc
+        error = unreachable_error(exc)
+        return JSONResponse(error.to_body(), status_code=error.status)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -577,8 +587,12 @@ def create_app(  # type: ignore[no-untyped-def]
 
         async def lines() -> AsyncIterator[bytes]:
             yield first.model_dump_json(exclude_none=True).encode() + b"\n"
-            async for event in events:
-                yield event.model_dump_json(exclude_none=True).encode() + b"\n"
+            try:
+                async for event in events:
+                    yield event.model_dump_json(exclude_none=True).encode() + b"\n"
+            except CorralError as exc:  # the status is sent already: the error ends the stream as its last line
+                broke = ExecEvent(type="error", error=exc.to_body()["error"])
+                yield broke.model_dump_json(exclude_none=True).encode() + b"\n"
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 

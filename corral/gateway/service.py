@@ -57,7 +57,7 @@ from corral.sdk._models import (
     SandboxState,
     is_registry_reference,
 )
-from corral.state.db import StateStore
+from corral.state.db import StateStore, database_unreachable, unreachable_error
 from corral.state.events import EventLog
 
 __all__ = ["SandboxService"]
@@ -75,6 +75,8 @@ _ROOTS_CACHED = 1024
 _TOUCH_EVERY_S = 60.0  # a layer's last use (LRU eviction order) is recorded at most this often
 _PROGRESS_EVERY = 1000  # a progress line per this many results
 _EVENTS_PRUNE_EVERY_S = 300.0  # events older than the retention are deleted this often
+_DB_RETRY_S = 15.0  # record writes of creates wait out a database outage this long (a restart takes 1-3 s)
+_DB_RETRY_EVERY_S = 0.5
 _EDGE_SCRAPE_TIMEOUT_S = 5.0  # a scrape leaves out a remote edge's metrics that take longer (Prometheus waits 10 s)
 
 
@@ -83,6 +85,10 @@ class _GroupCommit:
 
     A create still awaits its own record being written before its edge acts (and its running mark before it
     answers); a burst of creates just shares the transactions, so the database is not the bottleneck.
+    A write the database could not take because it went away (a restart) is tried again every
+    ``_DB_RETRY_EVERY_S`` for up to ``_DB_RETRY_S`` of the outage, then fails with ``ServerUnavailable``: a burst
+    that meets a PostgreSQL restart waits it out instead of leaving sandboxes running under records that
+    still say creating.
     """
 
     def __init__(self, store: StateStore) -> None:
@@ -90,6 +96,8 @@ class _GroupCommit:
         self._inserts: list[tuple[dict[str, Any], asyncio.Future[None]]] = []
         self._running: list[tuple[str, str | None, asyncio.Future[bool]]] = []
         self._scheduled = False
+        self._retry_scheduled = False
+        self._outage_since: float | None = None  # monotonic time the database first failed, while it fails
 
     async def insert(self, record: dict[str, Any]) -> None:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -108,6 +116,23 @@ class _GroupCommit:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
 
+    def _retry(self) -> None:
+        self._retry_scheduled = False
+        self._schedule()
+
+    def _retrying(self, exc: Exception) -> Exception | None:
+        """None if a failed write is to be tried again (the batch goes back); else the error to settle with."""
+        if not database_unreachable(exc):
+            return exc
+        now = time.monotonic()
+        self._outage_since = self._outage_since or now
+        if now - self._outage_since > _DB_RETRY_S:
+            return unreachable_error(exc)
+        if not self._retry_scheduled:
+            self._retry_scheduled = True
+            asyncio.get_running_loop().call_later(_DB_RETRY_EVERY_S, self._retry)
+        return None
+
     def _flush(self) -> None:
         self._scheduled = False
         inserts, self._inserts = self._inserts, []
@@ -116,15 +141,23 @@ class _GroupCommit:
             try:
                 self._store.insert_many([record for record, _ in inserts])
             except Exception as exc:
-                _settle([future for _, future in inserts], error=exc)
+                if (error := self._retrying(exc)) is None:
+                    self._inserts.extend(inserts)
+                else:
+                    _settle([future for _, future in inserts], error=error)
             else:
+                self._outage_since = None
                 _settle([future for _, future in inserts])
         if running:
             try:
                 marked = self._store.mark_running_many({sandbox_id: note for sandbox_id, note, _ in running})
             except Exception as exc:
-                _settle([future for _, _, future in running], error=exc)
+                if (error := self._retrying(exc)) is None:
+                    self._running.extend(running)
+                else:
+                    _settle([future for _, _, future in running], error=error)
             else:
+                self._outage_since = None
                 for sandbox_id, _, future in running:
                     if not future.done():
                         future.set_result(sandbox_id in marked)
@@ -235,7 +268,10 @@ class SandboxService:
             edge_id = row["edge_id"]
             if edge_id in self._edges:
                 continue
-            if row["state"] == "up" and row["last_seen"] >= before:
+            heard = row["state"] == "up" and row["last_seen"] >= before
+            assert self._remote is not None
+            self._remote.set_silent(edge_id, not heard)
+            if heard:
                 self.scheduler.refresh(EdgeLoad.model_validate(row["load"]))
             else:
                 self.scheduler.remove_node(edge_id)
@@ -636,6 +672,10 @@ class SandboxService:
                 except CorralError as exc:
                     await queue.put(BatchEvent(type="error", index=index, error=exc.to_body()["error"]))
                 except Exception as exc:  # reported per sandbox, like the bulk actions; the batch goes on
+                    if database_unreachable(exc):
+                        body = unreachable_error(exc).to_body()["error"]
+                        await queue.put(BatchEvent(type="error", index=index, error=body))
+                        continue
                     log.exception("batch create %d failed", index)
                     body = InternalError(str(exc) or type(exc).__name__).to_body()["error"]
                     await queue.put(BatchEvent(type="error", index=index, error=body))

@@ -532,12 +532,14 @@ class ExecResult(_Model):
 
 
 class ExecEvent(_Model):
-    """One line of a streamed exec: output chunks, then exactly one ``exit``."""
+    """One line of a streamed exec: output chunks, then exactly one ``exit``, or an ``error`` if the stream broke
+    off (its node went away: the SDK raises it)."""
 
-    type: Literal["started", "stdout", "stderr", "exit"]
+    type: Literal["started", "stdout", "stderr", "exit", "error"]
     data: str | None = None
     command_id: str | None = None
     result: ExecResult | None = None
+    error: dict[str, str] | None = Field(None, description='error: {"code", "message"} as in error bodies.')
 
 
 class CommandInfo(_Model):

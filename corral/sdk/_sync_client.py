@@ -468,7 +468,10 @@ class Sandbox:
         for line in self._transport.stream_lines(
             "POST", f"/v1/sandboxes/{self.id}/exec/stream", json=body, timeout_s=timeout_s
         ):
-            yield ExecEvent.model_validate_json(line)
+            event = ExecEvent.model_validate_json(line)
+            if event.type == "error" and event.error is not None:
+                raise error_from_response(0, {"error": event.error})
+            yield event
 
     def start(
         self,
