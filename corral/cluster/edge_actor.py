@@ -27,7 +27,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import AsyncIterator, Coroutine, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -42,7 +42,7 @@ from corral.images.store import LayerStore
 from corral.node import build_edge, prepare_host
 from corral.sdk._exceptions import InvalidRequest
 from corral.sdk._models import NodeStats, SandboxState
-from corral.state.db import StateStore
+from corral.state.db import StateStore, database_unreachable
 
 __all__ = [
     "ACTOR_NAMESPACE", "ACTOR_OWN", "CALLABLE", "ON_NODE", "STREAMING", "WIRE_NAMES", "EdgeActor", "NodeEdge",
@@ -77,6 +77,33 @@ def node_resource(edge_id: str) -> str:
     return f"corral_edge_{edge_id}"
 
 
+_DB_WAIT_EVERY_S = 1.0
+
+
+def _until_reachable(make: Callable[[], T]) -> T:
+    """``make()``, tried again every second while the database cannot be reached."""
+    while True:
+        try:
+            return make()
+        except Exception as exc:
+            if not database_unreachable(exc):
+                raise
+            log.warning("the state database is unreachable (%s); waiting for it", type(exc).__name__)
+            time.sleep(_DB_WAIT_EVERY_S)
+
+
+async def _until_reachable_async(run: Callable[[], Awaitable[object]]) -> None:
+    while True:
+        try:
+            await run()
+            return
+        except Exception as exc:
+            if not database_unreachable(exc):
+                raise
+            log.warning("the state database is unreachable (%s); waiting for it", type(exc).__name__)
+            await asyncio.sleep(_DB_WAIT_EVERY_S)
+
+
 class NodeEdge:
     """The node side: the LocalEdge, its records and heartbeat in the shared store, and the layers it fetches.
 
@@ -84,7 +111,7 @@ class NodeEdge:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.store = StateStore(settings.database)
+        self.store = _until_reachable(lambda: StateStore(settings.database))
         self._audit = AuditLog(self.store.engine)
         self._layers = LayerStore(settings.layer_dir)
         self._fetcher = layer_fetcher(settings, self._layers, settings.api_key or "", audit=self._audit.record)
@@ -93,10 +120,12 @@ class NodeEdge:
         self._creating: set[str] = set()  # creates in progress on this node (fetching layers or starting)
 
     async def start(self) -> None:
+        """Start the edge, heartbeat, re-adopt, heartbeat. A database that cannot be reached (a restart) is
+        waited for: an actor whose constructor fails is not restarted by Ray, and its node would stay lost."""
         await self.edge.start()
-        await self._beat()  # heard at once: a restarted edge is not taken for a lost node while it re-adopts
-        await readopt(self.edge, self.store, self.layer_refs)
-        await self._beat()
+        await _until_reachable_async(self._beat)  # heard at once: not taken for a lost node while it re-adopts
+        await _until_reachable_async(lambda: readopt(self.edge, self.store, self.layer_refs))
+        await _until_reachable_async(self._beat)
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat_forever())
 
     async def layer_refs(self, entries: Iterable[str]) -> tuple[LayerRef, ...]:
