@@ -195,6 +195,12 @@ class Settings(BaseSettings):
     node_lost_after_s: float = Field(
         15.0, gt=0, description="A node silent this long is marked lost, and every sandbox on it with it."
     )
+    create_orphan_after_s: float = Field(
+        60.0,
+        gt=0,
+        description="A cluster node ends a sandbox whose record still says creating this long after it was recorded, "
+        "when no create of it is in progress on the node: the gateway that asked went away before it answered.",
+    )
     layer_source_url: str | None = Field(
         None,
         description="The shared layer store: a Corral gateway (URL) this node fetches the layers it lacks from, "

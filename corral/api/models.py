@@ -533,7 +533,8 @@ class ExecResult(_Model):
 
 class ExecEvent(_Model):
     """One line of a streamed exec: output chunks, then exactly one ``exit``, or ``error`` when the command's
-    end is unknown because the stream broke off (e.g. the sandbox ended while it ran; the SDK raises it)."""
+    end is unknown because the stream broke off (the sandbox ended while it ran, or its node went away; the SDK
+    raises it)."""
 
     type: Literal["started", "stdout", "stderr", "exit", "error"]
     data: str | None = None

@@ -27,7 +27,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import AsyncIterator, Coroutine, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -42,7 +42,7 @@ from corral.guard.audit import AuditLog
 from corral.images.fetch import layer_fetcher
 from corral.images.store import LayerStore
 from corral.node import build_edge, prepare_host
-from corral.state.db import StateStore
+from corral.state.db import StateStore, database_unreachable
 
 __all__ = [
     "ACTOR_NAMESPACE", "ACTOR_OWN", "CALLABLE", "ON_NODE", "STREAMING", "WIRE_NAMES", "EdgeActor", "NodeEdge",
@@ -77,6 +77,33 @@ def node_resource(edge_id: str) -> str:
     return f"corral_edge_{edge_id}"
 
 
+_DB_WAIT_EVERY_S = 1.0
+
+
+def _until_reachable(make: Callable[[], T]) -> T:
+    """``make()``, tried again every second while the database cannot be reached."""
+    while True:
+        try:
+            return make()
+        except Exception as exc:
+            if not database_unreachable(exc):
+                raise
+            log.warning("the state database is unreachable (%s); waiting for it", type(exc).__name__)
+            time.sleep(_DB_WAIT_EVERY_S)
+
+
+async def _until_reachable_async(run: Callable[[], Awaitable[object]]) -> None:
+    while True:
+        try:
+            await run()
+            return
+        except Exception as exc:
+            if not database_unreachable(exc):
+                raise
+            log.warning("the state database is unreachable (%s); waiting for it", type(exc).__name__)
+            await asyncio.sleep(_DB_WAIT_EVERY_S)
+
+
 class NodeEdge:
     """The node side: the LocalEdge, its records and heartbeat in the shared store, and the layers it fetches.
 
@@ -84,17 +111,21 @@ class NodeEdge:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.store = StateStore(settings.database)
+        self.store = _until_reachable(lambda: StateStore(settings.database))
         self._audit = AuditLog(self.store.engine)
         self._layers = LayerStore(settings.layer_dir)
         self._fetcher = layer_fetcher(settings, self._layers, settings.api_key or "", audit=self._audit.record)
         self.edge: LocalEdge = build_edge(settings, prepare_host(settings, inherited_namespace=True), self)
         self._heartbeat: asyncio.Task[None] | None = None
+        self._creating: set[str] = set()  # creates in progress on this node (fetching layers or starting)
 
     async def start(self) -> None:
+        """Start the edge, heartbeat, re-adopt, heartbeat. A database that cannot be reached (a restart) is
+        waited for: an actor whose constructor fails is not restarted by Ray, and its node would stay lost."""
         await self.edge.start()
-        await readopt(self.edge, self.store, self.layer_refs)
-        await self._beat()
+        await _until_reachable_async(self._beat)  # heard at once: not taken for a lost node while it re-adopts
+        await _until_reachable_async(lambda: readopt(self.edge, self.store, self.layer_refs))
+        await _until_reachable_async(self._beat)
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat_forever())
 
     async def layer_refs(self, entries: Iterable[str]) -> tuple[LayerRef, ...]:
@@ -110,11 +141,37 @@ class NodeEdge:
         """The gateway's spec names the layers; the files are this node's (fetched first if missing), and the
         node's layer cache is kept under its budget, sparing these layers until the sandbox runs on them."""
         fetcher = self._fetcher
-        with fetcher.hold(ref.digest for ref in spec.layers) if fetcher else contextlib.nullcontext():
-            layers = await self.layer_refs(ref.mount_key for ref in spec.layers)
-            if fetcher is not None:
-                await fetcher.enforce_cache_budget(self._layers_in_use)
-            return await self.edge.create(dataclasses.replace(spec, layers=layers))
+        self._creating.add(spec.sandbox_id)
+        try:
+            with fetcher.hold(ref.digest for ref in spec.layers) if fetcher else contextlib.nullcontext():
+                layers = await self.layer_refs(ref.mount_key for ref in spec.layers)
+                if fetcher is not None:
+                    await fetcher.enforce_cache_budget(self._layers_in_use)
+                return await self.edge.create(dataclasses.replace(spec, layers=layers))
+        finally:
+            self._creating.discard(spec.sandbox_id)
+
+    async def end_orphaned_creates(self) -> list[str]:
+        """End this node's sandboxes whose records still say creating ``create_orphan_after_s`` after they were
+        recorded while no create of them runs here: the gateway that asked died (or lost the database) before
+        it marked them running, so no client was ever told they exist. The record ends first (only if still
+        creating), then the sandbox, if it got as far as running; returns their ids."""
+        before = time.time() - self.settings.create_orphan_after_s
+        candidates = await asyncio.to_thread(self.store.creating_before, self.edge.edge_id, before)
+        ended = []
+        for sandbox_id in candidates:
+            if sandbox_id in self._creating:
+                continue
+            message = "its create was never answered (the gateway that asked went away); ended by its node"
+            if not await asyncio.to_thread(
+                self.store.end, sandbox_id, SandboxState.ENDED, "error", message, if_creating=True
+            ):
+                continue
+            log.warning("edge %s: ending %s, %s", self.edge.edge_id, sandbox_id, message)
+            if sandbox_id in await self.edge.sandbox_ids():
+                await self.edge.destroy(sandbox_id)
+            ended.append(sandbox_id)
+        return ended
 
     def _layers_in_use(self) -> set[str]:
         """The layers this node's sandboxes run on, from the shared records (a paused VM has no mount)."""
@@ -169,6 +226,7 @@ class NodeEdge:
                 await self._beat()
                 if beats % RECONCILE_EVERY_BEATS == 0:
                     await end_stale(self.edge, self.store)
+                    await self.end_orphaned_creates()
             except Exception:
                 log.exception("edge %s: heartbeat failed; retrying", self.edge.edge_id)
 

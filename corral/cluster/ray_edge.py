@@ -10,9 +10,9 @@ VM/gVisor fork's checkpoint stays on its node, where its children start.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
@@ -22,6 +22,8 @@ from corral.api.models import ExecEvent, ExecRequest
 from corral.cluster.edge_actor import ACTOR_NAMESPACE, WIRE_NAMES, actor_name
 
 __all__ = ["RayEdge", "RayEdges"]
+
+T = TypeVar("T")
 
 
 class RayEdge:
@@ -34,6 +36,30 @@ class RayEdge:
     def __init__(self, edge_id: str) -> None:
         self.edge_id = edge_id
         self._handle: Any = None
+        self._silent = asyncio.Event()  # set while the node's heartbeats have stopped (RayEdges.set_silent)
+
+    async def _answer(self, pending: Awaitable[T]) -> T:
+        """``pending``'s result, unless the node goes silent first: a call to a cut-off node would wait until
+        Ray gives up on the node (tens of seconds) or for ever (a frozen one)."""
+        if self._silent.is_set():
+            raise self._gone_silent()
+        answer = asyncio.ensure_future(pending)
+        silence = asyncio.ensure_future(self._silent.wait())
+        try:
+            await asyncio.wait({answer, silence}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            silence.cancel()
+        if not answer.done():
+            answer.cancel()
+            raise self._gone_silent()
+        return answer.result()
+
+    def set_silent(self, silent: bool) -> None:
+        """Set while the node's heartbeats have stopped: calls, and those waiting, end at once."""
+        self._silent.set() if silent else self._silent.clear()
+
+    def _gone_silent(self) -> ServerUnavailable:
+        return ServerUnavailable(f"edge {self.edge_id} is unavailable: its node stopped heartbeating")
 
     async def _actor(self) -> Any:
         if self._handle is None:
@@ -53,7 +79,7 @@ class RayEdge:
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         actor = await self._actor()
         try:
-            return await actor.call.remote(method, *args, **kwargs)
+            return await self._answer(actor.call.remote(method, *args, **kwargs))
         except RayTaskError as exc:
             raise _cause(exc) from None
         except (ActorUnavailableError, RayActorError) as exc:
@@ -90,8 +116,13 @@ class RayEdge:
     async def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
         actor = await self._actor()
         try:
-            async for ref in actor.stream.options(num_returns="streaming").remote("exec_stream", sandbox_id, request):
-                yield await ref
+            refs = actor.stream.options(num_returns="streaming").remote("exec_stream", sandbox_id, request)
+            while True:
+                try:
+                    ref = await self._answer(refs.__anext__())
+                except StopAsyncIteration:
+                    return
+                yield await self._answer(ref)
         except RayTaskError as exc:
             raise _cause(exc) from None
         except (ActorUnavailableError, RayActorError) as exc:
@@ -116,3 +147,6 @@ class RayEdges:
         if edge is None:
             edge = self._edges[edge_id] = RayEdge(edge_id)
         return edge
+
+    def set_silent(self, edge_id: str, silent: bool) -> None:
+        self.get(edge_id).set_silent(silent)

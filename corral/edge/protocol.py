@@ -190,3 +190,8 @@ class EdgeDirectory(Protocol):
     """Edges on other nodes, by id (a Ray cluster's edge actors): they adopt and heartbeat on their own."""
 
     def get(self, edge_id: str) -> Edge: ...
+
+    def set_silent(self, edge_id: str, silent: bool) -> None:
+        """Whether the node's heartbeats stopped (it is cut off or gone): calls to it, and calls already waiting
+        on it, then end with ``ServerUnavailable`` instead of waiting for an answer that may never come."""
+        ...

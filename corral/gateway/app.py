@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
+from sqlalchemy.exc import DBAPIError
 
 from corral.api.errors import CorralError, InvalidRequest
 from corral.gateway.e2b import include_e2b
@@ -23,6 +24,7 @@ from corral.gateway.request_timing import RequestTiming
 from corral.gateway.routes import admin, commands, events, files, fncall, images, sandboxes, system, trajectory
 from corral.gateway.sandbox_fusion import include_sandbox_fusion
 from corral.images.bases import TOOLCHAIN_IMAGE
+from corral.state.db import database_unreachable, unreachable_error
 
 __all__ = ["create_app"]
 
@@ -66,6 +68,14 @@ def create_app(  # type: ignore[no-untyped-def]
     @app.exception_handler(CorralError)
     async def corral_error(_request: Request, exc: CorralError) -> JSONResponse:
         return JSONResponse(exc.to_body(), status_code=exc.status)
+
+    @app.exception_handler(DBAPIError)
+    async def database_error(request: Request, exc: DBAPIError) -> JSONResponse:
+        """The state database gone (a restart): a retryable 502 naming it, not a 500 with a traceback."""
+        if not database_unreachable(exc):
+            raise exc
+        error = unreachable_error(exc)
+        return JSONResponse(error.to_body(), status_code=error.status)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -57,7 +57,7 @@ from corral.images.image_config import ImageConfig, sandbox_defaults
 from corral.images.image_config import merge as merge_configs
 from corral.images.pull import ImagePuller
 from corral.scheduler.placement import NodesBusy, Scheduler
-from corral.state.db import StateStore
+from corral.state.db import StateStore, database_unreachable, unreachable_error
 from corral.state.events import EventLog
 from corral.state.thread import DatabaseThread
 
@@ -76,6 +76,8 @@ _ROOTS_CACHED = 1024
 _TOUCH_EVERY_S = 60.0  # a layer's last use (LRU eviction order) is recorded at most this often
 _PROGRESS_EVERY = 1000  # a progress line per this many results
 _EVENTS_PRUNE_EVERY_S = 300.0  # events older than the retention are deleted this often
+_DB_RETRY_S = 15.0  # record writes of creates wait out a database outage this long (a restart takes 1-3 s)
+_DB_RETRY_EVERY_S = 0.5
 _EDGE_SCRAPE_TIMEOUT_S = 5.0  # a scrape leaves out a remote edge's metrics that take longer (Prometheus waits 10 s)
 
 
@@ -85,6 +87,10 @@ class _GroupCommit:
 
     A create still awaits its own record being written before its edge acts (and its running mark before it
     answers); a burst of creates just shares the transactions, so the database is not the bottleneck.
+    A write the database could not take because it went away (a restart) is tried again every
+    ``_DB_RETRY_EVERY_S`` for up to ``_DB_RETRY_S`` of the outage, then fails with ``ServerUnavailable``: a burst
+    that meets a PostgreSQL restart waits it out instead of leaving sandboxes running under records that
+    still say creating.
     """
 
     def __init__(self, store: StateStore, db: DatabaseThread) -> None:
@@ -93,6 +99,7 @@ class _GroupCommit:
         self._inserts: list[tuple[dict[str, Any], asyncio.Future[None]]] = []
         self._running: list[tuple[str, str | None, asyncio.Future[bool]]] = []
         self._flushing: asyncio.Task[None] | None = None
+        self._outage_since: float | None = None  # monotonic time the database first failed, while it fails
 
     async def insert(self, record: dict[str, Any]) -> None:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -110,6 +117,16 @@ class _GroupCommit:
         if self._flushing is None:
             self._flushing = asyncio.get_running_loop().create_task(self._flush())
 
+    def _retrying(self, exc: Exception) -> Exception | None:
+        """None if a failed write is to be tried again (the batch goes back); else the error to settle with."""
+        if not database_unreachable(exc):
+            return exc
+        now = time.monotonic()
+        self._outage_since = self._outage_since or now
+        if now - self._outage_since > _DB_RETRY_S:
+            return unreachable_error(exc)
+        return None
+
     async def _flush(self) -> None:
         try:
             await asyncio.sleep(0)  # the writes of this event-loop turn join the first transaction
@@ -120,19 +137,29 @@ class _GroupCommit:
                     try:
                         await self._db.run(self._store.insert_many, [record for record, _ in inserts])
                     except Exception as exc:
-                        _settle([future for _, future in inserts], error=exc)
+                        if (error := self._retrying(exc)) is None:
+                            self._inserts[:0] = inserts
+                        else:
+                            _settle([future for _, future in inserts], error=error)
                     else:
+                        self._outage_since = None
                         _settle([future for _, future in inserts])
                 if running:
                     notes = {sandbox_id: note for sandbox_id, note, _ in running}
                     try:
                         marked = await self._db.run(self._store.mark_running_many, notes)
                     except Exception as exc:
-                        _settle([future for _, _, future in running], error=exc)
+                        if (error := self._retrying(exc)) is None:
+                            self._running[:0] = running
+                        else:
+                            _settle([future for _, _, future in running], error=error)
                     else:
+                        self._outage_since = None
                         for sandbox_id, _, future in running:
                             if not future.done():
                                 future.set_result(sandbox_id in marked)
+                if self._outage_since is not None:
+                    await asyncio.sleep(_DB_RETRY_EVERY_S)  # the database is away: the batch goes again soon
         finally:
             self._flushing = None
 
@@ -246,7 +273,10 @@ class SandboxService:
             edge_id = row["edge_id"]
             if edge_id in self._edges:
                 continue
-            if row["state"] == "up" and row["last_seen"] >= before:
+            heard = row["state"] == "up" and row["last_seen"] >= before
+            assert self._remote is not None
+            self._remote.set_silent(edge_id, not heard)
+            if heard:
                 self.scheduler.refresh(EdgeLoad.model_validate(row["load"]))
             else:
                 self.scheduler.remove_node(edge_id)
@@ -651,6 +681,10 @@ class SandboxService:
                 except CorralError as exc:
                     await queue.put(BatchEvent(type="error", index=index, error=exc.to_body()["error"]))
                 except Exception as exc:  # reported per sandbox, like the bulk actions; the batch goes on
+                    if database_unreachable(exc):
+                        body = unreachable_error(exc).to_body()["error"]
+                        await queue.put(BatchEvent(type="error", index=index, error=body))
+                        continue
                     log.exception("batch create %d failed", index)
                     body = InternalError(str(exc) or type(exc).__name__).to_body()["error"]
                     await queue.put(BatchEvent(type="error", index=index, error=body))

@@ -469,7 +469,7 @@ class Sandbox:
             "POST", f"/v1/sandboxes/{self.id}/exec/stream", json=body, timeout_s=timeout_s
         ):
             event = ExecEvent.model_validate_json(line)
-            if event.type == "error":
+            if event.type == "error" and event.error is not None:
                 raise error_from_response(0, {"error": event.error})
             yield event
 

@@ -39,14 +39,18 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.types import ARRAY
 
+from corral.api.errors import ServerUnavailable
 from corral.api.models import SandboxInfo, SandboxState
 
 __all__ = [
     "EVENT_KINDS",
     "SandboxRecord",
     "StateStore",
+    "database_unreachable",
+    "unreachable_error",
     "events",
     "write_events",
     "layers",
@@ -267,11 +271,26 @@ def _json_text(value: Any) -> str:  # noqa: ANN401 - any JSON value
     return json.dumps(value)
 
 
+def database_unreachable(exc: BaseException) -> bool:
+    """Whether an error means the database could not be reached or dropped the connection (a restart, an
+    outage), as opposed to a statement it refused: worth retrying once it is back."""
+    return isinstance(exc, OperationalError) or (isinstance(exc, DBAPIError) and exc.connection_invalidated)
+
+
+def unreachable_error(exc: BaseException) -> ServerUnavailable:
+    """What a client gets for such an error: retryable (502), with the driver's first line, no SQL."""
+    first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return ServerUnavailable(f"the state database is unreachable ({first_line}); retry")
+
+
 class StateStore:
     def __init__(self, url: str) -> None:
         if url.startswith("sqlite:///"):
             Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-        self._engine: Engine = create_engine(url, future=True)
+        # pool_pre_ping: a pooled connection is tested as it is checked out and replaced if the server went
+        # away (a PostgreSQL restart), so the first request after a restart does not fail on a dead connection.
+        sqlite = url.startswith("sqlite")
+        self._engine: Engine = create_engine(url, future=True, pool_pre_ping=not sqlite)
         if self._engine.dialect.name == "sqlite":
             event.listen(self._engine, "connect", _sqlite_pragmas)
         self._postgres = self._engine.dialect.name == "postgresql"
@@ -327,13 +346,19 @@ class StateStore:
                     marked.update(row.id for row in rows)
         return marked
 
-    def end(self, sandbox_id: str, state: SandboxState, reason: str, message: str | None = None) -> bool:
-        """Mark an active sandbox ended; False if it had already ended."""
+    def end(
+        self, sandbox_id: str, state: SandboxState, reason: str, message: str | None = None, *,
+        if_creating: bool = False,
+    ) -> bool:  # fmt: skip
+        """Mark an active sandbox ended (with ``if_creating``: only one still creating); False if it was not."""
         now = time.time()
         with self._engine.begin() as conn:
             rows = conn.execute(
                 update(sandboxes)
-                .where(sandboxes.c.id == sandbox_id, sandboxes.c.state.in_(_ACTIVE))
+                .where(
+                    sandboxes.c.id == sandbox_id,
+                    sandboxes.c.state.in_([SandboxState.CREATING.value] if if_creating else _ACTIVE),
+                )
                 .values(state=state.value, end_reason=reason, ended_at=now, status_message=message)
                 .returning(sandboxes.c.id, sandboxes.c.edge_id, sandboxes.c.job)
             ).all()
@@ -380,6 +405,15 @@ class StateStore:
                        "detail": {}} for edge_id in sorted(back)]  # fmt: skip
             write_events(conn, batch, self._postgres)
         return back
+
+    def creating_before(self, edge_id: str, before: float) -> builtins.list[str]:
+        """Ids of an edge's sandboxes still creating that were recorded before ``before`` (wall clock)."""
+        query = select(sandboxes.c.id).where(
+            sandboxes.c.edge_id == edge_id, sandboxes.c.state == SandboxState.CREATING.value,
+            sandboxes.c.created_at < before,
+        )  # fmt: skip
+        with self._engine.connect() as conn:
+            return [row.id for row in conn.execute(query)]
 
     def active_ids(self, edge_id: str) -> set[str]:
         """Ids of the sandboxes the records say are active on an edge."""

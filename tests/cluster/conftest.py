@@ -25,6 +25,7 @@ from corral.bench.registry import Registry, start_registry
 from corral.cluster.local import LocalCluster
 
 NODE_LOST_AFTER_S = 8.0  # heartbeats every 0.5 s: room for a loaded machine before a false "lost"
+CREATE_ORPHAN_AFTER_S = 5.0  # a record left creating by a gateway that died is ended by its node after this
 NODES = {"e1": {"zone": "a"}, "e2": {"zone": "a"}, "e3": {"zone": "b"}}
 """The nodes every test may rely on, up, with these labels. Others join for a test (e4 by the CLI, e6)."""
 FRESH_NODE = "e6"
@@ -85,7 +86,7 @@ def cluster(
     port = int(registry.address.rsplit(":", 1)[1])
     with local_test_cluster(
         tmp_path_factory.mktemp("cluster"), postgres_url, test_env, NODES,
-        node_settings={"CORRAL_LAYER_FETCH": "on_demand"},
+        node_settings={"CORRAL_LAYER_FETCH": "on_demand", "CORRAL_CREATE_ORPHAN_AFTER_S": str(CREATE_ORPHAN_AFTER_S)},
         gateway_settings={"CORRAL_INSECURE_REGISTRIES": registry.address}, forward_ports=[port],
     ) as local:  # fmt: skip
         yield local
