@@ -327,6 +327,24 @@ class StateStore:
                     marked.update(row.id for row in rows)
         return marked
 
+    def claim_many(self, claims: dict[str, dict[str, Any]]) -> set[str]:
+        """Warm-pool sandboxes handed to their clients, in one transaction: each running one's record takes the
+        client's values (labels, env, TTL, ...) and gets a ``sandbox.running`` event under the client's job;
+        returns the ids claimed (the others ended meanwhile and are nobody's)."""
+        claimed: set[str] = set()
+        now = time.time()
+        with self._engine.begin() as conn:
+            for sandbox_id, values in claims.items():
+                rows = conn.execute(
+                    update(sandboxes)
+                    .where(sandboxes.c.id == sandbox_id, sandboxes.c.state == SandboxState.RUNNING.value)
+                    .values(**values, job=values["labels"].get(JOB_LABEL))
+                    .returning(sandboxes.c.id, sandboxes.c.edge_id, sandboxes.c.job)
+                ).all()
+                _sandbox_events(conn, "sandbox.running", rows, now, {"warm": True}, self._postgres)
+                claimed.update(row.id for row in rows)
+        return claimed
+
     def end(self, sandbox_id: str, state: SandboxState, reason: str, message: str | None = None) -> bool:
         """Mark an active sandbox ended; False if it had already ended."""
         now = time.time()
