@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -130,7 +131,7 @@ class _GroupCommit:
             else:
                 _settle([future for _, future in inserts])
         _answer_each(running, self._store.mark_running_many)
-        _answer_each(claims, self._store.claim_many)
+        _answer_each(claims, functools.partial(self._store.claim_many, pool_label=WARM_LABEL))
 
 
 def _answer_each(
@@ -661,8 +662,10 @@ class SandboxService:
         return await self._writes.claim(sandbox_id, values)
 
     def records_labelled(self, key: str) -> builtins.list[dict[str, Any]]:
-        """Active records that carry label ``key`` (whatever its value): a pool's sandboxes after a restart."""
-        return [record for record in self._store.list(states=_ACTIVE) if key in record["labels"]]
+        """Active records that carry label ``key`` (whatever its value) on the edges this service places on (its
+        own; on a Ray cluster, every node's): a pool's sandboxes after a restart."""
+        return [record for record in self._store.list(states=_ACTIVE) if key in record["labels"]
+                and (self._remote is not None or record["edge_id"] in self._edges)]  # fmt: skip
 
     @property
     def default_runtime(self) -> str:

@@ -54,6 +54,7 @@ CLAIMED_NOTE = "claimed from the warm pool"  # a pooled create's status_message:
 _REFILL_CONCURRENCY = 4  # pool sandboxes starting at once (the edge's own create limit applies too)
 _QUIET_S = 0.05  # refills wait until client creates paused this long (and the first exec after one is done)
 _HOUSEKEEPING_INTERVAL_S = 1.0
+_RETRY_AFTER_FAILURE_S = 5.0  # a pool whose refill failed (the node is full, say) waits this long
 _CLAIM_TRIES = 4  # warm sandboxes tried per create before it starts cold (one that ended meanwhile is skipped)
 # Record fields a claim gives the client's values (the rest was fixed when the sandbox started).
 _CLAIMED_FIELDS = ("image", "user", "cwd", "env", "labels", "created_at", "expires_at", "ttl_counts_paused",
@@ -106,6 +107,7 @@ class _Pool:
     layers: tuple[LayerRef, ...]
     idle: collections.deque[str] = field(default_factory=collections.deque)  # started, unclaimed; oldest first
     starting: int = 0
+    retry_at: float = 0.0  # monotonic: no refill before (after a failed one)
     creates: collections.deque[float] = field(default_factory=collections.deque)  # monotonic times of its creates
 
     def demand(self, now: float, window_s: float) -> int:
@@ -135,9 +137,13 @@ class WarmPools:
         )
         self.refills = Counter("corral_warm_pool_refills", "Pool sandboxes started, by outcome (started, failed).",
                                ["outcome"], registry=registry)  # fmt: skip
-        self.discarded = Counter("corral_warm_pool_discarded", "Unclaimed pool sandboxes destroyed, by reason: "
-                                 "trimmed (demand fell), stale (not adoptable after a restart), ended (by itself).",
-                                 ["reason"], registry=registry)  # fmt: skip
+        self.discarded = Counter(
+            "corral_warm_pool_discarded",
+            "Unclaimed pool sandboxes destroyed, by reason: trimmed (demand fell), stale (not adoptable after a "
+            "restart), unclaimable (paused under memory pressure, or ended by itself, while warm).",
+            ["reason"],
+            registry=registry,
+        )
         for outcome in ("hit", "miss"):
             self.claims.labels(outcome)
         registry.register(_PoolCollector(self))
@@ -227,7 +233,7 @@ class WarmPools:
         spec, record = self._sandboxes.spec_and_record(request, image_name, layers, sandbox_id)
         values = {name: record[name] for name in _CLAIMED_FIELDS} | {"status_message": CLAIMED_NOTE}
         if not await self._sandboxes.claim_record(sandbox_id, values):
-            self.discarded.labels("ended").inc()
+            await self._discard(sandbox_id, "unclaimable")  # paused (memory pressure) or ended meanwhile
             return None
         try:
             await self._sandboxes.edge(sandbox_id).claim(sandbox_id, spec)
@@ -260,21 +266,27 @@ class WarmPools:
                 log.exception("warm pools: a refill round failed; retrying")
 
     async def _trim(self) -> None:
+        """Pools above their demand lose their oldest sandboxes; a pool with no demand and nothing left goes."""
         now = time.monotonic()
-        for pool in self._pools.values():
-            extra = len(pool.idle) + pool.starting - pool.demand(now, self._window_s)
+        for shape, pool in list(self._pools.items()):
+            demand = pool.demand(now, self._window_s)
+            extra = len(pool.idle) + pool.starting - demand
             while extra > 0 and pool.idle:
                 await self._discard(pool.idle.popleft(), "trimmed")
                 extra -= 1
+            if not demand and not pool.idle and not pool.starting:
+                del self._pools[shape]
 
     def _refill(self) -> None:
         now = time.monotonic()
         starting = sum(pool.starting for pool in self._pools.values())
         for pool in sorted(self._pools.values(), key=lambda p: -p.demand(now, self._window_s)):
-            while (starting < _REFILL_CONCURRENCY and len(pool.idle) + pool.starting < pool.demand(now, self._window_s)
+            wanted = pool.demand(now, self._window_s) - len(pool.idle) - pool.starting
+            while (pool.retry_at <= now and wanted > 0 and starting < _REFILL_CONCURRENCY
                    and self._held_mb() + pool.shape.memory_mb <= self._budget_mb):  # fmt: skip
                 pool.starting += 1
                 starting += 1
+                wanted -= 1
                 self._spawn(self._start_one(pool))
 
     async def _start_one(self, pool: _Pool) -> None:
@@ -282,7 +294,9 @@ class WarmPools:
             info = await self._sandboxes.create_prepared(pool.template, pool.image_name, pool.layers)
         except CorralError as exc:
             self.refills.labels("failed").inc()
-            log.warning("warm pool could not start a sandbox: %s", exc.message)
+            pool.retry_at = time.monotonic() + _RETRY_AFTER_FAILURE_S
+            log.warning("warm pool could not start a sandbox (next try in %g s): %s", _RETRY_AFTER_FAILURE_S,
+                        exc.message)  # fmt: skip
         else:
             self.refills.labels("started").inc()
             pool.idle.append(info.id)

@@ -327,17 +327,22 @@ class StateStore:
                     marked.update(row.id for row in rows)
         return marked
 
-    def claim_many(self, claims: dict[str, dict[str, Any]]) -> set[str]:
-        """Warm-pool sandboxes handed to their clients, in one transaction: each running one's record takes the
+    def claim_many(self, claims: dict[str, dict[str, Any]], *, pool_label: str) -> set[str]:
+        """Warm-pool sandboxes handed to their clients, in one transaction: each record that is running and still
+        carries ``pool_label`` (no claim took it yet, from this gateway or another sharing the store) takes the
         client's values (labels, env, TTL, ...) and gets a ``sandbox.running`` event under the client's job;
-        returns the ids claimed (the others ended meanwhile and are nobody's)."""
+        returns the ids claimed (the others were claimed, paused or ended meanwhile)."""
         claimed: set[str] = set()
         now = time.time()
         with self._engine.begin() as conn:
             for sandbox_id, values in claims.items():
                 rows = conn.execute(
                     update(sandboxes)
-                    .where(sandboxes.c.id == sandbox_id, sandboxes.c.state == SandboxState.RUNNING.value)
+                    .where(
+                        sandboxes.c.id == sandbox_id,
+                        sandboxes.c.state == SandboxState.RUNNING.value,
+                        sandboxes.c.labels[pool_label].as_string().is_not(None),
+                    )
                     .values(**values, job=values["labels"].get(JOB_LABEL))
                     .returning(sandboxes.c.id, sandboxes.c.edge_id, sandboxes.c.job)
                 ).all()

@@ -6,6 +6,7 @@ at the end. Each test uses its own memory size, so its own shape and pool: the t
 
 from __future__ import annotations
 
+import concurrent.futures
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -110,6 +111,28 @@ def test_claims_never_share_a_sandbox_nor_what_a_client_left(pooled: EmbeddedSer
         assert later.exec("cat /tmp/secret; ps -o args").stdout.count("sleep 600") == 0
         later.kill()
     second.kill()
+
+
+def test_concurrent_creates_never_get_the_same_sandbox(pooled: EmbeddedServer, client: corral.Client) -> None:
+    for made in _fill(pooled, client, 36, 4):
+        made.kill()
+    warm = _warm_ids(pooled)
+
+    def create(_: int) -> corral.Sandbox:
+        with pooled.client() as own:
+            return own.create("busybox", memory_mb=36, ttl_s=300)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as threads:
+        made = list(threads.map(create, range(8)))  # more than are warm: some claim, the rest start cold
+    try:
+        ids = [sandbox.id for sandbox in made]
+        assert len(set(ids)) == 8
+        claimed = {sandbox.id for sandbox in made if sandbox.info.status_message == CLAIMED_NOTE}
+        assert 1 <= len(claimed) and claimed <= warm  # each claimed one was warm before, and went to one create
+        assert all(client.get(i).info.state == "running" for i in ids)
+    finally:
+        for sandbox in made:
+            client.kill(sandbox.id)  # its own client is closed
 
 
 def test_the_pool_refills_and_an_empty_pool_falls_back_to_cold(pooled: EmbeddedServer, client: corral.Client) -> None:
