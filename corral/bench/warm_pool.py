@@ -5,7 +5,8 @@ Two embedded servers run side by side over the node's layer store: one with warm
 
 1. create → first exec (`true`) of a busybox sandbox, sampled alternately on both: a pooled sample waits
    (untimed) until its pool has a warm sandbox, then times create + exec; the cold one is the same calls
-   on the server without pools.
+   on the server without pools. A second exec on each pooled sandbox gives one request's round trip under
+   the same load: a pooled create + first exec can take no less than about two of them.
 2. A batch of N creates (`create_many`): the pooled server's first batch of a new shape finds its pool empty
    (every create is a miss and starts cold): that is the same-run baseline, and its N creates are the demand
    the pool then refills to. Once the pool holds N warm sandboxes, a second batch of N is timed. The rate is
@@ -74,13 +75,17 @@ def _wait_warm(server: EmbeddedServer, memory_mb: int, count: int, on_wait: Call
     return time.perf_counter() - started
 
 
-def _create_sample(client: Client) -> tuple[float, bool]:
-    """(ms of create + first exec, whether the create was claimed from a pool)."""
+def _create_sample(client: Client) -> tuple[float, bool, float]:
+    """(ms of create + first exec, whether the create was claimed from a pool, ms of a second exec: one request's
+    round trip under the same load, the floor of a create + exec pair)."""
     started = time.perf_counter()
     sandbox = client.create(IMAGE, cpu=SAMPLE_CPU, memory_mb=SAMPLE_MEMORY_MB, ttl_s=SANDBOX_TTL_S)
     try:
         require_success(sandbox.exec("true"), "true")
-        return ms_since(started), sandbox.info.status_message == CLAIMED_NOTE
+        took_ms = ms_since(started)
+        again = time.perf_counter()
+        require_success(sandbox.exec("true"), "true")
+        return took_ms, sandbox.info.status_message == CLAIMED_NOTE, ms_since(again)
     finally:
         sandbox.kill()
 
@@ -123,15 +128,16 @@ def run_warm_pool_benchmark(*, runs: int, batch: int, as_json: bool, console: Co
 
 def _measure(pooled: EmbeddedServer, cold: EmbeddedServer, *, runs: int, batch: int,
              progress: Progress) -> dict[str, Any]:  # fmt: skip
-    samples: dict[str, list[float]] = {"pooled": [], "cold": []}
+    samples: dict[str, list[float]] = {"pooled": [], "cold": [], "exec": []}
     claimed = 0
     with pooled.client() as pooled_client, cold.client() as cold_client:
         _create_sample(pooled_client)  # the shape's first create: a miss, which makes its pool
         task = progress.add_task("create → first exec, pooled and cold alternately", total=runs)
         for _ in range(runs):
             _wait_warm(pooled, SAMPLE_MEMORY_MB, 1, lambda _: None)
-            took_ms, was_claimed = _create_sample(pooled_client)
+            took_ms, was_claimed, round_trip_ms = _create_sample(pooled_client)
             samples["pooled"].append(took_ms)
+            samples["exec"].append(round_trip_ms)
             claimed += was_claimed
             samples["cold"].append(_create_sample(cold_client)[0])
             progress.advance(task)
@@ -145,7 +151,7 @@ def _measure(pooled: EmbeddedServer, cold: EmbeddedServer, *, runs: int, batch: 
         task = progress.add_task(f"batch of {batch} from the pool", total=1)
         pooled_rate, pooled_claimed = _batch(pooled_client, batch)
         progress.advance(task)
-    pooled_ms, cold_ms = summarize(samples["pooled"]), summarize(samples["cold"])
+    pooled_ms, cold_ms, exec_ms = (summarize(samples[name]) for name in ("pooled", "cold", "exec"))
     checks = [
         {"metric": "pooled_create_to_first_exec", "target": f"p50 ≤ {CREATE_P50_TARGET_MS:g} ms",
          "value": pooled_ms["p50"], "ok": pooled_ms["p50"] <= CREATE_P50_TARGET_MS},
@@ -187,6 +193,8 @@ def _table(report: dict[str, Any]) -> Table:
         digits=2,
     )
     result.timing("create → first exec", created["pooled"], "cold", created["cold"], "pooled_create_to_first_exec")
+    result.timing("exec round trip (same sandboxes)", created["exec_round_trip"], "pooled create → first exec",
+                  created["pooled"])  # fmt: skip
     result.table.add_row(
         f"batch of {batch['count']}", f"{batch['pooled_per_s']:,.0f}/s", "-", f"cold {batch['cold_per_s']:,.0f}/s",
         f"{batch['ratio']:.1f}×", result.target("pooled_batch_rate"), result.verdict("pooled_batch_rate"),
