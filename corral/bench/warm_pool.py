@@ -167,6 +167,8 @@ def _measure(pooled: EmbeddedServer, cold: EmbeddedServer, *, runs: int, batch: 
             "cold": cold_ms,
             "claimed": claimed,
             "ratio_p50": pooled_ms["p50"] / cold_ms["p50"],
+            "exec_round_trip": exec_ms,
+            "ratio_to_exec_p50": pooled_ms["p50"] / exec_ms["p50"],
         },  # fmt: skip
         "batch": {
             "count": batch,
