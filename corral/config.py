@@ -96,6 +96,19 @@ class Settings(BaseSettings):
     fncall_warm_budget: int = Field(
         32, ge=0, description="fncall: warm sandboxes across all pools on this node (they count against admission)."
     )
+    warm_pool_memory_mb: int = Field(
+        0,
+        ge=0,
+        description="Warm pools: container sandboxes started ahead of demand, per shape (layers, runtime, cpu, "
+        "memory, pids, CPU class, disk), which creates claim instead of starting one (~1 ms instead of ~17 ms). "
+        "Their memory limits together stay within this many MiB (they count against admission as any sandbox); "
+        "0 (the default) = no pools (docs/architecture.md, Warm pools).",
+    )
+    warm_pool_window_s: float = Field(
+        60.0,
+        gt=0,
+        description="Warm pools: a pool keeps as many sandboxes as its shape had creates in this many seconds.",
+    )
     sandbox_fusion_open: bool = Field(
         False,
         description="SandboxFusion API: POST /run_code and /run_jupyter at the root need no key (SandboxFusion clients "

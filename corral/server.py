@@ -34,6 +34,7 @@ from corral.gateway.images import ImageService
 from corral.gateway.service import SandboxService
 from corral.gateway.services import Services
 from corral.gateway.trajectory import Trajectories
+from corral.gateway.warm_pool import WarmPools
 from corral.guard.audit import AuditLog
 from corral.images.builders import LayerBuilder
 from corral.images.catalogue import Catalogue
@@ -177,12 +178,19 @@ def serve(settings: Settings) -> None:
                 max_per_pool=settings.fncall_max_per_pool,
             )
             await fncall.start()
+            warm_pools = WarmPools(
+                service, memory_budget_mb=settings.warm_pool_memory_mb, window_s=settings.warm_pool_window_s
+            )
+            await warm_pools.start()
+            service.warm_pools = warm_pools
             try:
                 yield Services(
                     sandboxes=service, images=images, trajectories=trajectories, tokens=tokens, fncall=fncall,
                     grader=Grader(images, service),
                 )  # fmt: skip
             finally:
+                service.warm_pools = None
+                await warm_pools.close()
                 await fncall.close()
                 await puller.aclose()
                 trajectories.flush()

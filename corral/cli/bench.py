@@ -31,6 +31,18 @@ def bench_containers(
     run_benchmark(runs=runs, concurrency=concurrency, as_json=as_json, console=console)
 
 
+@bench_app.command("warm-pool")
+def bench_warm_pool(
+    runs: Annotated[int, typer.Option(help="Samples of create → first exec, pooled and cold each.")] = 30,
+    batch: Annotated[int, typer.Option(help="Sandboxes per batch (cold, then from the pool).")] = 1000,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Measure creates claimed from a warm pool against cold creates: create-to-first-exec and a batch's rate."""
+    from corral.bench.warm_pool import run_warm_pool_benchmark
+
+    run_warm_pool_benchmark(runs=runs, batch=batch, as_json=as_json, console=console)
+
+
 @bench_app.command("layers")
 def bench_layers(
     runs: Annotated[int, typer.Option(help="Samples per timing.")] = 20,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import dataclasses
 import heapq
 import io
 import logging
@@ -170,6 +171,11 @@ class _Sandbox:
     def kept_output_bytes(self) -> int:
         """What background commands' output this edge holds for the sandbox."""
         return sum(len(c.stdout) + len(c.stderr) for c in self.commands.values() if c.task is not None)
+
+
+def _handover_settings(spec: SandboxSpec) -> dict[str, Any]:
+    """The settings a warm sandbox takes from its claim (the edge applies them per command, not at start)."""
+    return {"image": spec.image, "env": spec.env, "cwd": spec.cwd, "user": spec.user, "idle_pause_s": spec.idle_pause_s}
 
 
 def to_allow_rules(allow: list[NetworkRule]) -> tuple[AllowRule, ...]:
@@ -435,6 +441,12 @@ class LocalEdge:
             log.warning("removing container %s that no sandbox record owns", orphan)
             await self._backend.destroy(orphan)
         return alive
+
+    async def claim(self, sandbox_id: str, spec: SandboxSpec) -> None:
+        sandbox = self._get(sandbox_id)
+        if dataclasses.replace(spec, **_handover_settings(sandbox.spec)) != sandbox.spec:
+            raise InvalidRequest(f"sandbox {sandbox_id} was started with other settings than the claim's")
+        sandbox.spec, sandbox.owner, sandbox.last_active = spec, None, time.monotonic()
 
     async def sandbox_ids(self) -> set[str]:
         """The sandboxes this edge runs (started; not those still starting)."""

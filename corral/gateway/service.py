@@ -12,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from prometheus_client.core import Metric
 
@@ -61,13 +62,14 @@ from corral.state.db import StateStore, database_unreachable, unreachable_error
 from corral.state.events import EventLog
 from corral.state.thread import DatabaseThread
 
-__all__ = ["SandboxService"]
+__all__ = ["WARM_LABEL", "SandboxService", "WarmPoolsLike"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _ACTIVE = [SandboxState.CREATING.value, SandboxState.RUNNING.value, SandboxState.PAUSED.value]
 _LIVE = (SandboxState.CREATING, SandboxState.RUNNING, SandboxState.PAUSED)
 _POOL_LABEL = "corral.fncall"  # the fncall pools' own sandboxes (corral/gateway/fncall.py)
+WARM_LABEL = "corral.warm"  # a warm pool's sandboxes not yet claimed (corral/gateway/warm_pool.py)
 MAX_BATCH = 32_000  # sandboxes per batch request (a training step's burst)
 DEFAULT_BATCH_CONCURRENCY = 512  # creates of one batch running at once
 DEFAULT_BATCH_PER_NODE = 32  # ... and at most this many on one node (containers: the backend's own limit applies)
@@ -97,7 +99,8 @@ class _GroupCommit:
         self._store = store
         self._db = db
         self._inserts: list[tuple[dict[str, Any], asyncio.Future[None]]] = []
-        self._running: list[tuple[str, str | None, asyncio.Future[bool]]] = []
+        self._running: list[tuple[str, Any, asyncio.Future[bool]]] = []  # (id, status note, future)
+        self._claims: list[tuple[str, Any, asyncio.Future[bool]]] = []  # (id, the client's values, future)
         self._flushing: asyncio.Task[None] | None = None
         self._outage_since: float | None = None  # monotonic time the database first failed, while it fails
 
@@ -110,6 +113,13 @@ class _GroupCommit:
     async def mark_running(self, sandbox_id: str, note: str | None) -> bool:
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._running.append((sandbox_id, note, future))
+        self._schedule()
+        return await future
+
+    async def claim(self, sandbox_id: str, values: dict[str, Any]) -> bool:
+        """A warm-pool sandbox's record becomes its client's (StateStore.claim_many); False if it ended."""
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._claims.append((sandbox_id, values, future))
         self._schedule()
         return await future
 
@@ -130,9 +140,10 @@ class _GroupCommit:
     async def _flush(self) -> None:
         try:
             await asyncio.sleep(0)  # the writes of this event-loop turn join the first transaction
-            while self._inserts or self._running:
+            while self._inserts or self._running or self._claims:
                 inserts, self._inserts = self._inserts, []
                 running, self._running = self._running, []
+                claims, self._claims = self._claims, []
                 if inserts:
                     try:
                         await self._db.run(self._store.insert_many, [record for record, _ in inserts])
@@ -144,30 +155,48 @@ class _GroupCommit:
                     else:
                         self._outage_since = None
                         _settle([future for _, future in inserts])
-                if running:
-                    notes = {sandbox_id: note for sandbox_id, note, _ in running}
-                    try:
-                        marked = await self._db.run(self._store.mark_running_many, notes)
-                    except Exception as exc:
-                        if (error := self._retrying(exc)) is None:
-                            self._running[:0] = running
-                        else:
-                            _settle([future for _, _, future in running], error=error)
-                    else:
-                        self._outage_since = None
-                        for sandbox_id, _, future in running:
-                            if not future.done():
-                                future.set_result(sandbox_id in marked)
+                self._running[:0] = await self._answer_each(running, self._store.mark_running_many)
+                claim_many = functools.partial(self._store.claim_many, pool_label=WARM_LABEL)
+                self._claims[:0] = await self._answer_each(claims, claim_many)
                 if self._outage_since is not None:
                     await asyncio.sleep(_DB_RETRY_EVERY_S)  # the database is away: the batch goes again soon
         finally:
             self._flushing = None
+
+    async def _answer_each(
+        self, pending: list[tuple[str, Any, asyncio.Future[bool]]], write: Callable[[dict[str, Any]], set[str]]
+    ) -> list[tuple[str, Any, asyncio.Future[bool]]]:
+        """One write for every pending (sandbox id, value); each future learns whether its id was among those
+        done. Returns the ones to try again (the database went away)."""
+        if not pending:
+            return []
+        try:
+            done = await self._db.run(write, {sandbox_id: value for sandbox_id, value, _ in pending})
+        except Exception as exc:
+            if (error := self._retrying(exc)) is None:
+                return pending
+            _settle([future for _, _, future in pending], error=error)
+            return []
+        self._outage_since = None
+        for sandbox_id, _, future in pending:
+            if not future.done():
+                future.set_result(sandbox_id in done)
+        return []
 
 
 def _settle(futures: list[asyncio.Future[Any]], error: Exception | None = None) -> None:
     for future in futures:
         if not future.done():
             future.set_exception(error) if error is not None else future.set_result(None)
+
+
+class WarmPoolsLike(Protocol):
+    """What a create asks of the warm pools (corral/gateway/warm_pool.py): a pre-started sandbox made the client's,
+    or None (no warm one of that shape: the create starts one cold)."""
+
+    async def claim(
+        self, request: CreateSandboxRequest, image_name: str, layers: tuple[LayerRef, ...]
+    ) -> SandboxInfo | None: ...
 
 
 class SandboxService:
@@ -220,6 +249,7 @@ class SandboxService:
         self._roots: dict[tuple[Any, ...], tuple[float, list[str], str, ImageConfig]] = {}
         self._touched: dict[str, float] = {}  # layer digest → when its last use was recorded (monotonic)
         self._create_finished = asyncio.Event()  # a create returned: a node may have a slot for a batch
+        self.warm_pools: WarmPoolsLike | None = None  # creates claim pre-started sandboxes from it (warm_pool.py)
 
     # -- startup and shutdown -----------------------------------------------
 
@@ -236,7 +266,7 @@ class SandboxService:
         self._watcher = asyncio.get_running_loop().create_task(self._watch_nodes())
 
     async def _layers_on_node(self, entries: Iterable[str]) -> tuple[LayerRef, ...]:
-        return self._layer_refs(list(entries))
+        return self.layer_refs(list(entries))
 
     async def _watch_nodes(self) -> None:
         """Heartbeat this gateway's edges into the shared store, and mark nodes that went silent lost,
@@ -326,7 +356,7 @@ class SandboxService:
 
     # -- sandboxes -----------------------------------------------------------
 
-    def _layer_refs(self, entries: list[str]) -> tuple[LayerRef, ...]:
+    def layer_refs(self, entries: list[str]) -> tuple[LayerRef, ...]:
         """Stack entries (``digest`` or ``digest#alias``) to the layer files on this node."""
         refs = []
         for entry in entries:
@@ -494,7 +524,7 @@ class SandboxService:
         if not cwd.startswith("/"):
             raise InvalidRequest(f"cwd must be an absolute path, got {cwd!r}")
         request = request.model_copy(update={"env": env, "cwd": cwd, "user": user})
-        layers = self._layer_refs(digests)  # a stat per layer file: a layer removed since is still noticed
+        layers = self.layer_refs(digests)  # a stat per layer file: a layer removed since is still noticed
         plain = {d.partition("#")[0] for d in digests}  # an alias is a second mount of the same layer
         stale = [d for d in plain if self._touched.get(d, -_TOUCH_EVERY_S) < now - _TOUCH_EVERY_S]
         if stale:
@@ -536,6 +566,54 @@ class SandboxService:
             await fetcher.enforce_cache_budget(self._node_layers_in_use)
             yield
 
+    def spec_and_record(
+        self,
+        request: CreateSandboxRequest,
+        image_name: str,
+        layers: tuple[LayerRef, ...],
+        sandbox_id: str,
+        *,
+        restore_from: str | None = None,
+    ) -> tuple[SandboxSpec, dict[str, Any]]:
+        """What the edge starts (or a warm sandbox becomes) and what the store records, for a prepared create."""
+        assert request.cwd is not None and request.user is not None  # filled in from the image by _prepare
+        edge_id = edge_of(sandbox_id)
+        now = time.time()
+        spec = SandboxSpec(
+            sandbox_id=sandbox_id,
+            image=image_name,
+            layers=layers,
+            runtime=request.runtime or self._default_runtime,
+            cpu=request.cpu,
+            memory_mb=request.memory_mb,
+            pids_max=request.pids_max,
+            qos=request.qos,
+            env=request.env,
+            cwd=request.cwd,
+            user=request.user,
+            idle_pause_s=request.idle_pause_s,
+            network=to_allow_rules(request.network.allow) if request.network is not None else None,
+            protected_paths=tuple(request.protected_paths),
+            sensitive_paths=tuple(request.sensitive_paths),
+            disk_mb=request.disk_mb,
+            backend=request.backend,
+            restore_from=restore_from,
+            setuid_allowed=setuid_allowed(request.labels),
+        )
+        record = {
+            "id": spec.sandbox_id, "edge_id": edge_id, "state": SandboxState.CREATING.value,
+            "image": spec.image, "backend": request.backend, "runtime": spec.runtime, "cpu": spec.cpu,
+            "qos": spec.qos,
+            "memory_mb": spec.memory_mb, "pids_max": spec.pids_max, "user": spec.user, "cwd": spec.cwd,
+            "env": spec.env, "layers": [layer.mount_key for layer in layers], "labels": request.labels,
+            "created_at": now, "expires_at": now + request.ttl_s if request.ttl_s else None,
+            "ttl_counts_paused": request.ttl_counts_paused, "idle_pause_s": request.idle_pause_s,
+            "network": request.network.model_dump() if request.network is not None else None,
+            "protected_paths": request.protected_paths, "disk_mb": request.disk_mb,
+            "sensitive_paths": request.sensitive_paths, "node_selector": request.node_selector,
+        }  # fmt: skip
+        return spec, record
+
     async def _create_placed(
         self,
         request: CreateSandboxRequest,
@@ -549,8 +627,11 @@ class SandboxService:
         """Place, record, start; a node that refuses is excluded and the next choice tried.
         ``max_in_flight``: wait while every fitting node already has that many creates running (batches).
         ``on_edge``: only that edge (a restore from a checkpoint that lives on its node); its refusal is final."""
+        if self.warm_pools is not None and restore_from is None and on_edge is None:
+            claimed = await self.warm_pools.claim(request, image_name, layers)
+            if claimed is not None:
+                return claimed
         digests = [layer.digest for layer in layers]
-        assert request.cwd is not None and request.user is not None  # filled in from the image by _prepare
         refused: dict[str, str] = {}  # edge id -> why it refused
         while True:
             try:
@@ -572,41 +653,9 @@ class SandboxService:
                     raise
                 why = "; ".join(f"{edge}: {reason}" for edge, reason in refused.items())
                 raise CapacityExhausted(f"{exc.message} ({why})") from None
-            now = time.time()
-            spec = SandboxSpec(
-                sandbox_id=new_sandbox_id(edge_id),
-                image=image_name,
-                layers=layers,
-                runtime=request.runtime or self._default_runtime,
-                cpu=request.cpu,
-                memory_mb=request.memory_mb,
-                pids_max=request.pids_max,
-                qos=request.qos,
-                env=request.env,
-                cwd=request.cwd,
-                user=request.user,
-                idle_pause_s=request.idle_pause_s,
-                network=to_allow_rules(request.network.allow) if request.network is not None else None,
-                protected_paths=tuple(request.protected_paths),
-                sensitive_paths=tuple(request.sensitive_paths),
-                disk_mb=request.disk_mb,
-                backend=request.backend,
-                restore_from=restore_from,
-                setuid_allowed=setuid_allowed(request.labels),
-            )
+            spec, record = self.spec_and_record(request, image_name, layers, new_sandbox_id(edge_id),
+                                                restore_from=restore_from)  # fmt: skip
             self.scheduler.reserve(spec.sandbox_id, edge_id, cpu=spec.cpu, memory_mb=spec.memory_mb, layers=digests)
-            record = {
-                "id": spec.sandbox_id, "edge_id": edge_id, "state": SandboxState.CREATING.value,
-                "image": spec.image, "backend": request.backend, "runtime": spec.runtime, "cpu": spec.cpu,
-                "qos": spec.qos,
-                "memory_mb": spec.memory_mb, "pids_max": spec.pids_max, "user": spec.user, "cwd": spec.cwd,
-                "env": spec.env, "layers": [layer.mount_key for layer in layers], "labels": request.labels,
-                "created_at": now, "expires_at": now + request.ttl_s if request.ttl_s else None,
-                "ttl_counts_paused": request.ttl_counts_paused, "idle_pause_s": request.idle_pause_s,
-                "network": request.network.model_dump() if request.network is not None else None,
-                "protected_paths": request.protected_paths, "disk_mb": request.disk_mb,
-                "sensitive_paths": request.sensitive_paths, "node_selector": request.node_selector,
-            }  # fmt: skip
             started_s = time.perf_counter()
             try:
                 await self._writes.insert(record)
@@ -645,6 +694,27 @@ class SandboxService:
             log.info("created on %s in %.0f ms: %s (%s)", edge_id, took_s * 1000, spec.image, request.backend,
                      extra={"sandbox_id": spec.sandbox_id})  # fmt: skip
             return StateStore.to_info({**record, "state": SandboxState.RUNNING.value, "status_message": note})
+
+    async def create_prepared(
+        self, request: CreateSandboxRequest, image_name: str, layers: tuple[LayerRef, ...]
+    ) -> SandboxInfo:
+        """A create of a request ``_prepare`` already resolved (a warm pool's refills: its template, its layers)."""
+        return await self._create_placed(request, image_name, layers)
+
+    async def claim_record(self, sandbox_id: str, values: dict[str, Any]) -> bool:
+        """A running warm-pool sandbox's record takes its client's values (committed with the burst's other
+        writes); False if it ended meanwhile."""
+        return await self._writes.claim(sandbox_id, values)
+
+    def records_labelled(self, key: str) -> builtins.list[dict[str, Any]]:
+        """Active records that carry label ``key`` (whatever its value) on the edges this service places on (its
+        own; on a Ray cluster, every node's): a pool's sandboxes after a restart."""
+        return [record for record in self._store.list(states=_ACTIVE) if key in record["labels"]
+                and (self._remote is not None or record["edge_id"] in self._edges)]  # fmt: skip
+
+    @property
+    def default_runtime(self) -> str:
+        return self._default_runtime
 
     async def create_many(
         self,
@@ -721,10 +791,11 @@ class SandboxService:
         return StateStore.to_info(record)
 
     async def list(self, *, states: list[str] | None, labels: dict[str, str]) -> list[SandboxInfo]:
-        """Sandboxes by state and labels; fncall pool sandboxes only when asked for by their label."""
+        """Sandboxes by state and labels; fncall and warm pool sandboxes only when asked for by their label."""
         records = await self._db.run(self._store.list, states=states or _ACTIVE, labels=labels)
-        if _POOL_LABEL not in labels:
-            records = [r for r in records if _POOL_LABEL not in r["labels"]]
+        for pool_label in (_POOL_LABEL, WARM_LABEL):
+            if pool_label not in labels:
+                records = [r for r in records if pool_label not in r["labels"]]
         return [StateStore.to_info(r) for r in records]
 
     async def kill(self, sandbox_id: str) -> SandboxInfo:

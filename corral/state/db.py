@@ -10,6 +10,7 @@ here too and its logic in corral/images/catalogue.py.
 from __future__ import annotations
 
 import builtins
+import functools
 import json
 import time
 from collections.abc import Iterable, Sequence
@@ -210,6 +211,28 @@ def _add_missing_columns(engine: Engine) -> None:
             index.create(engine, checkfirst=True)
 
 
+@functools.cache
+def _claimable(pool_label: str) -> Any:  # noqa: ANN401 - a SQL statement
+    """Of the ids (an expanding parameter), those running and still carrying the pool's label; locked on
+    PostgreSQL until the claim commits. Built once: building a statement costs more than running it here."""
+    return (
+        select(sandboxes.c.id, sandboxes.c.edge_id)
+        .where(
+            sandboxes.c.id.in_(bindparam("ids", expanding=True)),
+            sandboxes.c.state == SandboxState.RUNNING.value,
+            sandboxes.c.labels[pool_label].as_string().is_not(None),
+        )
+        .with_for_update()
+    )
+
+
+@functools.cache
+def _claim_update(fields: tuple[str, ...]) -> Any:  # noqa: ANN401 - a SQL statement
+    """One claimed record's new values (an executemany over the claims), built once per set of fields."""
+    values: dict[str, Any] = {name: bindparam(f"new_{name}") for name in (*fields, "job")}
+    return update(sandboxes).where(sandboxes.c.id == bindparam("claimed_id")).values(values)
+
+
 def _creating_among(ids: list[str], postgres: bool) -> Any:  # noqa: ANN401 - a SQL expression
     """The sandboxes of ``ids`` still creating. On PostgreSQL the ids go as one array parameter (one statement
     text for any count), and the state test is one the planner cannot answer from the state index
@@ -345,6 +368,35 @@ class StateStore:
                     _sandbox_events(conn, "sandbox.running", rows, time.time(), {}, self._postgres)
                     marked.update(row.id for row in rows)
         return marked
+
+    def claim_many(self, claims: dict[str, dict[str, Any]], *, pool_label: str) -> set[str]:
+        """Warm-pool sandboxes handed to their clients, in one transaction: each record that is running and still
+        carries ``pool_label`` (no claim took it yet, from this gateway or another sharing the store) takes the
+        client's values (labels, env, TTL, ...; every claim sets the same fields) and gets a ``sandbox.running``
+        event under the client's job; returns the ids claimed (the others were claimed, paused or ended meanwhile).
+        Three statements for any count (the claimable rows, locked on PostgreSQL; one executemany UPDATE; the
+        events): a statement per claim cost ~0.8 ms each, more than the rest of a claim."""
+        if not claims:
+            return set()
+        fields = tuple(sorted(next(iter(claims.values()))))
+        ids = list(claims)
+        with self._engine.begin() as conn:
+            claimable: dict[str, str] = {}  # id -> edge id
+            for chunk in (ids[i : i + _IN_CHUNK] for i in range(0, len(ids), _IN_CHUNK)):
+                rows = conn.execute(_claimable(pool_label), {"ids": chunk}).all()
+                claimable.update((sandbox_id, edge_id) for sandbox_id, edge_id in rows)
+            if not claimable:
+                return set()
+            statement = _claim_update(fields)
+            jobs = {sandbox_id: claims[sandbox_id]["labels"].get(JOB_LABEL) for sandbox_id in claimable}
+            conn.execute(statement, [
+                {"claimed_id": sandbox_id, "new_job": jobs[sandbox_id],
+                 **{f"new_{name}": claims[sandbox_id][name] for name in fields}}
+                for sandbox_id in claimable
+            ])  # fmt: skip
+            running = [(sandbox_id, edge_id, jobs[sandbox_id]) for sandbox_id, edge_id in claimable.items()]
+            _sandbox_events(conn, "sandbox.running", running, time.time(), {"warm": True}, self._postgres)
+        return set(claimable)
 
     def end(
         self, sandbox_id: str, state: SandboxState, reason: str, message: str | None = None, *,

@@ -1,0 +1,204 @@
+"""`corral bench warm-pool`: creates claimed from a warm pool against cold creates, in the same run.
+
+Two embedded servers run side by side over the node's layer store: one with warm pools on
+(CORRAL_WARM_POOL_MEMORY_MB), one with them off (the default). Through the real SDK over HTTP:
+
+1. create → first exec (`true`) of a busybox sandbox, sampled alternately on both: a pooled sample waits
+   (untimed) until its pool has a warm sandbox, then times create + exec; the cold one is the same calls
+   on the server without pools. A second exec on each pooled sandbox gives one request's round trip under
+   the same load: a pooled create + first exec can take no less than about two of them.
+2. A batch of N creates (`create_many`): the pooled server's first batch of a new shape finds its pool empty
+   (every create is a miss and starts cold): that is the same-run baseline, and its N creates are the demand
+   the pool then refills to. Once the pool holds N warm sandboxes, a second batch of N is timed. The rate is
+   N over the client's wall time from the request until the last sandbox arrived.
+
+Verdicts: pooled create → first exec p50 ≤ 5 ms, pooled batch ≥ 1,000/s (issue 22). The machine is shared
+and noisy: read the figures against their same-run baselines.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from corral.backends.common import host
+from corral.bench.containers import summarize
+from corral.bench.harness import ResultTable, bench_session, emit, ms_since, require_success
+from corral.embedded import EmbeddedServer
+from corral.gateway.warm_pool import CLAIMED_NOTE
+from corral.sdk import Client
+
+__all__ = ["run_warm_pool_benchmark"]
+
+IMAGE = "busybox"
+SANDBOX_TTL_S = 600.0  # a sandbox leaked by a crashed bench still goes away
+SAMPLE_CPU, SAMPLE_MEMORY_MB = 0.25, 64
+BATCH_CPU, BATCH_MEMORY_MB = 0.05, 32  # a thousand of them, twice, fit the node's CPU and memory admission
+CREATE_P50_TARGET_MS = 5.0
+BATCH_RATE_TARGET = 1000.0  # sandboxes per second
+WARM_WAIT_S = 600.0
+BATCH_LABEL = {"bench": "warm-pool-batch"}
+
+
+def _warm(server: EmbeddedServer, memory_mb: int) -> float:
+    """Warm sandboxes of the pools of this memory size, from the server's metrics."""
+    response = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {server.api_key}"}, timeout=30)
+    response.raise_for_status()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+        if sample.name == "corral_warm_pool_sandboxes"
+        and sample.labels.get("memory_mb") == str(memory_mb)
+        and sample.labels.get("state") == "warm"
+    )
+
+
+def _wait_warm(server: EmbeddedServer, memory_mb: int, count: int, on_wait: Callable[[float], None]) -> float:
+    """Seconds until the pools of this memory size hold ``count`` warm sandboxes."""
+    started = time.perf_counter()
+    while (warm := _warm(server, memory_mb)) < count:
+        on_wait(warm)
+        if time.perf_counter() - started > WARM_WAIT_S:
+            raise RuntimeError(f"the pool reached only {warm:.0f} of {count} warm sandboxes in {WARM_WAIT_S:g} s")
+        time.sleep(0.05)
+    return time.perf_counter() - started
+
+
+def _create_sample(client: Client) -> tuple[float, bool, float]:
+    """(ms of create + first exec, whether the create was claimed from a pool, ms of a second exec: one request's
+    round trip under the same load, the floor of a create + exec pair)."""
+    started = time.perf_counter()
+    sandbox = client.create(IMAGE, cpu=SAMPLE_CPU, memory_mb=SAMPLE_MEMORY_MB, ttl_s=SANDBOX_TTL_S)
+    try:
+        require_success(sandbox.exec("true"), "true")
+        took_ms = ms_since(started)
+        again = time.perf_counter()
+        require_success(sandbox.exec("true"), "true")
+        return took_ms, sandbox.info.status_message == CLAIMED_NOTE, ms_since(again)
+    finally:
+        sandbox.kill()
+
+
+def _batch(client: Client, count: int) -> tuple[float, int]:
+    """(sandboxes per second, how many were claimed from a pool) of one batch; its sandboxes are killed after."""
+    started = time.perf_counter()
+    made = list(client.create_many(count, IMAGE, cpu=BATCH_CPU, memory_mb=BATCH_MEMORY_MB, ttl_s=SANDBOX_TTL_S,
+                                   labels=BATCH_LABEL))  # fmt: skip
+    took_s = time.perf_counter() - started
+    claimed = sum(sandbox.info.status_message == CLAIMED_NOTE for sandbox in made)
+    client.bulk(BATCH_LABEL, "kill")
+    return len(made) / took_s, claimed
+
+
+def _servers(scratch: Path) -> tuple[EmbeddedServer, EmbeddedServer]:
+    budget_mb = 2 * 1000 * max(SAMPLE_MEMORY_MB, BATCH_MEMORY_MB)
+    pooled = EmbeddedServer(scratch / "pooled", env={"CORRAL_WARM_POOL_MEMORY_MB": str(budget_mb),
+                                                     "CORRAL_WARM_POOL_WINDOW_S": "3600"})  # fmt: skip
+    return pooled, EmbeddedServer(scratch / "cold")
+
+
+def run_warm_pool_benchmark(*, runs: int, batch: int, as_json: bool, console: Console) -> dict[str, Any]:
+    with bench_session("bench warm-pool", as_json=as_json, console=console) as (scratch, progress):
+        pooled, cold = _servers(scratch)
+        try:
+            task = progress.add_task("starting two servers (pools on, off)", total=2)
+            pooled.start()
+            progress.advance(task)
+            cold.start()
+            progress.advance(task)
+            report = _measure(pooled, cold, runs=runs, batch=batch, progress=progress)
+        finally:
+            for server in (pooled, cold):
+                server.shutdown()
+            host.orphans.reap()
+    emit(report, _table, as_json=as_json, console=console)
+    return report
+
+
+def _measure(pooled: EmbeddedServer, cold: EmbeddedServer, *, runs: int, batch: int,
+             progress: Progress) -> dict[str, Any]:  # fmt: skip
+    samples: dict[str, list[float]] = {"pooled": [], "cold": [], "exec": []}
+    claimed = 0
+    with pooled.client() as pooled_client, cold.client() as cold_client:
+        _create_sample(pooled_client)  # the shape's first create: a miss, which makes its pool
+        task = progress.add_task("create → first exec, pooled and cold alternately", total=runs)
+        for _ in range(runs):
+            _wait_warm(pooled, SAMPLE_MEMORY_MB, 1, lambda _: None)
+            took_ms, was_claimed, round_trip_ms = _create_sample(pooled_client)
+            samples["pooled"].append(took_ms)
+            samples["exec"].append(round_trip_ms)
+            claimed += was_claimed
+            samples["cold"].append(_create_sample(cold_client)[0])
+            progress.advance(task)
+        task = progress.add_task(f"batch of {batch}, pool empty (cold)", total=1)
+        cold_rate, cold_claimed = _batch(pooled_client, batch)
+        progress.advance(task)
+        task = progress.add_task(f"refilling the pool to {batch}", total=batch)
+        refill_s = _wait_warm(pooled, BATCH_MEMORY_MB, batch,
+                              lambda warm: progress.update(task, completed=warm))  # fmt: skip
+        progress.update(task, completed=batch)
+        task = progress.add_task(f"batch of {batch} from the pool", total=1)
+        pooled_rate, pooled_claimed = _batch(pooled_client, batch)
+        progress.advance(task)
+    pooled_ms, cold_ms, exec_ms = (summarize(samples[name]) for name in ("pooled", "cold", "exec"))
+    checks = [
+        {"metric": "pooled_create_to_first_exec", "target": f"p50 ≤ {CREATE_P50_TARGET_MS:g} ms",
+         "value": pooled_ms["p50"], "ok": pooled_ms["p50"] <= CREATE_P50_TARGET_MS},
+        {"metric": "pooled_batch_rate", "target": f"≥ {BATCH_RATE_TARGET:,.0f}/s", "value": pooled_rate,
+         "ok": pooled_rate >= BATCH_RATE_TARGET},
+    ]  # fmt: skip
+    return {
+        "benchmark": "warm-pool",
+        "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "kernel": platform.release()},
+        "runs": runs,
+        "create_to_first_exec_ms": {
+            "pooled": pooled_ms,
+            "cold": cold_ms,
+            "claimed": claimed,
+            "ratio_p50": pooled_ms["p50"] / cold_ms["p50"],
+            "exec_round_trip": exec_ms,
+            "ratio_to_exec_p50": pooled_ms["p50"] / exec_ms["p50"],
+        },  # fmt: skip
+        "batch": {
+            "count": batch,
+            "pooled_per_s": pooled_rate,
+            "pooled_claimed": pooled_claimed,
+            "cold_per_s": cold_rate,
+            "cold_claimed": cold_claimed,
+            "ratio": pooled_rate / cold_rate,
+            "refill_s": refill_s,
+            "refill_per_s": batch / refill_s,
+        },  # fmt: skip
+        "checks": checks,
+    }
+
+
+def _table(report: dict[str, Any]) -> Table:
+    created, batch = report["create_to_first_exec_ms"], report["batch"]
+    result = ResultTable(
+        f"Warm pools: busybox container, pooled vs cold (same run, {report['host']['cpus']} cores)",
+        f"{created['claimed']} of {report['runs']} pooled samples claimed; batch of {batch['count']}: "
+        f"{batch['pooled_claimed']} claimed (pooled), {batch['cold_claimed']} (cold); the pool refilled "
+        f"{batch['count']} in {batch['refill_s']:.1f} s ({batch['refill_per_s']:.0f}/s)",
+        report["checks"],
+        digits=2,
+    )
+    result.timing("create → first exec", created["pooled"], "cold", created["cold"], "pooled_create_to_first_exec")
+    result.timing("exec round trip (same sandboxes)", created["exec_round_trip"], "pooled create → first exec",
+                  created["pooled"])  # fmt: skip
+    result.table.add_row(
+        f"batch of {batch['count']}", f"{batch['pooled_per_s']:,.0f}/s", "-", f"cold {batch['cold_per_s']:,.0f}/s",
+        f"{batch['ratio']:.1f}×", result.target("pooled_batch_rate"), result.verdict("pooled_batch_rate"),
+    )  # fmt: skip
+    return result.table

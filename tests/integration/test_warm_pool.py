@@ -1,0 +1,208 @@
+"""Warm pools (corral/gateway/warm_pool.py) through a real server, real crun containers and the SDK.
+
+One server of this module's own with pools on (the session server has them off, the default), and its restart
+at the end. Each test uses its own memory size, so its own shape and pool: the tests do not share pools.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import corral
+from corral.embedded import EmbeddedServer
+from corral.gateway.warm_pool import CLAIMED_NOTE
+
+WARM_ENV = {"CORRAL_WARM_POOL_MEMORY_MB": "2048", "CORRAL_WARM_POOL_WINDOW_S": "600"}
+
+
+@pytest.fixture(scope="module")
+def pooled(tmp_path_factory: pytest.TempPathFactory, test_env: dict[str, str]) -> Iterator[EmbeddedServer]:
+    with EmbeddedServer(tmp_path_factory.mktemp("warm-server"), env={**test_env, **WARM_ENV}) as proc:
+        yield proc
+
+
+@pytest.fixture
+def client(pooled: EmbeddedServer) -> Iterator[corral.Client]:
+    with pooled.client() as c:
+        yield c
+
+
+def _metric(server: EmbeddedServer, name: str, **labels: str) -> float:
+    """The sum of a metric's samples that carry these labels."""
+    response = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {server.api_key}"}, timeout=30)
+    assert response.status_code == 200, response.text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
+
+
+def _warm(server: EmbeddedServer, memory_mb: int) -> float:
+    return _metric(server, "corral_warm_pool_sandboxes", memory_mb=str(memory_mb), state="warm")
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def _fill(server: EmbeddedServer, client: corral.Client, memory_mb: int, count: int) -> list[corral.Sandbox]:
+    """``count`` creates of the shape (the demand), then wait for the pool to hold as many warm sandboxes."""
+    made = [client.create("busybox", memory_mb=memory_mb, ttl_s=300) for _ in range(count)]
+    _wait_for(lambda: _warm(server, memory_mb) >= count)
+    return made
+
+
+def test_a_create_claims_a_warm_sandbox_with_its_own_settings(pooled: EmbeddedServer, client: corral.Client) -> None:
+    first = client.create("busybox", memory_mb=48, ttl_s=300)
+    assert first.info.status_message != CLAIMED_NOTE  # the shape's first create: nothing warm yet, cold
+    first.kill()
+    _wait_for(lambda: _warm(pooled, 48) >= 1)
+    hits = _metric(pooled, "corral_warm_pool_claims_total", outcome="hit")
+    started = time.time()
+    sandbox = client.create(
+        "busybox", memory_mb=48, ttl_s=120, env={"TASK": "t-17"}, cwd="/tmp", labels={"job": "warm-test", "k": "v"}
+    )
+    try:
+        info = sandbox.info
+        assert info.status_message == CLAIMED_NOTE
+        assert _metric(pooled, "corral_warm_pool_claims_total", outcome="hit") == hits + 1
+        assert info.labels == {"job": "warm-test", "k": "v"}  # the pool's label is gone, the client's are there
+        assert info.expires_at is not None and started + 119 <= info.expires_at <= time.time() + 121
+        assert info.created_at >= started
+        result = sandbox.exec("echo $TASK; pwd; id -u")
+        assert result.stdout == "t-17\n/tmp\n0\n"
+        assert sandbox.id in {s.id for s in client.list(labels={"job": "warm-test"})}
+        assert client.get(sandbox.id).info.status_message == CLAIMED_NOTE
+    finally:
+        sandbox.kill()
+    assert client.get(sandbox.id).info.state == "ended"
+
+
+def test_claims_never_share_a_sandbox_nor_what_a_client_left(pooled: EmbeddedServer, client: corral.Client) -> None:
+    for made in _fill(pooled, client, 56, 4):
+        made.kill()
+    first, second = (client.create("busybox", memory_mb=56, ttl_s=300) for _ in range(2))
+    assert first.id != second.id
+    assert first.info.status_message == second.info.status_message == CLAIMED_NOTE
+    first.files.write("/tmp/secret", "first's answer")
+    first.exec("sleep 600 >/dev/null 2>&1 &")
+    assert "sleep 600" in first.exec("ps -o args").stdout
+    seen = {first.id, second.id}
+    first.kill()
+    assert "sleep 600" not in second.exec("ps -o args").stdout
+    assert second.exec("cat /tmp/secret").exit_code != 0
+    for _ in range(3):  # later claims get other sandboxes, never the one the first client used
+        later = client.create("busybox", memory_mb=56, ttl_s=300)
+        assert later.id not in seen
+        seen.add(later.id)
+        assert later.exec("cat /tmp/secret; ps -o args").stdout.count("sleep 600") == 0
+        later.kill()
+    second.kill()
+
+
+def test_concurrent_creates_never_get_the_same_sandbox(pooled: EmbeddedServer, client: corral.Client) -> None:
+    used = _fill(pooled, client, 36, 4)
+    for sandbox in used:
+        sandbox.kill()
+
+    def create(_: int) -> corral.Sandbox:
+        with pooled.client() as own:
+            return own.create("busybox", memory_mb=36, ttl_s=300)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as threads:
+        made = list(threads.map(create, range(8)))  # more than are warm: some claim, the rest start cold
+    try:
+        ids = [sandbox.id for sandbox in made]
+        assert len(set(ids)) == 8
+        claimed = {sandbox.id for sandbox in made if sandbox.info.status_message == CLAIMED_NOTE}
+        assert len(claimed) >= 1
+        assert not claimed & {sandbox.id for sandbox in used}  # a sandbox a client used is never handed out again
+        assert all(client.get(i).info.state == "running" for i in ids)
+    finally:
+        for sandbox in made:
+            client.kill(sandbox.id)  # its own client is closed
+
+
+def test_the_pool_refills_and_an_empty_pool_falls_back_to_cold(pooled: EmbeddedServer, client: corral.Client) -> None:
+    misses = _metric(pooled, "corral_warm_pool_claims_total", outcome="miss")
+    cold = client.create("busybox", memory_mb=40, ttl_s=300)  # a shape no create asked for before: its pool is empty
+    assert cold.info.status_message != CLAIMED_NOTE
+    assert cold.exec("echo cold").stdout == "cold\n"
+    assert _metric(pooled, "corral_warm_pool_claims_total", outcome="miss") == misses + 1
+    cold.kill()
+    for made in _fill(pooled, client, 40, 2):
+        made.kill()
+    refills = _metric(pooled, "corral_warm_pool_refills_total", outcome="started")
+    taken = [client.create("busybox", memory_mb=40, ttl_s=300) for _ in range(2)]
+    assert all(s.info.status_message == CLAIMED_NOTE for s in taken)
+    _wait_for(lambda: _metric(pooled, "corral_warm_pool_refills_total", outcome="started") >= refills + 2)
+    _wait_for(lambda: _warm(pooled, 40) >= 2)  # back to its demand
+    assert not {s.id for s in taken} & _warm_ids(pooled)
+    for sandbox in taken:
+        sandbox.kill()
+
+
+def test_unpoolable_creates_start_cold(pooled: EmbeddedServer, client: corral.Client) -> None:
+    for made in _fill(pooled, client, 52, 1):
+        made.kill()
+    selected = client.create("busybox", memory_mb=52, ttl_s=300, node_selector={})
+    assert selected.info.status_message == CLAIMED_NOTE  # an empty selector is no selector
+    selected.kill()
+    _wait_for(lambda: _warm(pooled, 52) >= 1)
+    networked = client.create("busybox", memory_mb=52, ttl_s=300, network={"allow": []})
+    assert networked.info.status_message != CLAIMED_NOTE
+    networked.kill()
+
+
+def test_a_restart_takes_warm_sandboxes_back_or_destroys_them(pooled: EmbeddedServer, client: corral.Client) -> None:
+    """Last in the module: it restarts the module's server. The running pool sandboxes go back to their pools; a
+    paused one (it would not answer a claim at once) is destroyed: no container, no directory, its record ended.
+    (With pools off every one goes that way: the same branch of ``WarmPools.start``.)"""
+    for made in _fill(pooled, client, 60, 2):
+        made.kill()
+    warm_before = _warm_ids(pooled)
+    assert len(warm_before) >= 3
+    paused_id = sorted(warm_before)[0]
+    client.get(paused_id).pause()
+    pooled.stop()
+    pooled.start()
+    with pooled.client() as after:
+        assert after.get(paused_id).info.state == "ended"
+        assert _metric(pooled, "corral_warm_pool_discarded_total", reason="stale") == 1  # the new process's count
+        assert paused_id not in _containers(pooled.data_dir)
+        assert not (pooled.data_dir / "sandboxes" / paused_id).exists()
+        assert _containers(pooled.data_dir) >= warm_before - {paused_id}  # the others adopted, none destroyed
+        _wait_for(lambda: _warm(pooled, 60) >= 2)
+        taken = after.create("busybox", memory_mb=60, ttl_s=300)
+        assert taken.info.status_message == CLAIMED_NOTE
+        assert taken.id in warm_before  # one started before the restart
+        assert taken.exec("echo back").stdout == "back\n"
+        taken.kill()
+
+
+def _warm_ids(server: EmbeddedServer) -> set[str]:
+    """Sandboxes of the server that no client holds: its containers less its listed (claimed) sandboxes."""
+    with server.client() as c:
+        return _containers(server.data_dir) - {s.id for s in c.list()}
+
+
+def _containers(data_dir: Path) -> set[str]:
+    """The containers crun runs for this server (its state directory), by id."""
+    listing = subprocess.run(
+        ["crun", "--root", str(data_dir / "run" / "crun"), "list", "--quiet"],
+        capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    return set(listing.stdout.split())
