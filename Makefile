@@ -9,7 +9,7 @@ demo: setup
 	@.venv/bin/python -m corral.demo
 
 test: setup
-	@.venv/bin/python -m pytest -q -p no:cacheprovider
+	@.venv/bin/python -m pytest -q -p no:cacheprovider -n $${CORRAL_TEST_WORKERS:-2} --dist loadgroup
 
 bench: setup
 	@.venv/bin/corral bench containers

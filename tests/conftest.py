@@ -30,12 +30,22 @@ SLOW_ENV = "CORRAL_TEST_SLOW"
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``slow`` repeat heavy work a default run already does once (the conformance checks on a full
     VM: test_vm.py boots one in every run): they run with CORRAL_TEST_SLOW=1 or when ``-m`` selects by marker."""
+    _worker_groups(items)
     if os.environ.get(SLOW_ENV) == "1" or config.getoption("markexpr"):
         return
     skip = pytest.mark.skip(reason=f"slow: {SLOW_ENV}=1 runs it")
     for item in items:
         if item.get_closest_marker("slow") is not None:
             item.add_marker(skip)
+
+
+def _worker_groups(items: list[pytest.Item]) -> None:
+    """For pytest-xdist's ``--dist loadgroup`` (make test runs two workers): a file's tests stay on one worker,
+    so its module fixtures (servers) start once, and the Ray cluster package is one group (one cluster)."""
+    for item in items:
+        path = item.path.relative_to(REPO)
+        group = "cluster" if path.parts[:2] == ("tests", "cluster") else str(path)
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def _user_files() -> dict[str, tuple[int, int]]:
