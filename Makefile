@@ -8,8 +8,11 @@ setup:
 demo: setup
 	@.venv/bin/python -m corral.demo
 
+# Two workers (pytest-xdist); a short --basetemp (emptied at each run): a VM's sockets live under its test's
+# directory and a unix socket path has at most 107 bytes. CORRAL_TEST_TMP for a second run at the same time.
 test: setup
-	@.venv/bin/python -m pytest -q -p no:cacheprovider -n $${CORRAL_TEST_WORKERS:-2} --dist loadgroup
+	@.venv/bin/python -m pytest -q -p no:cacheprovider -n $${CORRAL_TEST_WORKERS:-2} --dist loadgroup \
+		--basetemp=$${CORRAL_TEST_TMP:-/tmp/ctest}
 
 bench: setup
 	@.venv/bin/corral bench containers

@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 SLOW_ENV = "CORRAL_TEST_SLOW"
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups from the items
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``slow`` repeat heavy work a default run already does once (the conformance checks on a full
     VM: test_vm.py boots one in every run): they run with CORRAL_TEST_SLOW=1 or when ``-m`` selects by marker."""

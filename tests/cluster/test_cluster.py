@@ -172,7 +172,10 @@ def test_an_edge_killed_comes_back_and_readopts_its_sandboxes(cluster: LocalClus
         assert result.stdout == "kept\n"
         assert cluster.edge_pid("e3") not in (None, old_pid)
         assert client.get(sandbox.id).info.state == corral.SandboxState.RUNNING
-        assert "sleep 600" in sandbox.exec("ps").stdout, f"process {running.command_id} did not survive"
+        # Read through /proc with cat (pages the sandbox read before the kill): a program it never ran before can
+        # fault on its on-demand layer, whose fetcher died with the edge (docs/cluster.md, not on the cluster yet).
+        cmdlines = sandbox.exec("cat /proc/[0-9]*/cmdline").stdout
+        assert "sleep\x00600" in cmdlines, f"process {running.command_id} did not survive"
     finally:
         sandbox.kill()
 
