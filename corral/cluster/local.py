@@ -425,14 +425,6 @@ class LocalCluster:
 
     # -- down --------------------------------------------------------------------
 
-    def remove_node(self, edge_id: str) -> None:
-        """Stop a node's raylet and edge (as if the machine went away); its sandboxes' processes are deleted."""
-        state = self._state()
-        node = state.nodes.pop(edge_id)
-        stop_session(node.session)
-        delete_leftover_sandboxes(Path(node.data_dir))
-        state.save()
-
     def down(self) -> None:
         """Kill the cluster's sandboxes, stop the gateway, the nodes, the head and PostgreSQL."""
         state = self._state()

@@ -403,6 +403,21 @@ class SandboxService:
         image = self._catalogue.resolve(request.image)
         return self.stack(refs), image.ref, image.config
 
+    async def _root(self, request: CreateSandboxRequest) -> tuple[list[str], str, ImageConfig]:
+        """``_resolve_root``, read from the catalogue on the database thread once a second per image
+        (``_ROOT_CACHE_S``): a create resolves its image twice (its layers fetched, then prepared)."""
+        now = time.monotonic()
+        key = (request.image, request.environment.model_dump_json() if request.environment else None,
+               tuple(request.layers or ()), self._catalogue.generation)  # fmt: skip
+        cached = self._roots.get(key)
+        if cached is not None and cached[0] > now:
+            return cached[1], cached[2], cached[3]
+        digests, image_name, config = await self._db.run(self._resolve_root, request)
+        if len(self._roots) >= _ROOTS_CACHED:
+            self._roots.clear()
+        self._roots[key] = (now + _ROOT_CACHE_S, digests, image_name, config)
+        return digests, image_name, config
+
     async def _pull_missing(self, request: CreateSandboxRequest) -> None:
         """Registry images the create names that are not here yet: pulled, once per gateway however many wait;
         then the layer store is kept under its disk budget, as after a build."""
@@ -510,16 +525,7 @@ class SandboxService:
         if request.idle_pause_s is None and self._default_idle_pause_s is not None:
             request = request.model_copy(update={"idle_pause_s": self._default_idle_pause_s})
         now = time.monotonic()
-        key = (request.image, request.environment.model_dump_json() if request.environment else None,
-               tuple(request.layers or ()), self._catalogue.generation)  # fmt: skip
-        cached = self._roots.get(key)
-        if cached is not None and cached[0] > now:
-            _, digests, image_name, config = cached
-        else:
-            digests, image_name, config = await self._db.run(self._resolve_root, request)
-            if len(self._roots) >= _ROOTS_CACHED:
-                self._roots.clear()
-            self._roots[key] = (now + _ROOT_CACHE_S, digests, image_name, config)
+        digests, image_name, config = await self._root(request)
         env, cwd, user = sandbox_defaults(config, env=request.env, cwd=request.cwd, user=request.user)
         if not cwd.startswith("/"):
             raise InvalidRequest(f"cwd must be an absolute path, got {cwd!r}")
@@ -559,7 +565,7 @@ class SandboxService:
         if fetcher is None:
             yield
             return
-        digests = [entry.partition("#")[0] for entry in (await self._db.run(self._resolve_root, request))[0]]
+        digests = [entry.partition("#")[0] for entry in (await self._root(request))[0]]
         with fetcher.hold(digests):
             for digest in digests:
                 await fetcher.ensure(digest)
