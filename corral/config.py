@@ -208,6 +208,12 @@ class Settings(BaseSettings):
     node_lost_after_s: float = Field(
         15.0, gt=0, description="A node silent this long is marked lost, and every sandbox on it with it."
     )
+    node_restart_grace_s: float = Field(
+        120.0,
+        ge=0,
+        description="A cluster node whose edge Ray is restarting (its process died, its machine did not) may stay "
+        "silent this much longer before it is marked lost: the restarted edge re-adopts its sandboxes.",
+    )
     create_orphan_after_s: float = Field(
         60.0,
         gt=0,

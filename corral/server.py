@@ -152,6 +152,7 @@ def serve(settings: Settings) -> None:
             audit_log=audit_log,
             heartbeat_s=settings.node_heartbeat_s,
             node_lost_after_s=settings.node_lost_after_s,
+            node_restart_grace_s=settings.node_restart_grace_s,
             layer_fetcher=fetcher,
             remote_edges=_ray_edges() if host is None else None,
             puller=puller,

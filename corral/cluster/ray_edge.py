@@ -10,7 +10,8 @@ VM/gVisor fork's checkpoint stays on its node, where its children start.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -19,9 +20,11 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 
 from corral.api.errors import CorralError, InternalError, ServerUnavailable
 from corral.api.models import ExecEvent, ExecRequest
-from corral.cluster.edge_actor import ACTOR_NAMESPACE, WIRE_NAMES, actor_name
+from corral.cluster.edge_actor import ACTOR_NAMESPACE, WIRE_NAMES, actor_name, node_resource
 
 __all__ = ["RayEdge", "RayEdges"]
+
+log = logging.getLogger("corral.cluster")
 
 T = TypeVar("T")
 
@@ -150,3 +153,35 @@ class RayEdges:
 
     def set_silent(self, edge_id: str, silent: bool) -> None:
         self.get(edge_id).set_silent(silent)
+
+    def restarting(self, last_seen: Mapping[str, float]) -> set[str]:
+        """Of these edges (id -> when its node last heartbeat), those Ray is restarting on a live raylet: the
+        actor is RESTARTING, or was restarted (ALIVE again, which Ray says once it has leased a worker, before
+        the constructor, the re-adoption, has run) after the node's last heartbeat. The edge's process died and
+        a new one re-adopts the node's sandboxes. A machine that stopped keeps its actor ALIVE in Ray's books
+        until Ray's health checks give up on the node, and a frozen edge stays ALIVE from before its last
+        heartbeat: neither is restarting. Asks Ray's GCS; an answer it cannot give counts as no restart, so the
+        node is marked lost as it would have been."""
+        if not last_seen:
+            return set()
+        try:
+            # The GCS actor table: Ray's public state API needs the dashboard, which cluster nodes run without.
+            actors = {info["Name"]: info for info in ray._private.state.state.actor_table(None).values()}
+            alive: set[str] = set()
+            for node in ray.nodes():  # type: ignore[no-untyped-call]
+                if node.get("Alive"):
+                    alive.update(node.get("Resources", {}))
+        except Exception:
+            log.warning("could not ask Ray which edges are restarting", exc_info=True)
+            return set()
+        restarting = set()
+        for edge_id, seen in last_seen.items():
+            info = actors.get(actor_name(edge_id))
+            if info is None or node_resource(edge_id) not in alive:
+                continue
+            # Timestamp: when the actor's state last changed (ms), here when it came back.
+            if info["State"] == "RESTARTING" or (
+                info["State"] == "ALIVE" and info["NumRestarts"] > 0 and info["Timestamp"] / 1000 > seen
+            ):
+                restarting.add(edge_id)
+        return restarting

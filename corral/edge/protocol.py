@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -198,4 +198,10 @@ class EdgeDirectory(Protocol):
     def set_silent(self, edge_id: str, silent: bool) -> None:
         """Whether the node's heartbeats stopped (it is cut off or gone): calls to it, and calls already waiting
         on it, then end with ``ServerUnavailable`` instead of waiting for an answer that may never come."""
+        ...
+
+    def restarting(self, last_seen: Mapping[str, float]) -> set[str]:
+        """Of these edges (id -> when its node last heartbeat), those being restarted on a machine that is still
+        up (the edge's process died, a new one has not spoken yet): they are silent for the restart, and their
+        sandboxes are still there. Blocking (run it off the event loop)."""
         ...

@@ -214,6 +214,7 @@ class SandboxService:
         remote_edges: EdgeDirectory | None = None,
         heartbeat_s: float = 1.0,
         node_lost_after_s: float = 15.0,
+        node_restart_grace_s: float = 120.0,
         puller: ImagePuller | None = None,
         events_retention_s: float = 7 * 86400.0,
         layer_disk_budget_mb: int | None = None,
@@ -229,6 +230,8 @@ class SandboxService:
         self._heartbeat_s = heartbeat_s
         self._puller = puller  # registry images a create names are pulled on first use
         self._node_lost_after_s = node_lost_after_s
+        self._node_restart_grace_s = node_restart_grace_s
+        self._restarting: set[str] = set()  # silent nodes whose edge Ray is restarting: not lost yet
         self._watcher: asyncio.Task[None] | None = None
         self._store = store
         self._layer_fetcher = layer_fetcher
@@ -280,7 +283,7 @@ class SandboxService:
                     for sandbox_id in await end_stale(self._edges[edge_id], self._store):
                         self.scheduler.release(sandbox_id)
                 before = now - self._node_lost_after_s
-                for edge_id in await self._db.run(self._store.silent_nodes, before, exclude=set(self._edges)):
+                for edge_id in await self._silent_nodes_lost(before):
                     message = (f"its node {edge_id} went silent: no heartbeat for {self._node_lost_after_s:g}s "
                                "(the machine or its server stopped)")  # fmt: skip
                     lost = await self._db.run(self._store.mark_node_lost, edge_id, before, message)
@@ -295,6 +298,25 @@ class SandboxService:
             except Exception:
                 log.exception("node watcher failed; retrying")
             await asyncio.sleep(self._heartbeat_s)
+
+    async def _silent_nodes_lost(self, before: float) -> builtins.list[str]:
+        """The nodes silent since ``before`` to mark lost: all but those whose edge Ray is restarting on a live
+        machine (its re-adoption keeps their sandboxes), which get ``node_restart_grace_s`` more."""
+        silent = await self._db.run(self._store.silent_nodes, before, exclude=set(self._edges))
+        if self._remote is None or not silent:
+            self._restarting.clear()
+            return silent
+        last_seen = {row["edge_id"]: row["last_seen"] for row in await self._db.run(self._store.nodes)
+                     if row["edge_id"] in silent}  # fmt: skip
+        restarting = await asyncio.to_thread(self._remote.restarting, last_seen)
+        if restarting:
+            past_grace = before - self._node_restart_grace_s
+            restarting -= set(await self._db.run(self._store.silent_nodes, past_grace, exclude=set(self._edges)))
+        for edge_id in restarting - self._restarting:
+            log.warning("node %s is silent while Ray restarts its edge: its sandboxes are kept for up to %gs more",
+                        edge_id, self._node_restart_grace_s)  # fmt: skip
+        self._restarting = restarting
+        return [edge_id for edge_id in silent if edge_id not in restarting]
 
     def _sync_remote_nodes(self, before: float, nodes: builtins.list[dict[str, Any]]) -> None:
         """Place on the remote nodes that heartbeat (``nodes``: the store's rows), by the loads they report; stop

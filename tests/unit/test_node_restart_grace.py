@@ -1,0 +1,74 @@
+"""A silent cluster node whose edge Ray is restarting keeps its sandboxes for the restart grace; one that is not
+restarting, or is past the grace, is marked lost with them. The Ray side (which actors restart on a live raylet)
+is tests/cluster/test_cluster.py's edge-killed test; here the gateway's watcher over a real SQLite store."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from corral.api.models import EdgeLoad, SandboxState
+from corral.gateway.service import SandboxService
+from corral.images.catalogue import Catalogue
+from corral.images.store import LayerStore
+from corral.state.db import StateStore
+
+LOST_AFTER_S = 0.4
+GRACE_S = 1.5
+
+
+class _Directory:
+    """The remote edges as the watcher sees them: ``restarting`` answers as Ray would for these edges."""
+
+    def __init__(self, restarting: set[str]) -> None:
+        self.restarting_now = restarting
+        self.silent: dict[str, bool] = {}
+
+    def get(self, edge_id: str) -> Any:
+        raise AssertionError("the watcher calls no edge")
+
+    def set_silent(self, edge_id: str, silent: bool) -> None:
+        self.silent[edge_id] = silent
+
+    def restarting(self, last_seen: Mapping[str, float]) -> set[str]:
+        assert all(seen > 0 for seen in last_seen.values())
+        return self.restarting_now & set(last_seen)
+
+
+def _sandbox(sandbox_id: str, edge_id: str) -> dict[str, Any]:
+    return {"id": sandbox_id, "edge_id": edge_id, "state": "running", "image": "busybox", "backend": "container",
+            "runtime": "crun", "cpu": 1.0, "memory_mb": 512, "pids_max": 256, "user": "root", "cwd": "/",
+            "env": {}, "layers": [], "labels": {}, "created_at": time.time()}  # fmt: skip
+
+
+async def test_a_restarting_node_keeps_its_sandboxes_for_the_grace_then_is_lost(tmp_path: Path) -> None:
+    store = StateStore(f"sqlite:///{tmp_path / 'state.db'}")
+    directory = _Directory({"restarting"})
+    service = SandboxService(
+        store=store, catalogue=Catalogue(store.engine, LayerStore(tmp_path / "layers")), edges={},
+        default_runtime="crun", ttl_check_interval_s=3600, remote_edges=directory, heartbeat_s=0.05,
+        node_lost_after_s=LOST_AFTER_S, node_restart_grace_s=GRACE_S,
+    )  # fmt: skip
+    silent_since = time.time()
+    for edge_id in ("restarting", "stopped"):
+        load = EdgeLoad(edge_id=edge_id, node_cpu=2, node_memory_mb=4096, sandboxes=1, cpu_committed=1,
+                        cpu_capacity=2, memory_committed_mb=512, memory_capacity_mb=4096)  # fmt: skip
+        store.heartbeat(edge_id, load.model_dump(), silent_since)
+        store.insert(_sandbox(f"sb-{edge_id}", edge_id))
+    await service.start()
+    try:
+        await asyncio.sleep(LOST_AFTER_S + 0.6)
+        assert store.get("sb-stopped")["state"] == SandboxState.LOST
+        assert store.get("sb-restarting")["state"] == SandboxState.RUNNING
+        assert directory.silent == {"restarting": True, "stopped": True}  # neither is placed on meanwhile
+        deadline = silent_since + LOST_AFTER_S + GRACE_S + 2
+        while store.get("sb-restarting")["state"] != SandboxState.LOST:
+            assert time.time() < deadline, "a restart that never ends kept its node's sandboxes past the grace"
+            await asyncio.sleep(0.05)
+        assert time.time() - silent_since >= LOST_AFTER_S + GRACE_S
+    finally:
+        await service.close()
+        store.close()
