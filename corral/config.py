@@ -241,6 +241,12 @@ class Settings(BaseSettings):
     layer_chunk_timeout_s: float = Field(
         10.0, gt=0, description="on_demand: the HTTP timeout of one chunk request (tried twice before EIO)."
     )
+    layer_helper_orphan_s: float = Field(
+        900.0,
+        gt=0,
+        description="on_demand: how long a layer's FUSE helper waits for a server after its own went away (an edge "
+        "killed): the next server reattaches to it and its sandboxes read on; with none by then it exits.",
+    )
     insecure_registries: Annotated[list[str], NoDecode] = Field(
         [],
         description="Registries (host:port, comma-separated) pulled from over plain HTTP, and never over https: a "

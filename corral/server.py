@@ -24,6 +24,7 @@ import uvicorn
 
 from corral import tracing
 from corral.config import Settings
+from corral.edge.adoption import ACTIVE_STATES
 from corral.edge.protocol import Edge
 from corral.gateway.app import create_app
 from corral.gateway.auth import JobTokens
@@ -197,8 +198,11 @@ def serve(settings: Settings) -> None:
                 trajectories.flush()
         finally:
             await service.close()
-            if fetcher is not None:
-                await asyncio.to_thread(fetcher.close)
+            if fetcher is not None:  # the layers of the sandboxes left running (re-adopted by the next start)
+                left = await asyncio.to_thread(store.list, states=ACTIVE_STATES)
+                in_use = {entry.partition("#")[0] for record in left if record["edge_id"] in edges
+                          for entry in record["layers"]}  # fmt: skip
+                await asyncio.to_thread(fetcher.close, in_use)
             store.close()
 
     upload_dir = settings.data_dir / "uploads"

@@ -235,7 +235,8 @@ class NodeEdge:
             self._heartbeat.cancel()
         await self.edge.close()
         if self._fetcher is not None:
-            await asyncio.to_thread(self._fetcher.close)
+            in_use = await asyncio.to_thread(self._layers_in_use)
+            await asyncio.to_thread(self._fetcher.close, in_use)
         self.store.close()
 
     # -- EdgeEvents ----------------------------------------------------------

@@ -269,7 +269,19 @@ class SandboxService:
         self._watcher = asyncio.get_running_loop().create_task(self._watch_nodes())
 
     async def _layers_on_node(self, entries: Iterable[str]) -> tuple[LayerRef, ...]:
-        return self.layer_refs(list(entries))
+        """What a re-adopted sandbox's stack entries are on this node: a layer that was still filling on demand
+        is opened again (its helper started, or reattached, by this server)."""
+        if self._layer_fetcher is None:
+            return self.layer_refs(list(entries))
+        refs = []
+        for entry in entries:
+            digest, _, alias = entry.partition("#")
+            try:
+                path = await self._layer_fetcher.ensure(digest)
+            except ServerUnavailable:  # the layer source is down: only what is on this node already
+                path = self._layer_fetcher.path(digest)
+            refs.append(LayerRef(digest=digest, path=path, alias=alias))
+        return tuple(refs)
 
     async def _watch_nodes(self) -> None:
         """Heartbeat this gateway's edges into the shared store, and mark nodes that went silent lost,

@@ -22,7 +22,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
@@ -58,7 +58,8 @@ def layer_fetcher(
             source = LayerSource(settings.layer_source_url, key, timeout_s=settings.layer_chunk_timeout_s)
             on_demand = OnDemandLayers(
                 store, source, helper=helper, mount_root=settings.data_dir / "mnt" / "lazy",
-                read_timeout_s=settings.layer_read_timeout_s, audit=audit, node_name=f"node-{settings.edge_id}",
+                read_timeout_s=settings.layer_read_timeout_s, orphan_s=settings.layer_helper_orphan_s, audit=audit,
+                node_name=f"node-{settings.edge_id}",
             )  # fmt: skip
     budget_mb = settings.layer_cache_budget_mb if settings.layer_cache_budget_mb is not None else \
         settings.layer_disk_budget_mb  # fmt: skip
@@ -101,10 +102,11 @@ class LayerFetcher:
                 raise
             return filling
 
-    def close(self) -> None:
-        """Stop the on-demand helpers (their mounts read EIO afterwards: close after the sandboxes)."""
+    def close(self, in_use: Collection[str] = ()) -> None:
+        """Stop the on-demand helpers, but for those of the layers ``in_use`` by sandboxes left running: they
+        keep serving them, for the next server to reattach to (lazy.py)."""
         if self.on_demand is not None:
-            self.on_demand.close()
+            self.on_demand.close(keep_serving=in_use)
 
     def hold(self, digests: Iterable[str]) -> AbstractContextManager[None]:
         """Keep these layers in the node's cache while a create that needs them runs (until it is recorded)."""

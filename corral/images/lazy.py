@@ -32,6 +32,15 @@ Once every chunk is present the file is imported into the store
 (whole-file sha256 checked there) and later mounts use it directly, without
 FUSE; mounts made while it was filling keep reading through the helper until
 they are unmounted.
+
+A helper outlives the server that started it (it listens on
+``<mount root>/<hex>.<token>.sock``): the sandboxes of a server that died
+(an edge actor killed) keep reading through it, and the next server
+reattaches to every helper it finds there. A helper whose mount is this
+server's (same ``st_dev`` on the mountpoint: a cluster node's shared mount
+namespace) is the layer's helper again; one in another mount namespace (an
+embedded server's previous one) is served as an orphan until it exits. A
+helper nobody reattaches to exits after ``orphan_s``.
 """
 
 from __future__ import annotations
@@ -47,15 +56,18 @@ import json
 import logging
 import os
 import re
-import select
+import secrets
 import shutil
+import signal
+import socket
+import struct
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import Any
 
 import httpx
 
@@ -198,7 +210,8 @@ class _Filling:
     files: PartialFiles
     mountpoint: Path
     present: bytearray
-    helper: subprocess.Popen[bytes] | None = None
+    helper: _Helper | None = None  # the helper of this server's mount
+    orphans: list[_Helper] = field(default_factory=list)  # helpers of earlier servers' mounts, served till they exit
     data_fd: int = -1
     present_fd: int = -1
     in_flight: dict[int, concurrent.futures.Future[bool]] = field(default_factory=dict)
@@ -212,6 +225,49 @@ class _Filling:
 
     def missing(self) -> int:
         return self.present.count(0)
+
+    def helpers(self) -> list[_Helper]:
+        return [*([self.helper] if self.helper is not None else []), *self.orphans]
+
+
+@dataclass(eq=False)
+class _Helper:
+    """One corral-lazyfs process, spoken to over its socket: started by this server, or by an earlier one."""
+
+    sock: socket.socket
+    reader: io.BufferedReader
+    pid: int
+    dev: int  # st_dev of its mount, as it saw it
+    process: subprocess.Popen[bytes] | None = None  # None: not this server's child
+    write_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def send(self, line: bytes) -> None:
+        with self.write_lock, contextlib.suppress(OSError):  # the helper is gone: nobody to tell
+            self.sock.sendall(line)
+
+    def let_go(self) -> None:
+        """Disconnect and leave it running: it serves what is present and waits for the next server."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # its serving thread sees the end and closes it
+
+    def stop(self) -> None:
+        """Tell it to unmount and exit, and wait for it (killed if it does not within 5 s)."""
+        self.send(b"Q\n")
+        if self.process is not None:
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        else:
+            deadline = time.monotonic() + 5
+            while _running(self.pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if _running(self.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # its serving thread sees the end and closes it
 
 
 class OnDemandLayers:
@@ -230,14 +286,17 @@ class OnDemandLayers:
         helper: Path,
         mount_root: Path,
         read_timeout_s: float,
+        orphan_s: float = 900.0,
         audit: AuditSink | None = None,
         node_name: str = "node",
     ) -> None:
+        """Reattaches at once to the helpers an earlier server left running (module docstring)."""
         self._store = store
         self._source = source
         self._helper = helper
         self._mount_root = mount_root
         self._read_timeout_s = read_timeout_s
+        self._orphan_s = orphan_s
         self._audit = audit
         self._node_name = node_name
         (store.root / "partial").mkdir(parents=True, exist_ok=True)
@@ -245,6 +304,8 @@ class OnDemandLayers:
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(FETCH_WORKERS, thread_name_prefix="corral-chunks")
         self.fetched_bytes = 0  # chunk bytes written since start (the node's cache checks its budget as it grows)
+        self._complete_orphans: dict[_Helper, str] = {}  # earlier servers' helpers of layers complete here now
+        self._reattach()
 
     def open(self, digest: str) -> Path:
         """A path to the layer now: the store's file if it is complete, else the helper's file (blocking)."""
@@ -254,14 +315,17 @@ class OnDemandLayers:
             filling = self._layers.get(digest)
             if filling is None:
                 filling = self._layers[digest] = self._start(digest)
+            elif filling.helper is None and not filling.complete:  # only orphans so far (reattached) or it exited
+                self._spawn_helper(digest, filling)
         if filling.complete:
             return self._store.layer_path(digest)
         return filling.file
 
     def path(self, digest: str) -> Path | None:
-        """The helper's file of a layer being filled (None if none is)."""
+        """The helper's file of a layer being filled (None if none is, or only earlier servers' helpers serve it:
+        ``open`` starts one of this server's)."""
         filling = self._layers.get(digest)
-        return filling.file if filling is not None and not filling.complete else None
+        return filling.file if filling is not None and filling.helper is not None and not filling.complete else None
 
     def discard(self, digest: str) -> bool:
         """Forget a layer no sandbox has mounted and delete its partial files, together (the node's layer cache
@@ -281,12 +345,22 @@ class OnDemandLayers:
         PartialFiles.of(self._store.root, digest).remove()
         return True
 
-    def close(self) -> None:
-        """Stop every helper (mounts on top of them read EIO from then on) and the fetch threads."""
+    def close(self, keep_serving: Collection[str] = ()) -> None:
+        """Stop the helpers and the fetch threads. The helpers of the layers in ``keep_serving`` (those of the
+        sandboxes left running) are only let go: their mounts stay readable, and the next server reattaches
+        to them (a mount of this server's that nobody uses any more ends its helper: it is detached here)."""
         with self._lock:
             fillings, self._layers = list(self._layers.values()), {}
+            complete_orphans, self._complete_orphans = self._complete_orphans, {}
         for filling in fillings:
-            self._stop_helper(filling)
+            if _digest_of(filling) in keep_serving:
+                _libc.umount2(os.fsencode(filling.mountpoint), _MNT_DETACH)
+                for helper in filling.helpers():
+                    helper.let_go()
+            else:
+                self._stop_helper(filling)
+        for helper, digest in complete_orphans.items():
+            helper.let_go() if digest in keep_serving else helper.stop()
         self._source.close()  # fetches in flight fail now rather than at their timeout
         self._pool.shutdown(wait=True, cancel_futures=True)
         for filling in fillings:  # only now: a fetch thread must never write through a reused descriptor
@@ -295,6 +369,20 @@ class OnDemandLayers:
     # -- starting ---------------------------------------------------------
 
     def _start(self, digest: str) -> _Filling:
+        filling = self._filling(digest)
+        if filling.complete:
+            return filling
+        try:
+            self._spawn_helper(digest, filling)
+        except BaseException:
+            _close_files(filling)
+            raise
+        log.info("layer %s mounted on demand (%d of %d chunks here)", digest[:19],
+                 len(filling.present) - filling.missing(), len(filling.present))  # fmt: skip
+        return filling
+
+    def _filling(self, digest: str) -> _Filling:
+        """A layer's partial files opened and its present map resumed; imported at once if nothing is missing."""
         files = PartialFiles.of(self._store.root, digest)
         index, kind = self._chunk_index(digest, files)
         with open(files.data, "ab") as f:
@@ -312,13 +400,9 @@ class OnDemandLayers:
             os.pwrite(filling.present_fd, bytes(filling.present), 0)
             if filling.missing() == 0:
                 self._complete(digest, filling)
-                return filling
-            self._spawn_helper(digest, filling)
         except BaseException:
             _close_files(filling)
             raise
-        log.info("layer %s mounted on demand (%d of %d chunks here)", digest[:19],
-                 len(filling.present) - filling.missing(), len(filling.present))  # fmt: skip
         return filling
 
     def _chunk_index(self, digest: str, files: PartialFiles) -> tuple[ChunkIndex, str]:
@@ -353,57 +437,122 @@ class OnDemandLayers:
     def _spawn_helper(self, digest: str, filling: _Filling) -> None:
         mountpoint = filling.mountpoint
         mountpoint.mkdir(parents=True, exist_ok=True)
-        if os.path.ismount(mountpoint):  # a helper of an earlier run of this server
-            _libc.umount2(os.fsencode(mountpoint), _MNT_DETACH)
+        while _mount_dev(mountpoint) is not None:  # an earlier server's, whose helper did not answer: dead
+            if _libc.umount2(os.fsencode(mountpoint), _MNT_DETACH) != 0:
+                break
         index = filling.index
+        path = self._mount_root / f"{digest.removeprefix('sha256:')}.{secrets.token_hex(4)}.sock"
         argv = [str(self._helper), str(mountpoint), str(filling.files.data), str(index.size_bytes),
-                str(index.chunk_bytes), str(filling.files.present), str(int(self._read_timeout_s * 1000))]  # fmt: skip
-        helper = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, close_fds=True)
-        assert helper.stdout is not None
-        ready = _read_line_within(helper.stdout, HELPER_READY_TIMEOUT_S)
-        if ready != b"R\n":
-            helper.kill()
-            helper.wait()
-            raise InternalError(f"corral-lazyfs did not mount layer {digest} on {mountpoint} (said {ready!r})")
+                str(index.chunk_bytes), str(filling.files.present), str(int(self._read_timeout_s * 1000)),
+                str(path), str(int(self._orphan_s * 1000))]  # fmt: skip
+        # A process group of its own: Ray ends a dead worker's group (RAY_process_group_cleanup_enabled), and the
+        # helper must outlive its edge. Its session stays the node's, so stopping the node ends it.
+        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True,
+                                   process_group=0)  # fmt: skip
+        deadline = time.monotonic() + HELPER_READY_TIMEOUT_S
+        helper = None
+        while helper is None:
+            try:
+                helper = _connect(path, max(0.01, deadline - time.monotonic()))
+            except (FileNotFoundError, ConnectionRefusedError):  # not listening yet
+                if process.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                    continue
+            except (OSError, ValueError):
+                pass
+            if helper is None:
+                process.kill()
+                process.wait()
+                raise InternalError(f"corral-lazyfs did not mount layer {digest} on {mountpoint} "
+                                    f"(exit status {process.returncode})")  # fmt: skip
+        helper.process = process
         filling.helper = helper
-        threading.Thread(target=self._serve, args=(digest, filling), name=f"corral-lazyfs-{digest[7:19]}",
+        self._serve_in_thread(digest, filling, helper)
+
+    def _reattach(self) -> None:
+        """Connect to the helpers earlier servers left under the mount root, and serve them (module docstring)."""
+        if not self._mount_root.is_dir():
+            return
+        for path in sorted(self._mount_root.glob("*.sock")):
+            digest = "sha256:" + path.name.partition(".")[0]
+            try:
+                helper = _connect(path, HELPER_READY_TIMEOUT_S)
+            except ConnectionRefusedError:  # its helper is gone
+                path.unlink(missing_ok=True)
+                continue
+            except (OSError, ValueError) as exc:  # there, but not answering: left alone
+                log.warning("layer %s: the helper at %s did not answer (%s)", digest[:19], path, exc)
+                continue
+            try:
+                with contextlib.suppress(NotFound):
+                    self._store.layer_path(digest)
+                    self._complete_orphans[helper] = digest  # every chunk is here now: each is answered present
+                    self._serve_in_thread(digest, None, helper)
+                    log.info("layer %s: reattached to helper %d (the layer is complete)", digest[:19], helper.pid)
+                    continue
+                filling = self._layers.get(digest)
+                if filling is None:
+                    filling = self._layers[digest] = self._filling(digest)
+                mountpoint = filling.mountpoint
+                if filling.helper is None and _mount_dev(mountpoint) == helper.dev:
+                    filling.helper = helper  # its mount is ours: new mounts of the layer read through it too
+                else:
+                    filling.orphans.append(helper)
+                self._serve_in_thread(digest, filling, helper)
+                log.info("layer %s: reattached to helper %d (%s, %d of %d chunks here)", digest[:19], helper.pid,
+                         "this server's mount" if filling.helper is helper else "another mount namespace",
+                         len(filling.present) - filling.missing(), len(filling.present))  # fmt: skip
+            except Exception:
+                log.exception("layer %s: could not reattach to the helper at %s; stopping it", digest[:19], path)
+                helper.stop()
+
+    def _serve_in_thread(self, digest: str, filling: _Filling | None, helper: _Helper) -> None:
+        threading.Thread(target=self._serve, args=(digest, filling, helper), name=f"corral-lazyfs-{digest[7:19]}",
                          daemon=True).start()  # fmt: skip
 
     # -- serving ----------------------------------------------------------
 
-    def _serve(self, digest: str, filling: _Filling) -> None:
-        """Answer the helper's requests until it exits: each missing chunk fetched once, in parallel."""
-        helper = filling.helper
-        assert helper is not None and helper.stdout is not None
-        for line in io.BufferedReader(cast(io.RawIOBase, helper.stdout)):  # the raw pipe (bufsize=0), by lines
-            fields = line.split()
-            if len(fields) < 3 or fields[0] != b"F":
-                continue
-            reader_pid = int(fields[1])
-            for chunk in map(int, fields[2:]):
-                if not 0 <= chunk < len(filling.present):
+    def _serve(self, digest: str, filling: _Filling | None, helper: _Helper) -> None:
+        """Answer one helper's requests until it exits: each missing chunk fetched once, in parallel (``filling``
+        None: the layer is complete, every chunk is present)."""
+        try:
+            for line in helper.reader:
+                fields = line.split()
+                if len(fields) < 3 or fields[0] != b"F":
                     continue
-                with filling.lock:
-                    if filling.present[chunk]:
-                        self._answer(filling, b"O", chunk)
+                reader_pid = int(fields[1])
+                for chunk in map(int, fields[2:]):
+                    if filling is None:
+                        helper.send(b"O %d\n" % chunk)
                         continue
-                    future = filling.in_flight.get(chunk)
-                    if future is None:
-                        future = filling.in_flight[chunk] = self._pool.submit(
-                            self._fetch_chunk, digest, filling, chunk, reader_pid
-                        )
-                future.add_done_callback(functools.partial(self._answer_fetch, filling, chunk))
+                    if not 0 <= chunk < len(filling.present):
+                        continue
+                    with filling.lock:
+                        if filling.present[chunk]:
+                            helper.send(b"O %d\n" % chunk)
+                            continue
+                        future = filling.in_flight.get(chunk)
+                        if future is None:
+                            future = filling.in_flight[chunk] = self._pool.submit(
+                                self._fetch_chunk, digest, filling, chunk, reader_pid
+                            )
+                    future.add_done_callback(functools.partial(self._answer_fetch, helper, chunk))
+        except (OSError, ValueError):  # its socket was shut down (stopped) or broke
+            pass
+        finally:
+            with self._lock:
+                if filling is not None:
+                    if filling.helper is helper:
+                        filling.helper = None
+                    with contextlib.suppress(ValueError):
+                        filling.orphans.remove(helper)
+                self._complete_orphans.pop(helper, None)
+            helper.sock.close()
 
-    def _answer_fetch(self, filling: _Filling, chunk: int, done: concurrent.futures.Future[bool]) -> None:
+    @staticmethod
+    def _answer_fetch(helper: _Helper, chunk: int, done: concurrent.futures.Future[bool]) -> None:
         ok = not done.cancelled() and done.exception() is None and done.result()
-        self._answer(filling, b"O" if ok else b"E", chunk)
-
-    def _answer(self, filling: _Filling, kind: bytes, chunk: int) -> None:
-        helper = filling.helper
-        if helper is None or helper.stdin is None:
-            return
-        with filling.lock, contextlib.suppress(OSError, ValueError):  # the helper is gone: nobody to tell
-            helper.stdin.write(b"%s %d\n" % (kind, chunk))
+        helper.send(b"%s %d\n" % (b"O" if ok else b"E", chunk))
 
     def _fetch_chunk(self, digest: str, filling: _Filling, chunk: int, reader_pid: int) -> bool:
         """Fetch, verify, write and mark one chunk; False (and an audit event) if it cannot be had."""
@@ -477,18 +626,12 @@ class OnDemandLayers:
             log.exception("layer %s: every chunk is here but it could not become a store layer", digest[:19])
 
     def _stop_helper(self, filling: _Filling) -> None:
-        helper = filling.helper
-        if helper is None:
+        helpers = filling.helpers()
+        if not helpers:
             return
         _libc.umount2(os.fsencode(filling.mountpoint), _MNT_DETACH)
-        with contextlib.suppress(OSError):
-            if helper.stdin is not None:
-                helper.stdin.close()  # the helper's cue to exit
-        try:
-            helper.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            helper.kill()
-            helper.wait()
+        for helper in helpers:
+            helper.stop()
 
 
 def _close_files(filling: _Filling) -> None:
@@ -498,10 +641,52 @@ def _close_files(filling: _Filling) -> None:
     filling.data_fd = filling.present_fd = -1
 
 
-def _read_line_within(stream: IO[bytes], timeout_s: float) -> bytes:
-    """One line from a pipe, or b"" if none came within ``timeout_s``."""
-    ready, _, _ = select.select([stream], [], [], timeout_s)
-    return stream.readline() if ready else b""
+def _connect(path: Path, timeout_s: float) -> _Helper:
+    """A connection to the helper listening at ``path``, after its greeting (through /proc/self/fd: a deep data
+    dir makes the path longer than a socket address may be)."""
+    dir_fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(timeout_s)
+        sock.connect(f"/proc/self/fd/{dir_fd}/{path.name}")
+        reader = sock.makefile("rb")
+        hello = reader.readline().split()
+        if len(hello) != 2 or hello[0] != b"R":
+            raise ValueError(f"corral-lazyfs at {path} greeted with {hello!r}")
+        pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        sock.settimeout(None)
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        os.close(dir_fd)
+    return _Helper(sock=sock, reader=reader, pid=pid, dev=int(hello[1]))
+
+
+def _digest_of(filling: _Filling) -> str:
+    return filling.index.digest
+
+
+def _mount_dev(mountpoint: Path) -> int | None:
+    """The device of what is mounted on ``mountpoint`` in this mount namespace (the top mount), None if nothing:
+    read from mountinfo, as a stat would hang or fail on a mount whose helper is gone."""
+    dev = None
+    target = str(mountpoint)
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split(" ", 5)
+        if len(fields) > 4 and fields[4] == target:
+            major, _, minor = fields[2].partition(":")
+            dev = os.makedev(int(major), int(minor))
+    return dev
+
+
+def _running(pid: int) -> bool:
+    """Whether a process is there and not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def _sandbox_of(pid: int) -> str | None:

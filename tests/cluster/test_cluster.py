@@ -192,10 +192,15 @@ def test_an_edge_killed_comes_back_and_readopts_its_sandboxes(cluster: LocalClus
         assert result.stdout == "kept\n"
         assert cluster.edge_pid("e3") not in (None, old_pid)
         assert client.get(sandbox.id).info.state == corral.SandboxState.RUNNING
-        # Read through /proc with cat (pages the sandbox read before the kill): a program it never ran before can
-        # fault on its on-demand layer, whose fetcher died with the edge (docs/cluster.md, not on the cluster yet).
         cmdlines = sandbox.exec("cat /proc/[0-9]*/cmdline").stdout
         assert "sleep\x00600" in cmdlines, f"process {running.command_id} did not survive"
+        # Every page of its image, read or not before the kill: an on-demand layer's helper outlived the edge
+        # and the new edge reattached to it (images/lazy.py).
+        whole = sandbox.exec("cat /bin/busybox | wc -c && ls -lL /bin/busybox && ps")
+        read, listing = whole.stdout.splitlines()[:2]
+        assert whole.exit_code == 0 and int(read) == int(listing.split()[4]) > 100_000 and "sleep" in whole.stdout, (
+            whole
+        )
     finally:
         sandbox.kill()
 

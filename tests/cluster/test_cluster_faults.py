@@ -289,9 +289,9 @@ def test_an_edge_killed_ends_its_open_streams_with_a_clear_error(cluster: LocalC
         print(f"the edge answered again {time.monotonic() - killed:.1f} s after it was killed")
         assert cluster.edge_pid("e3") not in (None, old_pid)
         assert client.get(sandbox.id).info.state == corral.SandboxState.RUNNING
-        # Only shell built-ins and programs run before the kill: a program reading pages of an on-demand layer
-        # that the dead edge's lazyfs helper never served fails (docs/cluster.md, "What is not on the cluster yet").
         assert sandbox.exec(f"kill -0 {sleeper} && cat /mark").stdout == "kept\n"
+        ps = sandbox.exec("ps")  # pages never read before the kill: served by the layer's reattached helper
+        assert ps.exit_code == 0 and "sleep" in ps.stdout, ps
 
 
 def test_a_node_cut_off_is_marked_lost_then_comes_back_reconciled(

@@ -8,6 +8,7 @@ server's store, and the second server killed mid-layer and started again.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import time
@@ -190,12 +191,15 @@ def test_a_restarted_node_resumes_a_partial_layer(
     second.start()
     try:
         with second.client() as client:
-            sandbox = client.create(environment={"base": "busybox", "tools": "lazy-resume"}, ttl_s=60)
+            sandbox = client.create(environment={"base": "busybox", "tools": "lazy-resume"}, ttl_s=120)
             assert _sha256_in(sandbox, "f1").stdout.split()[0] == data_tree["f1"]
         before = _present_bytes(node_dir, digest)
         assert second.process is not None
+        helpers = _lazyfs_helpers(tmp_path)
+        assert helpers, "no corral-lazyfs serves the layer"
         second.process.kill()  # mid-layer, without a word
         second.process.wait()
+        assert _lazyfs_helpers(tmp_path) == helpers  # outlives its server: the sandbox's mount is still served
         # The source's copy of f1 goes bad: a restarted node can only read f1 from the chunks it kept.
         store_file = LayerStore(Path(test_env["CORRAL_NODE_DIR"]) / "layers").layer_path(digest)
         head = (tmp_path / "tree" / "lazy" / "f1").read_bytes()[:64]
@@ -204,11 +208,23 @@ def test_a_restarted_node_resumes_a_partial_layer(
         try:
             second.start()
             assert _present_bytes(node_dir, digest) == before  # the map survived (and its chunks re-verified)
-            with second.client() as client, client.create(environment={"base": "busybox", "tools": "lazy-resume"},
-                                                          ttl_s=60) as fresh:  # fmt: skip
-                assert _sha256_in(fresh, "f1").stdout.split()[0] == data_tree["f1"]
-                assert _sha256_in(fresh, "f6").stdout.split()[0] == data_tree["f6"]
+            with second.client() as client:
+                # The sandbox from before the kill, re-adopted, reads what it never read: its mount's helper (in the
+                # killed server's mount namespace) asks the new server, which reattached to it.
+                adopted = client.get(sandbox.id)
+                assert adopted.info.state == corral.SandboxState.RUNNING
+                assert _sha256_in(adopted, "f6").stdout.split()[0] == data_tree["f6"]
+                with client.create(environment={"base": "busybox", "tools": "lazy-resume"}, ttl_s=60) as fresh:
+                    assert _sha256_in(fresh, "f1").stdout.split()[0] == data_tree["f1"]
+                    assert _sha256_in(fresh, "f6").stdout.split()[0] == data_tree["f6"]
             assert FILE_BYTES <= _present_bytes(node_dir, digest) - before <= FILE_BYTES + (1 << 20)
+            # A graceful restart lets the helpers of layers in use go rather than stopping them.
+            second.stop()  # SIGTERM: the server only, its sandboxes keep running
+            second.start()
+            with second.client() as client:
+                adopted = client.get(sandbox.id)
+                assert _sha256_in(adopted, "f3").stdout.split()[0] == data_tree["f3"]
+                adopted.kill()
         finally:
             with open(store_file, "r+b") as f:
                 f.seek(offset)
@@ -217,6 +233,47 @@ def test_a_restarted_node_resumes_a_partial_layer(
         if not second.running():
             second.start()
         second.shutdown()
+    assert not _lazyfs_helpers(tmp_path), "a corral-lazyfs outlived the server that reattached to it"
+
+
+def test_a_helper_nobody_comes_back_for_exits_after_its_orphan_time(
+    source: EmbeddedServer, postgres_url: str, tmp_path: Path, test_env: dict[str, str], data_tree: dict[str, str]
+) -> None:
+    _build(source, tmp_path, "lazy-orphan")
+    env = {**_second_env(source, postgres_url, test_env, tmp_path / "node-b"), "CORRAL_LAYER_HELPER_ORPHAN_S": "2"}
+    second = EmbeddedServer(tmp_path / "b", env=env)
+    second.start()
+    try:
+        with second.client() as client:
+            sandbox = client.create(environment={"base": "busybox", "tools": "lazy-orphan"}, ttl_s=60)
+            assert _sha256_in(sandbox, "f0").stdout.split()[0] == data_tree["f0"]
+        helpers = _lazyfs_helpers(tmp_path)
+        assert helpers
+        assert second.process is not None
+        second.process.kill()
+        second.process.wait()
+        killed = time.monotonic()
+        time.sleep(1)
+        assert _lazyfs_helpers(tmp_path) == helpers, "a helper ended with its server, before its orphan time"
+        while _lazyfs_helpers(tmp_path):
+            assert time.monotonic() - killed < 15, "a helper with no server outlived its orphan time"
+            time.sleep(0.2)
+    finally:
+        if not second.running():
+            second.start()
+        second.shutdown()
+
+
+def _lazyfs_helpers(under: Path) -> set[int]:
+    """The corral-lazyfs processes (not zombies) whose mountpoint is under ``under``, by pid."""
+    pids = set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            stat = (proc / "stat").read_text()
+            if argv[0].endswith(b"/corral-lazyfs") and argv[1].startswith(bytes(under)) and ") Z" not in stat:
+                pids.add(int(proc.name))
+    return pids
 
 
 def _node_cache_metric(server: EmbeddedServer) -> float:

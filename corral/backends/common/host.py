@@ -175,9 +175,9 @@ class LayerMounts:
                 target = self._root / key.replace(":", "-").replace("#", "-")
                 target.mkdir(parents=True, exist_ok=True)
                 if os.path.ismount(target):
-                    # An earlier edge's mount, left in the node's mount namespace when that edge died: it may
-                    # read through that edge's lazyfs helper, gone with it (SIGBUS on pages never read). Its
-                    # sandboxes keep their own references; this edge's sandboxes get a mount of today's file.
+                    # An earlier edge's mount, left in the node's mount namespace when that edge died (of a file
+                    # it may have verified differently, or whose helper exited since). Its sandboxes keep their
+                    # own references; this edge's sandboxes get a mount of today's file.
                     _libc.umount2(str(target).encode(), _MNT_DETACH)
                 _mount_erofs(image_file, target)
                 mount = self._mounts[key] = _LayerMount(target)

@@ -2,26 +2,33 @@
  *
  * Serves a FUSE filesystem with one read-only file, /layer.erofs, backed by a
  * sparse local copy (DATA). The kernel mounts EROFS from that file; a read of
- * a chunk not yet present is asked of the parent (the node's server) over a
- * pipe, and answered only after the parent has fetched the chunk, checked it
- * against the layer's chunk digest list and written it into DATA. So this
- * helper never sees the network and never decides what is trusted: it serves
- * bytes that are present and refuses (EIO) everything else.
+ * a chunk not yet present is asked of the node's server over a Unix socket,
+ * and answered only after the server has fetched the chunk, checked it against
+ * the layer's chunk digest list and written it into DATA. So this helper never
+ * sees the network and never decides what is trusted: it serves bytes that are
+ * present and refuses (EIO) everything else.
  *
- *   corral-lazyfs MOUNTPOINT DATA SIZE_BYTES CHUNK_BYTES PRESENT TIMEOUT_MS
+ *   corral-lazyfs MOUNTPOINT DATA SIZE_BYTES CHUNK_BYTES PRESENT TIMEOUT_MS SOCKET ORPHAN_MS
  *
- * PRESENT: one byte per chunk (1 = present), kept by the parent; read once at
- * start. Protocol, one line each way:
- *   helper -> parent (stdout): "R"                 mounted and serving
- *                              "F <pid> <c> <c>.." fetch these chunks (pid: the reader)
- *   parent -> helper (stdin):  "O <c>" / "E <c>"   chunk c is present / failed
- * A read waits at most TIMEOUT_MS for its chunks, then fails with EIO; so does
- * any read after the parent is gone. When the parent's end of stdin closes the
- * helper unmounts and exits, so nothing outlives the server that started it.
- * Single-threaded on purpose: chunks are fetched in parallel by the parent,
- * and one loop needs no locks around the present map.
+ * PRESENT: one byte per chunk (1 = present), kept by the server; read once at
+ * start. SOCKET: where this helper listens (in a directory only root can enter;
+ * only root peers are served). It outlives the server that started it: a
+ * server that dies (an edge killed) leaves the sandboxes that read through
+ * this mount running, and the next server connects here again and answers.
+ * Protocol, one line each way, per connection:
+ *   helper -> server: "R <dev>"           mounted and serving; dev: st_dev of MOUNTPOINT
+ *                     "F <pid> <c> <c>.." fetch these chunks (pid: the reader)
+ *   server -> helper: "O <c>" / "E <c>"   chunk c is present / failed
+ *                     "Q"                 unmount and exit
+ * A read waits at most TIMEOUT_MS for its chunks, then fails with EIO; a read
+ * waiting while no server is connected asks again of the next one. With no
+ * server for ORPHAN_MS the helper unmounts and exits (nobody came back for it);
+ * it exits too once its mount is gone. Reads are served by one loop (the
+ * present map has one writer per chunk: the connection thread) and chunks are
+ * fetched in parallel by the server.
  */
 #define FUSE_USE_VERSION 31
+#define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
 #include <fuse.h>
@@ -32,20 +39,29 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
 #define FILE_NAME "layer.erofs"
-#define MAX_LINE 128
 
 static int data_fd = -1;
 static uint64_t size_bytes, chunk_bytes, chunk_count;
 static unsigned char *present;
-static long timeout_ms;
-static int parent_gone;
-static char in_buf[1 << 16];
-static size_t in_len;
+static long timeout_ms, orphan_ms;
+static unsigned long long mount_dev;
+static int listen_fd = -1;
+
+/* The connection to the server and the read waiting on it, shared by the FUSE loop and the connection thread. */
+static pthread_mutex_t mutex = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t answered = PTHREAD_COND_INITIALIZER;
+static int conn_fd = -1;
+static char *pending_line; /* the waiting read's "F ..." line: sent again to a server that connects */
+static size_t pending_len;
+static uint64_t pending_first, pending_last;
+static unsigned char *pending_failed; /* "E c" for a chunk of the waiting read */
 
 static long now_ms(void) {
     struct timespec ts;
@@ -55,7 +71,7 @@ static long now_ms(void) {
 
 static int write_all(int fd, const char *buf, size_t len) {
     while (len > 0) {
-        ssize_t n = write(fd, buf, len);
+        ssize_t n = send(fd, buf, len, MSG_NOSIGNAL);
         if (n < 0 && errno == EINTR) continue;
         if (n <= 0) return -1;
         buf += n;
@@ -64,35 +80,103 @@ static int write_all(int fd, const char *buf, size_t len) {
     return 0;
 }
 
-/* Apply every complete answer line in in_buf; failed[c - first] is set for "E c" within the range. */
-static void apply_answers(uint64_t first, uint64_t last, unsigned char *failed) {
-    size_t start = 0;
-    for (size_t i = 0; i < in_len; i++) {
-        if (in_buf[i] != '\n') continue;
-        in_buf[i] = '\0';
-        char kind = in_buf[start];
-        uint64_t chunk = strtoull(in_buf + start + 1, NULL, 10);
-        if (chunk < chunk_count) {
-            if (kind == 'O') present[chunk] = 1;
-            else if (kind == 'E' && chunk >= first && chunk <= last) failed[chunk - first] = 1;
-        }
-        start = i + 1;
+/* Apply one answer line (under the mutex); 1 if it says quit. */
+static int apply_answer(const char *line) {
+    if (line[0] == 'Q') return 1;
+    uint64_t chunk = strtoull(line + 1, NULL, 10);
+    if (chunk < chunk_count) {
+        if (line[0] == 'O') present[chunk] = 1;
+        else if (line[0] == 'E' && pending_failed != NULL && chunk >= pending_first && chunk <= pending_last)
+            pending_failed[chunk - pending_first] = 1;
     }
-    memmove(in_buf, in_buf + start, in_len - start);
-    in_len -= start;
+    return 0;
+}
+
+/* The connection thread: accepts a server (root only), greets it, sends it the waiting read's request, applies
+ * its answers; when it goes, waits for the next one, for at most ORPHAN_MS. ARG: the mountpoint. */
+static void *serve_connections(void *arg) {
+    const char *mountpoint = arg;
+    struct stat st;
+    if (stat(mountpoint, &st) != 0) { /* answered by the FUSE loop, which runs by now */
+        kill(getpid(), SIGTERM);
+        return NULL;
+    }
+    mount_dev = (unsigned long long)st.st_dev;
+    static char buf[1 << 16];
+    size_t len = 0;
+    long orphaned_at = now_ms();
+    for (;;) {
+        if (conn_fd < 0) {
+            long left = orphaned_at + orphan_ms - now_ms();
+            if (left <= 0) break;
+            struct pollfd p = {.fd = listen_fd, .events = POLLIN};
+            int ready = poll(&p, 1, left > 60000 ? 60000 : (int)left);
+            if (ready <= 0) continue;
+            int fd = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC);
+            if (fd < 0) continue;
+            struct ucred peer;
+            socklen_t peer_len = sizeof peer;
+            if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &peer, &peer_len) != 0 || peer.uid != 0) {
+                close(fd);
+                continue;
+            }
+            char hello[64];
+            int hello_len = snprintf(hello, sizeof hello, "R %llu\n", mount_dev);
+            pthread_mutex_lock(&mutex);
+            if (write_all(fd, hello, (size_t)hello_len) == 0 &&
+                (pending_line == NULL || write_all(fd, pending_line, pending_len) == 0)) {
+                conn_fd = fd;
+                len = 0;
+            } else {
+                close(fd);
+            }
+            pthread_mutex_unlock(&mutex);
+            continue;
+        }
+        ssize_t n = read(conn_fd, buf + len, sizeof buf - len);
+        if (n < 0 && errno == EINTR) continue;
+        pthread_mutex_lock(&mutex);
+        if (n <= 0) { /* the server went away (or closed its end): wait for the next one */
+            close(conn_fd);
+            conn_fd = -1;
+            orphaned_at = now_ms();
+            pthread_mutex_unlock(&mutex);
+            continue;
+        }
+        len += (size_t)n;
+        size_t start = 0;
+        int quit = 0;
+        for (size_t i = 0; i < len; i++) {
+            if (buf[i] != '\n') continue;
+            buf[i] = '\0';
+            quit |= apply_answer(buf + start);
+            start = i + 1;
+        }
+        memmove(buf, buf + start, len - start);
+        len -= start;
+        if (len == sizeof buf) len = 0; /* a line longer than the buffer: not ours */
+        pthread_cond_broadcast(&answered);
+        pthread_mutex_unlock(&mutex);
+        if (quit) break;
+    }
+    kill(getpid(), SIGTERM); /* the loop's handler (fuse_set_signal_handlers) ends it: unmount and exit */
+    return NULL;
 }
 
 /* 0 once chunks first..last are all present; -1 (EIO for the reader) on failure or timeout. */
 static int ensure_chunks(uint64_t first, uint64_t last, pid_t reader) {
+    pthread_mutex_lock(&mutex);
     uint64_t missing = 0;
     for (uint64_t c = first; c <= last; c++) missing += !present[c];
-    if (missing == 0) return 0;
-    if (parent_gone) return -1;
-
+    if (missing == 0) {
+        pthread_mutex_unlock(&mutex);
+        return 0;
+    }
     size_t cap = 32 + (size_t)missing * 24, len = 0;
     char *line = malloc(cap);
     unsigned char *failed = calloc(last - first + 1, 1);
     if (line == NULL || failed == NULL) {
+        pthread_mutex_unlock(&mutex);
         free(line);
         free(failed);
         return -1;
@@ -101,37 +185,35 @@ static int ensure_chunks(uint64_t first, uint64_t last, pid_t reader) {
     for (uint64_t c = first; c <= last; c++)
         if (!present[c]) len += (size_t)snprintf(line + len, cap - len, " %llu", (unsigned long long)c);
     line[len++] = '\n';
-    int rc = write_all(STDOUT_FILENO, line, len);
-    free(line);
-    if (rc != 0) parent_gone = 1;
+    pending_line = line, pending_len = len, pending_first = first, pending_last = last, pending_failed = failed;
+    if (conn_fd >= 0) write_all(conn_fd, line, len); /* a failed send: the thread sees the connection go */
 
-    long deadline = now_ms() + timeout_ms;
-    while (!parent_gone) {
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);
+    deadline.tv_sec += timeout_ms / 1000;
+    deadline.tv_nsec += (timeout_ms % 1000) * 1000000L;
+    if (deadline.tv_nsec >= 1000000000L) deadline.tv_sec += 1, deadline.tv_nsec -= 1000000000L;
+    int rc = 0;
+    for (;;) {
         int waiting = 0, refused = 0;
         for (uint64_t c = first; c <= last; c++) {
             waiting += !present[c] && !failed[c - first];
             refused += failed[c - first];
         }
+        if (refused) rc = -1;
         if (waiting == 0 || refused) break;
-        long left = deadline - now_ms();
-        if (left <= 0) break;
-        struct pollfd p = {.fd = STDIN_FILENO, .events = POLLIN};
-        int ready = poll(&p, 1, (int)left);
-        if (ready < 0 && errno == EINTR) continue;
-        if (ready <= 0) break;
-        ssize_t n = read(STDIN_FILENO, in_buf + in_len, sizeof in_buf - in_len);
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) {
-            parent_gone = 1;
+        if (pthread_cond_timedwait(&answered, &mutex, &deadline) == ETIMEDOUT) {
+            rc = -1;
             break;
         }
-        in_len += (size_t)n;
-        apply_answers(first, last, failed);
     }
+    for (uint64_t c = first; c <= last && rc == 0; c++)
+        if (!present[c]) rc = -1;
+    pending_line = NULL, pending_failed = NULL;
+    pthread_mutex_unlock(&mutex);
+    free(line);
     free(failed);
-    for (uint64_t c = first; c <= last; c++)
-        if (!present[c]) return -1;
-    return 0;
+    return rc;
 }
 
 static int lazy_getattr(const char *path, struct stat *st, struct fuse_file_info *fi) {
@@ -201,26 +283,38 @@ static const struct fuse_operations ops = {
     .read = lazy_read,
 };
 
-/* Waits for the parent's end of stdin to close (POLLHUP needs no events), then stops the loop. */
-static void *watch_parent(void *arg) {
-    (void)arg;
-    struct pollfd p = {.fd = STDIN_FILENO, .events = 0};
-    while (poll(&p, 1, -1) < 0 && errno == EINTR) {
-    }
-    kill(getpid(), SIGTERM); /* the loop's handler (fuse_set_signal_handlers) ends it */
-    return NULL;
+/* Listens on SOCKET (bound through /proc/self/fd: a deep data dir makes paths longer than sun_path). */
+static int listen_on(const char *path) {
+    char dir[4096];
+    const char *slash = strrchr(path, '/');
+    if (slash == NULL || (size_t)(slash - path) >= sizeof dir) return -1;
+    memcpy(dir, path, (size_t)(slash - path));
+    dir[slash - path] = '\0';
+    int dir_fd = open(dir, O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (dir_fd < 0) return -1;
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    if ((size_t)snprintf(addr.sun_path, sizeof addr.sun_path, "/proc/self/fd/%d/%s", dir_fd, slash + 1) >=
+        sizeof addr.sun_path)
+        return -1;
+    unlink(addr.sun_path);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0 || bind(fd, (struct sockaddr *)&addr, sizeof addr) != 0 || listen(fd, 4) != 0) return -1;
+    close(dir_fd);
+    return fd;
 }
 
 int main(int argc, char **argv) {
-    if (argc != 7) {
-        fprintf(stderr, "usage: %s MOUNTPOINT DATA SIZE_BYTES CHUNK_BYTES PRESENT TIMEOUT_MS\n", argv[0]);
+    if (argc != 9) {
+        fprintf(stderr, "usage: %s MOUNTPOINT DATA SIZE_BYTES CHUNK_BYTES PRESENT TIMEOUT_MS SOCKET ORPHAN_MS\n",
+                argv[0]);
         return 2;
     }
     size_bytes = strtoull(argv[3], NULL, 10);
     chunk_bytes = strtoull(argv[4], NULL, 10);
     timeout_ms = strtol(argv[6], NULL, 10);
-    if (chunk_bytes == 0 || timeout_ms <= 0) {
-        fprintf(stderr, "corral-lazyfs: CHUNK_BYTES and TIMEOUT_MS must be positive\n");
+    orphan_ms = strtol(argv[8], NULL, 10);
+    if (chunk_bytes == 0 || timeout_ms <= 0 || orphan_ms <= 0) {
+        fprintf(stderr, "corral-lazyfs: CHUNK_BYTES, TIMEOUT_MS and ORPHAN_MS must be positive\n");
         return 2;
     }
     chunk_count = (size_bytes + chunk_bytes - 1) / chunk_bytes;
@@ -238,6 +332,11 @@ int main(int argc, char **argv) {
     }
     close(present_fd);
     for (uint64_t c = 0; c < chunk_count; c++) present[c] = present[c] == 1;
+    listen_fd = listen_on(argv[7]);
+    if (listen_fd < 0) {
+        perror("corral-lazyfs: listen");
+        return 1;
+    }
 
     char *fuse_argv[] = {argv[0], "-o", "ro,allow_other,fsname=corral-lazyfs,subtype=corral-lazyfs", NULL};
     struct fuse_args args = FUSE_ARGS_INIT(3, fuse_argv);
@@ -252,13 +351,14 @@ int main(int argc, char **argv) {
     sigset_t term;
     sigemptyset(&term);
     sigaddset(&term, SIGTERM);
-    pthread_sigmask(SIG_BLOCK, &term, NULL); /* the watcher's SIGTERM goes to the loop's thread */
-    pthread_t watcher;
-    pthread_create(&watcher, NULL, watch_parent, NULL);
+    pthread_sigmask(SIG_BLOCK, &term, NULL); /* the connection thread's SIGTERM goes to the loop's thread */
+    pthread_t connections;
+    pthread_create(&connections, NULL, serve_connections, argv[1]);
     pthread_sigmask(SIG_UNBLOCK, &term, NULL);
-    int rc = write_all(STDOUT_FILENO, "R\n", 2) == 0 ? fuse_loop(fuse) : 1;
+    int rc = fuse_loop(fuse);
     fuse_remove_signal_handlers(session);
     fuse_unmount(fuse);
     fuse_destroy(fuse);
+    unlink(argv[7]);
     return rc == 0 ? 0 : 1;
 }
