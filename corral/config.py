@@ -208,6 +208,12 @@ class Settings(BaseSettings):
     node_lost_after_s: float = Field(
         15.0, gt=0, description="A node silent this long is marked lost, and every sandbox on it with it."
     )
+    adopt_concurrency: int = Field(
+        16,
+        ge=1,
+        description="Sandboxes a restarted server or edge re-attaches to at once (its runtime state, its agent, its "
+        "network); it answers only after every one was tried.",
+    )
     node_restart_grace_s: float = Field(
         120.0,
         ge=0,

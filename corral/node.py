@@ -134,4 +134,4 @@ def build_edge(settings: Settings, host: HostSetup, events: EdgeEvents) -> Local
         disk_floor_mb=settings.disk_floor_mb, data_dir=settings.data_dir,
         output_buffer_bytes=settings.sandbox_output_buffer_mb << 20,
     )  # fmt: skip
-    return LocalEdge(settings.edge_id, backend, capacity, events)
+    return LocalEdge(settings.edge_id, backend, capacity, events, adopt_concurrency=settings.adopt_concurrency)

@@ -43,6 +43,18 @@ def bench_warm_pool(
     run_warm_pool_benchmark(runs=runs, batch=batch, as_json=as_json, console=console)
 
 
+@bench_app.command("restart")
+def bench_restart(
+    sandboxes: Annotated[int, typer.Option(help="Sandboxes each server re-adopts at every restart.")] = 100,
+    runs: Annotated[int, typer.Option(help="Restarts of each server, with and without sandboxes.")] = 3,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Measure how long a server takes to come back with sandboxes to re-adopt, one at a time and concurrently."""
+    from corral.bench.restart import run_restart_benchmark
+
+    run_restart_benchmark(sandboxes=sandboxes, runs=runs, as_json=as_json, console=console)
+
+
 @bench_app.command("layers")
 def bench_layers(
     runs: Annotated[int, typer.Option(help="Samples per timing.")] = 20,

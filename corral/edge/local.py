@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 R = TypeVar("R")
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _FINISHED_COMMANDS_KEPT = 256
+ADOPT_CONCURRENCY = 16  # sandboxes re-attached at once after a restart (CORRAL_ADOPT_CONCURRENCY)
 _HOUSEKEEPING_INTERVAL_S = 1.0
 _PRESSURE_PAUSES_PER_ROUND = 8  # sandboxes paused per housekeeping round while memory is short
 _NETWORK_AUDIT_EVERY = 5
@@ -212,9 +213,12 @@ class LocalEdge:
         events: EdgeEvents,
         *,
         host_reader: Callable[[], HostReadings] = read_host,
+        adopt_concurrency: int = ADOPT_CONCURRENCY,
     ) -> None:
-        """``host_reader``: the node's memory and pressure (simulated nodes sharing one host share one)."""
+        """``host_reader``: the node's memory and pressure (simulated nodes sharing one host share one).
+        ``adopt_concurrency``: sandboxes re-attached at once after a restart (``adopt``)."""
         self.edge_id = edge_id
+        self._adopt_concurrency = adopt_concurrency
         self._read_host = host_reader
         self._backend = backend
         self._capacity = capacity
@@ -432,11 +436,22 @@ class LocalEdge:
         raise exc
 
     async def adopt(self, specs: list[SandboxSpec]) -> dict[str, str | None]:
+        """Re-attach to the sandboxes a previous server left running, several at a time (each waits on its
+        runtime and agent: one at a time, a node of a thousand took minutes to come back; `corral bench
+        restart` measures it)."""
         alive: dict[str, str | None] = {}
-        for spec in specs:
-            state = alive[spec.sandbox_id] = await self._backend.adopt(spec)
+        room = asyncio.Semaphore(self._adopt_concurrency)
+
+        async def adopt_one(spec: SandboxSpec) -> None:
+            async with room:
+                state = alive[spec.sandbox_id] = await self._backend.adopt(spec)
             if state is not None:
                 self._track(spec).paused = state == "paused"
+
+        for failed in await asyncio.gather(*(adopt_one(spec) for spec in specs), return_exceptions=True):
+            if isinstance(failed, BaseException):  # after the others finished: none is left half-adopted
+                raise failed
+        alive = {spec.sandbox_id: alive[spec.sandbox_id] for spec in specs}  # in the records' order
         for orphan in await self._backend.orphans(set(alive)):
             log.warning("removing container %s that no sandbox record owns", orphan)
             await self._backend.destroy(orphan)
