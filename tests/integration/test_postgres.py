@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
 
 import corral
 from corral.embedded import EmbeddedServer
+from corral.gateway.service import WARM_LABEL
 from corral.state.db import StateStore
 from corral.trajectory import Replay, Step, TrajectoryLog
 
@@ -132,4 +134,44 @@ def test_heartbeats_of_several_edges_in_one_transaction_on_postgres(postgres_url
     finally:
         with store.engine.begin() as conn:
             conn.exec_driver_sql("DELETE FROM nodes WHERE edge_id LIKE 'pg-beat-%%'")
+        store.close()
+
+
+def test_a_warm_record_is_claimed_once_by_concurrent_claims_on_postgres(postgres_url: str) -> None:
+    """Two gateways claiming the same warm-pool sandbox at once (StateStore.claim_many, the claimable rows locked
+    FOR UPDATE): one gets it, with its values; the other's claim finds it taken (PostgreSQL re-checks the row)."""
+    store = StateStore(postgres_url)
+    warm_id = "sb-e0-00000000000c1a11"
+    store.insert({"id": warm_id, "edge_id": "e0", "state": "running", "image": "busybox", "backend": "container",
+                  "runtime": "crun", "cpu": 1.0, "memory_mb": 64, "pids_max": 256, "user": "root", "cwd": "/",
+                  "env": {}, "layers": [], "labels": {WARM_LABEL: "0123456789abcdef"}, "created_at": 1.0})  # fmt: skip
+    start = threading.Barrier(2)
+    won: dict[str, set[str]] = {}
+
+    def claim(job: str) -> None:
+        start.wait()
+        claims = {warm_id: {"labels": {"job": job}, "env": {"TASK": job}, "created_at": 2.0, "expires_at": 62.0}}
+        won[job] = store.claim_many(claims, pool_label=WARM_LABEL)
+
+    try:
+        for _round in range(5):  # the two claims race differently each time; the outcome must not
+            with store.engine.begin() as conn:
+                conn.exec_driver_sql(
+                    "UPDATE sandboxes SET labels = %(labels)s WHERE id = %(id)s",
+                    {"labels": json.dumps({WARM_LABEL: "0123456789abcdef"}), "id": warm_id},
+                )
+            won.clear()
+            threads = [threading.Thread(target=claim, args=(job,)) for job in ("pg-claim-a", "pg-claim-b")]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=30)
+            winners = [job for job, ids in won.items() if ids == {warm_id}]
+            assert len(winners) == 1 and len(won) == 2, won
+            record = store.get(warm_id)
+            assert record is not None
+            assert (record["labels"], record["env"]) == ({"job": winners[0]}, {"TASK": winners[0]})
+    finally:
+        with store.engine.begin() as conn:
+            conn.exec_driver_sql("DELETE FROM sandboxes WHERE id = %(id)s", {"id": warm_id})
         store.close()
