@@ -166,7 +166,9 @@ class RayEdges:
             return set()
         try:
             # The GCS actor table: Ray's public state API needs the dashboard, which cluster nodes run without.
-            actors = {info["Name"]: info for info in ray._private.state.state.actor_table(None).values()}
+            # One live actor per name; dead ones of the same name (a node that left and joined again) stay listed.
+            actors = {info["Name"]: info for info in ray._private.state.state.actor_table(None).values()
+                      if info["State"] != "DEAD"}  # fmt: skip
             alive: set[str] = set()
             for node in ray.nodes():  # type: ignore[no-untyped-call]
                 if node.get("Alive"):
