@@ -22,7 +22,7 @@ from corral.api.errors import CorralError, InternalError, ServerUnavailable
 from corral.api.models import ExecEvent, ExecRequest
 from corral.cluster.edge_actor import ACTOR_NAMESPACE, WIRE_NAMES, actor_name, node_resource
 
-__all__ = ["RayEdge", "RayEdges"]
+__all__ = ["RayEdge", "RayEdges", "restarting_edges"]
 
 log = logging.getLogger("corral.cluster")
 
@@ -166,24 +166,29 @@ class RayEdges:
             return set()
         try:
             # The GCS actor table: Ray's public state API needs the dashboard, which cluster nodes run without.
-            # One live actor per name; dead ones of the same name (a node that left and joined again) stay listed.
-            actors = {info["Name"]: info for info in ray._private.state.state.actor_table(None).values()
-                      if info["State"] != "DEAD"}  # fmt: skip
-            alive: set[str] = set()
-            for node in ray.nodes():  # type: ignore[no-untyped-call]
-                if node.get("Alive"):
-                    alive.update(node.get("Resources", {}))
+            actors = list(ray._private.state.state.actor_table(None).values())
+            nodes = ray.nodes()  # type: ignore[no-untyped-call]
         except Exception:
             log.warning("could not ask Ray which edges are restarting", exc_info=True)
             return set()
-        restarting = set()
-        for edge_id, seen in last_seen.items():
-            info = actors.get(actor_name(edge_id))
-            if info is None or node_resource(edge_id) not in alive:
-                continue
-            # Timestamp: when the actor's state last changed (ms), here when it came back.
-            if info["State"] == "RESTARTING" or (
-                info["State"] == "ALIVE" and info["NumRestarts"] > 0 and info["Timestamp"] / 1000 > seen
-            ):
-                restarting.add(edge_id)
-        return restarting
+        return restarting_edges(actors, nodes, last_seen)
+
+
+def restarting_edges(
+    actors: list[dict[str, Any]], nodes: list[dict[str, Any]], last_seen: Mapping[str, float]
+) -> set[str]:
+    """``RayEdges.restarting`` over what Ray's GCS said: its actor table's entries and ``ray.nodes()``."""
+    # One live actor per name; dead ones of the same name (a node that left and joined again) stay listed.
+    live = {info["Name"]: info for info in actors if info["State"] != "DEAD"}
+    alive = {resource for node in nodes if node.get("Alive") for resource in node.get("Resources", {})}
+    restarting = set()
+    for edge_id, seen in last_seen.items():
+        info = live.get(actor_name(edge_id))
+        if info is None or node_resource(edge_id) not in alive:
+            continue
+        # Timestamp: when the actor's state last changed (ms), here when it came back.
+        if info["State"] == "RESTARTING" or (
+            info["State"] == "ALIVE" and info["NumRestarts"] > 0 and info["Timestamp"] / 1000 > seen
+        ):
+            restarting.add(edge_id)
+    return restarting

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from corral.api.models import EdgeLoad, SandboxState
+from corral.cluster.ray_edge import restarting_edges
 from corral.gateway.service import SandboxService
 from corral.images.catalogue import Catalogue
 from corral.images.store import LayerStore
@@ -72,3 +73,29 @@ async def test_a_restarting_node_keeps_its_sandboxes_for_the_grace_then_is_lost(
     finally:
         await service.close()
         store.close()
+
+
+def _actor(name: str, state: str, restarts: int, changed_s: float) -> dict[str, Any]:
+    """An entry of Ray's GCS actor table, as ray._private.state gives it (the fields read)."""
+    return {"Name": name, "State": state, "NumRestarts": restarts, "Timestamp": changed_s * 1000}
+
+
+def test_which_edges_ray_is_restarting_from_its_actor_table() -> None:
+    """Measured on the test cluster: after a SIGKILL the actor is RESTARTING until a worker is leased, then ALIVE
+    with its Timestamp moved on, before the constructor (the re-adoption, the first heartbeat) has run."""
+    nodes = [{"Alive": True, "Resources": {"corral_edge_e1": 1.0, "CPU": 2.0}},
+             {"Alive": True, "Resources": {"corral_edge_e2": 1.0}},
+             {"Alive": True, "Resources": {"corral_edge_e3": 1.0}},
+             {"Alive": False, "Resources": {"corral_edge_e4": 1.0}}]  # fmt: skip
+    actors = [
+        _actor("edge-e1", "RESTARTING", 1, 90.0),  # the worker died: restarting
+        _actor("edge-e2", "ALIVE", 1, 105.0),  # back after its last heartbeat (100), has not heartbeat yet
+        _actor("edge-e3", "ALIVE", 0, 10.0),  # frozen or cut off: alive from long before its last heartbeat
+        _actor("edge-e4", "RESTARTING", 1, 90.0),  # its machine is gone: Ray would restart it nowhere
+        _actor("edge-e5", "DEAD", 1, 95.0), _actor("edge-e5", "ALIVE", 2, 105.0),  # joined again under its name
+    ]  # fmt: skip
+    nodes.append({"Alive": True, "Resources": {"corral_edge_e5": 1.0}})
+    last_seen = {"e1": 100.0, "e2": 100.0, "e3": 100.0, "e4": 100.0, "e5": 100.0, "e6": 100.0}
+    assert restarting_edges(actors, nodes, last_seen) == {"e1", "e2", "e5"}
+    # Once the new edge heartbeat (after it came back), it is an edge like any other again.
+    assert restarting_edges(actors, nodes, {"e2": 106.0}) == set()
