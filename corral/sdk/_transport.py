@@ -5,10 +5,17 @@ server closed it). Through anyio that question builds the stream's attribute tab
 `getpeername` call, every time: with 16 connections it was a fifth of the async client's CPU per
 call. The wrapper answers it with one `poll` on the same socket and leaves everything else (connect,
 TLS, reads, writes, timeouts, errors) to httpcore's own backend.
+
+httpcore's pool also does work proportional to its connections for every request it queues, assigns or
+finishes (it walks them all): one pool of 1,000 connections under 1,000 concurrent execs spent over half the
+async client's CPU there (py-spy, `corral bench load`) and capped the client at ~40 execs/s. So the async
+client's connections are split over pools of at most ``SHARD_CONNECTIONS``, requests dealt round-robin.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import select
 import socket
 import ssl
@@ -18,12 +25,13 @@ from typing import Any
 import httpcore
 import httpx
 
-__all__ = ["POOL_LIMITS", "async_http_transport", "sync_http_transport"]
+__all__ = ["POOL_LIMITS", "SHARD_CONNECTIONS", "async_http_transport", "sync_http_transport"]
 
 # An idle connection is dropped by the client after 60 s, long before the server's 620 s
 # (``Settings.http_keepalive_s``): the side that closes an idle connection must be the side that
 # would send on it next, or a request sent as the server closes is lost (httpx.ReadError).
 POOL_LIMITS = httpx.Limits(max_connections=1000, max_keepalive_connections=100, keepalive_expiry=60.0)
+SHARD_CONNECTIONS = 64
 
 
 def _readable(sock: socket.socket) -> bool:
@@ -84,8 +92,38 @@ class _Backend(httpcore.AsyncNetworkBackend):
         await self._backend.sleep(seconds)
 
 
-def async_http_transport(limits: httpx.Limits) -> httpx.AsyncHTTPTransport:
-    """httpx's transport (its TLS and proxy settings untouched) over the cheap readability check."""
+class _ShardedTransport(httpx.AsyncBaseTransport):
+    """Several connection pools as one transport (module docstring): each request goes to the next pool."""
+
+    def __init__(self, shards: list[httpx.AsyncHTTPTransport]) -> None:
+        self.shards = shards
+        self._next = itertools.cycle(shards)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await next(self._next).handle_async_request(request)
+
+    async def aclose(self) -> None:
+        for shard in self.shards:
+            await shard.aclose()
+
+
+def async_http_transport(limits: httpx.Limits) -> httpx.AsyncBaseTransport:
+    """httpx's transport (its TLS and proxy settings untouched) over the cheap readability check; over several
+    pools when ``limits`` allow more than ``SHARD_CONNECTIONS`` connections, together within ``limits``."""
+    total = limits.max_connections
+    if total is None or total <= SHARD_CONNECTIONS:
+        return _pool_transport(limits)
+    count = math.ceil(total / SHARD_CONNECTIONS)
+    keepalive = limits.max_keepalive_connections
+    per_shard = httpx.Limits(
+        max_connections=total // count,
+        max_keepalive_connections=None if keepalive is None else max(1, keepalive // count),
+        keepalive_expiry=limits.keepalive_expiry,
+    )
+    return _ShardedTransport([_pool_transport(per_shard) for _ in range(count)])
+
+
+def _pool_transport(limits: httpx.Limits) -> httpx.AsyncHTTPTransport:
     transport = httpx.AsyncHTTPTransport(limits=limits)
     pool = getattr(transport, "_pool", None)  # httpx==0.28 and httpcore 1.x, as pinned: else left as it is
     if isinstance(pool, httpcore.AsyncConnectionPool) and hasattr(pool, "_network_backend"):

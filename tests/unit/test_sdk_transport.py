@@ -1,4 +1,5 @@
-"""The async SDK's transport: its cheap readability check sees a connection the server closed."""
+"""The async SDK's transport: its cheap readability check sees a connection the server closed; its many connections
+are several small pools."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import asyncio
 
 import httpx
 
-from corral.sdk._transport import async_http_transport
+from corral.sdk._transport import POOL_LIMITS, SHARD_CONNECTIONS, _ShardedTransport, async_http_transport
 
 _RESPONSE = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 
@@ -36,6 +37,39 @@ async def test_a_connection_the_server_closed_is_replaced_not_reused() -> None:
             assert pooled.has_expired()  # EOF waiting: seen by the check
             assert (await client.get(url)).text == "ok"  # on a new connection, no ReadError
             assert len(connections) == 2
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_many_connections_are_split_over_small_pools_within_the_limits() -> None:
+    """httpcore's pool walks every connection for every request event: the SDK's 1,000 are 16 pools of 62."""
+    answered = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal answered
+        try:
+            while await reader.readuntil(b"\r\n\r\n"):
+                await asyncio.sleep(0.05)  # slow enough that the requests overlap
+                answered += 1
+                writer.write(_RESPONSE)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+
+    transport = async_http_transport(POOL_LIMITS)
+    assert isinstance(transport, _ShardedTransport)
+    assert len(transport.shards) == 16
+    pools = [shard._pool for shard in transport.shards]
+    assert sum(pool._max_connections for pool in pools) <= 1000
+    assert all(pool._max_connections <= SHARD_CONNECTIONS for pool in pools)
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/"
+    try:
+        async with httpx.AsyncClient(transport=transport) as client:
+            answers = await asyncio.gather(*(client.get(url) for _ in range(200)))
+            assert [answer.text for answer in answers] == ["ok"] * 200 and answered == 200
+            assert all(len(pool.connections) > 0 for pool in pools)  # every pool took its share
     finally:
         server.close()
         await server.wait_closed()
