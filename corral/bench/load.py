@@ -34,6 +34,7 @@ from corral.sdk import AsyncClient, AsyncSandbox
 __all__ = ["run_load_benchmark"]
 
 SANDBOX_MEMORY_MB = 32
+SANDBOX_CPU = 0.1  # 200 of them fit a 2-core node's admission (CORRAL_CPU_OVERCOMMIT 64: 128 at cpu=1)
 SANDBOX_TTL_S = 900.0  # a sandbox leaked by a crashed bench still goes away
 IDLE_SAMPLES = 100
 TAIL_TARGET = 10.0  # p99 / p50 under load
@@ -64,7 +65,12 @@ async def _measure(url: str, api_key: str, *, sandboxes: int, execs: int, rounds
         started = time.perf_counter()
         pool: list[AsyncSandbox] = []
         async for sandbox in client.create_many(
-            sandboxes, "busybox", memory_mb=SANDBOX_MEMORY_MB, ttl_s=SANDBOX_TTL_S, labels={"bench": "load"}
+            sandboxes,
+            "busybox",
+            cpu=SANDBOX_CPU,
+            memory_mb=SANDBOX_MEMORY_MB,
+            ttl_s=SANDBOX_TTL_S,
+            labels={"bench": "load"},
         ):
             pool.append(sandbox)
             progress.advance(task)
