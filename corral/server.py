@@ -95,6 +95,18 @@ def join_ray(address: str | None) -> None:
     ray.init(address=address or "auto", namespace=ACTOR_NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
 
 
+def _layers_left_running(store: StateStore, edges: dict[str, Edge]) -> set[str] | None:
+    """The layers of this server's sandboxes that outlive it; when the records cannot say (the database is
+    down), None: every helper is let go; one of an unused layer mounted here ends by itself, one an earlier
+    server left in another mount namespace waits out CORRAL_LAYER_HELPER_ORPHAN_S (lazy.py)."""
+    try:
+        left = store.list(states=ACTIVE_STATES)
+    except Exception:
+        log.warning("could not read which sandboxes are left running; keeping every layer helper", exc_info=True)
+        return None
+    return {entry.partition("#")[0] for record in left if record["edge_id"] in edges for entry in record["layers"]}
+
+
 def _ray_edges() -> RayEdges:
     from corral.cluster.ray_edge import RayEdges  # ray is imported only by cluster gateways
 
@@ -199,10 +211,7 @@ def serve(settings: Settings) -> None:
         finally:
             await service.close()
             if fetcher is not None:  # the layers of the sandboxes left running (re-adopted by the next start)
-                left = await asyncio.to_thread(store.list, states=ACTIVE_STATES)
-                in_use = {entry.partition("#")[0] for record in left if record["edge_id"] in edges
-                          for entry in record["layers"]}  # fmt: skip
-                await asyncio.to_thread(fetcher.close, in_use)
+                await asyncio.to_thread(fetcher.close, await asyncio.to_thread(_layers_left_running, store, edges))
             store.close()
 
     upload_dir = settings.data_dir / "uploads"

@@ -235,7 +235,11 @@ class NodeEdge:
             self._heartbeat.cancel()
         await self.edge.close()
         if self._fetcher is not None:
-            in_use = await asyncio.to_thread(self._layers_in_use)
+            try:
+                in_use: set[str] | None = await asyncio.to_thread(self._layers_in_use)
+            except Exception:  # the database is down: let every helper go (free for an unused layer)
+                log.warning("edge %s: could not read which layers are in use", self.edge.edge_id, exc_info=True)
+                in_use = None
             await asyncio.to_thread(self._fetcher.close, in_use)
         self.store.close()
 

@@ -102,9 +102,9 @@ class LayerFetcher:
                 raise
             return filling
 
-    def close(self, in_use: Collection[str] = ()) -> None:
-        """Stop the on-demand helpers, but for those of the layers ``in_use`` by sandboxes left running: they
-        keep serving them, for the next server to reattach to (lazy.py)."""
+    def close(self, in_use: Collection[str] | None = ()) -> None:
+        """Stop the on-demand helpers, but for those of the layers ``in_use`` by sandboxes left running (None:
+        not known, all of them): they keep serving them, for the next server to reattach to (lazy.py)."""
         if self.on_demand is not None:
             self.on_demand.close(keep_serving=in_use)
 

@@ -345,22 +345,24 @@ class OnDemandLayers:
         PartialFiles.of(self._store.root, digest).remove()
         return True
 
-    def close(self, keep_serving: Collection[str] = ()) -> None:
+    def close(self, keep_serving: Collection[str] | None = ()) -> None:
         """Stop the helpers and the fetch threads. The helpers of the layers in ``keep_serving`` (those of the
-        sandboxes left running) are only let go: their mounts stay readable, and the next server reattaches
-        to them (a mount of this server's that nobody uses any more ends its helper: it is detached here)."""
+        sandboxes left running; None: not known, every layer) are only let go: their mounts stay readable, and
+        the next server reattaches to them (a mount of this server's that nobody uses any more ends its
+        helper: it is detached here)."""
+        kept = (lambda digest: True) if keep_serving is None else keep_serving.__contains__
         with self._lock:
             fillings, self._layers = list(self._layers.values()), {}
             complete_orphans, self._complete_orphans = self._complete_orphans, {}
         for filling in fillings:
-            if _digest_of(filling) in keep_serving:
+            if kept(_digest_of(filling)):
                 _libc.umount2(os.fsencode(filling.mountpoint), _MNT_DETACH)
                 for helper in filling.helpers():
                     helper.let_go()
             else:
                 self._stop_helper(filling)
         for helper, digest in complete_orphans.items():
-            helper.let_go() if digest in keep_serving else helper.stop()
+            helper.let_go() if kept(digest) else helper.stop()
         self._source.close()  # fetches in flight fail now rather than at their timeout
         self._pool.shutdown(wait=True, cancel_futures=True)
         for filling in fillings:  # only now: a fetch thread must never write through a reused descriptor
