@@ -196,7 +196,7 @@ def test_a_gateway_killed_mid_batch_leaves_every_sandbox_accounted_for(
                 for sb in replica.create_many(30, "busybox", per_node=10, ttl_s=600, labels=labels):
                     handed.append(sb.id)
                     creating = store.list(states=[corral.SandboxState.CREATING.value], labels=labels)
-                    if killed is None and (len(handed) >= 3 and creating or len(handed) == 15):  # creates in flight
+                    if killed is None and (creating or len(handed) == 5):  # creates in flight, or soon
                         os.kill(replica_pid, signal.SIGKILL)
                         killed = time.monotonic()
         state.replicas.remove(replica_pid)
@@ -218,8 +218,10 @@ def test_a_gateway_killed_mid_batch_leaves_every_sandbox_accounted_for(
         print(f"\nbatch of 30 cut after {len(handed)}: {len(infos)} recorded, {len(running)} running, "
               f"{len(ended)} ended {reasons}")  # fmt: skip
         _assert_records_match_nodes(cluster, store, labels)
-        again = list(client.create_many(30 - len(running), "busybox", ttl_s=600, labels=labels))
-        assert len(again) == 30 - len(running)
+        missing = 30 - len(running)  # 0 when the batch outran the kill (its answers were already on the wire)
+        if missing:
+            again = list(client.create_many(missing, "busybox", ttl_s=600, labels=labels))
+            assert len(again) == missing
         assert client.get(handed[0]).exec("echo kept").stdout == "kept\n"
     finally:
         if replica_pid in state.replicas:

@@ -109,7 +109,13 @@ def test_background_command_with_stdin_and_wait(sandbox: corral.Sandbox) -> None
 
 def test_background_command_keeps_running_between_requests(sandbox: corral.Sandbox) -> None:
     command = sandbox.start("sleep 30")
-    assert sandbox.exec("ps").stdout.count("sleep 30") == 1
+    # `start` answers once the agent forked the command: its exec may come a moment later on a loaded machine
+    # (ps then shows a second /.corral/agent), so look until it shows (each look is a request of its own).
+    deadline = time.monotonic() + 10
+    while (seen := sandbox.exec("ps").stdout.count("sleep 30")) == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert seen == 1
+    assert sandbox.exec("ps").stdout.count("sleep 30") == 1  # and still there on the next request
     sandbox.signal(command.command_id, 15)
     finished = sandbox.command(command.command_id, wait_s=10)
     assert finished.result.exit_code == -15
