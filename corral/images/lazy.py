@@ -355,7 +355,7 @@ class OnDemandLayers:
             fillings, self._layers = list(self._layers.values()), {}
             complete_orphans, self._complete_orphans = self._complete_orphans, {}
         for filling in fillings:
-            if kept(_digest_of(filling)):
+            if kept(filling.index.digest):
                 _libc.umount2(os.fsencode(filling.mountpoint), _MNT_DETACH)
                 for helper in filling.helpers():
                     helper.let_go()
@@ -549,6 +549,7 @@ class OnDemandLayers:
                     with contextlib.suppress(ValueError):
                         filling.orphans.remove(helper)
                 self._complete_orphans.pop(helper, None)
+            helper.reader.close()  # the socket's file: the descriptor closes only once both are closed
             helper.sock.close()
 
     @staticmethod
@@ -663,10 +664,6 @@ def _connect(path: Path, timeout_s: float) -> _Helper:
     finally:
         os.close(dir_fd)
     return _Helper(sock=sock, reader=reader, pid=pid, dev=int(hello[1]))
-
-
-def _digest_of(filling: _Filling) -> str:
-    return filling.index.digest
 
 
 def _mount_dev(mountpoint: Path) -> int | None:
