@@ -104,7 +104,7 @@ def _layers_left_running(store: StateStore, edges: dict[str, Edge]) -> set[str] 
     except Exception:
         log.warning("could not read which sandboxes are left running; keeping every layer helper", exc_info=True)
         return None
-    return {entry.partition("#")[0] for record in left if record["edge_id"] in edges for entry in record["layers"]}
+    return {entry.partition("#")[0] for record in left if record.edge_id in edges for entry in record.layers}
 
 
 def _ray_edges() -> RayEdges:

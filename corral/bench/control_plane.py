@@ -63,6 +63,7 @@ from corral.images.store import LayerStore
 from corral.sdk import AsyncClient
 from corral.server import tune_gc
 from corral.state.db import StateStore
+from corral.state.records import SandboxRecord
 from corral.testing.simulated import SimulatedBackend
 from corral.trajectory import TrajectoryLog
 
@@ -213,28 +214,25 @@ def _db_write_baseline(database_url: str, records: int) -> dict[str, float]:
     try:
         now = time.time()
 
-        def record(index: int) -> dict[str, Any]:
-            return {
-                "id": f"sb-base-{uuid.uuid4().hex[:16]}", "edge_id": "base", "state": "creating", "image": IMAGE,
-                "backend": "container", "runtime": "crun", "cpu": SANDBOX_CPU, "memory_mb": SANDBOX_MEMORY_MB,
-                "pids_max": 256, "user": "root", "cwd": "/", "env": {}, "layers": ["sha256:" + "0" * 64],
-                "labels": {"job": "baseline", "i": str(index)}, "created_at": now, "expires_at": None,
-                "ttl_counts_paused": False, "idle_pause_s": None, "network": None, "protected_paths": [],
-                "disk_mb": None, "sensitive_paths": [],
-            }  # fmt: skip
+        def record(index: int) -> SandboxRecord:
+            request = CreateSandboxRequest(image=IMAGE, cpu=SANDBOX_CPU, memory_mb=SANDBOX_MEMORY_MB, user="root",
+                                           cwd="/", labels={"job": "baseline", "i": str(index)})  # fmt: skip
+            sandbox_id = f"sb-base-{uuid.uuid4().hex[:16]}"
+            return SandboxRecord.of_create(request, sandbox_id=sandbox_id, edge_id="base", image=IMAGE,
+                                           runtime="crun", layers=["sha256:" + "0" * 64], now=now)  # fmt: skip
 
         single = [record(i) for i in range(records)]
         started = time.perf_counter()
         for item in single:
             store.insert(item)
-            store.mark_running(item["id"])
+            store.mark_running(item.id)
         one_by_one = (time.perf_counter() - started) / records
         batched_records = [record(i) for i in range(records)]
         started = time.perf_counter()
         for start in range(0, records, 256):
             chunk = batched_records[start : start + 256]
             store.insert_many(chunk)
-            store.mark_running_many({item["id"]: None for item in chunk})
+            store.mark_running_many({item.id: None for item in chunk})
         batched = (time.perf_counter() - started) / records
         return {"one_transaction_each_ms": one_by_one * 1000, "batched_ms": batched * 1000}
     finally:

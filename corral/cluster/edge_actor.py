@@ -176,7 +176,7 @@ class NodeEdge:
     def _layers_in_use(self) -> set[str]:
         """The layers this node's sandboxes run on, from the shared records (a paused VM has no mount)."""
         records = self.store.list(states=ACTIVE_STATES, edge_id=self.edge.edge_id)
-        return {entry.partition("#")[0] for record in records for entry in record["layers"]}
+        return {entry.partition("#")[0] for record in records for entry in record.layers}
 
     async def stats(self) -> NodeStats:
         """The edge's stats, with what this node's layer cache takes on disk."""

@@ -11,17 +11,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, Protocol
+from typing import Protocol
 
 from corral.api.errors import NotFound
-from corral.api.models import NetworkPolicy, SandboxState
-from corral.backends.base import LayerRef, SandboxSpec, setuid_allowed
-from corral.backends.common.network import AllowRule
-from corral.edge.local import to_allow_rules
+from corral.api.models import SandboxState
+from corral.backends.base import LayerRef
 from corral.edge.protocol import Edge
 from corral.state.db import StateStore
+from corral.state.records import SandboxRecord
 
-__all__ = ["ACTIVE_STATES", "RECONCILE_EVERY_BEATS", "end_stale", "spec_from_record", "readopt"]
+__all__ = ["ACTIVE_STATES", "RECONCILE_EVERY_BEATS", "end_stale", "readopt"]
 
 log = logging.getLogger(__name__)
 
@@ -29,37 +28,9 @@ ACTIVE_STATES = [SandboxState.CREATING.value, SandboxState.RUNNING.value, Sandbo
 RECONCILE_EVERY_BEATS = 10  # heartbeats between two ``end_stale`` rounds
 
 
-def _rules(network: dict[str, Any] | None) -> tuple[AllowRule, ...] | None:
-    return None if network is None else to_allow_rules(NetworkPolicy.model_validate(network).allow)
-
-
-def spec_from_record(record: dict[str, Any], layers: tuple[LayerRef, ...]) -> SandboxSpec:
-    """The spec a sandbox was created with, from its record (``layers``: its stack's files on this node)."""
-    return SandboxSpec(
-        sandbox_id=record["id"],
-        image=record["image"],
-        layers=layers,
-        runtime=record["runtime"],
-        cpu=record["cpu"],
-        qos=record["qos"],
-        memory_mb=record["memory_mb"],
-        pids_max=record["pids_max"],
-        env=record["env"],
-        cwd=record["cwd"],
-        user=record["user"],
-        idle_pause_s=record["idle_pause_s"],
-        network=_rules(record["network"]),
-        protected_paths=tuple(record["protected_paths"] or ()),
-        sensitive_paths=tuple(record["sensitive_paths"] or ()),
-        disk_mb=record["disk_mb"],
-        backend=record["backend"],
-        setuid_allowed=setuid_allowed(record["labels"] or {}),
-    )
-
-
 async def readopt(
     edge: Edge, store: StateStore, layers_of: Callable[[Iterable[str]], Awaitable[tuple[LayerRef, ...]]]
-) -> list[dict[str, Any]]:
+) -> list[SandboxRecord]:
     """Adopt what the records say runs on ``edge``; update the records; return the adopted ones' records.
 
     ``layers_of`` turns a record's stack entries into layer files on this node (raising NotFound when a
@@ -68,11 +39,11 @@ async def readopt(
     specs = []
     for record in records:
         try:
-            specs.append(spec_from_record(record, await layers_of(record["layers"])))
+            specs.append(record.to_spec(await layers_of(record.layers)))
         except NotFound:
-            store.end(record["id"], SandboxState.LOST, "lost", "its image layers are gone from this node")
+            store.end(record.id, SandboxState.LOST, "lost", "its image layers are gone from this node")
     states = await edge.adopt(specs)
-    starting = {record["id"]: record["state"] == SandboxState.CREATING.value for record in records}
+    starting = {record.id: record.state == SandboxState.CREATING.value for record in records}
     for sandbox_id, state in states.items():
         if state == SandboxState.PAUSED.value:
             store.update(sandbox_id, state=state)
@@ -82,7 +53,7 @@ async def readopt(
             store.end(sandbox_id, SandboxState.LOST, "lost", "a restart of its edge cut its create short")
         else:
             store.end(sandbox_id, SandboxState.LOST, "lost", "the sandbox did not survive a restart of its edge")
-    adopted = [record for record in records if states.get(record["id"]) is not None]
+    adopted = [record for record in records if states.get(record.id) is not None]
     log.info("edge %s: re-adopted %d of %d sandboxes", edge.edge_id, len(adopted), len(states))
     return adopted
 

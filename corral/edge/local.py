@@ -52,7 +52,7 @@ from corral.backends.base import (
     find_offer,
     split_offer,
 )
-from corral.backends.common.network import AllowRule
+from corral.backends.common.network import to_allow_rules
 from corral.backends.vm.memory import ksm_merged_bytes
 from corral.edge.host_readings import HostReadings, read_host
 from corral.edge.metrics import CountedEvents, EdgeMetrics
@@ -177,13 +177,6 @@ class _Sandbox:
 def _handover_settings(spec: SandboxSpec) -> dict[str, Any]:
     """The settings a warm sandbox takes from its claim (the edge applies them per command, not at start)."""
     return {"image": spec.image, "env": spec.env, "cwd": spec.cwd, "user": spec.user, "idle_pause_s": spec.idle_pause_s}
-
-
-def to_allow_rules(allow: list[NetworkRule]) -> tuple[AllowRule, ...]:
-    """API rules to the fabric's (validated there: InvalidRequest on a bad one)."""
-    return tuple(
-        AllowRule(cidr=r.cidr, ports=tuple(r.ports), protocol=r.protocol, host=r.host, action=r.action) for r in allow
-    )
 
 
 def _lookup_owner(tree: FileTree, user: str) -> tuple[int, int]:

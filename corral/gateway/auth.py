@@ -19,7 +19,8 @@ from sqlalchemy import delete, insert, select
 from sqlalchemy.engine import Engine
 
 from corral.api.errors import AuthenticationError, InvalidRequest, PermissionDenied
-from corral.state.db import JOB_LABEL, job_tokens
+from corral.state.db import job_tokens
+from corral.state.records import JOB_LABEL
 
 __all__ = ["Caller", "JobTokens", "JOB_LABEL"]
 

@@ -43,11 +43,11 @@ class Grader:
         grader = await self._sandboxes.create(
             CreateSandboxRequest(
                 layers=stack,
-                cpu=agent["cpu"],
-                memory_mb=agent["memory_mb"],
-                pids_max=agent["pids_max"],
-                env={**agent["env"], **request.env},
-                cwd=agent["cwd"],
+                cpu=agent.cpu,
+                memory_mb=agent.memory_mb,
+                pids_max=agent.pids_max,
+                env={**agent.env, **request.env},
+                cwd=agent.cwd,
                 labels={"corral.grader_of": sandbox_id},
                 ttl_s=request.timeout_s + 600,
             )  # fmt: skip

@@ -44,6 +44,7 @@ from corral.images.builders import LayerBuilder, Progress
 from corral.images.catalogue import Catalogue, CatalogueLayer, input_key
 from corral.images.pull import ImagePuller
 from corral.images.store import ImageRecord, parse_ref
+from corral.state.records import SandboxRecord
 
 __all__ = ["ImageService"]
 
@@ -388,16 +389,16 @@ class ImageService:
             )
         else:
             snap = await self.snapshot(sandbox_id, None)
-            child = self._sandboxes.request_like(parent, labels={**request.labels, "corral.forked_from": sandbox_id},
-                                                 layers=snap.layers)  # fmt: skip
+            child = parent.to_request(labels={**request.labels, "corral.forked_from": sandbox_id}, layers=snap.layers)
             children = list(await asyncio.gather(*(self._sandboxes.create(child) for _ in range(request.count))))
         self._sandboxes.metrics.operations.labels("forked").inc(len(children))
         return children
 
-    async def _fork_checkpointed(self, sandbox_id: str, parent: dict, request: ForkRequest) -> list[SandboxInfo]:  # type: ignore[type-arg]
+    async def _fork_checkpointed(
+        self, sandbox_id: str, parent: SandboxRecord, request: ForkRequest
+    ) -> list[SandboxInfo]:
         # The same devices as the checkpoint it restores: a VM with a NIC needs one in its children too.
-        child = self._sandboxes.request_like(parent, labels={**request.labels, "corral.forked_from": sandbox_id},
-                                             network=parent["network"])  # fmt: skip
+        child = parent.to_request(labels={**request.labels, "corral.forked_from": sandbox_id}, network=parent.network)
         node = edge_of(sandbox_id)  # the checkpoint is files on the parent's node: the children start there
         if request.checkpoint is not None:
             named = request.checkpoint

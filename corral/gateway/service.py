@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -46,9 +47,8 @@ from corral.api.models import (
     SandboxState,
     is_registry_reference,
 )
-from corral.backends.base import Capability, LayerRef, SandboxSpec, offer_key, setuid_allowed
+from corral.backends.base import Capability, LayerRef, SandboxSpec, offer_key
 from corral.edge.adoption import end_stale, readopt
-from corral.edge.local import to_allow_rules
 from corral.edge.protocol import Edge, EdgeDirectory, edge_of, new_sandbox_id
 from corral.gateway.metrics import GatewayMetrics
 from corral.guard.audit import AuditLog
@@ -60,6 +60,7 @@ from corral.images.pull import ImagePuller
 from corral.scheduler.placement import NodesBusy, Scheduler
 from corral.state.db import StateStore, database_unreachable, unreachable_error
 from corral.state.events import EventLog
+from corral.state.records import SandboxRecord
 from corral.state.thread import DatabaseThread
 
 __all__ = ["WARM_LABEL", "SandboxService", "WarmPoolsLike"]
@@ -98,13 +99,13 @@ class _GroupCommit:
     def __init__(self, store: StateStore, db: DatabaseThread) -> None:
         self._store = store
         self._db = db
-        self._inserts: list[tuple[dict[str, Any], asyncio.Future[None]]] = []
+        self._inserts: list[tuple[SandboxRecord, asyncio.Future[None]]] = []
         self._running: list[tuple[str, Any, asyncio.Future[bool]]] = []  # (id, status note, future)
         self._claims: list[tuple[str, Any, asyncio.Future[bool]]] = []  # (id, the client's values, future)
         self._flushing: asyncio.Task[None] | None = None
         self._outage_since: float | None = None  # monotonic time the database first failed, while it fails
 
-    async def insert(self, record: dict[str, Any]) -> None:
+    async def insert(self, record: SandboxRecord) -> None:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._inserts.append((record, future))
         self._schedule()
@@ -261,8 +262,8 @@ class SandboxService:
             await edge.start()
             self.scheduler.add_node(await edge.load())
             for record in await readopt(edge, self._store, self._layers_on_node):
-                self.scheduler.reserve(record["id"], edge_id, cpu=record["cpu"], memory_mb=record["memory_mb"],
-                                       layers=record["layers"], starting=False)  # fmt: skip
+                self.scheduler.reserve(record.id, edge_id, cpu=record.cpu, memory_mb=record.memory_mb,
+                                       layers=record.layers, starting=False)  # fmt: skip
         if self._remote is not None:
             self._sync_remote_nodes(time.time() - self._node_lost_after_s, await self._db.run(self._store.nodes))
         self._reaper = asyncio.get_running_loop().create_task(self._reap_expired())
@@ -476,7 +477,7 @@ class SandboxService:
             if progress is not None:
                 progress(f"evicted unused layer {digest[:19]}… to stay under {budget_mb} MB")
 
-    async def record(self, sandbox_id: str) -> dict[str, Any]:
+    async def record(self, sandbox_id: str) -> SandboxRecord:
         record = await self._db.run(self._store.get, sandbox_id)
         if record is None:
             raise NotFound(f"no sandbox {sandbox_id}")
@@ -504,7 +505,7 @@ class SandboxService:
     async def network_status(self, sandbox_id: str) -> NetworkStatus:
         record = await self.record(sandbox_id)
         address, egress, ingress = await self.call(sandbox_id, lambda edge: edge.network_status(sandbox_id))
-        policy = NetworkPolicy.model_validate(record["network"]) if record["network"] is not None else None
+        policy = NetworkPolicy.model_validate(record.network) if record.network is not None else None
         return NetworkStatus(
             address=address,
             allow=policy.allow if policy else None,
@@ -512,36 +513,20 @@ class SandboxService:
             denied_ingress_packets=ingress,
         )
 
-    @staticmethod
-    def request_like(record: dict, *, labels: dict[str, str], **overrides: Any) -> CreateSandboxRequest:  # type: ignore[type-arg]
-        """A create request with a recorded sandbox's settings (stack, backend, limits, env, user, TTL length,
-        guard, node selector), for its forks and replays; ``labels`` are added to its own."""
-        values: dict[str, Any] = {
-            "layers": record["layers"], "backend": record["backend"], "runtime": record["runtime"],
-            "cpu": record["cpu"], "qos": record["qos"], "memory_mb": record["memory_mb"],
-            "pids_max": record["pids_max"], "env": record["env"], "cwd": record["cwd"], "user": record["user"],
-            "ttl_s": record["expires_at"] - record["created_at"] if record["expires_at"] else None,
-            "ttl_counts_paused": record["ttl_counts_paused"], "idle_pause_s": record["idle_pause_s"],
-            "protected_paths": record["protected_paths"] or [], "sensitive_paths": record["sensitive_paths"] or [],
-            "disk_mb": record["disk_mb"], "labels": {**record["labels"], **labels},
-            "node_selector": record["node_selector"],
-        }  # fmt: skip
-        return CreateSandboxRequest(**{**values, **overrides})
-
-    def has_capability(self, record: dict[str, Any], capability: Capability) -> bool:
+    def has_capability(self, record: SandboxRecord, capability: Capability) -> bool:
         """Whether a recorded sandbox's kind (backend and runtime) has ``capability``, as its nodes declare it."""
-        return capability in (self.scheduler.capabilities(record["backend"], record["runtime"]) or ())
+        return capability in (self.scheduler.capabilities(record.backend, record.runtime) or ())
 
     async def layers_of(self, sandbox_id: str) -> list[str]:
-        return list((await self.record(sandbox_id))["layers"])
+        return list((await self.record(sandbox_id)).layers)
 
     def layers_in_use(self) -> set[str]:
-        return {d.partition("#")[0] for record in self._store.list(states=_ACTIVE) for d in record["layers"]}
+        return {d.partition("#")[0] for record in self._store.list(states=_ACTIVE) for d in record.layers}
 
     def _node_layers_in_use(self) -> set[str]:
         """The layers this server's own edges run sandboxes on (what its node's layer cache must keep)."""
         return {d.partition("#")[0] for edge_id in self._edges
-                for record in self._store.list(states=_ACTIVE, edge_id=edge_id) for d in record["layers"]}  # fmt: skip
+                for record in self._store.list(states=_ACTIVE, edge_id=edge_id) for d in record.layers}  # fmt: skip
 
     async def _prepare(self, request: CreateSandboxRequest) -> tuple[CreateSandboxRequest, str, tuple[LayerRef, ...]]:
         """Validate a create and resolve its layers: (request with defaults, listed image name, layers). The
@@ -614,45 +599,14 @@ class SandboxService:
         sandbox_id: str,
         *,
         restore_from: str | None = None,
-    ) -> tuple[SandboxSpec, dict[str, Any]]:
+    ) -> tuple[SandboxSpec, SandboxRecord]:
         """What the edge starts (or a warm sandbox becomes) and what the store records, for a prepared create."""
-        assert request.cwd is not None and request.user is not None  # filled in from the image by _prepare
-        edge_id = edge_of(sandbox_id)
-        now = time.time()
-        spec = SandboxSpec(
-            sandbox_id=sandbox_id,
-            image=image_name,
-            layers=layers,
-            runtime=request.runtime or self._default_runtime,
-            cpu=request.cpu,
-            memory_mb=request.memory_mb,
-            pids_max=request.pids_max,
-            qos=request.qos,
-            env=request.env,
-            cwd=request.cwd,
-            user=request.user,
-            idle_pause_s=request.idle_pause_s,
-            network=to_allow_rules(request.network.allow) if request.network is not None else None,
-            protected_paths=tuple(request.protected_paths),
-            sensitive_paths=tuple(request.sensitive_paths),
-            disk_mb=request.disk_mb,
-            backend=request.backend,
-            restore_from=restore_from,
-            setuid_allowed=setuid_allowed(request.labels),
-        )
-        record = {
-            "id": spec.sandbox_id, "edge_id": edge_id, "state": SandboxState.CREATING.value,
-            "image": spec.image, "backend": request.backend, "runtime": spec.runtime, "cpu": spec.cpu,
-            "qos": spec.qos,
-            "memory_mb": spec.memory_mb, "pids_max": spec.pids_max, "user": spec.user, "cwd": spec.cwd,
-            "env": spec.env, "layers": [layer.mount_key for layer in layers], "labels": request.labels,
-            "created_at": now, "expires_at": now + request.ttl_s if request.ttl_s else None,
-            "ttl_counts_paused": request.ttl_counts_paused, "idle_pause_s": request.idle_pause_s,
-            "network": request.network.model_dump() if request.network is not None else None,
-            "protected_paths": request.protected_paths, "disk_mb": request.disk_mb,
-            "sensitive_paths": request.sensitive_paths, "node_selector": request.node_selector,
-        }  # fmt: skip
-        return spec, record
+        record = SandboxRecord.of_create(
+            request, sandbox_id=sandbox_id, edge_id=edge_of(sandbox_id), image=image_name,
+            runtime=request.runtime or self._default_runtime, layers=[layer.mount_key for layer in layers],
+            now=time.time(),
+        )  # fmt: skip
+        return record.to_spec(layers, restore_from=restore_from), record
 
     async def _create_placed(
         self,
@@ -733,7 +687,7 @@ class SandboxService:
             self.metrics.created(request.backend, took_s)
             log.info("created on %s in %.0f ms: %s (%s)", edge_id, took_s * 1000, spec.image, request.backend,
                      extra={"sandbox_id": spec.sandbox_id})  # fmt: skip
-            return StateStore.to_info({**record, "state": SandboxState.RUNNING.value, "status_message": note})
+            return dataclasses.replace(record, state=SandboxState.RUNNING.value, status_message=note).to_info()
 
     async def create_prepared(
         self, request: CreateSandboxRequest, image_name: str, layers: tuple[LayerRef, ...]
@@ -746,11 +700,11 @@ class SandboxService:
         writes); False if it ended meanwhile."""
         return await self._writes.claim(sandbox_id, values)
 
-    def records_labelled(self, key: str) -> builtins.list[dict[str, Any]]:
+    def records_labelled(self, key: str) -> builtins.list[SandboxRecord]:
         """Active records that carry label ``key`` (whatever its value) on the edges this service places on (its
         own; on a Ray cluster, every node's): a pool's sandboxes after a restart."""
-        return [record for record in self._store.list(states=_ACTIVE) if key in record["labels"]
-                and (self._remote is not None or record["edge_id"] in self._edges)]  # fmt: skip
+        return [record for record in self._store.list(states=_ACTIVE) if key in record.labels
+                and (self._remote is not None or record.edge_id in self._edges)]  # fmt: skip
 
     @property
     def default_runtime(self) -> str:
@@ -828,15 +782,15 @@ class SandboxService:
         if record is None:
             edge_of(sandbox_id)  # a malformed id gets the more useful message
             raise NotFound(f"no sandbox {sandbox_id}: it never existed here (check the id, or CORRAL_URL)")
-        return StateStore.to_info(record)
+        return record.to_info()
 
     async def list(self, *, states: list[str] | None, labels: dict[str, str]) -> list[SandboxInfo]:
         """Sandboxes by state and labels; fncall and warm pool sandboxes only when asked for by their label."""
         records = await self._db.run(self._store.list, states=states or _ACTIVE, labels=labels)
         for pool_label in (_POOL_LABEL, WARM_LABEL):
             if pool_label not in labels:
-                records = [r for r in records if pool_label not in r["labels"]]
-        return [StateStore.to_info(r) for r in records]
+                records = [r for r in records if pool_label not in r.labels]
+        return [r.to_info() for r in records]
 
     async def kill(self, sandbox_id: str) -> SandboxInfo:
         info = await self.get(sandbox_id)
@@ -1005,4 +959,4 @@ class SandboxService:
         record = await self._db.run(self._store.get, sandbox_id)
         if record is None:
             raise NotFound(f"no sandbox {sandbox_id}") from exc
-        self._raise_if_ended(StateStore.to_info(record))
+        self._raise_if_ended(record.to_info())

@@ -251,7 +251,7 @@ class Trajectories:
 
         with tracing.span("corral.sandbox.exec", sandbox_id=sandbox_id, edge_id=edge_of(sandbox_id)) as span:
             if tracing.enabled():  # a read of the record, paid only while tracing
-                span.set("backend", (await self._sandboxes.record(sandbox_id))["backend"])
+                span.set("backend", (await self._sandboxes.record(sandbox_id)).backend)
             return await self._logged(sandbox_id, request.step_id, "exec", body, run, ExecResult, edge_findings)
 
     async def start(self, sandbox_id: str, request: ExecRequest) -> CommandInfo:
@@ -392,9 +392,7 @@ class Trajectories:
         original = await self._sandboxes.record(sandbox_id)
         steps = _effective_steps(await self._db.run(self._log.steps, sandbox_id))
         fresh = await self._sandboxes.create(
-            self._sandboxes.request_like(
-                original, labels={**request.labels, "corral.replay_of": sandbox_id}, ttl_s=request.ttl_s
-            )  # fmt: skip
+            original.to_request(labels={**request.labels, "corral.replay_of": sandbox_id}, ttl_s=request.ttl_s)
         )
         skipped: list[str] = []
         mismatches: list[ReplayMismatch] = []

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import time
@@ -44,7 +45,7 @@ from corral.api.models import CreateSandboxRequest, SandboxInfo, SandboxState
 from corral.backends.base import SETUID_LABEL, LayerRef, setuid_allowed
 from corral.gateway.fncall import POOL_LABEL as FNCALL_LABEL
 from corral.gateway.service import WARM_LABEL, SandboxService
-from corral.state.db import StateStore
+from corral.state.records import SandboxRecord
 
 __all__ = ["WarmPools", "CLAIMED_NOTE"]
 
@@ -78,12 +79,12 @@ class Shape:
     sensitive_paths: tuple[str, ...]
 
     @classmethod
-    def of_record(cls, record: dict[str, Any]) -> Shape:
+    def of_record(cls, record: SandboxRecord) -> Shape:
         return cls(
-            layers=tuple(record["layers"]), backend=record["backend"], runtime=record["runtime"], cpu=record["cpu"],
-            memory_mb=record["memory_mb"], pids_max=record["pids_max"], qos=record["qos"], disk_mb=record["disk_mb"],
-            setuid_allowed=setuid_allowed(record["labels"]), protected_paths=tuple(record["protected_paths"] or ()),
-            sensitive_paths=tuple(record["sensitive_paths"] or ()),
+            layers=tuple(record.layers), backend=record.backend, runtime=record.runtime, cpu=record.cpu,
+            memory_mb=record.memory_mb, pids_max=record.pids_max, qos=record.qos, disk_mb=record.disk_mb,
+            setuid_allowed=setuid_allowed(record.labels), protected_paths=tuple(record.protected_paths or ()),
+            sensitive_paths=tuple(record.sensitive_paths or ()),
         )  # fmt: skip
 
     def label(self) -> str:
@@ -157,16 +158,16 @@ class WarmPools:
         demand as there were of them) or destroy them; then keep the pools filled."""
         records = self._sandboxes.records_labelled(WARM_LABEL)
         for record in records:
-            if not self.enabled or record["state"] != SandboxState.RUNNING.value:
-                await self._discard(record["id"], "stale")
+            if not self.enabled or record.state != SandboxState.RUNNING.value:
+                await self._discard(record.id, "stale")
                 continue
             try:
-                pool = self._pool(Shape.of_record(record), self._sandboxes.request_like(record, labels={}),
-                                  record["image"], self._sandboxes.layer_refs(record["layers"]))  # fmt: skip
+                pool = self._pool(Shape.of_record(record), record.to_request(labels={}), record.image,
+                                  self._sandboxes.layer_refs(record.layers))  # fmt: skip
             except CorralError:  # its layers are gone
-                await self._discard(record["id"], "stale")
+                await self._discard(record.id, "stale")
                 continue
-            pool.idle.append(record["id"])
+            pool.idle.append(record.id)
             pool.creates.append(time.monotonic())
         if records:
             log.info("warm pools: %d pool sandboxes after the restart, %d taken back", len(records), self.warm())
@@ -231,7 +232,7 @@ class WarmPools:
         """The record first (from then on the sandbox is the client's, whatever happens next: a restart adopts it
         with the client's settings), then the edge's per-command settings. None if it ended meanwhile."""
         spec, record = self._sandboxes.spec_and_record(request, image_name, layers, sandbox_id)
-        values = {name: record[name] for name in _CLAIMED_FIELDS} | {"status_message": CLAIMED_NOTE}
+        values = {name: getattr(record, name) for name in _CLAIMED_FIELDS} | {"status_message": CLAIMED_NOTE}
         if not await self._sandboxes.claim_record(sandbox_id, values):
             await self._discard(sandbox_id, "unclaimable")  # paused (memory pressure) or ended meanwhile
             return None
@@ -241,7 +242,7 @@ class WarmPools:
             log.warning("warm sandbox %s could not be handed over: %s", sandbox_id, exc.message)
             await self._sandboxes.kill(sandbox_id)
             return None
-        return StateStore.to_info({**record, "state": SandboxState.RUNNING.value, "status_message": CLAIMED_NOTE})
+        return dataclasses.replace(record, state=SandboxState.RUNNING.value, status_message=CLAIMED_NOTE).to_info()
 
     # -- refills ------------------------------------------------------------
 

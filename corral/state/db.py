@@ -44,11 +44,11 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.types import ARRAY
 
 from corral.api.errors import ServerUnavailable
-from corral.api.models import SandboxInfo, SandboxState
+from corral.api.models import SandboxState
+from corral.state.records import JOB_LABEL, SandboxRecord
 
 __all__ = [
     "EVENT_KINDS",
-    "SandboxRecord",
     "StateStore",
     "database_unreachable",
     "unreachable_error",
@@ -169,8 +169,8 @@ EVENT_KINDS = (
     "audit",
 )  # fmt: skip
 
-SandboxRecord = dict[str, Any]
-JOB_LABEL = "job"
+# A record's columns in its fields' order: rows construct records positionally.
+_RECORD_SELECT = select(*(sandboxes.c[name] for name in SandboxRecord.field_names()))
 _IN_CHUNK = 500  # ids per IN (...) list: SQLite caps the parameters of one statement
 _ACTIVE = (SandboxState.CREATING.value, SandboxState.RUNNING.value, SandboxState.PAUSED.value)
 
@@ -326,11 +326,11 @@ class StateStore:
 
     def insert(self, record: SandboxRecord) -> None:
         with self._engine.begin() as conn:
-            conn.execute(sandboxes.insert().values(**{**record, "job": record["labels"].get(JOB_LABEL)}))
+            conn.execute(sandboxes.insert().values(**record.row()))
 
-    def insert_many(self, records: list[SandboxRecord]) -> None:
+    def insert_many(self, records: builtins.list[SandboxRecord]) -> None:
         """Several records in one transaction (the creates of a burst commit together)."""
-        rows = [{**record, "job": record["labels"].get(JOB_LABEL)} for record in records]
+        rows = [record.row() for record in records]
         with self._engine.begin() as conn:
             if self._postgres:
                 _copy_rows(conn, sandboxes, rows)
@@ -509,8 +509,8 @@ class StateStore:
 
     def get(self, sandbox_id: str) -> SandboxRecord | None:
         with self._engine.connect() as conn:
-            row = conn.execute(select(sandboxes).where(sandboxes.c.id == sandbox_id)).mappings().first()
-            return dict(row) if row else None
+            row = conn.execute(_RECORD_SELECT.where(sandboxes.c.id == sandbox_id)).first()
+            return SandboxRecord(*row) if row else None
 
     def list(
         self,
@@ -519,7 +519,7 @@ class StateStore:
         labels: dict[str, str] | None = None,
         edge_id: str | None = None,
     ) -> builtins.list[SandboxRecord]:
-        query = select(sandboxes).order_by(sandboxes.c.created_at)
+        query = _RECORD_SELECT.order_by(sandboxes.c.created_at)
         if states:
             query = query.where(sandboxes.c.state.in_(states))
         if edge_id:
@@ -530,7 +530,7 @@ class StateStore:
             else:
                 query = query.where(sandboxes.c.labels[key].as_string() == value)
         with self._engine.connect() as conn:
-            return [dict(r) for r in conn.execute(query).mappings()]
+            return [SandboxRecord(*row) for row in conn.execute(query)]
 
     def mark_paused(self, sandbox_id: str, at: float) -> None:
         with self._engine.begin() as conn:
@@ -578,8 +578,3 @@ class StateStore:
 
     def close(self) -> None:
         self._engine.dispose()
-
-    @staticmethod
-    def to_info(record: SandboxRecord) -> SandboxInfo:
-        fields = {k: record[k] for k in SandboxInfo.model_fields if k in record}
-        return SandboxInfo(**fields)

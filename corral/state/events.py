@@ -14,7 +14,8 @@ from typing import Any
 from sqlalchemy import delete, select
 from sqlalchemy.engine import Engine
 
-from corral.state.db import JOB_LABEL, events, sandboxes
+from corral.state.db import events, sandboxes
+from corral.state.records import JOB_LABEL
 
 __all__ = ["EventFilter", "EventLog"]
 

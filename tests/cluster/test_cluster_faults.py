@@ -66,13 +66,13 @@ def _mismatches(cluster: LocalCluster, store: StateStore, labels: dict[str, str]
         active = store.active_ids(edge_id)
         problems += [f"{sandbox_id} runs on {edge_id} with no active record" for sandbox_id in ids - active]
     for record in store.list(labels=labels):
-        on_node = record["id"] in running.get(record["edge_id"], set())
-        if record["state"] == corral.SandboxState.RUNNING.value and not on_node:
-            problems.append(f"{record['id']} is running in the records but not on {record['edge_id']}")
-        if record["state"] in ("ended", "lost") and on_node:
-            problems.append(f"{record['id']} is {record['state']} in the records but runs on {record['edge_id']}")
-        if record["state"] == corral.SandboxState.CREATING.value:
-            problems.append(f"{record['id']} is still creating")
+        on_node = record.id in running.get(record.edge_id, set())
+        if record.state == corral.SandboxState.RUNNING.value and not on_node:
+            problems.append(f"{record.id} is running in the records but not on {record.edge_id}")
+        if record.state in ("ended", "lost") and on_node:
+            problems.append(f"{record.id} is {record.state} in the records but runs on {record.edge_id}")
+        if record.state == corral.SandboxState.CREATING.value:
+            problems.append(f"{record.id} is still creating")
     return problems
 
 
@@ -154,9 +154,9 @@ def test_a_postgres_restart_during_a_burst_loses_nothing(
         for _ in failures:  # the client retries what failed: the gateway reconnected on its own
             created.append(client.create("busybox", ttl_s=600, labels=labels))
         print(f"\n{len(outcomes)} creates met the restart: {len(failures)} failed retryably, all retried")
-        records = {record["id"]: record for record in store.list(labels=labels)}
+        records = {record.id: record for record in store.list(labels=labels)}
         for sb in created:
-            assert records[sb.id]["state"] == corral.SandboxState.RUNNING.value
+            assert records[sb.id].state == corral.SandboxState.RUNNING.value
         for sb in created[:: max(1, len(created) // 6)]:
             assert client.get(sb.id).exec("echo $((6 * 7))").stdout == "42\n"
         logged = {step.step_id: step for step in sandbox.trajectory()}

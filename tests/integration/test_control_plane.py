@@ -119,8 +119,8 @@ async def test_a_refusing_node_is_skipped_and_ended_sandboxes_give_back_room(tmp
     try:
         infos = await asyncio.gather(*(service.create(_request("r")) for _ in range(20)))
         assert {info.edge_id for info in infos} == {"n1"}
-        refused = [r for r in store.list(states=["ended"]) if r["end_reason"] == "refused"]
-        assert refused and all("memory is short" in r["status_message"] for r in refused)
+        refused = [r for r in store.list(states=["ended"]) if r.end_reason == "refused"]
+        assert refused and all("memory is short" in (r.status_message or "") for r in refused)
         assert service.scheduler.nodes["n1"].sandboxes == 20
         result = await service.edge(infos[0].id).exec(infos[0].id, ExecRequest(cmd="true"))
         assert (result.exit_code, result.stdout, result.stderr) == (0, "", "")

@@ -61,10 +61,10 @@ async def test_a_node_selector_places_every_sandbox_on_a_matching_node(tmp_path:
                 if event.sandbox is not None
             ]
             assert len(batch) == 40 and _edges_of(batch) == {"n3"}
-            assert store.get(batch[0].id)["node_selector"] == SSD_IN_B
+            assert store.get(batch[0].id).node_selector == SSD_IN_B
             assert (await service.get(batch[0].id)).node_selector == SSD_IN_B
 
-            like = service.request_like(await service.record(batch[0].id), labels={"copy": "1"})  # forks and replays
+            like = (await service.record(batch[0].id)).to_request(labels={"copy": "1"})  # forks and replays
             assert like.node_selector == SSD_IN_B
             copies = await asyncio.gather(*(service.create(like) for _ in range(10)))
             assert _edges_of(copies) == {"n3"}
@@ -73,7 +73,7 @@ async def test_a_node_selector_places_every_sandbox_on_a_matching_node(tmp_path:
             assert _edges_of([replayed.sandbox]) == {"n3"} and replayed.sandbox.node_selector == SSD_IN_B
 
             anywhere = await service.create(_request())
-            assert anywhere.node_selector == {} and store.get(anywhere.id)["node_selector"] == {}
+            assert anywhere.node_selector == {} and store.get(anywhere.id).node_selector == {}
 
             with pytest.raises(InvalidRequest, match="no node has labels zone=c; nodes have: .*disk=ssd,zone=b"):
                 await service.create(_request(node_selector={"zone": "c"}))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -10,7 +11,8 @@ from pathlib import Path
 import corral
 from corral.embedded import EmbeddedServer
 from corral.gateway.service import WARM_LABEL
-from corral.state.db import StateStore
+from corral.state.db import StateStore, sandboxes
+from corral.testing.records import sandbox_record
 from corral.trajectory import Replay, Step, TrajectoryLog
 
 
@@ -66,15 +68,17 @@ def test_node_selector_column_is_added_to_an_old_database_on_postgres(postgres_u
     store = StateStore(postgres_url)
     with store.engine.begin() as conn:
         conn.exec_driver_sql("ALTER TABLE sandboxes DROP COLUMN node_selector")
-    store.insert({"id": "sb-e0-pg-old-row", "edge_id": "e0", "state": "ended", "image": "busybox",
-                  "backend": "container", "runtime": "crun", "cpu": 1.0, "memory_mb": 512, "pids_max": 256,
-                  "user": "root", "cwd": "/", "env": {}, "layers": [], "labels": {}, "created_at": 0.0})  # fmt: skip
+    old_row = sandbox_record("sb-e0-pg-old-row", state="ended").row()
+    del old_row["node_selector"]  # what a version before the column wrote
+    with store.engine.begin() as conn:
+        conn.execute(sandboxes.insert().values(**old_row))
     store.close()
     store = StateStore(postgres_url)
     try:
-        assert store.get("sb-e0-pg-old-row")["node_selector"] == {}
-        store.insert({**store.get("sb-e0-pg-old-row"), "id": "sb-e0-pg-new-row", "node_selector": {"zone": "a"}})
-        assert store.get("sb-e0-pg-new-row")["node_selector"] == {"zone": "a"}
+        old = store.get("sb-e0-pg-old-row")
+        assert old is not None and old.node_selector == {}
+        store.insert(dataclasses.replace(old, id="sb-e0-pg-new-row", node_selector={"zone": "a"}))
+        assert store.get("sb-e0-pg-new-row").node_selector == {"zone": "a"}
     finally:
         with store.engine.begin() as conn:
             conn.exec_driver_sql("DELETE FROM sandboxes WHERE id IN ('sb-e0-pg-old-row', 'sb-e0-pg-new-row')")
@@ -83,14 +87,11 @@ def test_node_selector_column_is_added_to_an_old_database_on_postgres(postgres_u
 
 def test_batched_writes_store_what_single_writes_store_on_postgres(postgres_url: str) -> None:
     """insert_many (COPY on PostgreSQL) stores each column as insert does, to the JSON text (None as JSON null, an
-    empty list and dict, a tab, a backslash, non-ASCII), with the defaults of columns a record leaves out;
-    mark_running_many marks only the sandboxes still creating."""
+    empty list and dict, a tab, a backslash, non-ASCII); mark_running_many marks only the sandboxes still creating."""
     store = StateStore(postgres_url)
-    record = {"edge_id": "e0", "state": "creating", "image": "busybox", "backend": "container", "runtime": "crun",
-              "cpu": 0.25, "memory_mb": 256, "pids_max": 256, "user": "root", "cwd": "/tmp/a b",
-              "env": {"A": "tab\there\nnew \\ é"}, "layers": ["sha256:0"], "labels": {"job": "pg-batch", "k": "v"},
-              "created_at": 1796042149.2624586, "expires_at": None, "idle_pause_s": None, "network": None,
-              "protected_paths": [], "disk_mb": None, "sensitive_paths": None, "node_selector": {}}  # fmt: skip
+    record = sandbox_record("sb-e0-pg-record", state="creating", cpu=0.25, memory_mb=256, cwd="/tmp/a b",
+                            env={"A": "tab\there\nnew \\ é"}, layers=["sha256:0"], labels={"job": "pg-batch", "k": "v"},
+                            created_at=1796042149.2624586, protected_paths=[], sensitive_paths=None)  # fmt: skip
     ids = ["sb-e0-pg-single", "sb-e0-pg-batch-0", "sb-e0-pg-batch-1"]
     columns = (
         'state, image, cpu, qos, memory_mb, "user", cwd, env::text, layers::text, labels::text, '
@@ -98,17 +99,17 @@ def test_batched_writes_store_what_single_writes_store_on_postgres(postgres_url:
         "protected_paths::text, sensitive_paths::text, disk_mb, status_message, job"
     )
     try:
-        store.insert({**record, "id": ids[0]})
-        store.insert_many([{**record, "id": sandbox_id} for sandbox_id in ids[1:]])
+        store.insert(dataclasses.replace(record, id=ids[0]))
+        store.insert_many([dataclasses.replace(record, id=sandbox_id) for sandbox_id in ids[1:]])
         with store.engine.connect() as conn:
             rows = [tuple(conn.exec_driver_sql(f"SELECT {columns} FROM sandboxes WHERE id = %(id)s", {"id": i}).one())
                     for i in ids]  # fmt: skip
         assert rows[0] == rows[1] == rows[2]
-        assert store.get(ids[1])["labels"] == {"job": "pg-batch", "k": "v"} and store.get(ids[1])["job"] == "pg-batch"
+        assert store.get(ids[1]).labels == {"job": "pg-batch", "k": "v"} and store.get(ids[1]).job == "pg-batch"
         store.end(ids[2], corral.SandboxState.ENDED, "killed")
         assert store.mark_running_many({ids[1]: "up", ids[2]: "up", "sb-e0-pg-absent": None}) == {ids[1]}
-        assert (store.get(ids[1])["state"], store.get(ids[1])["status_message"]) == ("running", "up")
-        assert store.get(ids[2])["state"] == "ended"
+        assert (store.get(ids[1]).state, store.get(ids[1]).status_message) == ("running", "up")
+        assert store.get(ids[2]).state == "ended"
     finally:
         with store.engine.begin() as conn:
             conn.exec_driver_sql("DELETE FROM sandboxes WHERE id LIKE 'sb-e0-pg-%%'")
@@ -142,9 +143,7 @@ def test_a_warm_record_is_claimed_once_by_concurrent_claims_on_postgres(postgres
     FOR UPDATE): one gets it, with its values; the other's claim finds it taken (PostgreSQL re-checks the row)."""
     store = StateStore(postgres_url)
     warm_id = "sb-e0-00000000000c1a11"
-    store.insert({"id": warm_id, "edge_id": "e0", "state": "running", "image": "busybox", "backend": "container",
-                  "runtime": "crun", "cpu": 1.0, "memory_mb": 64, "pids_max": 256, "user": "root", "cwd": "/",
-                  "env": {}, "layers": [], "labels": {WARM_LABEL: "0123456789abcdef"}, "created_at": 1.0})  # fmt: skip
+    store.insert(sandbox_record(warm_id, labels={WARM_LABEL: "0123456789abcdef"}, created_at=1.0))
     start = threading.Barrier(2)
     won: dict[str, set[str]] = {}
 
@@ -170,7 +169,7 @@ def test_a_warm_record_is_claimed_once_by_concurrent_claims_on_postgres(postgres
             assert len(winners) == 1 and len(won) == 2, won
             record = store.get(warm_id)
             assert record is not None
-            assert (record["labels"], record["env"]) == ({"job": winners[0]}, {"TASK": winners[0]})
+            assert (record.labels, record.env) == ({"job": winners[0]}, {"TASK": winners[0]})
     finally:
         with store.engine.begin() as conn:
             conn.exec_driver_sql("DELETE FROM sandboxes WHERE id = %(id)s", {"id": warm_id})

@@ -16,6 +16,7 @@ from corral.gateway.service import SandboxService
 from corral.images.catalogue import Catalogue
 from corral.images.store import LayerStore
 from corral.state.db import StateStore
+from corral.testing.records import sandbox_record
 
 LOST_AFTER_S = 0.4
 GRACE_S = 1.5
@@ -39,10 +40,10 @@ class _Directory:
         return self.restarting_now & set(last_seen)
 
 
-def _sandbox(sandbox_id: str, edge_id: str) -> dict[str, Any]:
-    return {"id": sandbox_id, "edge_id": edge_id, "state": "running", "image": "busybox", "backend": "container",
-            "runtime": "crun", "cpu": 1.0, "memory_mb": 512, "pids_max": 256, "user": "root", "cwd": "/",
-            "env": {}, "layers": [], "labels": {}, "created_at": time.time()}  # fmt: skip
+def _state(store: StateStore, sandbox_id: str) -> str:
+    record = store.get(sandbox_id)
+    assert record is not None
+    return record.state
 
 
 async def test_a_restarting_node_keeps_its_sandboxes_for_the_grace_then_is_lost(tmp_path: Path) -> None:
@@ -58,15 +59,15 @@ async def test_a_restarting_node_keeps_its_sandboxes_for_the_grace_then_is_lost(
         load = EdgeLoad(edge_id=edge_id, node_cpu=2, node_memory_mb=4096, sandboxes=1, cpu_committed=1,
                         cpu_capacity=2, memory_committed_mb=512, memory_capacity_mb=4096)  # fmt: skip
         store.heartbeat(edge_id, load.model_dump(), silent_since)
-        store.insert(_sandbox(f"sb-{edge_id}", edge_id))
+        store.insert(sandbox_record(f"sb-{edge_id}", edge_id, created_at=time.time()))
     await service.start()
     try:
         await asyncio.sleep(LOST_AFTER_S + 0.6)
-        assert store.get("sb-stopped")["state"] == SandboxState.LOST
-        assert store.get("sb-restarting")["state"] == SandboxState.RUNNING
+        assert _state(store, "sb-stopped") == SandboxState.LOST
+        assert _state(store, "sb-restarting") == SandboxState.RUNNING
         assert directory.silent == {"restarting": True, "stopped": True}  # neither is placed on meanwhile
         deadline = silent_since + LOST_AFTER_S + GRACE_S + 2
-        while store.get("sb-restarting")["state"] != SandboxState.LOST:
+        while _state(store, "sb-restarting") != SandboxState.LOST:
             assert time.time() < deadline, "a restart that never ends kept its node's sandboxes past the grace"
             await asyncio.sleep(0.05)
         assert time.time() - silent_since >= LOST_AFTER_S + GRACE_S

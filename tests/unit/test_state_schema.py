@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from sqlalchemy import create_engine, text
@@ -23,11 +24,12 @@ def test_columns_added_since_are_added_to_an_old_database(tmp_path: Path) -> Non
     old.dispose()
     store = StateStore(url)
     record = store.get("sb-e0-old")
-    assert record["sensitive_paths"] is None and record["disk_mb"] is None and record["protected_paths"] is None
-    assert record["qos"] == "latency"  # a column with a default gets it on the old rows
-    assert record["node_selector"] == {}
-    store.insert({**record, "id": "sb-e0-new", "sensitive_paths": ["/work/hidden/"]})
-    assert store.get("sb-e0-new")["sensitive_paths"] == ["/work/hidden/"]
+    assert record is not None
+    assert record.sensitive_paths is None and record.disk_mb is None and record.protected_paths is None
+    assert record.qos == "latency"  # a column with a default gets it on the old rows
+    assert record.node_selector == {}
+    store.insert(dataclasses.replace(record, id="sb-e0-new", sensitive_paths=["/work/hidden/"]))
+    assert store.get("sb-e0-new").sensitive_paths == ["/work/hidden/"]
 
 
 def test_job_column_is_added_filled_and_indexed_in_an_old_database(tmp_path: Path) -> None:
@@ -43,8 +45,8 @@ def test_job_column_is_added_filled_and_indexed_in_an_old_database(tmp_path: Pat
                           "'/', '{}', '[]', '{\"job\": \"j1\", \"episode\": \"3\"}', 0, 0)"))  # fmt: skip
     old.dispose()
     store = StateStore(url)
-    assert [r["id"] for r in store.list(labels={"job": "j1"})] == ["sb-e0-old"]
-    assert [r["id"] for r in store.list(labels={"job": "j1", "episode": "3"})] == ["sb-e0-old"]
+    assert [r.id for r in store.list(labels={"job": "j1"})] == ["sb-e0-old"]
+    assert [r.id for r in store.list(labels={"job": "j1", "episode": "3"})] == ["sb-e0-old"]
     assert store.list(labels={"job": "j1", "episode": "4"}) == []
     with store.engine.connect() as conn:
         plan = " ".join(

@@ -44,10 +44,11 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from corral.api.errors import CapacityExhausted, Conflict, InternalError, InvalidRequest, NotFound
+from corral.api.models import NetworkRule
 
 __all__ = [
     "AllowRule", "DeniedCounts", "HostResolver", "NetworkFabric", "NON_PUBLIC_NETWORKS", "SUBNET", "GATEWAY",
-    "GUEST_LINK_IFNAME", "MAX_ALLOW_RULES", "internet_rules", "sandbox_veth_name",
+    "GUEST_LINK_IFNAME", "MAX_ALLOW_RULES", "internet_rules", "sandbox_veth_name", "to_allow_rules",
 ]  # fmt: skip
 
 IpProtocol = Literal["tcp", "udp", "icmp", "any"]
@@ -142,6 +143,13 @@ class AllowRule:
         if not self.ports:
             return f"{match} meta l4proto {self.protocol}"
         return f"{match} {self.protocol} dport {{ {', '.join(map(str, self.ports))} }}"
+
+
+def to_allow_rules(allow: Sequence[NetworkRule]) -> tuple[AllowRule, ...]:
+    """API rules to the fabric's (validated there: InvalidRequest on a bad one)."""
+    return tuple(
+        AllowRule(cidr=r.cidr, ports=tuple(r.ports), protocol=r.protocol, host=r.host, action=r.action) for r in allow
+    )
 
 
 # Destinations an internet grant never reaches: "this network", RFC 1918, CGNAT (RFC 6598), loopback, link-local

@@ -41,7 +41,7 @@ async def _authenticate(
     if sandbox_id is not None:
         current_sandbox.set(sandbox_id)  # on every log line written while serving this request
     if caller.job is not None and sandbox_id is not None:
-        caller.check_owner(sandbox_id, (await services.sandboxes.record(sandbox_id))["labels"])
+        caller.check_owner(sandbox_id, (await services.sandboxes.record(sandbox_id)).labels)
     return caller
 
 
