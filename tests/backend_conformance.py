@@ -231,6 +231,38 @@ async def check_recycle(case: Case) -> None:
         await case.backend.destroy(spec.sandbox_id)
 
 
+async def check_failed_create(case: Case) -> None:
+    """A create that fails part-way (its stack's top layer is not EROFS, after the layers below it were
+    taken) raises and leaves nothing: no sandbox that answers, no orphan, and the next create works."""
+    if case.kind == "simulated":
+        raise Skipped("the simulated backend reads no layers")
+    garbage = case.scratch / "not-a-layer.erofs"
+    garbage.write_bytes(b"\0" * 8192)
+    broken = case.fresh(layers=(*case.base.layers, LayerRef("sha256:" + "f" * 64, garbage)))
+    try:
+        await case.backend.create(broken)
+    except Exception:  # noqa: S110 - the failure is the point; what it left is checked below
+        pass
+    else:
+        await case.backend.destroy(broken.sandbox_id)
+        raise AssertionError("a stack with a layer that is not EROFS was created")
+    assert broken.sandbox_id not in await case.backend.orphans({case.sandbox_id})
+    data_dir = case.scratch.parent  # the backend's data dir: its directories, disks and sockets
+    assert not [str(path) for path in data_dir.rglob(f"*{broken.sandbox_id}*")], "a failed create left files"
+    try:
+        await case.run(broken.sandbox_id, "true")
+    except CorralError:
+        pass
+    else:
+        raise AssertionError("a failed create left a sandbox that runs commands")
+    again = case.fresh()
+    await case.backend.create(again)
+    try:
+        assert (await case.run(again.sandbox_id, "echo again"))[1] == "again\n"
+    finally:
+        await case.backend.destroy(again.sandbox_id)
+
+
 async def check_destroy(case: Case) -> None:
     """Last: the shared sandbox goes, twice (idempotent), and nothing answers for it afterwards."""
     await case.backend.destroy(case.sandbox_id)
@@ -246,7 +278,7 @@ CHECKS: dict[str, Callable[[Case], Awaitable[None]]] = {
     check.__name__.removeprefix("check_"): check
     for check in (
         check_offers, check_exec, check_terminal, check_files, check_pause_resume, check_stats, check_changed_paths,
-        check_snapshot, check_fork, check_recycle, check_destroy,
+        check_snapshot, check_fork, check_recycle, check_failed_create, check_destroy,
     )
 }  # fmt: skip
 

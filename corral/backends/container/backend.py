@@ -12,6 +12,7 @@ namespace (see native/launch.c). Commands run through corral-agent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -35,7 +36,6 @@ from corral.backends.base import (
     offer_key,
 )
 from corral.backends.common.agent_protocol import (
-    AgentConnection,
     IpcCounts,
 )
 from corral.backends.common.host import CgroupLayout, LayerMounts, NativeHelpers, orphans
@@ -278,68 +278,59 @@ class ContainerBackend:
         runtime = self.runtime(spec.runtime)
         isolation = self._isolations[runtime.name]
         isolation.refuse(spec)
-        root = self._dir / spec.sandbox_id
-        bundle = root / "bundle"
-        try:  # a disk that cannot be made or a layer that cannot be mounted leaves nothing behind
+        bundle = self._dir / spec.sandbox_id / "bundle"
+        # Each step that takes something pushes how to give it back; a failure at any later step (a disk that
+        # cannot be made, a layer that cannot be mounted, an agent that never answers) undoes them, last first.
+        async with contextlib.AsyncExitStack() as undo:
+            undo.push_async_callback(asyncio.to_thread, self._remove_dirs, spec.sandbox_id)
             bundle.joinpath("rootfs").mkdir(parents=True, exist_ok=True)
             await self._limit_layer(spec)
             upper, work = self.upper(spec.sandbox_id), self.work(spec.sandbox_id)
             for path in (upper, work):
                 path.mkdir(parents=True, exist_ok=True)
             lowers = await self.acquire_layers(spec)
-        except BaseException:
-            await asyncio.to_thread(self._remove_dirs, spec.sandbox_id)
-            raise
-        config = build_config(
-            hostname=spec.sandbox_id[-12:],
-            limits=ContainerLimits(
-                cpu=spec.cpu,
-                memory_mb=spec.memory_mb,
-                pids_max=spec.pids_max,
-                cpu_shares=qos.weight_to_shares(qos.weight_of(spec.qos)),
-                open_files=self._open_files,
-            ),
-            cgroup_path=qos.cgroup_path(spec.sandbox_id, spec.qos),
-            agent_binary=self._helpers.agent,
-            log_denials=runtime.name == "crun",
-            setuid_allowed=spec.setuid_allowed,
-        )
-        (bundle / "config.json").write_text(json.dumps(isolation.config(config, spec.sandbox_id)))
-        agent: AgentConnection | None = None
-        try:
+            undo.callback(self.release_layers, spec)
+            config = build_config(
+                hostname=spec.sandbox_id[-12:],
+                limits=ContainerLimits(
+                    cpu=spec.cpu,
+                    memory_mb=spec.memory_mb,
+                    pids_max=spec.pids_max,
+                    cpu_shares=qos.weight_to_shares(qos.weight_of(spec.qos)),
+                    open_files=self._open_files,
+                ),
+                cgroup_path=qos.cgroup_path(spec.sandbox_id, spec.qos),
+                agent_binary=self._helpers.agent,
+                log_denials=runtime.name == "crun",
+                setuid_allowed=spec.setuid_allowed,
+            )
+            (bundle / "config.json").write_text(json.dumps(isolation.config(config, spec.sandbox_id)))
+            undo.push_async_callback(runtime.kill_and_delete, spec.sandbox_id)
             async with self._create_slots:
                 init_pid, agent = await isolation.start(runtime, spec, bundle, Overlay(lowers, upper, work))
+            undo.callback(agent.close)
             # What a pristine sandbox holds, for recycle (where its isolation allows recycling at all).
             recycles = Capability.RECYCLE in isolation.capabilities
             baseline = await asyncio.to_thread(_pristine_state, upper, init_pid) if recycles else frozenset()
-        except BaseException:
-            if agent is not None:
-                agent.close()
-            await runtime.kill_and_delete(spec.sandbox_id)
-            self.release_layers(spec)
-            await asyncio.to_thread(self._remove_dirs, spec.sandbox_id)
-            raise
-        container = Container(spec, runtime, isolation, agent, init_pid, self._memory(spec), baseline=baseline)
-        self._containers[spec.sandbox_id] = container
-        self._watch_kernel(container)
-        if spec.network is not None:
-            try:
+            container = Container(spec, runtime, isolation, agent, init_pid, self._memory(spec), baseline=baseline)
+            self._containers[spec.sandbox_id] = container
+            undo.callback(self._containers.pop, spec.sandbox_id, None)
+            self._watch_kernel(container)
+            undo.pop_all()  # the sandbox is whole: from here destroy gives all of it back
+            if spec.network is not None:
+                undo.push_async_callback(self.destroy, spec.sandbox_id)
                 await self._plug(container, spec.network)
-            except BaseException:
-                await self.destroy(spec.sandbox_id)
-                raise
+                undo.pop_all()
         return None
 
     async def acquire_layers(self, spec: SandboxSpec) -> list[Path]:
-        """Mountpoints of the sandbox's layers, top first (overlayfs lowerdir order)."""
+        """Mountpoints of the sandbox's layers, top first (overlayfs lowerdir order); all or none."""
         acquired: list[Path] = []
-        try:
+        with contextlib.ExitStack() as undo:
             for layer in reversed(spec.layers):
                 acquired.append(await self._mounts.acquire(layer.mount_key, layer.path))
-        except BaseException:
-            for layer in list(reversed(spec.layers))[: len(acquired)]:
-                self._mounts.release(layer.mount_key)
-            raise
+                undo.callback(self._mounts.release, layer.mount_key)
+            undo.pop_all()
         return acquired
 
     def release_layers(self, spec: SandboxSpec) -> None:
