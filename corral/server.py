@@ -24,7 +24,6 @@ import uvicorn
 
 from corral import tracing
 from corral.config import Settings
-from corral.edge.adoption import ACTIVE_STATES
 from corral.edge.protocol import Edge
 from corral.gateway.app import create_app
 from corral.gateway.auth import JobTokens
@@ -100,11 +99,10 @@ def _layers_left_running(store: StateStore, edges: dict[str, Edge]) -> set[str] 
     down), None: every helper is let go; one of an unused layer mounted here ends by itself, one an earlier
     server left in another mount namespace waits out CORRAL_LAYER_HELPER_ORPHAN_S (lazy.py)."""
     try:
-        left = store.list(states=ACTIVE_STATES)
+        return store.layers_in_use(edges)
     except Exception:
         log.warning("could not read which sandboxes are left running; keeping every layer helper", exc_info=True)
         return None
-    return {entry.partition("#")[0] for record in left if record.edge_id in edges for entry in record.layers}
 
 
 def _ray_edges() -> RayEdges:

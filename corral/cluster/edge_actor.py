@@ -35,7 +35,7 @@ from corral.api.errors import InvalidRequest
 from corral.api.models import NodeStats, SandboxState
 from corral.backends.base import LayerRef, SandboxSpec
 from corral.config import Settings
-from corral.edge.adoption import ACTIVE_STATES, RECONCILE_EVERY_BEATS, end_stale, readopt
+from corral.edge.adoption import RECONCILE_EVERY_BEATS, end_stale, readopt
 from corral.edge.local import LocalEdge
 from corral.edge.protocol import EDGE_METHODS
 from corral.guard.audit import AuditLog
@@ -175,8 +175,7 @@ class NodeEdge:
 
     def _layers_in_use(self) -> set[str]:
         """The layers this node's sandboxes run on, from the shared records (a paused VM has no mount)."""
-        records = self.store.list(states=ACTIVE_STATES, edge_id=self.edge.edge_id)
-        return {entry.partition("#")[0] for record in records for entry in record.layers}
+        return self.store.layers_in_use([self.edge.edge_id])
 
     async def stats(self) -> NodeStats:
         """The edge's stats, with what this node's layer cache takes on disk."""

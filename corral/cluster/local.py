@@ -35,6 +35,7 @@ import httpx
 from corral.cluster.edge_actor import node_resource
 from corral.cluster.network import FORWARD_READY, ClusterNetwork
 from corral.embedded import EmbeddedServer, delete_leftover_sandboxes
+from corral.procfs import stat_fields
 from corral.sdk import Client, CorralError
 
 __all__ = ["ClusterState", "LocalCluster", "NodeProcess", "join_node", "LOCAL_RAY_ENV", "stop_session"]
@@ -105,15 +106,11 @@ def _reap_if_zombie(pid: int, state: str) -> bool:
 def _session_members(session: int) -> list[int]:
     """Live processes of a session (zombies left out)."""
     members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        fields = text[text.rindex(")") + 2 :].split()
+    for entry in Path("/proc").glob("[0-9]*"):
+        fields = stat_fields(int(entry.name))
         # fields[0] is the state, fields[3] the session id (fields 3 and 6 of /proc/PID/stat)
-        if int(fields[3]) == session and not _reap_if_zombie(int(stat.parent.name), fields[0]):
-            members.append(int(stat.parent.name))
+        if fields is not None and int(fields[3]) == session and not _reap_if_zombie(int(entry.name), fields[0]):
+            members.append(int(entry.name))
     return members
 
 
@@ -476,11 +473,8 @@ def _stop_pid(pid: int) -> None:
         return
     deadline = time.monotonic() + _STOP_GRACE_S
     while time.monotonic() < deadline:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            return
-        if _reap_if_zombie(pid, stat[stat.rindex(")") + 2]):
+        fields = stat_fields(pid)
+        if fields is None or _reap_if_zombie(pid, fields[0]):
             return
         time.sleep(0.1)
     with contextlib.suppress(ProcessLookupError):

@@ -322,9 +322,8 @@ class SandboxService:
         last_seen = {row["edge_id"]: row["last_seen"] for row in await self._db.run(self._store.nodes)
                      if row["edge_id"] in silent}  # fmt: skip
         restarting = await asyncio.to_thread(self._remote.restarting, last_seen)
-        if restarting:
-            past_grace = before - self._node_restart_grace_s
-            restarting -= set(await self._db.run(self._store.silent_nodes, past_grace, exclude=set(self._edges)))
+        past_grace = before - self._node_restart_grace_s  # silent since before this: the grace is over
+        restarting = {edge_id for edge_id in restarting if last_seen[edge_id] >= past_grace}
         for edge_id in restarting - self._restarting:
             log.warning("node %s is silent while Ray restarts its edge: its sandboxes are kept for up to %gs more",
                         edge_id, self._node_restart_grace_s)  # fmt: skip
@@ -521,12 +520,12 @@ class SandboxService:
         return list((await self.record(sandbox_id)).layers)
 
     def layers_in_use(self) -> set[str]:
-        return {d.partition("#")[0] for record in self._store.list(states=_ACTIVE) for d in record.layers}
+        return self._store.layers_in_use()
 
-    def _node_layers_in_use(self) -> set[str]:
-        """The layers this server's own edges run sandboxes on (what its node's layer cache must keep)."""
-        return {d.partition("#")[0] for edge_id in self._edges
-                for record in self._store.list(states=_ACTIVE, edge_id=edge_id) for d in record.layers}  # fmt: skip
+    def node_layers_in_use(self) -> set[str]:
+        """The layers this server's own edges run sandboxes on (what its node's layer cache must keep, and its
+        layer helpers go on serving after it stopped)."""
+        return self._store.layers_in_use(self._edges)
 
     async def _prepare(self, request: CreateSandboxRequest) -> tuple[CreateSandboxRequest, str, tuple[LayerRef, ...]]:
         """Validate a create and resolve its layers: (request with defaults, listed image name, layers). The
@@ -588,7 +587,7 @@ class SandboxService:
         with fetcher.hold(digests):
             for digest in digests:
                 await fetcher.ensure(digest)
-            await fetcher.enforce_cache_budget(self._node_layers_in_use)
+            await fetcher.enforce_cache_budget(self.node_layers_in_use)
             yield
 
     def spec_and_record(

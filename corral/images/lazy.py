@@ -73,6 +73,7 @@ import httpx
 
 from corral.api.errors import InternalError, NotFound, ServerUnavailable
 from corral.images.store import ChunkIndex, LayerStore, check_layer_file
+from corral.procfs import running
 
 __all__ = ["LAZY_FILE_NAME", "AuditSink", "LayerSource", "OnDemandLayers", "PartialFiles", "build_lazyfs",
            "check_layer", "is_on_demand_file"]  # fmt: skip
@@ -261,9 +262,9 @@ class _Helper:
                 self.process.wait()
         else:
             deadline = time.monotonic() + 5
-            while _running(self.pid) and time.monotonic() < deadline:
+            while running(self.pid) and time.monotonic() < deadline:
                 time.sleep(0.02)
-            if _running(self.pid):
+            if running(self.pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.pid, signal.SIGKILL)
         with contextlib.suppress(OSError):
@@ -677,15 +678,6 @@ def _mount_dev(mountpoint: Path) -> int | None:
             major, _, minor = fields[2].partition(":")
             dev = os.makedev(int(major), int(minor))
     return dev
-
-
-def _running(pid: int) -> bool:
-    """Whether a process is there and not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def _sandbox_of(pid: int) -> str | None:

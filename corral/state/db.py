@@ -13,7 +13,7 @@ import builtins
 import functools
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -531,6 +531,17 @@ class StateStore:
                 query = query.where(sandboxes.c.labels[key].as_string() == value)
         with self._engine.connect() as conn:
             return [SandboxRecord(*row) for row in conn.execute(query)]
+
+    def layers_in_use(self, edge_ids: Collection[str] | None = None) -> set[str]:
+        """The layer digests the active sandboxes stack (of these edges only, when given): what a layer cache
+        must keep and a layer helper must go on serving. Reads the one column, not whole records."""
+        if edge_ids is not None and not edge_ids:
+            return set()
+        query = select(sandboxes.c.layers).where(sandboxes.c.state.in_(_ACTIVE))
+        if edge_ids is not None:
+            query = query.where(sandboxes.c.edge_id.in_(list(edge_ids)))
+        with self._engine.connect() as conn:
+            return {entry.partition("#")[0] for (stack,) in conn.execute(query) for entry in stack}
 
     def mark_paused(self, sandbox_id: str, at: float) -> None:
         with self._engine.begin() as conn:

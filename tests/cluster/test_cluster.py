@@ -23,6 +23,7 @@ import corral
 from corral.cluster.local import LocalCluster, stop_session
 from corral.cluster.network import ClusterNetwork
 from corral.embedded import delete_leftover_sandboxes
+from corral.procfs import running
 from corral.state.db import StateStore
 from tests.cluster.conftest import NODE_LOST_AFTER_S, NODES, edge_of
 
@@ -303,20 +304,11 @@ def test_cluster_commands_up_twice_status_and_down(tmp_path: Path, postgres_url:
         host_only.shutdown()
         host_only.server_close()
     assert down.returncode == 0, down.stdout + down.stderr
-    assert forwarder and not _alive(forwarder)
+    assert forwarder and not running(forwarder)  # an orphan that ended may stay a zombie here
     assert not (directory / "cluster.json").exists()
     assert corral_cli("status").returncode == 1
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert ClusterNetwork.for_directory(directory).name not in netns
-
-
-def _alive(pid: int) -> bool:
-    """Whether the process runs (an orphan that ended may stay a zombie of this test process until reaped)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 class _Hello(BaseHTTPRequestHandler):

@@ -17,6 +17,7 @@ import pytest
 
 import corral
 from corral.embedded import EmbeddedServer
+from corral.procfs import stat_fields
 from corral.testing.leftovers import find_leftovers
 from tests.conftest import SLOW_ENV, restartable_server
 
@@ -128,12 +129,8 @@ def _zombie_children(pid: int) -> list[int]:
     zombies = []
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
-            try:
-                stat = open(f"{entry.path}/stat").read()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2 :].split()
-            if fields[0] == "Z" and int(fields[1]) == pid:
+            fields = stat_fields(int(entry.name))
+            if fields is not None and fields[0] == "Z" and int(fields[1]) == pid:
                 zombies.append(int(entry.name))
     return zombies
 

@@ -12,6 +12,7 @@ from corral.backends.base import SETUID_LABEL, LayerRef
 from corral.backends.common.network import AllowRule
 from corral.state.db import StateStore, sandboxes
 from corral.state.records import SandboxRecord
+from corral.testing.records import sandbox_record
 
 _REQUEST = CreateSandboxRequest(
     backend="container", runtime="runc", cpu=0.5, qos="batch", memory_mb=96, pids_max=64, env={"TASK": "t-3"},
@@ -90,3 +91,22 @@ def test_a_client_reads_the_records_values() -> None:
     assert (info.created_at, info.expires_at, info.ttl_counts_paused, info.idle_pause_s) == (1000.0, 1090.0, True, 30)
     assert info.network == _REQUEST.network and info.node_selector == {"zone": "b"} and info.disk_mb == 256
     assert info.labels == _REQUEST.labels and info.status_message == "up"
+
+
+def test_the_layers_in_use_are_those_of_active_sandboxes(tmp_path: Path) -> None:
+    """What a layer cache keeps and a layer helper goes on serving: the stacks of active sandboxes (an alias is
+    its layer), of the edges asked about."""
+    store = StateStore(f"sqlite:///{tmp_path / 'corral.db'}")
+    try:
+        a, b, c, d = ("sha256:" + x * 64 for x in "abcd")
+        store.insert_many([
+            sandbox_record("sb-e1-00000000000000a1", "e1", layers=[a, f"{a}#1"]),
+            sandbox_record("sb-e2-00000000000000a2", "e2", layers=[b], state="paused"),
+            sandbox_record("sb-e2-00000000000000a3", "e2", layers=[c], state="ended"),
+            sandbox_record("sb-e3-00000000000000a4", "e3", layers=[d], state="creating"),
+        ])  # fmt: skip
+        assert store.layers_in_use() == {a, b, d}
+        assert store.layers_in_use(["e1", "e2"]) == {a, b}
+        assert store.layers_in_use([]) == set()
+    finally:
+        store.close()

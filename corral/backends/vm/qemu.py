@@ -20,6 +20,7 @@ from pathlib import Path
 from qemu.qmp import QMPClient
 
 from corral.backends.vm.network import GUEST_ADDRESS, GUEST_GATEWAY
+from corral.procfs import running
 
 __all__ = ["Accelerator", "MachineConfig", "Machine", "QEMU_BINARY", "console_tail", "host_tsc_khz", "timing_arguments"]
 
@@ -213,13 +214,7 @@ class Machine:
         return True
 
     def alive(self) -> bool:
-        if self.pid is None:
-            return False
-        try:
-            state = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            return False
-        return state != "Z"
+        return self.pid is not None and running(self.pid)
 
     async def qmp(self) -> QMPClient:
         if self._qmp is not None and self._qmp.runstate.name != "RUNNING":
