@@ -89,23 +89,14 @@ def test_pause_without_memory_keeps_files_not_processes(sbx: Sandbox) -> None:
     assert _sleepers(resumed) == 0  # as after a cold boot
 
 
-def _start_sleeper(sandbox: Sandbox) -> None:
-    """A background ``sleep 600``, once it runs: a start answers after the fork, before the exec."""
-    sandbox.commands.run("sleep 600", background=True)
-    deadline = time.monotonic() + 10
-    while _sleepers(sandbox) != 1:
-        assert time.monotonic() < deadline, "the background sleep never ran"
-        time.sleep(0.05)
-
-
 def test_connect_with_reboot_drops_processes_and_full_pause_keeps_them(sbx: Sandbox) -> None:
-    _start_sleeper(sbx)
+    sbx.commands.run("sleep 600", background=True)  # running once this answers (the agent waits for its exec)
     assert sbx.pause() is True  # mode="full": memory and processes kept
     assert _sleepers(Sandbox.connect(sbx.sandbox_id)) == 1
     assert sbx.pause() is True
     rebooted = Sandbox.connect(sbx.sandbox_id, on_resume="reboot")
     assert rebooted.get_info().state == SandboxState.RUNNING and _sleepers(rebooted) == 0
-    _start_sleeper(sbx)
+    sbx.commands.run("sleep 600", background=True)
     Sandbox.connect(sbx.sandbox_id, on_resume="reboot")  # running: a no-op
     assert _sleepers(sbx) == 1
 

@@ -107,14 +107,26 @@ def test_background_command_with_stdin_and_wait(sandbox: corral.Sandbox) -> None
     assert finished.result.stdout == "got:ping\ndone\n"
 
 
+def test_a_started_command_runs_when_start_answers(sandbox: corral.Sandbox) -> None:
+    """The agent answers a start once the command has exec'd, not at its fork: here the child takes its time
+    before the exec (its user is the last of 400,000 lines of /etc/passwd), and ps still shows the command, not
+    a second copy of the agent."""
+    sandbox.exec(
+        'awk \'BEGIN { for (i = 0; i < 400000; i++) printf "u%d:x:%d:%d::/:/bin/false\\n", i, i + 10000, '
+        "i + 10000 }' >> /etc/passwd && echo 'late:x:4242:4242::/tmp:/bin/sh' >> /etc/passwd"
+    )
+    for _ in range(3):
+        command = sandbox.start("sleep 30", user="late")
+        listing = sandbox.exec("ps -o args").stdout
+        assert listing.count("sleep 30") == 1, listing
+        sandbox.signal(command.command_id, 9)
+        sandbox.command(command.command_id, wait_s=10)
+
+
 def test_background_command_keeps_running_between_requests(sandbox: corral.Sandbox) -> None:
     command = sandbox.start("sleep 30")
-    # `start` answers once the agent forked the command: its exec may come a moment later on a loaded machine
-    # (ps then shows a second /.corral/agent), so look until it shows (each look is a request of its own).
-    deadline = time.monotonic() + 10
-    while (seen := sandbox.exec("ps").stdout.count("sleep 30")) == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert seen == 1
+    # `start` answers once the command runs (the agent waits for its exec), never before: ps shows it at once.
+    assert sandbox.exec("ps").stdout.count("sleep 30") == 1
     assert sandbox.exec("ps").stdout.count("sleep 30") == 1  # and still there on the next request
     sandbox.signal(command.command_id, 15)
     finished = sandbox.command(command.command_id, wait_s=10)

@@ -293,12 +293,16 @@ static int listen_on(const char *path) {
     int dir_fd = open(dir, O_PATH | O_DIRECTORY | O_CLOEXEC);
     if (dir_fd < 0) return -1;
     struct sockaddr_un addr = {.sun_family = AF_UNIX};
-    if ((size_t)snprintf(addr.sun_path, sizeof addr.sun_path, "/proc/self/fd/%d/%s", dir_fd, slash + 1) >=
-        sizeof addr.sun_path)
-        return -1;
-    unlink(addr.sun_path);
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0 || bind(fd, (struct sockaddr *)&addr, sizeof addr) != 0 || listen(fd, 4) != 0) return -1;
+    int fd = -1;
+    if ((size_t)snprintf(addr.sun_path, sizeof addr.sun_path, "/proc/self/fd/%d/%s", dir_fd, slash + 1) <
+        sizeof addr.sun_path) {
+        unlink(addr.sun_path);
+        fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd >= 0 && (bind(fd, (struct sockaddr *)&addr, sizeof addr) != 0 || listen(fd, 4) != 0)) {
+            close(fd);
+            fd = -1;
+        }
+    }
     close(dir_fd);
     return fd;
 }
@@ -341,13 +345,18 @@ int main(int argc, char **argv) {
     char *fuse_argv[] = {argv[0], "-o", "ro,allow_other,fsname=corral-lazyfs,subtype=corral-lazyfs", NULL};
     struct fuse_args args = FUSE_ARGS_INIT(3, fuse_argv);
     struct fuse *fuse = fuse_new(&args, &ops, sizeof ops, NULL);
-    if (fuse == NULL) return 1;
-    if (fuse_mount(fuse, argv[1]) != 0) {
-        fuse_destroy(fuse);
+    if (fuse == NULL || fuse_mount(fuse, argv[1]) != 0) { /* nothing mounted: no socket left to connect to */
+        if (fuse != NULL) fuse_destroy(fuse);
+        unlink(argv[7]);
         return 1;
     }
     struct fuse_session *session = fuse_get_session(fuse);
-    if (fuse_set_signal_handlers(session) != 0) return 1;
+    if (fuse_set_signal_handlers(session) != 0) { /* mounted already: unmount, or it stays and reads ENOTCONN */
+        fuse_unmount(fuse);
+        fuse_destroy(fuse);
+        unlink(argv[7]);
+        return 1;
+    }
     sigset_t term;
     sigemptyset(&term);
     sigaddset(&term, SIGTERM);

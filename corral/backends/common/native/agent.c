@@ -97,6 +97,10 @@ static const char *ctl_dev;       /* guest mode: the virtio-serial port to the h
 static const char *ctl_path;      /* gVisor: the edge's Unix socket; reconnected after the edge lets go */
 static int tool_fd = -1;          /* guest mode: busybox, run by fd for EXEC flag 2 */
 static const char *sandbox_root;  /* guest mode: commands chroot here (unless flag 4) */
+/* The write end of a close-on-exec pipe the command's child holds until its exec (or its exit on failure): the
+ * agent answers STARTED once it reads the end of it, so a started command is running, not about to. */
+static int exec_ready_fd = -1;
+#define EXEC_READY_WAIT_MS 2000 /* at most this (a chdir into a layer still being fetched can take a while) */
 static struct job *jobs[MAX_JOBS];
 static int njobs;
 static char *rbuf;
@@ -199,6 +203,21 @@ static void child_fail(const char *what, const char *arg, int code) {
     _exit(code);
 }
 
+/* Close every descriptor from 3 up but a and b (-1: none). */
+static void close_all_but(int a, int b) {
+    int keep[2] = {a < b ? a : b, a < b ? b : a};
+    unsigned next = 3;
+    int ok = 1;
+    for (int i = 0; i < 2 && ok; i++) {
+        if (keep[i] < (int)next) continue;
+        if ((unsigned)keep[i] > next && close_range(next, (unsigned)keep[i] - 1, 0) < 0) ok = 0;
+        next = (unsigned)keep[i] + 1;
+    }
+    if (!ok || close_range(next, ~0u, 0) < 0)
+        for (int fd = 3; fd < 1024; fd++)
+            if (fd != a && fd != b) close(fd);
+}
+
 /* In the forked child: become the command. Never returns. */
 static void run_child(int in_fd, int out_w, int err_w, const char *user, const char *cwd,
                       char **argv, char **envp, int nenv, int flags) {
@@ -215,12 +234,8 @@ static void run_child(int in_fd, int out_w, int err_w, const char *user, const c
     dup2(out_w, 1);
     dup2(err_w, 2);
     if ((flags & X_TERMINAL) && ioctl(0, TIOCSCTTY, 0) < 0) child_fail("cannot take the terminal", "", 126);
-    int keep = use_tool ? tool_fd : -1;  /* the tool stays open for fexecve (it is close-on-exec) */
-    if (keep < 3 ? close_range(3, ~0u, 0) < 0
-                 : ((keep > 3 && close_range(3, (unsigned)keep - 1, 0) < 0) ||
-                    close_range((unsigned)keep + 1, ~0u, 0) < 0))
-        for (int fd = 3; fd < 1024; fd++)
-            if (fd != keep) close(fd);
+    /* The tool stays open for fexecve, the ready pipe until the exec (both are close-on-exec). */
+    close_all_but(use_tool ? tool_fd : -1, exec_ready_fd);
     int adj = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
     if (adj >= 0) {
         (void)!write(adj, "0", 1);
@@ -380,9 +395,21 @@ static void start_job(uint32_t id, const char *p, size_t len) {
         close(in[0]);
         in[0] = open("/dev/null", O_RDONLY | O_CLOEXEC);
     }
+    int ready[2] = {-1, -1};
+    if (pipe2(ready, O_CLOEXEC) < 0) ready[0] = ready[1] = -1; /* then STARTED goes out after the fork */
+    exec_ready_fd = ready[1];
     pid_t pid = fork();
     if (pid == 0) run_child(in[0], out[1], err[1], strs[0], strs[1], argv, envp, (int)envc, (int)flags);
     int fork_errno = errno;
+    exec_ready_fd = -1;
+    if (ready[1] >= 0) close(ready[1]);
+    if (ready[0] >= 0) {
+        struct pollfd p = {.fd = ready[0], .events = POLLIN};
+        long until = now_ms() + EXEC_READY_WAIT_MS;
+        while (pid > 0 && poll(&p, 1, (int)(until - now_ms() > 0 ? until - now_ms() : 0)) < 0 && errno == EINTR) {
+        }
+        close(ready[0]);
+    }
     close(out[1]);
     close(err[1]);
     if (in[0] >= 0) close(in[0]);
