@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
-import dataclasses
 import functools
 import logging
 import time
@@ -686,7 +685,7 @@ class SandboxService:
             self.metrics.created(request.backend, took_s)
             log.info("created on %s in %.0f ms: %s (%s)", edge_id, took_s * 1000, spec.image, request.backend,
                      extra={"sandbox_id": spec.sandbox_id})  # fmt: skip
-            return dataclasses.replace(record, state=SandboxState.RUNNING.value, status_message=note).to_info()
+            return record.to_info(state=SandboxState.RUNNING.value, status_message=note)
 
     async def create_prepared(
         self, request: CreateSandboxRequest, image_name: str, layers: tuple[LayerRef, ...]

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import hashlib
 import logging
 import time
@@ -242,7 +241,7 @@ class WarmPools:
             log.warning("warm sandbox %s could not be handed over: %s", sandbox_id, exc.message)
             await self._sandboxes.kill(sandbox_id)
             return None
-        return dataclasses.replace(record, state=SandboxState.RUNNING.value, status_message=CLAIMED_NOTE).to_info()
+        return record.to_info(state=SandboxState.RUNNING.value, status_message=CLAIMED_NOTE)
 
     # -- refills ------------------------------------------------------------
 

@@ -85,7 +85,7 @@ def test_a_fork_or_replay_asks_for_the_same_sandbox() -> None:
 
 
 def test_a_client_reads_the_records_values() -> None:
-    info = dataclasses.replace(_record(), state=SandboxState.RUNNING.value, status_message="up").to_info()
+    info = _record().to_info(state=SandboxState.RUNNING.value, status_message="up")
     assert (info.id, info.edge_id, info.state, info.image, info.runtime) == (
         "sb-e4-00000000000000f1", "e4", SandboxState.RUNNING, "debian-12", "runc")  # fmt: skip
     assert (info.created_at, info.expires_at, info.ttl_counts_paused, info.idle_pause_s) == (1000.0, 1090.0, True, 30)
