@@ -31,6 +31,7 @@ from corral.gateway.fncall import FnCallService
 from corral.gateway.grading import Grader
 from corral.gateway.http_protocol import ResettableHttpToolsProtocol
 from corral.gateway.images import ImageService
+from corral.gateway.operations import Operations
 from corral.gateway.service import SandboxService
 from corral.gateway.services import Services
 from corral.gateway.trajectory import Trajectories
@@ -176,9 +177,9 @@ def serve(settings: Settings) -> None:
             await service.start()  # inside: edges that started are closed again if a later one fails
             log.info("serving on %s (%d images)", url, len(catalogue.images()))
             images = ImageService(catalogue, builder, service, puller=puller)
-            trajectories = Trajectories(
-                TrajectoryLog(store.engine), service, max_logged_file_bytes=settings.max_logged_file_bytes
-            )
+            log_of_steps = TrajectoryLog(store.engine)
+            operations = Operations(log_of_steps, service, images, max_logged_file_bytes=settings.max_logged_file_bytes)
+            trajectories = Trajectories(log_of_steps, service, operations.flush)
             lost = trajectories.mark_lost()
             if lost:
                 log.warning("%d trajectory steps were running when the server stopped: marked lost", lost)
@@ -197,15 +198,15 @@ def serve(settings: Settings) -> None:
             service.warm_pools = warm_pools
             try:
                 yield Services(
-                    sandboxes=service, images=images, trajectories=trajectories, tokens=tokens, fncall=fncall,
-                    grader=Grader(images, service),
+                    sandboxes=service, images=images, operations=operations, trajectories=trajectories,
+                    tokens=tokens, fncall=fncall, grader=Grader(images, service),
                 )  # fmt: skip
             finally:
                 service.warm_pools = None
                 await warm_pools.close()
                 await fncall.close()
                 await puller.aclose()
-                trajectories.flush()
+                operations.flush()
         finally:
             await service.close()
             if fetcher is not None:  # the layers of the sandboxes left running (re-adopted by the next start)

@@ -54,6 +54,7 @@ from corral.gateway.auth import JobTokens
 from corral.gateway.fncall import FnCallService
 from corral.gateway.grading import Grader
 from corral.gateway.images import ImageService
+from corral.gateway.operations import Operations
 from corral.gateway.service import SandboxService
 from corral.gateway.services import Services
 from corral.gateway.trajectory import Trajectories
@@ -176,9 +177,11 @@ async def _http_burst(nodes: int, store: StateStore, scratch: Path, count: int) 
         async with simulated_cluster(nodes, store, scratch / "layers") as service:
             catalogue = service._catalogue  # noqa: SLF001 - the same catalogue the cluster resolves images in
             images = ImageService(catalogue, LayerBuilder(catalogue, scratch / "build", 1 << 20), service)
+            steps = TrajectoryLog(store.engine)
+            operations = Operations(steps, service, images, max_logged_file_bytes=0)
             yield Services(
-                sandboxes=service, images=images,
-                trajectories=Trajectories(TrajectoryLog(store.engine), service, max_logged_file_bytes=0),
+                sandboxes=service, images=images, operations=operations,
+                trajectories=Trajectories(steps, service, operations.flush),
                 tokens=JobTokens(store.engine, api_key), grader=Grader(images, service),
                 fncall=FnCallService(service, warm_budget=0, min_warm=0, max_per_pool=0),
             )  # fmt: skip

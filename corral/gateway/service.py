@@ -32,8 +32,6 @@ from corral.api.errors import (
 )
 from corral.api.models import (
     BatchEvent,
-    BulkRequest,
-    BulkResult,
     CheckpointInfo,
     ClusterNode,
     CreateSandboxRequest,
@@ -244,7 +242,7 @@ class SandboxService:
         self._ttl_interval_s = ttl_check_interval_s
         self._reaper: asyncio.Task[None] | None = None
         self.scheduler = Scheduler()
-        # Every store call (and the trajectory log's, gateway/trajectory.py): the event loop never waits on a
+        # Every store call (and the trajectory log's, gateway/operations.py): the event loop never waits on a
         # database server (SQLite: inline, state/thread.py says why).
         self.database = self._db = DatabaseThread(inline=store.engine.dialect.name == "sqlite")
         self._writes = _GroupCommit(store, self._db)
@@ -882,23 +880,6 @@ class SandboxService:
         if info.state == SandboxState.PAUSED:
             self.metrics.operations.labels("resumed").inc()
         return await self.get(sandbox_id)
-
-    async def bulk(self, request: BulkRequest) -> BulkResult:
-        """One action on every live sandbox whose labels match; failures are reported per sandbox."""
-        if not request.labels:
-            raise InvalidRequest("a bulk action needs a label selector (e.g. {'job': 'j1'}): refusing to act on all")
-        if request.action == "set_ttl" and request.ttl_s is None and not request.clear_ttl:
-            raise InvalidRequest("set_ttl needs ttl_s (or clear_ttl=true)")
-        targets = [info.id for info in await self.list(states=None, labels=request.labels)]
-        actions: dict[str, Callable[[str], Awaitable[object]]] = {
-            "pause": self.pause,
-            "resume": self.resume,
-            "kill": self.kill,
-            "set_ttl": lambda sandbox_id: self.set_ttl(sandbox_id, request.ttl_s),
-        }
-        results = await asyncio.gather(*(actions[request.action](t) for t in targets), return_exceptions=True)
-        failed = {t: str(r) for t, r in zip(targets, results, strict=True) if isinstance(r, BaseException)}
-        return BulkResult(matched=len(targets), done=[t for t in targets if t not in failed], failed=failed)
 
     async def _destroy(self, sandbox_id: str, reason: str, message: str | None = None) -> None:
         edge = self._edge_for(edge_of(sandbox_id))

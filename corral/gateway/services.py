@@ -8,6 +8,7 @@ from corral.gateway.auth import JobTokens
 from corral.gateway.fncall import FnCallService
 from corral.gateway.grading import Grader
 from corral.gateway.images import ImageService
+from corral.gateway.operations import Operations
 from corral.gateway.service import SandboxService
 from corral.gateway.trajectory import Trajectories
 
@@ -18,6 +19,7 @@ __all__ = ["Services"]
 class Services:
     sandboxes: SandboxService
     images: ImageService
+    operations: Operations
     trajectories: Trajectories
     tokens: JobTokens
     fncall: FnCallService

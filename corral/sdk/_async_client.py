@@ -407,22 +407,27 @@ class AsyncSandbox:
         self.info = SandboxInfo.model_validate(response.json())
         return self.info
 
-    async def kill(self) -> SandboxInfo:
-        response = await self._transport.request("DELETE", f"/v1/sandboxes/{self.id}")
+    async def kill(self, *, step_id: str | None = None) -> SandboxInfo:
+        """End it now. ``step_id`` (here and on every method that changes a sandbox): the step's id in its
+        trajectory log, so a resend after a trainer restart is answered from the log instead of done twice."""
+        response = await self._transport.request("DELETE", f"/v1/sandboxes/{self.id}", params=_step(step_id))
         self.info = SandboxInfo.model_validate(response.json())
         return self.info
 
-    async def shutdown(self, timeout_s: float = 10.0) -> SandboxInfo:
+    async def shutdown(self, timeout_s: float = 10.0, *, step_id: str | None = None) -> SandboxInfo:
         """Stop it cleanly, then destroy it: a VM flushes its disks and powers off; a container's processes
         get SIGTERM. Whatever is still running after ``timeout_s`` is killed."""
+        params = {"timeout_s": timeout_s, **_step(step_id)}
         response = await self._transport.request(
-            "POST", f"/v1/sandboxes/{self.id}/shutdown", params={"timeout_s": timeout_s}, timeout_s=timeout_s + 60
+            "POST", f"/v1/sandboxes/{self.id}/shutdown", params=params, timeout_s=timeout_s + 60
         )
         self.info = SandboxInfo.model_validate(response.json())
         return self.info
 
-    async def set_ttl(self, ttl_s: float | None) -> SandboxInfo:
-        response = await self._transport.request("POST", f"/v1/sandboxes/{self.id}/ttl", json={"ttl_s": ttl_s})
+    async def set_ttl(self, ttl_s: float | None, *, step_id: str | None = None) -> SandboxInfo:
+        response = await self._transport.request(
+            "POST", f"/v1/sandboxes/{self.id}/ttl", json={"ttl_s": ttl_s}, params=_step(step_id)
+        )
         self.info = SandboxInfo.model_validate(response.json())
         return self.info
 
@@ -499,25 +504,34 @@ class AsyncSandbox:
         )
         return CommandInfo.model_validate(response.json())
 
-    async def send_stdin(self, command_id: str, data: bytes | str) -> None:
-        """Write to a background command's stdin; empty data closes it."""
+    async def send_stdin(self, command_id: str, data: bytes | str, *, step_id: str | None = None) -> None:
+        """Write to a background command's stdin; empty data closes it. With ``step_id``, a resend is not
+        written again."""
         content = data.encode() if isinstance(data, str) else data
-        await self._transport.request("POST", f"/v1/sandboxes/{self.id}/commands/{command_id}/stdin", content=content)
+        await self._transport.request(
+            "POST", f"/v1/sandboxes/{self.id}/commands/{command_id}/stdin", content=content, params=_step(step_id)
+        )
 
-    async def resize(self, command_id: str, rows: int, cols: int) -> None:
+    async def resize(self, command_id: str, rows: int, cols: int, *, step_id: str | None = None) -> None:
         """Set the window size of a command started with ``pty`` (its programs get SIGWINCH)."""
         body = _validated(PtySize, {"rows": rows, "cols": cols}).model_dump(mode="json")
-        await self._transport.request("POST", f"/v1/sandboxes/{self.id}/commands/{command_id}/resize", json=body)
+        await self._transport.request(
+            "POST", f"/v1/sandboxes/{self.id}/commands/{command_id}/resize", json=body, params=_step(step_id)
+        )
 
     async def audit_events(self, *, after_id: int = 0) -> list[AuditEvent]:
         """What it did that a trainer should know about (quota hits, protected writes, detector findings)."""
         response = await self._transport.request("GET", f"/v1/sandboxes/{self.id}/audit", params={"after_id": after_id})
         return [AuditEvent.model_validate(item) for item in response.json()]
 
-    async def set_network(self, allow: list[NetworkRule] | list[dict[str, Any]]) -> NetworkStatus:
+    async def set_network(
+        self, allow: list[NetworkRule] | list[dict[str, Any]], *, step_id: str | None = None
+    ) -> NetworkStatus:
         """Replace the egress allowlist while it runs, e.g. open the package mirror for setup, close it after."""
         body = _validated(NetworkPolicy, {"allow": allow}).model_dump()
-        response = await self._transport.request("PUT", f"/v1/sandboxes/{self.id}/network", json=body)
+        response = await self._transport.request(
+            "PUT", f"/v1/sandboxes/{self.id}/network", json=body, params=_step(step_id)
+        )
         return NetworkStatus.model_validate(response.json())
 
     async def network(self) -> NetworkStatus:
@@ -574,29 +588,36 @@ class AsyncSandbox:
         )
         return GradeResult.model_validate(response.json())
 
-    async def pause(self, *, wait_reclaim: bool = False) -> PauseResult:
+    async def pause(self, *, wait_reclaim: bool = False, step_id: str | None = None) -> PauseResult:
         """Freeze it (processes and memory kept) and give its memory back; any request resumes it.
 
         Returns once frozen; ``wait_reclaim=True`` also waits until the memory is out."""
-        response = await self._transport.request(
-            "POST", f"/v1/sandboxes/{self.id}/pause", params={"wait_reclaim": str(wait_reclaim).lower()}, timeout_s=60
-        )
+        params = {"wait_reclaim": str(wait_reclaim).lower(), **_step(step_id)}
+        response = await self._transport.request("POST", f"/v1/sandboxes/{self.id}/pause", params=params, timeout_s=60)
         result = PauseResult.model_validate(response.json())
         self.info = result.sandbox
         return result
 
-    async def resume(self) -> SandboxInfo:
-        response = await self._transport.request("POST", f"/v1/sandboxes/{self.id}/resume")
+    async def resume(self, *, step_id: str | None = None) -> SandboxInfo:
+        response = await self._transport.request("POST", f"/v1/sandboxes/{self.id}/resume", params=_step(step_id))
         self.info = SandboxInfo.model_validate(response.json())
         return self.info
 
     async def fork(
-        self, count: int = 1, *, labels: dict[str, str] | None = None, checkpoint: str | None = None
+        self,
+        count: int = 1,
+        *,
+        labels: dict[str, str] | None = None,
+        checkpoint: str | None = None,
+        step_id: str | None = None,
     ) -> list[AsyncSandbox]:
         """``count`` new sandboxes from this one as it is now (it keeps running): its filesystem, and for VMs
-        its memory and processes too. ``checkpoint``: VMs only, from that checkpoint instead of from now."""
+        its memory and processes too. ``checkpoint``: VMs only, from that checkpoint instead of from now.
+        With ``step_id``, a resend answers the same children instead of making more."""
         body = _validated(ForkRequest, {"count": count, "labels": labels or {}, "checkpoint": checkpoint}).model_dump()
-        response = await self._transport.request("POST", f"/v1/sandboxes/{self.id}/fork", json=body, timeout_s=600)
+        response = await self._transport.request(
+            "POST", f"/v1/sandboxes/{self.id}/fork", json=body, params=_step(step_id), timeout_s=600
+        )
         return [
             AsyncSandbox(
                 SandboxInfo.model_validate(item),
@@ -625,17 +646,18 @@ class AsyncSandbox:
         self.info = SandboxInfo.model_validate(response.json())
         return self.info
 
-    async def snapshot(self, name: str | None = None) -> SnapshotInfo:
+    async def snapshot(self, name: str | None = None, *, step_id: str | None = None) -> SnapshotInfo:
         """Its filesystem changes so far as a diff layer; ``client.create(layers=info.layers)`` continues from here."""
         response = await self._transport.request(
-            "POST", f"/v1/sandboxes/{self.id}/snapshot", json={"name": name}, timeout_s=600
+            "POST", f"/v1/sandboxes/{self.id}/snapshot", json={"name": name}, params=_step(step_id), timeout_s=600
         )
         return SnapshotInfo.model_validate(response.json())
 
-    async def signal(self, command_id: str, signo: int = 9) -> None:
+    async def signal(self, command_id: str, signo: int = 9, *, step_id: str | None = None) -> None:
         await self._transport.request(
-            "POST", f"/v1/sandboxes/{self.id}/commands/{command_id}/signal", json={"signal": signo}
-        )
+            "POST", f"/v1/sandboxes/{self.id}/commands/{command_id}/signal", json={"signal": signo},
+            params=_step(step_id),
+        )  # fmt: skip
 
 
 class AsyncClient:

@@ -405,22 +405,27 @@ class Sandbox:
         self.info = SandboxInfo.model_validate(response.json())
         return self.info
 
-    def kill(self) -> SandboxInfo:
-        response = self._transport.request("DELETE", f"/v1/sandboxes/{self.id}")
+    def kill(self, *, step_id: str | None = None) -> SandboxInfo:
+        """End it now. ``step_id`` (here and on every method that changes a sandbox): the step's id in its
+        trajectory log, so a resend after a trainer restart is answered from the log instead of done twice."""
+        response = self._transport.request("DELETE", f"/v1/sandboxes/{self.id}", params=_step(step_id))
         self.info = SandboxInfo.model_validate(response.json())
         return self.info
 
-    def shutdown(self, timeout_s: float = 10.0) -> SandboxInfo:
+    def shutdown(self, timeout_s: float = 10.0, *, step_id: str | None = None) -> SandboxInfo:
         """Stop it cleanly, then destroy it: a VM flushes its disks and powers off; a container's processes
         get SIGTERM. Whatever is still running after ``timeout_s`` is killed."""
+        params = {"timeout_s": timeout_s, **_step(step_id)}
         response = self._transport.request(
-            "POST", f"/v1/sandboxes/{self.id}/shutdown", params={"timeout_s": timeout_s}, timeout_s=timeout_s + 60
+            "POST", f"/v1/sandboxes/{self.id}/shutdown", params=params, timeout_s=timeout_s + 60
         )
         self.info = SandboxInfo.model_validate(response.json())
         return self.info
 
-    def set_ttl(self, ttl_s: float | None) -> SandboxInfo:
-        response = self._transport.request("POST", f"/v1/sandboxes/{self.id}/ttl", json={"ttl_s": ttl_s})
+    def set_ttl(self, ttl_s: float | None, *, step_id: str | None = None) -> SandboxInfo:
+        response = self._transport.request(
+            "POST", f"/v1/sandboxes/{self.id}/ttl", json={"ttl_s": ttl_s}, params=_step(step_id)
+        )
         self.info = SandboxInfo.model_validate(response.json())
         return self.info
 
@@ -497,25 +502,34 @@ class Sandbox:
         )
         return CommandInfo.model_validate(response.json())
 
-    def send_stdin(self, command_id: str, data: bytes | str) -> None:
-        """Write to a background command's stdin; empty data closes it."""
+    def send_stdin(self, command_id: str, data: bytes | str, *, step_id: str | None = None) -> None:
+        """Write to a background command's stdin; empty data closes it. With ``step_id``, a resend is not
+        written again."""
         content = data.encode() if isinstance(data, str) else data
-        self._transport.request("POST", f"/v1/sandboxes/{self.id}/commands/{command_id}/stdin", content=content)
+        self._transport.request(
+            "POST", f"/v1/sandboxes/{self.id}/commands/{command_id}/stdin", content=content, params=_step(step_id)
+        )
 
-    def resize(self, command_id: str, rows: int, cols: int) -> None:
+    def resize(self, command_id: str, rows: int, cols: int, *, step_id: str | None = None) -> None:
         """Set the window size of a command started with ``pty`` (its programs get SIGWINCH)."""
         body = _validated(PtySize, {"rows": rows, "cols": cols}).model_dump(mode="json")
-        self._transport.request("POST", f"/v1/sandboxes/{self.id}/commands/{command_id}/resize", json=body)
+        self._transport.request(
+            "POST", f"/v1/sandboxes/{self.id}/commands/{command_id}/resize", json=body, params=_step(step_id)
+        )
 
     def audit_events(self, *, after_id: int = 0) -> list[AuditEvent]:
         """What it did that a trainer should know about (quota hits, protected writes, detector findings)."""
         response = self._transport.request("GET", f"/v1/sandboxes/{self.id}/audit", params={"after_id": after_id})
         return [AuditEvent.model_validate(item) for item in response.json()]
 
-    def set_network(self, allow: list[NetworkRule] | list[dict[str, Any]]) -> NetworkStatus:
+    def set_network(
+        self, allow: list[NetworkRule] | list[dict[str, Any]], *, step_id: str | None = None
+    ) -> NetworkStatus:
         """Replace the egress allowlist while it runs, e.g. open the package mirror for setup, close it after."""
         body = _validated(NetworkPolicy, {"allow": allow}).model_dump()
-        response = self._transport.request("PUT", f"/v1/sandboxes/{self.id}/network", json=body)
+        response = self._transport.request(
+            "PUT", f"/v1/sandboxes/{self.id}/network", json=body, params=_step(step_id)
+        )
         return NetworkStatus.model_validate(response.json())
 
     def network(self) -> NetworkStatus:
@@ -572,29 +586,36 @@ class Sandbox:
         )
         return GradeResult.model_validate(response.json())
 
-    def pause(self, *, wait_reclaim: bool = False) -> PauseResult:
+    def pause(self, *, wait_reclaim: bool = False, step_id: str | None = None) -> PauseResult:
         """Freeze it (processes and memory kept) and give its memory back; any request resumes it.
 
         Returns once frozen; ``wait_reclaim=True`` also waits until the memory is out."""
-        response = self._transport.request(
-            "POST", f"/v1/sandboxes/{self.id}/pause", params={"wait_reclaim": str(wait_reclaim).lower()}, timeout_s=60
-        )
+        params = {"wait_reclaim": str(wait_reclaim).lower(), **_step(step_id)}
+        response = self._transport.request("POST", f"/v1/sandboxes/{self.id}/pause", params=params, timeout_s=60)
         result = PauseResult.model_validate(response.json())
         self.info = result.sandbox
         return result
 
-    def resume(self) -> SandboxInfo:
-        response = self._transport.request("POST", f"/v1/sandboxes/{self.id}/resume")
+    def resume(self, *, step_id: str | None = None) -> SandboxInfo:
+        response = self._transport.request("POST", f"/v1/sandboxes/{self.id}/resume", params=_step(step_id))
         self.info = SandboxInfo.model_validate(response.json())
         return self.info
 
     def fork(
-        self, count: int = 1, *, labels: dict[str, str] | None = None, checkpoint: str | None = None
+        self,
+        count: int = 1,
+        *,
+        labels: dict[str, str] | None = None,
+        checkpoint: str | None = None,
+        step_id: str | None = None,
     ) -> list[Sandbox]:
         """``count`` new sandboxes from this one as it is now (it keeps running): its filesystem, and for VMs
-        its memory and processes too. ``checkpoint``: VMs only, from that checkpoint instead of from now."""
+        its memory and processes too. ``checkpoint``: VMs only, from that checkpoint instead of from now.
+        With ``step_id``, a resend answers the same children instead of making more."""
         body = _validated(ForkRequest, {"count": count, "labels": labels or {}, "checkpoint": checkpoint}).model_dump()
-        response = self._transport.request("POST", f"/v1/sandboxes/{self.id}/fork", json=body, timeout_s=600)
+        response = self._transport.request(
+            "POST", f"/v1/sandboxes/{self.id}/fork", json=body, params=_step(step_id), timeout_s=600
+        )
         return [
             Sandbox(
                 SandboxInfo.model_validate(item),
@@ -623,17 +644,18 @@ class Sandbox:
         self.info = SandboxInfo.model_validate(response.json())
         return self.info
 
-    def snapshot(self, name: str | None = None) -> SnapshotInfo:
+    def snapshot(self, name: str | None = None, *, step_id: str | None = None) -> SnapshotInfo:
         """Its filesystem changes so far as a diff layer; ``client.create(layers=info.layers)`` continues from here."""
         response = self._transport.request(
-            "POST", f"/v1/sandboxes/{self.id}/snapshot", json={"name": name}, timeout_s=600
+            "POST", f"/v1/sandboxes/{self.id}/snapshot", json={"name": name}, params=_step(step_id), timeout_s=600
         )
         return SnapshotInfo.model_validate(response.json())
 
-    def signal(self, command_id: str, signo: int = 9) -> None:
+    def signal(self, command_id: str, signo: int = 9, *, step_id: str | None = None) -> None:
         self._transport.request(
-            "POST", f"/v1/sandboxes/{self.id}/commands/{command_id}/signal", json={"signal": signo}
-        )
+            "POST", f"/v1/sandboxes/{self.id}/commands/{command_id}/signal", json={"signal": signo},
+            params=_step(step_id),
+        )  # fmt: skip
 
 
 class Client:

@@ -67,6 +67,7 @@ _CAPPED_STREAMS = ("stdout", "stderr")
 _MAX_SANDBOX_ID = 64
 _MAX_STEP_ID = 256
 _MAX_KIND = 32
+_APPEND_CHUNK = 500  # steps per transaction of append_many (and sandbox ids per IN list)
 # Seq collisions only happen where BEGIN IMMEDIATE does not serialise writers (PostgreSQL): each
 # retry loses only to a begin() that committed, so this bounds waiting, not correctness.
 _SEQ_RETRIES = 50
@@ -176,20 +177,49 @@ class TrajectoryLog:
     def append(self, sandbox_id: str, step_id: str, kind: str, request: dict[str, Any], result: dict[str, Any]) -> Step:
         """Log a finished step in one transaction (steps without a client id: nothing to match a resend against,
         so nothing to record before running). Its seq orders it by completion."""
-        _check_id("step kind", kind, _MAX_KIND)
-        logged, truncated = _cap_output(result, self._output_cap_bytes)
+        return self.append_many([(sandbox_id, step_id, kind, request, result)])[0]
+
+    def append_many(self, entries: list[tuple[str, str, str, dict[str, Any], dict[str, Any]]]) -> list[Step]:
+        """``append`` for many finished steps, in order, in one transaction per ``_APPEND_CHUNK`` of them:
+        (sandbox id, step id, kind, request, result) each. A burst of steps without a client id (a thousand
+        concurrent execs, a bulk kill of a job) costs one write, not one per step."""
+        for sandbox_id, step_id, kind, _, _ in entries:  # all checked before any is written
+            _check_id("sandbox id", sandbox_id, _MAX_SANDBOX_ID)
+            _check_id("step id", step_id, _MAX_STEP_ID)
+            _check_id("step kind", kind, _MAX_KIND)
+        appended: list[Step] = []
+        for start in range(0, len(entries), _APPEND_CHUNK):
+            appended += self._append_chunk(entries[start : start + _APPEND_CHUNK])
+        return appended
+
+    def _append_chunk(self, entries: list[tuple[str, str, str, dict[str, Any], dict[str, Any]]]) -> list[Step]:
         now = time.time()
-
-        def done(seq: int) -> Step:
-            return Step(
-                sandbox_id=sandbox_id, seq=seq, step_id=step_id, kind=kind, request=request,
-                request_digest=request_digest(request), state=StepState.DONE, result=logged,
-                result_truncated=truncated, started_at=now, finished_at=now, files=None,
-            )  # fmt: skip
-
-        step = self._append(sandbox_id, step_id, done, None)
-        assert isinstance(step, Step)
-        return step
+        for _ in range(_SEQ_RETRIES):
+            try:
+                with self._write_transaction() as conn:
+                    ids = {entry[0] for entry in entries}
+                    last = dict(
+                        conn.execute(
+                            select(trajectory_steps.c.sandbox_id, func.max(trajectory_steps.c.seq))
+                            .where(trajectory_steps.c.sandbox_id.in_(ids))
+                            .group_by(trajectory_steps.c.sandbox_id)
+                        ).all()
+                    )
+                    steps = []
+                    for sandbox_id, step_id, kind, request, result in entries:
+                        logged, truncated = _cap_output(result, self._output_cap_bytes)
+                        last[sandbox_id] = seq = (last.get(sandbox_id) or 0) + 1
+                        steps.append(Step(
+                            sandbox_id=sandbox_id, seq=seq, step_id=step_id, kind=kind, request=request,
+                            request_digest=request_digest(request), state=StepState.DONE, result=logged,
+                            result_truncated=truncated, started_at=now, finished_at=now, files=None,
+                        ))  # fmt: skip
+                    rows = [{**dataclasses.asdict(step), "output_cap_bytes": self._output_cap_bytes} for step in steps]
+                    conn.execute(insert(trajectory_steps), rows)
+                    return steps
+            except IntegrityError:
+                continue  # another writer took one of these seqs: look again
+        raise Conflict(f"too many concurrent steps: {len(entries)} steps could not be appended; retry them")
 
     def _append(
         self,

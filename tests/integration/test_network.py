@@ -65,6 +65,23 @@ def test_policy_changes_while_running(client: corral.Client, mirror: str) -> Non
         assert client.get(sandbox.id).info.network == corral.NetworkPolicy(allow=[])
 
 
+def test_a_replay_opens_and_closes_the_network_where_the_trajectory_did(client: corral.Client, mirror: str) -> None:
+    """Setup phase open, task phase closed: the record holds the last policy (closed), so the replay's fetch
+    reaches the mirror only because the logged policy changes are replayed in their place."""
+    with client.create("busybox", network={"allow": []}) as sandbox:
+        sandbox.set_network([{"cidr": f"{mirror}/32", "ports": [8080]}])
+        assert sandbox.exec(FETCH).stdout == "ok from mirror\n"
+        sandbox.set_network([])
+        assert sandbox.exec(FETCH, timeout_s=10).stdout == ""
+        result = sandbox.replay()
+        copy = client.connect(corral.Sandbox(result.sandbox, sandbox.url, sandbox.api_key))
+        try:
+            assert (result.steps, result.skipped, result.mismatches) == (4, [], [])
+            assert copy.network().allow == []
+        finally:
+            copy.kill()
+
+
 def test_a_sandbox_without_network_can_be_plugged_in(client: corral.Client, mirror: str) -> None:
     with client.create("busybox") as sandbox:
         sandbox.set_network([{"cidr": mirror, "ports": [8080]}])

@@ -175,6 +175,29 @@ def test_a_failed_step_replays_its_error(log: TrajectoryLog) -> None:
     assert isinstance(error, NotFound) and error.message == "no such directory: /nope"
 
 
+def test_append_many_continues_each_sandboxs_seq_in_order_across_chunks(
+    log: TrajectoryLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The steps without a client id are written as one batch (a bulk kill, a burst of execs): each sandbox's
+    seq goes on from what it had, in the batch's order, also across the transactions of a long batch."""
+    log.finish(begin_step(log, "s0", exec_request("echo 0")), exec_result("0\n"))
+    monkeypatch.setattr(log_module, "_APPEND_CHUNK", 3)
+    entries = [
+        (SANDBOX if index % 2 else "sb-2", f"auto-{index}", "exec", exec_request(f"echo {index}"), exec_result())
+        for index in range(7)
+    ]
+    appended = log.append_many(entries)
+    assert [(s.sandbox_id, s.seq) for s in appended] == [
+        ("sb-2", 1), (SANDBOX, 2), ("sb-2", 2), (SANDBOX, 3), ("sb-2", 3), (SANDBOX, 4), ("sb-2", 4),
+    ]  # fmt: skip
+    assert [s.step_id for s in log.steps(SANDBOX)] == ["s0", "auto-1", "auto-3", "auto-5"]
+    assert [s.step_id for s in log.steps("sb-2")] == ["auto-0", "auto-2", "auto-4", "auto-6"]
+    assert all(s.state == "done" and s.request_digest == request_digest(s.request) for s in log.steps("sb-2"))
+    with pytest.raises(InvalidRequest):  # checked before anything is written
+        log.append_many([("sb-3", "ok", "exec", {}, {}), ("sb-3", "x" * 300, "exec", {}, {})])
+    assert log.steps("sb-3") == []
+
+
 def test_output_over_the_cap_is_cut_on_a_character_boundary(open_engine: Callable[[], Engine]) -> None:
     log = TrajectoryLog(open_engine(), output_cap_bytes=10)
     stdout = "abcdefghié" + "x" * 50  # 'é' is two bytes: bytes 10-11, across the cap

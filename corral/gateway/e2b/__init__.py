@@ -1,7 +1,7 @@
 """An E2B-compatible facade: the unmodified ``e2b`` and ``e2b-code-interpreter`` SDKs drive Corral sandboxes.
 
 Served on Corral's own port, next to /v1, over the same SandboxService,
-trajectory log and audit: ``control`` is E2B's REST API (create, connect,
+operations layer (trajectory log and audit): ``control`` is E2B's REST API (create, connect,
 list, pause, timeout, kill, metrics), ``lifecycle`` its snapshots, forks
 and pausing at the timeout (autoPause), ``envd`` the in-sandbox daemon's
 protocol (processes, filesystem, /files), routed by the ``E2b-Sandbox-Id``
@@ -43,13 +43,14 @@ class E2BFacade:
         self.max_file_bytes = max_file_bytes
         self.internet_egress = internet_egress
         self._sandboxes = services.sandboxes
-        self.processes = ProcessTable(services.trajectories)
+        self._operations = services.operations
+        self.processes = ProcessTable(services.operations)
         self.watchers = Watchers(services.sandboxes, envd.entry)
         self.metadata = FileMetadata(services.sandboxes)
-        self.kernels = interpreter.Kernels(self.processes, services.sandboxes)
+        self.kernels = interpreter.Kernels(self.processes, services.operations)
         self._killing: set[str] = set()
         self._pauser: asyncio.Task[None] | None = None
-        self.timeouts = lifecycle.TimeoutPauser(services.sandboxes)
+        self.timeouts = lifecycle.TimeoutPauser(services.sandboxes, services.operations)
         self._scratch = contextlib.ExitStack()  # the template builds' files, removed at close
         self.templates = builds.TemplateBuilds(
             lambda: self._scratch.enter_context(services.images.scratch("e2b-templates-"))
@@ -68,7 +69,7 @@ class E2BFacade:
         self._killing.add(sandbox_id)
         self.processes.stopping(sandbox_id)
         try:
-            await self._sandboxes.kill(sandbox_id)
+            await self._operations.kill(sandbox_id)
         finally:
             self.kernels.forget(sandbox_id)
             self.watchers.forget(sandbox_id)

@@ -271,7 +271,7 @@ async def set_timeout(sandbox_id: str, request: Request) -> Response:
     timeout_s = parse_timeout(body.get("timeout"), None)
     if timeout_s is None:
         raise E2BError(400, "timeout is required (seconds from now)")
-    await services(request).sandboxes.set_ttl(sandbox_id, timeout_s or None)
+    await services(request).operations.set_ttl(sandbox_id, timeout_s or None)
     return Response(status_code=204)
 
 
@@ -286,7 +286,7 @@ async def pause(sandbox_id: str, request: Request) -> Response:
         raise E2BError(409, f"sandbox {sandbox_id} is already paused")
     if body.get("memory") is False:
         await drop_processes(services(request).sandboxes, sandbox_id)
-    await services(request).sandboxes.pause(sandbox_id)
+    await services(request).operations.pause(sandbox_id)
     return Response(status_code=204)
 
 
@@ -296,15 +296,15 @@ async def _connect(sandbox_id: str, request: Request) -> JSONResponse:
     check_api_key(request)
     body = await json_body(request)
     timeout_s = parse_timeout(body.get("timeout"), None)
-    svc = services(request).sandboxes
+    svc, operations = services(request).sandboxes, services(request).operations
     resumed = (await live(request, sandbox_id)).state == SandboxState.PAUSED
     if resumed:  # first: a resume moves the TTL on by the time spent paused
-        await svc.resume(sandbox_id)
+        await operations.resume(sandbox_id)
         if body.get("memory") is False:  # on_resume="reboot": a cold boot (a no-op for a running sandbox)
             await drop_processes(svc, sandbox_id)
     info = await svc.get(sandbox_id)
     if timeout_s and info.expires_at is not None and info.expires_at < time.time() + timeout_s:
-        info = await svc.set_ttl(sandbox_id, timeout_s)
+        info = await operations.set_ttl(sandbox_id, timeout_s)
     return JSONResponse(sandbox_shape(request, info), status_code=201 if resumed else 200)
 
 
@@ -347,5 +347,5 @@ async def update_network(sandbox_id: str, request: Request) -> Response:
     body = await json_body(request)
     await live(request, sandbox_id)
     policy = update_policy(body, facade(request).internet_egress)
-    await services(request).sandboxes.set_network(sandbox_id, policy)
+    await services(request).operations.set_network(sandbox_id, policy)
     return Response(status_code=204)

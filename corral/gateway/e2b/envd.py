@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import functools
 import gzip
 import json
 import posixpath
@@ -298,13 +297,8 @@ async def _frames(request: Request) -> AsyncIterator[dict[str, Any]]:
             yield json.loads(body) if body.strip() else {}
 
 
-async def _write_stdin(sandbox_id: str, command_id: str, data: bytes, edge: Any) -> None:
-    await edge.command_stdin(sandbox_id, command_id, data)
-
-
 async def _stream_input(request: Request, where: Target) -> ConnectStream:
     """StreamInput (``commands.stream_stdin``): a start frame naming the process, then data frames for its stdin."""
-    svc = services(request).sandboxes
     command_id = None
     async for message in _frames(request):
         if "start" in message:
@@ -315,7 +309,7 @@ async def _stream_input(request: Request, where: Target) -> ConnectStream:
                 raise InvalidRequest("StreamInput needs its start event before data")
             data = base64.b64decode(given.get("stdin") or given.get("pty") or "")
             if data:
-                await svc.call(where.sandbox_id, functools.partial(_write_stdin, where.sandbox_id, command_id, data))
+                await services(request).operations.stdin(where.sandbox_id, command_id, data)
     return _stream(_single(frame({}) + end_frame()))
 
 
@@ -341,14 +335,14 @@ async def process_rpc(method: str, request: Request) -> Response:
             if signo is None:
                 raise InvalidRequest(f"signal {message.get('signal')!r} is not supported; use one of {list(_SIGNALS)}")
             command_id = await _command_id(request, where, message)
-            await svc.call(where.sandbox_id, lambda edge: edge.command_signal(where.sandbox_id, command_id, signo))
+            await services(request).operations.signal(where.sandbox_id, command_id, signo)
             return JSONResponse({})
         if method == "SendInput":
             given = message.get("input") or {}
             data = base64.b64decode(given.get("stdin") or given.get("pty") or "")
             command_id = await _command_id(request, where, message)
             if data:  # an empty write would close stdin in Corral
-                await svc.call(where.sandbox_id, lambda edge: edge.command_stdin(where.sandbox_id, command_id, data))
+                await services(request).operations.stdin(where.sandbox_id, command_id, data)
             return JSONResponse({})
         if method == "StreamInput":
             return await _stream_input(request, where)
@@ -362,7 +356,7 @@ async def process_rpc(method: str, request: Request) -> Response:
             return JSONResponse({})
         if method == "CloseStdin":
             command_id = await _command_id(request, where, message)
-            await svc.call(where.sandbox_id, lambda edge: edge.command_stdin(where.sandbox_id, command_id, b""))
+            await services(request).operations.stdin(where.sandbox_id, command_id, b"")
             return JSONResponse({})
         raise NotFound(f"process.Process/{method} is not supported by Corral's E2B facade")
     except E2BError as exc:
@@ -384,7 +378,7 @@ async def _run_as_user(request: Request, where: Target, argv: list[str], what: s
     """mkdir and mv run in the sandbox as the request's user, so ownership and permissions are as in E2B; through
     the trajectory log, as every file change is, so a replay makes them again."""
     command = ExecRequest(cmd=argv, user=where.user, cwd="/", timeout_s=60)
-    result = await services(request).trajectories.exec(where.sandbox_id, command)
+    result = await services(request).operations.exec(where.sandbox_id, command)
     if result.exit_code != 0:
         detail = (result.stderr or result.stdout).strip()
         if "Permission denied" in detail:
@@ -443,7 +437,7 @@ async def _filesystem(request: Request, method: str, where: Target, message: dic
     if method == "Remove":
         path = where.path(message.get("path", ""))
         try:
-            await services(request).trajectories.remove(sandbox_id, path, True, None)
+            await services(request).operations.remove(sandbox_id, path, True, None)
         except NotFound:
             pass  # envd's Remove is os.RemoveAll: a path that is not there is already removed
         return JSONResponse({})
@@ -537,9 +531,9 @@ async def write_files(request: Request, path: str | None = None, username: str |
         if not files:
             raise InvalidRequest("no file in the upload")
         written = []
-        trajectories = services(request).trajectories
+        operations = services(request).operations
         for file_path, data in files:
-            info = await trajectories.write_file(where.sandbox_id, file_path, data, 0o644, None)
+            info = await operations.write_file(where.sandbox_id, file_path, data, 0o644, None)
             written.append({"name": info.name, "type": "file", "path": info.path})
         metadata = FileMetadata.from_headers(request.headers)  # envd 0.6.2: X-Metadata-<key> as xattrs
         await facade(request).metadata.write(where.sandbox_id, [item["path"] for item in written], metadata)

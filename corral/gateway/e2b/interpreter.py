@@ -30,7 +30,7 @@ from corral.api.errors import CorralError, InvalidRequest, NotFound
 from corral.api.models import ExecRequest
 from corral.gateway.e2b.common import INTERPRETER_PORT, E2BError, Target, facade, from_corral, target
 from corral.gateway.e2b.processes import NO_TIMEOUT_S, OUTPUT_CAP_BYTES, Event, Process, ProcessTable
-from corral.gateway.service import SandboxService
+from corral.gateway.operations import Operations
 
 __all__ = ["router", "Kernels", "KERNEL_PATH"]
 
@@ -59,9 +59,9 @@ class _Kernel:
 
 
 class Kernels:
-    def __init__(self, processes: ProcessTable, sandboxes: SandboxService) -> None:
+    def __init__(self, processes: ProcessTable, operations: Operations) -> None:
         self._processes = processes
-        self._sandboxes = sandboxes
+        self._operations = operations  # the kernel's file, its cells (stdin) and interrupts are logged steps
         self._kernels: dict[tuple[str, str], _Kernel] = {}
 
     def list(self, sandbox_id: str) -> list[_Kernel]:
@@ -72,9 +72,7 @@ class Kernels:
         context_id = context_id or secrets.token_hex(8)
         cwd = where.path(cwd) if cwd else where.home
         sandbox_id = where.sandbox_id
-        await self._sandboxes.call(
-            sandbox_id, lambda edge: edge.write_file(sandbox_id, KERNEL_PATH, _KERNEL_SOURCE, 0o644)
-        )
+        await self._operations.write_file(sandbox_id, KERNEL_PATH, _KERNEL_SOURCE, 0o644, None)
         request = ExecRequest(
             cmd=["python3", "-u", KERNEL_PATH],
             env={"HOME": where.home, "USER": where.user},
@@ -103,7 +101,7 @@ class Kernels:
         sandbox_id = kernel.process.sandbox_id
         if command_id is not None:
             with contextlib.suppress(CorralError):
-                await self._sandboxes.call(sandbox_id, lambda e: e.command_signal(sandbox_id, command_id, signo))
+                await self._operations.signal(sandbox_id, command_id, signo)
 
     async def remove(self, sandbox_id: str, context_id: str) -> None:
         kernel = self._kernels.pop((sandbox_id, context_id), None)
@@ -172,7 +170,7 @@ class Kernels:
             line = json.dumps({"code": code, "env": env}).encode() + b"\n"
             command_id = kernel.process.command_id
             assert command_id is not None
-            await self._sandboxes.call(sandbox_id, lambda e: e.command_stdin(sandbox_id, command_id, line))
+            await self._operations.stdin(sandbox_id, command_id, line)
             kernel.unfinished_cells += 1
             finished = False
             try:

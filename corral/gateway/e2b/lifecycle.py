@@ -80,14 +80,14 @@ async def create_snapshot(sandbox_id: str, request: Request) -> JSONResponse:
     if body.get("memory") is True:  # unset (the SDK's default) is taken as a filesystem snapshot
         raise refuse("create_snapshot(mode='full')", f"{_FILES_ONLY}; pass mode='filesystem'")
     await live(request, sandbox_id)
-    images = services(request).images
+    images, operations = services(request).images, services(request).operations
     name = body.get("name")
     if name:
-        snap = await images.snapshot(sandbox_id, _snapshot_ref(str(name)))
+        snap = await operations.snapshot(sandbox_id, _snapshot_ref(str(name)))
         assert snap.image is not None  # a snapshot given a name is tagged with it
         ref = snap.image
     else:
-        snap = await images.snapshot(sandbox_id, None)
+        snap = await operations.snapshot(sandbox_id, None)
         ref = images.tag(f"{SNAPSHOT_PREFIX}{sandbox_id}:{snap.diff.digest.removeprefix('sha256:')[:12]}",
                          layers=snap.layers, source=None).name  # fmt: skip
     return JSONResponse(_snapshot(ref), status_code=201)
@@ -139,13 +139,13 @@ async def fork(sandbox_id: str, request: Request) -> JSONResponse:
         raise E2BError(400, f"count must be a whole number from 1 to {MAX_FORK_COUNT}, got {count!r}")
     ttl_s = parse_timeout(body.get("timeout"), DEFAULT_FORK_TIMEOUT_S)
     parent = await live(request, sandbox_id)
-    svc = services(request).sandboxes
-    children = await services(request).images.fork(sandbox_id, ForkRequest(count=count))
+    svc, operations = services(request).sandboxes, services(request).operations
+    children = await operations.fork(sandbox_id, ForkRequest(count=count))
     if parent.state == SandboxState.PAUSED and (await svc.get(sandbox_id)).state != SandboxState.PAUSED:
-        await svc.pause(sandbox_id)  # packing its files resumed it; E2B leaves the parent as it was
+        await operations.pause(sandbox_id)  # packing its files resumed it; E2B leaves the parent as it was
     results = []
     for child in children:
-        await svc.set_ttl(child.id, ttl_s or None)
+        await operations.set_ttl(child.id, ttl_s or None)
         results.append({"sandbox": sandbox_shape(request, await svc.get(child.id))})
     return JSONResponse(results, status_code=201)
 
@@ -158,8 +158,9 @@ class TimeoutPauser:
     hundreds of thousands); a look through the labels at start and every ``PAUSE_RESCAN_S`` finds those
     made before a restart or through another gateway."""
 
-    def __init__(self, sandboxes: Any) -> None:
+    def __init__(self, sandboxes: Any, operations: Any) -> None:
         self._sandboxes = sandboxes
+        self._operations = operations  # its pauses are steps of the sandboxes' trajectories
         self._followed: set[str] = set()
         self._rescan_at = 0.0
 
@@ -194,10 +195,10 @@ class TimeoutPauser:
     async def _pause(self, info: SandboxInfo, *, keep_memory: bool) -> None:
         period_s = int(info.labels.get(TIMEOUT_LABEL) or DEFAULT_TIMEOUT_S)
         try:
-            await self._sandboxes.set_ttl(info.id, period_s)  # first: from now on the reaper cannot reach it
+            await self._operations.set_ttl(info.id, period_s)  # first: from now on the reaper cannot reach it
             if not keep_memory:
                 await drop_processes(self._sandboxes, info.id)
-            await self._sandboxes.pause(info.id)
+            await self._operations.pause(info.id)
         except CorralError as exc:  # it ended meanwhile, or its node is away: the next round sees
             log.warning("could not pause E2B sandbox %s at its timeout: %s", info.id, exc.message)
         else:

@@ -20,7 +20,7 @@ from typing import Any
 
 from corral.api.errors import Conflict, CorralError, InternalError, NotFound, SandboxGone
 from corral.api.models import ExecRequest, ExecResult
-from corral.gateway.trajectory import Trajectories
+from corral.gateway.operations import Operations
 
 __all__ = ["ProcessTable", "Process", "Event", "OUTPUT_CAP_BYTES", "NO_TIMEOUT_S"]
 
@@ -72,8 +72,8 @@ class Process:
 
 
 class ProcessTable:
-    def __init__(self, trajectories: Trajectories) -> None:
-        self._trajectories = trajectories
+    def __init__(self, operations: Operations) -> None:
+        self._operations = operations
         self._processes: dict[tuple[str, int], Process] = {}
         self._pids = itertools.count(_FIRST_PID)
 
@@ -113,7 +113,7 @@ class ProcessTable:
     async def _run(self, process: Process, request: ExecRequest, started: asyncio.Future[None]) -> None:
         ended = False
         try:
-            async for event in self._trajectories.exec_stream(process.sandbox_id, request):
+            async for event in self._operations.exec_stream(process.sandbox_id, request):
                 if event.type == "started":
                     process.command_id = event.command_id
                     if not started.done():

@@ -1,5 +1,6 @@
 """Commands in a sandbox: exec (waited, or streamed), background commands and their stdin, signals and
-terminal size. exec and start go through the trajectory log (gateway/trajectory.py)."""
+terminal size. Everything but reading a command's state goes through the operations layer (gateway/operations.py:
+logged, resend-safe with ``step_id``, audited)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from corral.api.models import (
 )
 from corral.gateway.routes.deps import (
     Auth,
-    Logged,
+    Ops,
     Service,
+    StepIdQuery,
     body_within_limit,
     ndjson,
 )
@@ -35,9 +37,9 @@ class SignalRequest(BaseModel):
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/exec", dependencies=[Auth])
-async def exec_command(sandbox_id: str, body: ExecRequest, logged: Logged) -> ExecResult:
+async def exec_command(sandbox_id: str, body: ExecRequest, ops: Ops) -> ExecResult:
     """Run a command and wait; with ``step_id``, a step sent again is answered from the trajectory log."""
-    return await logged.exec(sandbox_id, body)
+    return await ops.exec(sandbox_id, body)
 
 
 @router.post(
@@ -46,8 +48,8 @@ async def exec_command(sandbox_id: str, body: ExecRequest, logged: Logged) -> Ex
     response_class=StreamingResponse,
     responses={200: {"content": {"application/x-ndjson": {}}, "description": "One ExecEvent per line."}},
 )
-async def exec_stream(sandbox_id: str, body: ExecRequest, logged: Logged) -> StreamingResponse:
-    return await ndjson(logged.exec_stream(sandbox_id, body), _error_event)
+async def exec_stream(sandbox_id: str, body: ExecRequest, ops: Ops) -> StreamingResponse:
+    return await ndjson(ops.exec_stream(sandbox_id, body), _error_event)
 
 
 def _error_event(exc: CorralError) -> ExecEvent:
@@ -56,8 +58,8 @@ def _error_event(exc: CorralError) -> ExecEvent:
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/commands", status_code=201, dependencies=[Auth])
-async def start_command(sandbox_id: str, body: ExecRequest, logged: Logged) -> CommandInfo:
-    return await logged.start(sandbox_id, body)
+async def start_command(sandbox_id: str, body: ExecRequest, ops: Ops) -> CommandInfo:
+    return await ops.start(sandbox_id, body)
 
 
 @router.get("/v1/sandboxes/{sandbox_id}/commands/{command_id}", dependencies=[Auth])
@@ -68,21 +70,26 @@ async def get_command(
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/commands/{command_id}/stdin", status_code=204, dependencies=[Auth])
-async def command_stdin(sandbox_id: str, command_id: str, request: Request, svc: Service) -> Response:
+async def command_stdin(
+    sandbox_id: str, command_id: str, request: Request, ops: Ops, step_id: StepIdQuery = None
+) -> Response:
     """Raw body bytes go to the command's stdin; an empty body closes it."""
-    data = await body_within_limit(request)
-    await svc.call(sandbox_id, lambda edge: edge.command_stdin(sandbox_id, command_id, data))
+    await ops.stdin(sandbox_id, command_id, await body_within_limit(request), step_id)
     return Response(status_code=204)
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/commands/{command_id}/signal", status_code=204, dependencies=[Auth])
-async def command_signal(sandbox_id: str, command_id: str, body: SignalRequest, svc: Service) -> Response:
-    await svc.call(sandbox_id, lambda edge: edge.command_signal(sandbox_id, command_id, body.signal))
+async def command_signal(
+    sandbox_id: str, command_id: str, body: SignalRequest, ops: Ops, step_id: StepIdQuery = None
+) -> Response:
+    await ops.signal(sandbox_id, command_id, body.signal, step_id)
     return Response(status_code=204)
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/commands/{command_id}/resize", status_code=204, dependencies=[Auth])
-async def command_resize(sandbox_id: str, command_id: str, body: PtySize, svc: Service) -> Response:
+async def command_resize(
+    sandbox_id: str, command_id: str, body: PtySize, ops: Ops, step_id: StepIdQuery = None
+) -> Response:
     """A pty command's new window size (exec/stream or commands started with ``pty``)."""
-    await svc.call(sandbox_id, lambda edge: edge.command_resize(sandbox_id, command_id, body.rows, body.cols))
+    await ops.resize(sandbox_id, command_id, body.rows, body.cols, step_id)
     return Response(status_code=204)

@@ -19,12 +19,13 @@ from corral.api.errors import CorralError, InvalidRequest, PayloadTooLarge
 from corral.gateway.auth import Caller
 from corral.gateway.fncall import FnCallService
 from corral.gateway.images import ImageService
+from corral.gateway.operations import Operations
 from corral.gateway.service import SandboxService
 from corral.gateway.trajectory import Trajectories
 from corral.logs import current_sandbox
 
 __all__ = [
-    "Auth", "CallerDep", "FnCalls", "Images", "Logged", "PathQuery", "Service", "StepIdQuery", "body_within_limit",
+    "Auth", "CallerDep", "FnCalls", "Images", "Logs", "Ops", "PathQuery", "Service", "StepIdQuery", "body_within_limit",
     "label_pairs", "ndjson", "ndjson_lines", "save_body",
 ]  # fmt: skip
 
@@ -57,6 +58,10 @@ async def _fncall(request: Request) -> FnCallService:
     return request.app.state.service.fncall  # type: ignore[no-any-return]
 
 
+async def _operations(request: Request) -> Operations:
+    return request.app.state.service.operations  # type: ignore[no-any-return]
+
+
 async def _trajectories(request: Request) -> Trajectories:
     return request.app.state.service.trajectories  # type: ignore[no-any-return]
 
@@ -65,7 +70,8 @@ Auth = Depends(_authenticate)
 CallerDep = Annotated[Caller, Depends(_authenticate)]
 Service = Annotated[SandboxService, Depends(_service)]
 Images = Annotated[ImageService, Depends(_image_service)]
-Logged = Annotated[Trajectories, Depends(_trajectories)]
+Ops = Annotated[Operations, Depends(_operations)]  # every request that changes a sandbox goes through it
+Logs = Annotated[Trajectories, Depends(_trajectories)]
 FnCalls = Annotated[FnCallService, Depends(_fncall)]
 PathQuery = Annotated[str, Query(description="Absolute path inside the sandbox.")]
 StepIdQuery = Annotated[

@@ -1,5 +1,6 @@
-"""A sandbox's files. Every change (write, mkdir, remove, rename, tar upload) goes through the trajectory log,
-so a replay reproduces the sandbox's files; reads go straight to the edge."""
+"""A sandbox's files. Every change (write, mkdir, remove, rename, tar upload) goes through the operations layer
+(gateway/operations.py), so it is in the trajectory log and a replay reproduces the sandbox's files; reads go
+straight to the edge."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from corral.api.models import (
 )
 from corral.gateway.routes.deps import (
     Auth,
-    Logged,
+    Ops,
     PathQuery,
     Service,
     StepIdQuery,
@@ -43,13 +44,13 @@ async def write_file(
     sandbox_id: str,
     path: PathQuery,
     request: Request,
-    logged: Logged,
+    ops: Ops,
     mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o644,
     step_id: StepIdQuery = None,
 ) -> FileInfo:
     """The raw request body becomes the file's content (replaced atomically); logged like a command."""
     data = await body_within_limit(request)
-    return await logged.write_file(sandbox_id, path, data, mode, step_id)
+    return await ops.write_file(sandbox_id, path, data, mode, step_id)
 
 
 @router.get("/v1/sandboxes/{sandbox_id}/files/stat", dependencies=[Auth])
@@ -62,32 +63,31 @@ async def list_dir(sandbox_id: str, path: PathQuery, svc: Service) -> list[FileI
     return await svc.call(sandbox_id, lambda edge: edge.list_dir(sandbox_id, path))
 
 
-# Every file change goes through the trajectory log (Logged), so a replay reproduces the sandbox's files.
 @router.post("/v1/sandboxes/{sandbox_id}/files/mkdir", dependencies=[Auth])
-async def mkdir(sandbox_id: str, body: MkdirRequest, logged: Logged, step_id: StepIdQuery = None) -> FileInfo:
-    return await logged.mkdir(sandbox_id, body, step_id)
+async def mkdir(sandbox_id: str, body: MkdirRequest, ops: Ops, step_id: StepIdQuery = None) -> FileInfo:
+    return await ops.mkdir(sandbox_id, body, step_id)
 
 
 @router.delete("/v1/sandboxes/{sandbox_id}/files", status_code=204, dependencies=[Auth])
 async def remove(
-    sandbox_id: str, path: PathQuery, logged: Logged, recursive: bool = False, step_id: StepIdQuery = None
+    sandbox_id: str, path: PathQuery, ops: Ops, recursive: bool = False, step_id: StepIdQuery = None
 ) -> Response:
-    await logged.remove(sandbox_id, path, recursive, step_id)
+    await ops.remove(sandbox_id, path, recursive, step_id)
     return Response(status_code=204)
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/files/rename", dependencies=[Auth])
-async def rename(sandbox_id: str, body: RenameRequest, logged: Logged, step_id: StepIdQuery = None) -> FileInfo:
+async def rename(sandbox_id: str, body: RenameRequest, ops: Ops, step_id: StepIdQuery = None) -> FileInfo:
     """Move ``source`` to ``dest`` (rename(2): a file there is replaced, a directory refused)."""
-    return await logged.rename(sandbox_id, body, step_id)
+    return await ops.rename(sandbox_id, body, step_id)
 
 
 @router.put("/v1/sandboxes/{sandbox_id}/files/tar", dependencies=[Auth])
 async def upload_tar(
-    sandbox_id: str, path: PathQuery, request: Request, logged: Logged, step_id: StepIdQuery = None
+    sandbox_id: str, path: PathQuery, request: Request, ops: Ops, step_id: StepIdQuery = None
 ) -> UploadResult:
     """Extract a tar (plain or compressed) from the body into the directory ``path``."""
-    return await logged.upload_tar(sandbox_id, path, await body_within_limit(request), step_id)
+    return await ops.upload_tar(sandbox_id, path, await body_within_limit(request), step_id)
 
 
 @router.get(

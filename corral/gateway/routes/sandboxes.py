@@ -1,5 +1,6 @@
 """A sandbox's life: create (one or a batch), list, get, kill, pause and resume, TTL, shutdown,
-checkpoints, snapshot, fork, grade, its network; bulk actions by label."""
+checkpoints, snapshot, fork, grade, its network; bulk actions by label. A change to an existing sandbox goes
+through the operations layer (gateway/operations.py: logged in its trajectory, resend-safe with ``step_id``)."""
 
 from __future__ import annotations
 
@@ -28,9 +29,9 @@ from corral.api.models import (
 from corral.gateway.routes.deps import (
     Auth,
     CallerDep,
-    Images,
-    Logged,
+    Ops,
     Service,
+    StepIdQuery,
     label_pairs,
     ndjson,
 )
@@ -41,11 +42,13 @@ router = APIRouter()
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/snapshot")
-async def snapshot_sandbox(sandbox_id: str, body: SnapshotRequest, images: Images, caller: CallerDep) -> SnapshotInfo:
+async def snapshot_sandbox(
+    sandbox_id: str, body: SnapshotRequest, ops: Ops, caller: CallerDep, step_id: StepIdQuery = None
+) -> SnapshotInfo:
     """Its changes so far become a diff layer; create from ``layers`` to continue from here."""
     if body.name:
         caller.require_admin("tag a snapshot as an image")
-    return await images.snapshot(sandbox_id, body.name)
+    return await ops.snapshot(sandbox_id, body.name, step_id)
 
 
 @router.post("/v1/sandboxes", status_code=201)
@@ -69,14 +72,14 @@ async def get_sandbox(sandbox_id: str, svc: Service) -> SandboxInfo:
 
 
 @router.delete("/v1/sandboxes/{sandbox_id}", dependencies=[Auth])
-async def kill_sandbox(sandbox_id: str, svc: Service) -> SandboxInfo:
-    return await svc.kill(sandbox_id)
+async def kill_sandbox(sandbox_id: str, ops: Ops, step_id: StepIdQuery = None) -> SandboxInfo:
+    return await ops.kill(sandbox_id, step_id)
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/checkpoints", status_code=201, dependencies=[Auth])
-async def save_checkpoint(sandbox_id: str, logged: Logged) -> CheckpointInfo:
+async def save_checkpoint(sandbox_id: str, ops: Ops) -> CheckpointInfo:
     """VM sandboxes: keep the whole state (memory, processes, disk) on its node until the sandbox ends."""
-    return await logged.checkpoint(sandbox_id)
+    return await ops.checkpoint(sandbox_id)
 
 
 @router.get("/v1/sandboxes/{sandbox_id}/checkpoints", dependencies=[Auth])
@@ -85,34 +88,38 @@ async def list_checkpoints(sandbox_id: str, svc: Service) -> list[CheckpointInfo
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/checkpoints/{checkpoint_id}/restore", dependencies=[Auth])
-async def restore_checkpoint(sandbox_id: str, checkpoint_id: str, logged: Logged) -> SandboxInfo:
+async def restore_checkpoint(sandbox_id: str, checkpoint_id: str, ops: Ops) -> SandboxInfo:
     """Rewind this sandbox to one of its checkpoints; fork with ``checkpoint`` for new sandboxes from it."""
-    return await logged.restore(sandbox_id, checkpoint_id)
+    return await ops.restore(sandbox_id, checkpoint_id)
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/shutdown", dependencies=[Auth])
-async def shutdown_sandbox(sandbox_id: str, svc: Service, timeout_s: float = 10.0) -> SandboxInfo:
+async def shutdown_sandbox(
+    sandbox_id: str, ops: Ops, timeout_s: float = 10.0, step_id: StepIdQuery = None
+) -> SandboxInfo:
     """Stop it cleanly (VMs: sync and power off; containers: SIGTERM to every process), wait at most
     ``timeout_s``, then destroy it; it ends with reason ``shutdown``."""
-    return await svc.shutdown(sandbox_id, timeout_s)
+    return await ops.shutdown(sandbox_id, timeout_s, step_id)
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/ttl", dependencies=[Auth])
-async def set_ttl(sandbox_id: str, body: SetTtlRequest, svc: Service) -> SandboxInfo:
-    return await svc.set_ttl(sandbox_id, body.ttl_s)
+async def set_ttl(sandbox_id: str, body: SetTtlRequest, ops: Ops, step_id: StepIdQuery = None) -> SandboxInfo:
+    return await ops.set_ttl(sandbox_id, body.ttl_s, step_id)
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/pause", dependencies=[Auth])
-async def pause_sandbox(sandbox_id: str, svc: Service, wait_reclaim: bool = False) -> PauseResult:
+async def pause_sandbox(
+    sandbox_id: str, ops: Ops, wait_reclaim: bool = False, step_id: StepIdQuery = None
+) -> PauseResult:
     """Freeze it (processes and memory kept) and reclaim its memory; any request resumes it.
 
     Returns once frozen; the memory goes out in the background unless ``wait_reclaim``."""
-    return await svc.pause(sandbox_id, wait_reclaim)
+    return await ops.pause(sandbox_id, wait_reclaim, step_id)
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/resume", dependencies=[Auth])
-async def resume_sandbox(sandbox_id: str, svc: Service) -> SandboxInfo:
-    return await svc.resume(sandbox_id)
+async def resume_sandbox(sandbox_id: str, ops: Ops, step_id: StepIdQuery = None) -> SandboxInfo:
+    return await ops.resume(sandbox_id, step_id)
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/grade", dependencies=[Auth])
@@ -123,9 +130,10 @@ async def grade_sandbox(sandbox_id: str, body: GradeRequest, request: Request) -
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/fork", status_code=201, dependencies=[Auth])
-async def fork_sandbox(sandbox_id: str, body: ForkRequest, images: Images) -> list[SandboxInfo]:
-    """``count`` new sandboxes starting from this one's filesystem as it is now."""
-    return await images.fork(sandbox_id, body)
+async def fork_sandbox(sandbox_id: str, body: ForkRequest, ops: Ops, step_id: StepIdQuery = None) -> list[SandboxInfo]:
+    """``count`` new sandboxes starting from this one's filesystem as it is now; with ``step_id``, a resend
+    answers the same children."""
+    return await ops.fork(sandbox_id, body, step_id)
 
 
 @router.post(
@@ -141,15 +149,16 @@ async def create_batch(body: BatchCreateRequest, svc: Service, caller: CallerDep
 
 
 @router.post("/v1/sandboxes/bulk")
-async def bulk_action(body: BulkRequest, svc: Service, caller: CallerDep) -> BulkResult:
-    """Pause, resume, kill or set the TTL of every live sandbox matching a label selector."""
-    return await svc.bulk(body.model_copy(update={"labels": caller.check_labels(body.labels)}))
+async def bulk_action(body: BulkRequest, ops: Ops, caller: CallerDep) -> BulkResult:
+    """Pause, resume, kill or set the TTL of every live sandbox matching a label selector (each a step in
+    its own trajectory)."""
+    return await ops.bulk(body.model_copy(update={"labels": caller.check_labels(body.labels)}))
 
 
 @router.put("/v1/sandboxes/{sandbox_id}/network", dependencies=[Auth])
-async def set_network(sandbox_id: str, body: NetworkPolicy, svc: Service) -> NetworkStatus:
+async def set_network(sandbox_id: str, body: NetworkPolicy, ops: Ops, step_id: StepIdQuery = None) -> NetworkStatus:
     """Replace the egress allowlist while it runs (a sandbox without network is plugged in)."""
-    return await svc.set_network(sandbox_id, body)
+    return await ops.set_network(sandbox_id, body, step_id)
 
 
 @router.get("/v1/sandboxes/{sandbox_id}/network", dependencies=[Auth])

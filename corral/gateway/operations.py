@@ -1,0 +1,463 @@
+"""Every request that changes a sandbox passes through here on its way to the edge: one place where it is
+logged in the sandbox's trajectory, answered from the log when it is resent, and audited.
+
+That is commands (exec, streamed exec, background starts and their stdin, signals and window size), file
+changes (write, mkdir, remove, rename, tar upload), checkpoints and restores, and the sandbox's life (kill,
+shutdown, pause, resume, TTL, network policy, snapshot, fork, bulk actions), from the HTTP API and from the
+E2B facade alike. With a client step id (``step_id``), a step sent again (a trainer restarted after
+preemption) is answered from the log instead of running twice, a different request under the same id is
+refused as a divergence, and for a step that can change files the paths it changed are recorded
+(provenance). Without one, the step gets an ``auto-`` id and is written within a few milliseconds after its
+answer, in one transaction with the others of that moment (off the request path; a crash in that window can
+lose it): logged, exported, replayable, but never matched against a resend.
+
+Who may ask is decided before: a job token reaches only its job's sandboxes (the ``Auth`` dependency of every
+route with a sandbox in its path, gateway/routes/deps.py; ``check_labels`` for creates and bulk actions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import functools
+import hashlib
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+
+from corral import tracing
+from corral.api.errors import CorralError, InvalidRequest, NotFound, SandboxGone, error_from_response
+from corral.api.models import (
+    BulkRequest,
+    BulkResult,
+    CheckpointInfo,
+    CommandInfo,
+    ExecEvent,
+    ExecRequest,
+    ExecResult,
+    FileInfo,
+    ForkRequest,
+    MkdirRequest,
+    NetworkPolicy,
+    NetworkStatus,
+    PauseResult,
+    RemoveResult,
+    RenameRequest,
+    SandboxInfo,
+    SnapshotInfo,
+    UploadResult,
+)
+from corral.edge.protocol import edge_of
+from corral.gateway.images import ImageService
+from corral.gateway.service import SandboxService
+from corral.guard.audit import detect_in_command
+from corral.trajectory import LOG_CAP_KEY, Replay, Step, TrajectoryLog
+
+__all__ = ["AUTO_PREFIX", "Forked", "Operations", "replayed_result"]
+
+AUTO_PREFIX = "auto-"
+_FLUSH_DELAY_S = 0.005
+M = TypeVar("M", bound=BaseModel)
+
+Findings = list[tuple[str, str, dict[str, Any]]]  # (kind, severity, detail), as edges report them
+_Pending = tuple[str, str, str, dict[str, Any], dict[str, Any]]  # sandbox id, step id, kind, request, result
+
+
+class Forked(BaseModel):
+    """A fork's children, as its log entry holds them (a step's result is an object)."""
+
+    sandboxes: list[SandboxInfo]
+
+
+class Done(BaseModel):
+    """The result of a step that answers nothing (stdin, a signal, a window size): logged as ``{}``."""
+
+
+def _command_text(request: dict[str, Any]) -> str | None:
+    cmd = request.get("cmd")
+    if cmd is None:
+        return None
+    return cmd if isinstance(cmd, str) else " ".join(cmd)
+
+
+def _auto_id() -> str:
+    return f"{AUTO_PREFIX}{uuid.uuid4().hex[:16]}"
+
+
+def replayed_result(step: Step) -> dict[str, Any]:
+    """A logged step's result as it was answered; its error raised again."""
+    result = dict(step.result or {})
+    if "error" in result:
+        raise error_from_response(0, {"error": result["error"]})
+    result.pop(LOG_CAP_KEY, None)
+    return result
+
+
+class Operations:
+    def __init__(
+        self,
+        log: TrajectoryLog,
+        sandboxes: SandboxService,
+        images: ImageService,
+        *,
+        max_logged_file_bytes: int,
+    ) -> None:
+        self._log = log
+        self._sandboxes = sandboxes
+        self._images = images
+        self._db = sandboxes.database  # the log is written and read on the state's thread, in order
+        self._max_logged_file_bytes = max_logged_file_bytes
+        # Steps without a client id are written just after their answer leaves (within _FLUSH_DELAY_S),
+        # off the request path: there is no resend to match, so they need not be durable before it.
+        self._pending: list[_Pending] = []
+        self._flush_handle: asyncio.TimerHandle | None = None
+
+    # -- the log's order ------------------------------------------------
+
+    def _append_auto(self, sandbox_id: str, kind: str, request: dict[str, Any], result: dict[str, Any]) -> None:
+        self._pending.append((sandbox_id, _auto_id(), kind, request, result))
+        if self._flush_handle is None:
+            self._flush_handle = asyncio.get_running_loop().call_later(_FLUSH_DELAY_S, self.flush)
+
+    def flush(self) -> None:
+        """Write the pending steps, in the order they finished, in one transaction (queued on the database
+        thread: whatever is asked of it later sees them)."""
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        pending, self._pending = self._pending, []
+        if pending:
+            self._db.submit(self._log.append_many, pending)
+
+    async def _begin(self, sandbox_id: str, step_id: str, kind: str, request: dict[str, Any]) -> Step | Replay:
+        if step_id.startswith(AUTO_PREFIX):
+            raise InvalidRequest(f"step ids starting with {AUTO_PREFIX!r} are Corral's own: choose another")
+        await self._sandboxes.get(sandbox_id)  # unknown sandboxes get no log entries
+        self.flush()  # earlier steps first: the log's order is the order steps finished or began
+        return await self._db.run(self._log.begin, sandbox_id, step_id, kind, request)
+
+    # -- audit ------------------------------------------------------------
+
+    async def _audit(
+        self, sandbox_id: str, command: str | None, result: ExecResult | None, edge_findings: Findings | None = None
+    ) -> None:
+        """Audit events for one step: detector hits on the command, quota hits in the result, protected
+        paths it changed (the edge remembers what it reported already; ``edge_findings``: what it reported
+        with the result, so it is not asked again)."""
+        audit = self._sandboxes.audit_log
+        if audit is None:
+            return
+        found: list[tuple[str, str, dict[str, Any]]] = []
+        if command:
+            found += [(kind, severity, {"cmd": command[:500]}) for kind, severity in detect_in_command(command)]
+        if result is not None:
+            if result.oom_killed:
+                found.append(("oom_kill", "warning", {"command_id": result.command_id}))
+            if result.timed_out:
+                found.append(("timeout", "info", {"command_id": result.command_id}))
+            if result.stdout_truncated or result.stderr_truncated:
+                found.append(("output_capped", "info", {"stdout": result.stdout_truncated,
+                                                        "stderr": result.stderr_truncated}))  # fmt: skip
+        if edge_findings is not None:
+            found += edge_findings
+        else:
+            with contextlib.suppress(NotFound, SandboxGone):
+                found += await self._sandboxes.call(sandbox_id, lambda edge: edge.audit_after_command(sandbox_id))
+        for kind, severity, detail in found:
+            self._db.submit(audit.record, sandbox_id, kind, severity, detail)
+
+    # -- the one path -----------------------------------------------------
+
+    async def _perform(
+        self,
+        sandbox_id: str,
+        step_id: str | None,
+        kind: str,
+        request: dict[str, Any],
+        operation: Callable[[], Awaitable[M]],
+        model: type[M],
+        *,
+        changes_files: bool = True,
+        edge_findings: Findings | None = None,
+    ) -> M:
+        """Run an operation with its log entry: replayed, refused or recorded per the step id rules, then
+        audited. ``changes_files``: it can change the sandbox's files, so with a step id the paths it changed
+        are recorded, and the edge is asked what it saw change (protected paths); a step of the sandbox's life
+        (pause, TTL, kill) is logged and nothing more. ``edge_findings``: filled by ``operation`` with the
+        edge's audit findings (see ``_audit``)."""
+        if step_id is None:  # logged after it ran, in one write: nothing to match a resend against
+            try:
+                result = await operation()
+            except (NotFound, SandboxGone):
+                raise  # no such sandbox (any more): nothing to log against
+            except CorralError as exc:
+                self._append_auto(sandbox_id, kind, request, exc.to_body())
+                raise
+            self._append_auto(sandbox_id, kind, request, result.model_dump(mode="json"))
+            if changes_files:
+                await self._audit(sandbox_id, _command_text(request),
+                                  result if isinstance(result, ExecResult) else None, edge_findings)  # fmt: skip
+            return result
+        step = await self._begin(sandbox_id, step_id, kind, request)
+        if isinstance(step, Replay):
+            replayed = replayed_result(step.step)
+            return model.model_validate(
+                {**replayed, "replayed": True} if "replayed" in model.model_fields else replayed
+            )
+        try:
+            since = (
+                await self._sandboxes.call(sandbox_id, lambda edge: edge.fs_clock(sandbox_id)) if changes_files else 0
+            )
+            result = await operation()
+            files = None
+            if changes_files:
+                files = await self._sandboxes.call(sandbox_id, lambda edge: edge.changed_paths(sandbox_id, since))
+        except CorralError as exc:
+            await self._db.run(self._log.fail, step, exc.to_body()["error"])
+            raise
+        await self._db.run(self._log.finish, step, result.model_dump(mode="json"), files=files)  # before the answer
+        if changes_files:
+            await self._audit(sandbox_id, _command_text(request), result if isinstance(result, ExecResult) else None,
+                              edge_findings)  # fmt: skip
+        return result
+
+    # -- commands -------------------------------------------------------
+
+    async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
+        body = request.model_dump(mode="json", exclude={"step_id"})
+        edge_findings: Findings = []
+
+        async def run() -> ExecResult:  # the edge's findings come with the result: one call, not two
+            result, found = await self._sandboxes.call(sandbox_id, lambda edge: edge.exec_audited(sandbox_id, request))
+            edge_findings.extend(found)
+            return result
+
+        with tracing.span("corral.sandbox.exec", sandbox_id=sandbox_id, edge_id=edge_of(sandbox_id)) as span:
+            if tracing.enabled():  # a read of the record, paid only while tracing
+                span.set("backend", (await self._sandboxes.record(sandbox_id)).backend)
+            return await self._perform(
+                sandbox_id, request.step_id, "exec", body, run, ExecResult, edge_findings=edge_findings
+            )
+
+    async def start(self, sandbox_id: str, request: ExecRequest) -> CommandInfo:
+        """A background command: logged when it starts (its output is read through /commands)."""
+        body = request.model_dump(mode="json", exclude={"step_id"})
+        run = functools.partial(self._sandboxes.call, sandbox_id, lambda edge: edge.start_command(sandbox_id, request))
+        return await self._perform(sandbox_id, request.step_id, "start", body, run, CommandInfo)
+
+    async def stdin(self, sandbox_id: str, command_id: str, data: bytes, step_id: str | None = None) -> None:
+        """Bytes to a background command's stdin; empty closes it."""
+
+        async def run() -> Done:
+            await self._sandboxes.call(sandbox_id, lambda edge: edge.command_stdin(sandbox_id, command_id, data))
+            return Done()
+
+        request = {"command_id": command_id, **self._content(data)}
+        await self._perform(sandbox_id, step_id, "stdin", request, run, Done, changes_files=False)
+
+    async def signal(self, sandbox_id: str, command_id: str, signo: int, step_id: str | None = None) -> None:
+        async def run() -> Done:
+            await self._sandboxes.call(sandbox_id, lambda edge: edge.command_signal(sandbox_id, command_id, signo))
+            return Done()
+
+        request = {"command_id": command_id, "signal": signo}
+        await self._perform(sandbox_id, step_id, "signal", request, run, Done, changes_files=False)
+
+    async def resize(self, sandbox_id: str, command_id: str, rows: int, cols: int, step_id: str | None = None) -> None:
+        async def run() -> Done:
+            await self._sandboxes.call(sandbox_id, lambda edge: edge.command_resize(sandbox_id, command_id, rows, cols))
+            return Done()
+
+        request = {"command_id": command_id, "rows": rows, "cols": cols}
+        await self._perform(sandbox_id, step_id, "resize", request, run, Done, changes_files=False)
+
+    async def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+        """Streamed output, logged like exec once the command ends (the whole output, capped)."""
+        body = request.model_dump(mode="json", exclude={"step_id"})
+        step = await self._begin(sandbox_id, request.step_id, "exec_stream", body) if request.step_id else None
+        if isinstance(step, Replay):
+            result = ExecResult.model_validate({**replayed_result(step.step), "replayed": True})
+            for stream in ("stdout", "stderr"):
+                text = getattr(result, stream)
+                if text:
+                    yield ExecEvent(type=stream, data=text)
+            yield ExecEvent(type="exit", command_id=result.command_id, result=result)
+            return
+        output: dict[str, list[str]] = {"stdout": [], "stderr": []}
+        outcome: dict[str, Any] | None = None
+        try:
+            since = await self._sandboxes.call(sandbox_id, lambda edge: edge.fs_clock(sandbox_id)) if step else None
+            async for event in self._sandboxes.stream(sandbox_id, lambda edge: edge.exec_stream(sandbox_id, request)):
+                if event.type == "exit" and event.result is not None:
+                    joined = {name: "".join(parts) for name, parts in output.items()}
+                    outcome = event.result.model_copy(update=joined).model_dump(mode="json")
+                    files = None
+                    if step is not None and since is not None:
+                        files = await self._sandboxes.call(sandbox_id, lambda e: e.changed_paths(sandbox_id, since))
+                    await self._db.run(self._record, sandbox_id, step, "exec_stream", body, outcome, files)
+                    await self._audit(sandbox_id, _command_text(body), event.result)
+                elif event.type in output:
+                    output[event.type].append(event.data or "")
+                yield event
+        except (NotFound, SandboxGone):
+            if step is not None and outcome is None:
+                gone = {"code": "sandbox_gone", "message": "the sandbox ended during the command"}
+                self._db.submit(self._log.fail, step, gone)
+                outcome = {}
+            raise
+        except CorralError as exc:
+            if outcome is None:
+                self._db.submit(self._record, sandbox_id, step, "exec_stream", body, exc.to_body(), None)
+                outcome = {}
+            raise
+        finally:
+            if outcome is None:  # the client went away mid-stream; the edge killed the command
+                error = {"error": {"code": "conflict", "message": "the client went away; the command was killed"}}
+                self._db.submit(self._record, sandbox_id, step, "exec_stream", body, error, None)
+
+    def _record(
+        self,
+        sandbox_id: str,
+        step: Step | None,
+        kind: str,
+        request: dict[str, Any],
+        result: dict[str, Any],
+        files: list[str] | None,
+    ) -> None:
+        """On the database thread (``append_many`` for a step without a client id)."""
+        if step is None:
+            self._log.append_many([(sandbox_id, _auto_id(), kind, request, result)])
+        elif "error" in result:
+            self._log.fail(step, result["error"])
+        else:
+            self._log.finish(step, result, files=files)
+
+    # -- files ------------------------------------------------------------
+
+    def _content(self, data: bytes) -> dict[str, Any]:
+        """How uploaded bytes are logged: whole (so a replay can send them again) up to the logged-file limit,
+        else by size and digest."""
+        if len(data) <= self._max_logged_file_bytes:
+            return {"size": len(data), "data_b64": base64.b64encode(data).decode()}
+        return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int, step_id: str | None) -> FileInfo:
+        request: dict[str, Any] = {"path": path, "mode": mode, **self._content(data)}
+        run = functools.partial(
+            self._sandboxes.call, sandbox_id, lambda edge: edge.write_file(sandbox_id, path, data, mode)
+        )
+        return await self._perform(sandbox_id, step_id, "write_file", request, run, FileInfo)
+
+    async def mkdir(self, sandbox_id: str, body: MkdirRequest, step_id: str | None) -> FileInfo:
+        run = functools.partial(
+            self._sandboxes.call, sandbox_id, lambda edge: edge.mkdir(sandbox_id, body.path, body.parents, body.mode)
+        )
+        return await self._perform(sandbox_id, step_id, "mkdir", body.model_dump(mode="json"), run, FileInfo)
+
+    async def remove(self, sandbox_id: str, path: str, recursive: bool, step_id: str | None) -> RemoveResult:
+        async def run() -> RemoveResult:
+            await self._sandboxes.call(sandbox_id, lambda edge: edge.remove(sandbox_id, path, recursive))
+            return RemoveResult(path=path)
+
+        request = {"path": path, "recursive": recursive}
+        return await self._perform(sandbox_id, step_id, "remove", request, run, RemoveResult)
+
+    async def rename(self, sandbox_id: str, body: RenameRequest, step_id: str | None) -> FileInfo:
+        run = functools.partial(
+            self._sandboxes.call, sandbox_id, lambda edge: edge.rename(sandbox_id, body.source, body.dest)
+        )
+        return await self._perform(sandbox_id, step_id, "rename", body.model_dump(mode="json"), run, FileInfo)
+
+    async def upload_tar(self, sandbox_id: str, path: str, data: bytes, step_id: str | None) -> UploadResult:
+        async def run() -> UploadResult:
+            members = await self._sandboxes.call(sandbox_id, lambda edge: edge.upload_tar(sandbox_id, path, data))
+            return UploadResult(members=members)
+
+        request = {"path": path, **self._content(data)}
+        return await self._perform(sandbox_id, step_id, "upload_tar", request, run, UploadResult)
+
+    # -- checkpoints ------------------------------------------------------
+
+    async def checkpoint(self, sandbox_id: str) -> CheckpointInfo:
+        """A VM checkpoint, marked in the log (before the answer): a later restore rewinds the log's meaning to
+        this point."""
+        self.flush()
+        info = await self._sandboxes.save_checkpoint(sandbox_id)
+        await self._db.run(self._log.append, sandbox_id, _auto_id(), "checkpoint", {}, {"checkpoint": info.id})
+        return info
+
+    async def restore(self, sandbox_id: str, checkpoint_id: str) -> SandboxInfo:
+        """Rewind to a checkpoint; the log records it (before the answer), so replay skips what the rewind
+        undid."""
+        self.flush()
+        info = await self._sandboxes.restore_checkpoint(sandbox_id, checkpoint_id)
+        await self._db.run(self._log.append, sandbox_id, _auto_id(), "restore", {"checkpoint": checkpoint_id},
+                           {"state": info.state.value})  # fmt: skip
+        return info
+
+    # -- the sandbox's life -----------------------------------------------
+
+    async def kill(self, sandbox_id: str, step_id: str | None = None) -> SandboxInfo:
+        run = functools.partial(self._sandboxes.kill, sandbox_id)
+        return await self._perform(sandbox_id, step_id, "kill", {}, run, SandboxInfo, changes_files=False)
+
+    async def shutdown(self, sandbox_id: str, timeout_s: float, step_id: str | None = None) -> SandboxInfo:
+        run = functools.partial(self._sandboxes.shutdown, sandbox_id, timeout_s)
+        request = {"timeout_s": timeout_s}
+        return await self._perform(sandbox_id, step_id, "shutdown", request, run, SandboxInfo, changes_files=False)
+
+    async def pause(self, sandbox_id: str, wait_reclaim: bool = False, step_id: str | None = None) -> PauseResult:
+        run = functools.partial(self._sandboxes.pause, sandbox_id, wait_reclaim)
+        request = {"wait_reclaim": wait_reclaim}
+        return await self._perform(sandbox_id, step_id, "pause", request, run, PauseResult, changes_files=False)
+
+    async def resume(self, sandbox_id: str, step_id: str | None = None) -> SandboxInfo:
+        run = functools.partial(self._sandboxes.resume, sandbox_id)
+        return await self._perform(sandbox_id, step_id, "resume", {}, run, SandboxInfo, changes_files=False)
+
+    async def set_ttl(self, sandbox_id: str, ttl_s: float | None, step_id: str | None = None) -> SandboxInfo:
+        run = functools.partial(self._sandboxes.set_ttl, sandbox_id, ttl_s)
+        request = {"ttl_s": ttl_s}
+        return await self._perform(sandbox_id, step_id, "set_ttl", request, run, SandboxInfo, changes_files=False)
+
+    async def set_network(self, sandbox_id: str, policy: NetworkPolicy, step_id: str | None = None) -> NetworkStatus:
+        """A new egress policy while it runs; replayed, so later steps of a replay see the same network."""
+        run = functools.partial(self._sandboxes.set_network, sandbox_id, policy)
+        request = policy.model_dump(mode="json")
+        return await self._perform(sandbox_id, step_id, "set_network", request, run, NetworkStatus, changes_files=False)
+
+    async def snapshot(self, sandbox_id: str, name: str | None, step_id: str | None = None) -> SnapshotInfo:
+        run = functools.partial(self._images.snapshot, sandbox_id, name)
+        request = {"name": name}
+        return await self._perform(sandbox_id, step_id, "snapshot", request, run, SnapshotInfo, changes_files=False)
+
+    async def fork(self, sandbox_id: str, request: ForkRequest, step_id: str | None = None) -> list[SandboxInfo]:
+        """New sandboxes from this one; with a step id, a resend answers the same children instead of making more."""
+
+        async def run() -> Forked:
+            return Forked(sandboxes=await self._images.fork(sandbox_id, request))
+
+        body = request.model_dump(mode="json")
+        forked = await self._perform(sandbox_id, step_id, "fork", body, run, Forked, changes_files=False)
+        return forked.sandboxes
+
+    async def bulk(self, request: BulkRequest) -> BulkResult:
+        """One action on every live sandbox whose labels match, each logged as its own step; failures are
+        reported per sandbox."""
+        if not request.labels:
+            raise InvalidRequest("a bulk action needs a label selector (e.g. {'job': 'j1'}): refusing to act on all")
+        if request.action == "set_ttl" and request.ttl_s is None and not request.clear_ttl:
+            raise InvalidRequest("set_ttl needs ttl_s (or clear_ttl=true)")
+        targets = [info.id for info in await self._sandboxes.list(states=None, labels=request.labels)]
+        actions: dict[str, Callable[[str], Awaitable[object]]] = {
+            "pause": self.pause,
+            "resume": self.resume,
+            "kill": self.kill,
+            "set_ttl": lambda sandbox_id: self.set_ttl(sandbox_id, request.ttl_s),
+        }
+        results = await asyncio.gather(*(actions[request.action](t) for t in targets), return_exceptions=True)
+        failed = {t: str(r) for t, r in zip(targets, results, strict=True) if isinstance(r, BaseException)}
+        return BulkResult(matched=len(targets), done=[t for t in targets if t not in failed], failed=failed)
