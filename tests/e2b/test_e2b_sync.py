@@ -6,6 +6,7 @@ sandboxes; the same sandboxes are visible through Corral's own API.
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import io
 import os
@@ -188,9 +189,18 @@ def test_stdin_send_and_close(sbx: Sandbox) -> None:
 
 
 def test_commands_go_to_the_trajectory_log(sbx: Sandbox, client: corral.Client) -> None:
+    """Through the operations layer, as Corral's own API: commands, what is sent to them, and the sandbox's life."""
     sbx.commands.run("echo logged-step")
+    handle = sbx.commands.run("cat", background=True, stdin=True)
+    sbx.commands.send_stdin(handle.pid, "to-cat\n")
+    sbx.commands.kill(handle.pid)
+    sbx.set_timeout(900)
     steps = client.get(sbx.sandbox_id).trajectory()
     assert any(s.kind == "exec_stream" and "echo logged-step" in str(s.request) for s in steps)
+    sent = [s for s in steps if s.kind == "stdin"]
+    assert [base64.b64decode(s.request["data_b64"]) for s in sent] == [b"to-cat\n"]
+    assert [s.request["signal"] for s in steps if s.kind == "signal"] == [9]
+    assert steps[-1].kind == "set_ttl" and steps[-1].request == {"ttl_s": 900}
 
 
 def test_files_read_write_list_stat(sbx: Sandbox) -> None:

@@ -73,8 +73,8 @@ def test_data_disk_filled_to_the_floor_keeps_the_state_and_the_trajectories(
             for index, sandbox in enumerate(writers):  # the trajectory log and the records still take writes
                 step_id = f"after-{index}"
                 assert sandbox.exec(f"echo {step_id}", step_id=step_id).stdout == f"{step_id}\n"
-                acknowledged[sandbox.id].append(step_id)
-                sandbox.set_ttl(3600)
+                sandbox.set_ttl(3600, step_id=f"ttl-{index}")  # a life step is logged too
+                acknowledged[sandbox.id] += [step_id, f"ttl-{index}"]
             with pytest.raises(corral.CapacityExhausted) as refused:
                 client.create("busybox")
             assert "the data disk is short" in str(refused.value) and f"{FLOOR_MB} MiB kept in reserve" in str(

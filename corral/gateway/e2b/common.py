@@ -243,10 +243,11 @@ def page(request: Request, items: list[Any]) -> tuple[list[Any], dict[str, str]]
     return items[start:end], headers
 
 
-async def drop_processes(sandboxes: Any, sandbox_id: str) -> None:
-    """What a cold boot leaves of a sandbox, its files: every process but the sandbox's init is killed."""
+async def drop_processes(operations: Any, sandbox_id: str) -> None:
+    """What a cold boot leaves of a sandbox, its files: every process but the sandbox's init is killed (a command,
+    so a step of its trajectory: a replay drops them too)."""
     drop = ExecRequest(cmd=["/bin/sh", "-c", "kill -9 -1 || true"], user="root", cwd="/", timeout_s=30)
-    await sandboxes.call(sandbox_id, lambda edge: edge.exec(sandbox_id, drop))
+    await operations.exec(sandbox_id, drop)
 
 
 def home_of(user: str) -> str:

@@ -285,7 +285,7 @@ async def pause(sandbox_id: str, request: Request) -> Response:
     if info.state == SandboxState.PAUSED:
         raise E2BError(409, f"sandbox {sandbox_id} is already paused")
     if body.get("memory") is False:
-        await drop_processes(services(request).sandboxes, sandbox_id)
+        await drop_processes(services(request).operations, sandbox_id)
     await services(request).operations.pause(sandbox_id)
     return Response(status_code=204)
 
@@ -301,7 +301,7 @@ async def _connect(sandbox_id: str, request: Request) -> JSONResponse:
     if resumed:  # first: a resume moves the TTL on by the time spent paused
         await operations.resume(sandbox_id)
         if body.get("memory") is False:  # on_resume="reboot": a cold boot (a no-op for a running sandbox)
-            await drop_processes(svc, sandbox_id)
+            await drop_processes(operations, sandbox_id)
     info = await svc.get(sandbox_id)
     if timeout_s and info.expires_at is not None and info.expires_at < time.time() + timeout_s:
         info = await operations.set_ttl(sandbox_id, timeout_s)

@@ -319,7 +319,6 @@ async def process_rpc(method: str, request: Request) -> Response:
     try:
         where = await target(request, basic_user(request))
         message = await _message(request)
-        svc = services(request).sandboxes
         if method == "Start":
             return await _start(request, where, message)
         if method == "Connect":
@@ -352,7 +351,9 @@ async def process_rpc(method: str, request: Request) -> Response:
             if process.pty_marker is None:
                 raise InvalidRequest(f"process {process.pid} is not a PTY session")
             user = process.user or where.user
-            await pty.resize(svc, where.sandbox_id, process.pty_marker, user, message.get("pty") or {})
+            await pty.resize(
+                services(request).operations, where.sandbox_id, process.pty_marker, user, message.get("pty") or {}
+            )
             return JSONResponse({})
         if method == "CloseStdin":
             command_id = await _command_id(request, where, message)

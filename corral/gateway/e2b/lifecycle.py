@@ -197,7 +197,7 @@ class TimeoutPauser:
         try:
             await self._operations.set_ttl(info.id, period_s)  # first: from now on the reaper cannot reach it
             if not keep_memory:
-                await drop_processes(self._sandboxes, info.id)
+                await drop_processes(self._operations, info.id)
             await self._operations.pause(info.id)
         except CorralError as exc:  # it ended meanwhile, or its node is away: the next round sees
             log.warning("could not pause E2B sandbox %s at its timeout: %s", info.id, exc.message)

@@ -17,7 +17,7 @@ from typing import Any
 
 from corral.api.errors import InvalidRequest
 from corral.api.models import ExecRequest
-from corral.gateway.service import SandboxService
+from corral.gateway.operations import Operations
 
 __all__ = ["PTY_MARKER_ENV", "new_marker", "pty_argv", "resize"]
 
@@ -48,14 +48,15 @@ def pty_argv(cmd: str, args: list[str], pty: dict[str, Any]) -> list[str]:
     return ["script", "--quiet", "--flush", "--return", "--command", inner, "/dev/null"]
 
 
-async def resize(sandboxes: SandboxService, sandbox_id: str, marker: str, user: str, pty: dict[str, Any]) -> None:
-    """As the session's user: only its own processes' environments are readable (no CAP_SYS_PTRACE)."""
+async def resize(operations: Operations, sandbox_id: str, marker: str, user: str, pty: dict[str, Any]) -> None:
+    """As the session's user: only its own processes' environments are readable (no CAP_SYS_PTRACE). A command in
+    the sandbox, so a step of its trajectory like any other."""
     rows, cols = _size(pty)
     request = ExecRequest(
         cmd=["/bin/sh", "-c", _RESIZE, "resize", f"{PTY_MARKER_ENV}={marker}", str(rows), str(cols)],
         user=user,
         timeout_s=10,
     )
-    result = await sandboxes.call(sandbox_id, lambda edge: edge.exec(sandbox_id, request))
+    result = await operations.exec(sandbox_id, request)
     if result.exit_code != 0:
         raise InvalidRequest(f"could not resize the PTY: {(result.stderr or result.stdout).strip()}")
