@@ -29,8 +29,10 @@ from corral.state.db import database_unreachable, unreachable_error
 __all__ = ["create_app"]
 
 DASHBOARD_DIR = Path(__file__).with_name("dashboard")
-# In this order: a route of an earlier router wins a path both match (images/import/{ref} before images/{ref}).
-ROUTERS = (system, fncall, images, sandboxes, admin, events, commands, files, trajectory)
+# In this order: a route of an earlier router wins a path both match (images/import/{ref} before images/{ref}),
+# and a request is matched against the routes before its own one by one: commands and files (the agent's hot
+# path) come first, their paths are under /v1/sandboxes/{sandbox_id}/ and no other router's.
+ROUTERS = (commands, files, system, fncall, images, sandboxes, admin, events, trajectory)
 _ERROR_RESPONSES = {
     status: {"description": description}
     for status, description in [

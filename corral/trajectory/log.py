@@ -38,6 +38,7 @@ from sqlalchemy import (
     String,
     Table,
     UniqueConstraint,
+    bindparam,
     delete,
     func,
     insert,
@@ -100,6 +101,25 @@ trajectory_steps = Table(
     Column("files", JSON(none_as_null=True), nullable=True),  # paths the step changed: provenance
     UniqueConstraint("sandbox_id", "step_id", name="uq_trajectory_steps_sandbox_step"),
 )
+# Built once: the appends are on every command's path, and SQLAlchemy's statement cache still has to key them.
+_INSERT = insert(trajectory_steps)
+_LAST_SEQS = (
+    select(trajectory_steps.c.sandbox_id, func.max(trajectory_steps.c.seq))
+    .where(trajectory_steps.c.sandbox_id.in_(bindparam("ids", expanding=True)))
+    .group_by(trajectory_steps.c.sandbox_id)
+)
+_LAST_SEQ = select(func.max(trajectory_steps.c.seq)).where(trajectory_steps.c.sandbox_id == bindparam("b_sandbox"))
+_BY_STEP_ID = select(trajectory_steps).where(
+    trajectory_steps.c.sandbox_id == bindparam("b_sandbox"), trajectory_steps.c.step_id == bindparam("b_step")
+)
+_THE_STEP = (
+    trajectory_steps.c.sandbox_id == bindparam("b_sandbox"),
+    trajectory_steps.c.seq == bindparam("b_seq"),
+    trajectory_steps.c.step_id == bindparam("b_step"),
+)
+_STATE_OF = select(trajectory_steps.c.state).where(*_THE_STEP)
+# The columns set are the parameters' other keys (state, result, result_truncated, output_cap_bytes, ...).
+_FINISH = update(trajectory_steps).where(*_THE_STEP, trajectory_steps.c.state == StepState.STARTED)
 
 
 @dataclass(frozen=True)
@@ -116,6 +136,17 @@ class Step:
     started_at: float
     finished_at: float | None
     files: list[str] | None
+
+
+_STEP_FIELDS = tuple(field.name for field in dataclasses.fields(Step))
+
+
+def _row(step: Step, output_cap_bytes: int) -> dict[str, Any]:
+    """The step as a table row: its fields as they are (``dataclasses.asdict`` deep-copies the request and result,
+    half of what an append cost)."""
+    row = {name: getattr(step, name) for name in _STEP_FIELDS}
+    row["output_cap_bytes"] = output_cap_bytes
+    return row
 
 
 @dataclass(frozen=True)
@@ -197,14 +228,10 @@ class TrajectoryLog:
         for _ in range(_SEQ_RETRIES):
             try:
                 with self._write_transaction() as conn:
-                    ids = {entry[0] for entry in entries}
-                    last = dict(
-                        conn.execute(
-                            select(trajectory_steps.c.sandbox_id, func.max(trajectory_steps.c.seq))
-                            .where(trajectory_steps.c.sandbox_id.in_(ids))
-                            .group_by(trajectory_steps.c.sandbox_id)
-                        ).all()
-                    )
+                    ids = sorted({entry[0] for entry in entries})
+                    last: dict[str, int] = {
+                        sandbox_id: seq for sandbox_id, seq in conn.execute(_LAST_SEQS, {"ids": ids})
+                    }
                     steps = []
                     for sandbox_id, step_id, kind, request, result in entries:
                         logged, truncated = _cap_output(result, self._output_cap_bytes)
@@ -214,8 +241,7 @@ class TrajectoryLog:
                             request_digest=request_digest(request), state=StepState.DONE, result=logged,
                             result_truncated=truncated, started_at=now, finished_at=now, files=None,
                         ))  # fmt: skip
-                    rows = [{**dataclasses.asdict(step), "output_cap_bytes": self._output_cap_bytes} for step in steps]
-                    conn.execute(insert(trajectory_steps), rows)
+                    conn.execute(_INSERT, [_row(step, self._output_cap_bytes) for step in steps])
                     return steps
             except IntegrityError:
                 continue  # another writer took one of these seqs: look again
@@ -238,15 +264,9 @@ class TrajectoryLog:
                         logged = _logged_step(conn, sandbox_id, step_id)
                         if logged is not None:
                             return already_logged(logged)
-                    last_seq = conn.execute(
-                        select(func.max(trajectory_steps.c.seq)).where(trajectory_steps.c.sandbox_id == sandbox_id)
-                    ).scalar()
+                    last_seq = conn.execute(_LAST_SEQ, {"b_sandbox": sandbox_id}).scalar()
                     step = make((last_seq or 0) + 1)
-                    conn.execute(
-                        insert(trajectory_steps).values(
-                            **dataclasses.asdict(step), output_cap_bytes=self._output_cap_bytes
-                        )
-                    )
+                    conn.execute(_INSERT, _row(step, self._output_cap_bytes))
                     return step
             except IntegrityError:
                 continue  # another writer took this seq or this step id: look again
@@ -343,25 +363,11 @@ class TrajectoryLog:
 
     def _record(self, step: Step, result: dict[str, Any], *, truncated: bool, files: list[str] | None) -> Step:
         finished_at = time.time()
-        query = (
-            update(trajectory_steps)
-            .where(
-                trajectory_steps.c.sandbox_id == step.sandbox_id,
-                trajectory_steps.c.seq == step.seq,
-                trajectory_steps.c.step_id == step.step_id,
-                trajectory_steps.c.state == StepState.STARTED,
-            )
-            .values(
-                state=StepState.DONE,
-                result=result,
-                result_truncated=truncated,
-                output_cap_bytes=self._output_cap_bytes,
-                finished_at=finished_at,
-                files=files,
-            )
-        )
+        which = {"b_sandbox": step.sandbox_id, "b_seq": step.seq, "b_step": step.step_id}
+        values = {"state": StepState.DONE, "result": result, "result_truncated": truncated,
+                  "output_cap_bytes": self._output_cap_bytes, "finished_at": finished_at, "files": files}  # fmt: skip
         with self._engine.begin() as conn:
-            if conn.execute(query).rowcount == 1:
+            if conn.execute(_FINISH, {**which, **values}).rowcount == 1:
                 return dataclasses.replace(
                     step,
                     state=StepState.DONE,
@@ -370,13 +376,7 @@ class TrajectoryLog:
                     finished_at=finished_at,
                     files=files,
                 )
-            state = conn.execute(
-                select(trajectory_steps.c.state).where(
-                    trajectory_steps.c.sandbox_id == step.sandbox_id,
-                    trajectory_steps.c.seq == step.seq,
-                    trajectory_steps.c.step_id == step.step_id,
-                )
-            ).scalar()
+            state = conn.execute(_STATE_OF, which).scalar()
         if state is None:
             raise NotFound(
                 f"step {step.step_id!r} (seq {step.seq}) of sandbox {step.sandbox_id} is no longer in the "
@@ -389,10 +389,7 @@ class TrajectoryLog:
 
 
 def _logged_step(conn: Connection, sandbox_id: str, step_id: str) -> Step | None:
-    query = select(trajectory_steps).where(
-        trajectory_steps.c.sandbox_id == sandbox_id, trajectory_steps.c.step_id == step_id
-    )
-    row = conn.execute(query).mappings().first()
+    row = conn.execute(_BY_STEP_ID, {"b_sandbox": sandbox_id, "b_step": step_id}).mappings().first()
     return _to_step(row) if row is not None else None
 
 

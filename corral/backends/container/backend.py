@@ -57,6 +57,7 @@ from corral.backends.container.writable import QuotaPool
 from corral.guard.audit import PACKAGE_PREFIXES, PROTECTED_PREFIXES, EventThrottle, denied_syscall_severity
 from corral.images.erofs import build_erofs
 from corral.images.lazy import check_layer
+from corral.procfs import read_small
 
 __all__ = ["ContainerBackend"]
 
@@ -69,11 +70,7 @@ _TIER_NAMES = frozenset(tier.strip("/") for tier in qos.TIERS.values())  # top-l
 
 
 def _read_int(path: str) -> int:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return int(os.read(fd, 64))
-    finally:
-        os.close(fd)
+    return int(read_small(path))
 
 
 def _changed_since(upper: Path, since: float) -> list[str]:
@@ -110,11 +107,18 @@ _NO_IPC_OBJECTS = IpcCounts(0, 0, 0)
 
 def _changed_under(upper: Path, prefixes: tuple[str, ...]) -> list[str]:
     """Entries of the writable layer under these prefixes: each one is a change (copy-up, new file or whiteout)."""
+    try:
+        touched = set(os.listdir(upper))  # the top directories anything was written under
+    except OSError:
+        return []
     found: list[str] = []
     for prefix in prefixes:
-        base = upper / prefix.strip("/")
+        relative = prefix.strip("/")
+        if relative.partition("/")[0] not in touched:
+            continue  # the usual case: nothing under its top directory was written, no stat
+        base = upper / relative
         if not base.exists():
-            continue  # the usual case: nothing there was touched, one stat
+            continue
         if not base.is_dir() or base.is_symlink():
             found.append("/" + prefix.strip("/"))
             continue
@@ -511,11 +515,11 @@ class ContainerBackend:
         container = self.container(sandbox_id)
         upper = self.upper(sandbox_id)
         prefixes = (*PACKAGE_PREFIXES, *PROTECTED_PREFIXES, *container.spec.protected_paths)
-        changed = _changed_under(upper, prefixes)  # a dozen stats in the usual case: no thread hop
+        changed = _changed_under(upper, prefixes)  # one listdir in the usual case: no thread hop
         if container.spec.sensitive_paths:  # files written or directories replaced since get marks too
             await asyncio.to_thread(self._reads.mark, sandbox_id, self._root(container), container.spec.sensitive_paths)
         try:
-            events = self._cgroup_file(sandbox_id, "pids", "pids.events").read_text().split()
+            events = read_small(str(self._cgroup_file(sandbox_id, "pids", "pids.events"))).split()
             pid_limit_hits = int(events[events.index("max") + 1]) if "max" in events else 0
         except OSError:
             pid_limit_hits = 0

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from corral.backends.base import ReclaimResult
 from corral.backends.common.host import CgroupLayout
+from corral.procfs import read_small
 
 __all__ = ["CgroupMemory", "ensure_zram_swap", "prefetch_swapped", "swap_total_bytes"]
 
@@ -71,15 +72,7 @@ class CgroupMemory:
         self._dir = _CGROUP_ROOT / relative if layout is CgroupLayout.UNIFIED else _CGROUP_ROOT / "memory" / relative
 
     def _read(self, name: str) -> str:
-        # os-level: read before every command (oom_kills), where pathlib's and TextIOWrapper's overhead showed.
-        fd = os.open(f"{self._dir}/{name}", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            chunks = [os.read(fd, 65536)]
-            while chunks[-1]:
-                chunks.append(os.read(fd, 65536))
-            return b"".join(chunks).decode()
-        finally:
-            os.close(fd)
+        return read_small(f"{self._dir}/{name}")  # before every command (oom_kills): os-level
 
     def _write(self, name: str, value: str) -> None:
         (self._dir / name).write_text(value)

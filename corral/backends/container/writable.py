@@ -38,6 +38,7 @@ import threading
 from pathlib import Path
 
 from corral.api.errors import InternalError
+from corral.procfs import read_small
 
 __all__ = ["QuotaPool"]
 
@@ -211,10 +212,10 @@ class QuotaPool:
         if self._sysfs is None or not self.has(sandbox_id):
             return None
         try:
-            qgroup = self._sysfs / f"0_{self._qgroup(sandbox_id)}"
+            qgroup = f"{self._sysfs}/0_{self._qgroup(sandbox_id)}/"
             # Written back (referenced) plus reserved for what is still dirty: what counts against the limit.
-            used = sum(int((qgroup / name).read_text()) for name in _COUNTED)
-            return used, int((qgroup / "max_referenced").read_text())
+            used = sum(int(read_small(qgroup + name)) for name in _COUNTED)
+            return used, int(read_small(qgroup + "max_referenced"))
         except (OSError, ValueError):
             return None
 
