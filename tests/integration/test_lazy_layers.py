@@ -8,12 +8,16 @@ server's store, and the second server killed mid-layer and started again.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import os
+import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import httpx
 import pytest
@@ -22,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import corral
 from corral.embedded import EmbeddedServer
 from corral.images.cache import NodeLayerCache, fetched_layers
-from corral.images.lazy import PartialFiles
+from corral.images.lazy import PartialFiles, build_lazyfs
 from corral.images.store import CHUNK_INDEX_BYTES, LayerStore
 
 FILES, FILE_BYTES = 8, 4 << 20  # a 32 MiB tools layer of 8 random files
@@ -339,3 +343,54 @@ def test_a_node_over_its_cache_budget_evicts_an_unused_partial_layer_and_keeps_a
             assert _sha256_in(sandbox, "f0").stdout.split()[0] == data_tree["f0"]
             assert _sha256_in(sandbox, "f5").stdout.split()[0] == data_tree["f5"]
             assert 2 * FILE_BYTES <= _present_bytes(node_dir, digest_a) <= 2 * FILE_BYTES + (1 << 20) + (1 << 19)
+
+
+def _helper_connection(path: Path) -> tuple[socket.socket, IO[bytes]]:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.connect(str(path))
+    return sock, sock.makefile("rb")
+
+
+def test_a_server_that_connects_takes_over_the_helper_from_one_that_hangs(tmp_path: Path) -> None:
+    """The helper alone (no Corral server): the first "server" connects, is asked for the chunk a read waits on
+    and never answers (hung, or its end held by a process that outlived it); a second one connects, is greeted
+    and asked again at once, its answer ends the read, and the first one's connection is closed."""
+    helper = build_lazyfs(tmp_path / "build")
+    assert helper is not None, "corral-lazyfs did not build (libfuse3, pkg-config, /dev/fuse: scripts/setup.sh)"
+    chunk_bytes, chunks = 4096, 4
+    data, present, mountpoint, sockets = tmp_path / "data", tmp_path / "present", tmp_path / "mnt", tmp_path / "s"
+    data.write_bytes(b"\0" * chunk_bytes * chunks)
+    present.write_bytes(bytes(chunks))
+    mountpoint.mkdir()
+    sockets.mkdir(mode=0o700)
+    argv = [str(helper), str(mountpoint), str(data), str(chunk_bytes * chunks), str(chunk_bytes), str(present),
+            "10000", str(sockets / "h.sock"), "60000"]  # fmt: skip
+    process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while not (sockets / "h.sock").exists():
+            assert time.monotonic() < deadline and process.poll() is None, "the helper did not listen"
+            time.sleep(0.01)
+        old, old_lines = _helper_connection(sockets / "h.sock")
+        assert old_lines.readline().startswith(b"R ")
+        with concurrent.futures.ThreadPoolExecutor(1) as reader:
+            read = reader.submit(lambda: (mountpoint / "layer.erofs").open("rb").read(chunk_bytes))
+            asked = old_lines.readline()
+            wanted = asked.split()[2:]  # chunk 0, and what the kernel reads ahead
+            assert asked.split()[0] == b"F" and wanted[0] == b"0", asked
+            new, new_lines = _helper_connection(sockets / "h.sock")
+            assert new_lines.readline().startswith(b"R ")  # before the change: only once the first one closed
+            assert new_lines.readline() == asked  # the waiting read, asked of the new server
+            assert old_lines.read() == b""  # the old connection is closed
+            with data.open("r+b") as file:
+                file.write(b"chunk zero".ljust(chunk_bytes, b"."))
+            new.sendall(b"".join(b"O %s\n" % chunk for chunk in wanted))
+            assert read.result(timeout=10) == b"chunk zero".ljust(chunk_bytes, b".")
+        old.close()
+        new.close()
+    finally:
+        process.terminate()  # its signal handler unmounts
+        process.wait(timeout=10)
+        if os.path.ismount(mountpoint):
+            subprocess.run(["umount", "-l", str(mountpoint)], check=False)

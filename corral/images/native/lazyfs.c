@@ -14,7 +14,9 @@
  * start. SOCKET: where this helper listens (in a directory only root can enter;
  * only root peers are served). It outlives the server that started it: a
  * server that dies (an edge killed) leaves the sandboxes that read through
- * this mount running, and the next server connects here again and answers.
+ * this mount running, and the next server connects here again and answers;
+ * one that connects while another is connected takes over (the older one hangs,
+ * or a process that outlived it holds its end).
  * Protocol, one line each way, per connection:
  *   helper -> server: "R <dev>"           mounted and serving; dev: st_dev of MOUNTPOINT
  *                     "F <pid> <c> <c>.." fetch these chunks (pid: the reader)
@@ -92,8 +94,30 @@ static int apply_answer(const char *line) {
     return 0;
 }
 
-/* The connection thread: accepts a server (root only), greets it, sends it the waiting read's request, applies
- * its answers; when it goes, waits for the next one, for at most ORPHAN_MS. ARG: the mountpoint. */
+/* A server that connects (root only), greeted and sent the waiting read's request, under the mutex; -1 if it
+ * was not taken (another uid, or it went at once). */
+static int accept_server(void) {
+    int fd = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC);
+    if (fd < 0) return -1;
+    struct ucred peer;
+    socklen_t peer_len = sizeof peer;
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &peer, &peer_len) != 0 || peer.uid != 0) {
+        close(fd);
+        return -1;
+    }
+    char hello[64];
+    int hello_len = snprintf(hello, sizeof hello, "R %llu\n", mount_dev);
+    if (write_all(fd, hello, (size_t)hello_len) != 0 ||
+        (pending_line != NULL && write_all(fd, pending_line, pending_len) != 0)) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* The connection thread: accepts a server, applies its answers; when it goes, waits for the next one, for at
+ * most ORPHAN_MS. A server that connects while one is connected takes over: the newer one is the node's now
+ * (the old one hangs, or a process that outlived it holds its end). ARG: the mountpoint. */
 static void *serve_connections(void *arg) {
     const char *mountpoint = arg;
     struct stat st;
@@ -106,33 +130,27 @@ static void *serve_connections(void *arg) {
     size_t len = 0;
     long orphaned_at = now_ms();
     for (;;) {
+        struct pollfd p[2] = {{.fd = listen_fd, .events = POLLIN}, {.fd = conn_fd, .events = POLLIN}};
+        int timeout = -1;
         if (conn_fd < 0) {
             long left = orphaned_at + orphan_ms - now_ms();
             if (left <= 0) break;
-            struct pollfd p = {.fd = listen_fd, .events = POLLIN};
-            int ready = poll(&p, 1, left > 60000 ? 60000 : (int)left);
-            if (ready <= 0) continue;
-            int fd = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC);
-            if (fd < 0) continue;
-            struct ucred peer;
-            socklen_t peer_len = sizeof peer;
-            if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &peer, &peer_len) != 0 || peer.uid != 0) {
-                close(fd);
-                continue;
-            }
-            char hello[64];
-            int hello_len = snprintf(hello, sizeof hello, "R %llu\n", mount_dev);
+            timeout = left > 60000 ? 60000 : (int)left;
+        }
+        int ready = poll(p, conn_fd < 0 ? 1 : 2, timeout);
+        if (ready <= 0) continue;
+        if (p[0].revents & POLLIN) {
             pthread_mutex_lock(&mutex);
-            if (write_all(fd, hello, (size_t)hello_len) == 0 &&
-                (pending_line == NULL || write_all(fd, pending_line, pending_len) == 0)) {
+            int fd = accept_server();
+            if (fd >= 0) {
+                if (conn_fd >= 0) close(conn_fd); /* its half-read answers go with it: the new one is asked again */
                 conn_fd = fd;
                 len = 0;
-            } else {
-                close(fd);
             }
             pthread_mutex_unlock(&mutex);
             continue;
         }
+        if (conn_fd < 0 || !(p[1].revents & (POLLIN | POLLHUP | POLLERR))) continue;
         ssize_t n = read(conn_fd, buf + len, sizeof buf - len);
         if (n < 0 && errno == EINTR) continue;
         pthread_mutex_lock(&mutex);
