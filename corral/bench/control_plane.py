@@ -19,6 +19,8 @@ cores, 768 GiB) with the configured overcommit. Measured:
    label each), then ``get`` of random ids and ``list`` of one job;
 4. the database write per create, as a same-run baseline: one transaction per
    record (what every create paid before) against the batched writes.
+5. on PostgreSQL, what ``pool_pre_ping`` adds to a read of one record, against
+   an engine without it.
 
 Everything runs in this one process on this machine's cores, so the gateway,
 160 edges and the database share them.
@@ -41,6 +43,8 @@ from typing import Any
 import uvicorn
 from rich.console import Console
 from rich.table import Table
+from sqlalchemy import create_engine, select
+from sqlalchemy.engine import Engine
 
 from corral.api.models import CreateSandboxRequest
 from corral.backends.router import BackendRouter
@@ -63,7 +67,7 @@ from corral.images.catalogue import Catalogue
 from corral.images.store import LayerStore
 from corral.sdk import AsyncClient
 from corral.server import tune_gc
-from corral.state.db import StateStore
+from corral.state.db import StateStore, sandboxes
 from corral.state.records import SandboxRecord
 from corral.testing.simulated import SimulatedBackend
 from corral.trajectory import TrajectoryLog
@@ -242,6 +246,30 @@ def _db_write_baseline(database_url: str, records: int) -> dict[str, float]:
         store.close()
 
 
+def _pre_ping_cost(database_url: str, reads: int) -> dict[str, float]:
+    """PostgreSQL: what ``pool_pre_ping`` (the state store's engines: a connection tested as it is checked out, so
+    one that a database restart broke is replaced, not handed to a request) adds to a read of one record, against
+    the same read on an engine without it; alternating blocks of reads, median ms per read."""
+    with_ping, without = create_engine(database_url, pool_pre_ping=True), create_engine(database_url)
+    store = StateStore(database_url)  # its tables
+    try:
+        query = select(sandboxes.c.id).where(sandboxes.c.id == "sb-none")
+        times: dict[Engine, list[float]] = {with_ping: [], without: []}
+        for _ in range(reads // 100):
+            for engine in (with_ping, without):
+                for _ in range(100):
+                    begun = time.perf_counter()
+                    with engine.connect() as conn:
+                        conn.execute(query).first()
+                    times[engine].append(time.perf_counter() - begun)
+        return {"pre_ping_ms": statistics.median(times[with_ping]) * 1000,
+                "no_pre_ping_ms": statistics.median(times[without]) * 1000}  # fmt: skip
+    finally:
+        store.close()
+        with_ping.dispose()
+        without.dispose()
+
+
 @contextlib.contextmanager
 def _store(database_url: str) -> Any:  # noqa: ANN401
     """The state store for one phase, empty (a shared PostgreSQL keeps its rows between phases)."""
@@ -296,6 +324,8 @@ async def _measure(nodes: list[int], creates: int, burst: int, live: int, databa
             log(f"burst over HTTP: {burst:,} sandboxes through POST /v1/sandboxes/batch on {biggest} nodes")
             report["burst_http"] = await _http_burst(biggest, store, scratch, burst)
     report["db_write"] = _db_write_baseline(database_url or f"sqlite:///{scratch / 'baseline.db'}", 2_000)
+    if database_url:
+        report["pre_ping"] = _pre_ping_cost(database_url, 2_000)
     return report
 
 
@@ -358,6 +388,10 @@ def _table(report: dict[str, Any]) -> Table:
     db = report["db_write"]
     table.add_row("record writes per create (baseline: a transaction each)",
                   f"batched {db['batched_ms']:.3f} ms vs {db['one_transaction_each_ms']:.3f} ms", "-", "-")  # fmt: skip
+    if "pre_ping" in report:
+        ping = report["pre_ping"]
+        table.add_row("a read of one record with pool_pre_ping (baseline: without)",
+                      f"p50 {ping['pre_ping_ms']:.3f} ms vs {ping['no_pre_ping_ms']:.3f} ms", "-", "-")  # fmt: skip
     return table
 
 
