@@ -18,7 +18,8 @@ cores, 768 GiB) with the configured overcommit. Measured:
 3. 400,000 live sandboxes tracked: the cluster filled with batches (one job
    label each), then ``get`` of random ids and ``list`` of one job;
 4. the database write per create, as a same-run baseline: one transaction per
-   record (what every create paid before) against the batched writes.
+   record (what every create paid before) against the batched writes; and the
+   same for the trajectory steps every exec logs;
 5. on PostgreSQL, what ``pool_pre_ping`` adds to a read of one record, against
    an engine without it.
 
@@ -46,7 +47,7 @@ from rich.table import Table
 from sqlalchemy import create_engine, select
 from sqlalchemy.engine import Engine
 
-from corral.api.models import CreateSandboxRequest
+from corral.api.models import CreateSandboxRequest, ExecRequest
 from corral.backends.router import BackendRouter
 from corral.bench.harness import emit, throwaway_postgres
 from corral.config import Settings
@@ -241,9 +242,29 @@ def _db_write_baseline(database_url: str, records: int) -> dict[str, float]:
             store.insert_many(chunk)
             store.mark_running_many({item.id: None for item in chunk})
         batched = (time.perf_counter() - started) / records
-        return {"one_transaction_each_ms": one_by_one * 1000, "batched_ms": batched * 1000}
+        steps = _trajectory_appends(store, records)
+        return {"one_transaction_each_ms": one_by_one * 1000, "batched_ms": batched * 1000, **steps}
     finally:
         store.close()
+
+
+def _trajectory_appends(store: StateStore, steps: int) -> dict[str, float]:
+    """Milliseconds per trajectory step without a client id (what every exec logs): one transaction each (a
+    flush that found one step pending) vs the batch a flush writes under load (50 steps over 10 sandboxes)."""
+    log = TrajectoryLog(store.engine)
+    request = ExecRequest(cmd="true").model_dump(mode="json")
+    result = {"command_id": "c", "exit_code": 0, "stdout": "", "stderr": "", "duration_ms": 1.0}
+    entries = [(f"sb-log-{k % 10}", f"auto-{uuid.uuid4().hex[:16]}", "exec", request, result) for k in range(steps)]
+    started = time.perf_counter()
+    for entry in entries[: steps // 2]:
+        log.append_many([entry])
+    one_each = (time.perf_counter() - started) / (steps // 2)
+    rest = entries[steps // 2 :]
+    started = time.perf_counter()
+    for start in range(0, len(rest), 50):
+        log.append_many(rest[start : start + 50])
+    in_batches = (time.perf_counter() - started) / len(rest)
+    return {"step_each_ms": one_each * 1000, "step_batched_ms": in_batches * 1000}
 
 
 def _pre_ping_cost(database_url: str, reads: int) -> dict[str, float]:
@@ -388,6 +409,8 @@ def _table(report: dict[str, Any]) -> Table:
     db = report["db_write"]
     table.add_row("record writes per create (baseline: a transaction each)",
                   f"batched {db['batched_ms']:.3f} ms vs {db['one_transaction_each_ms']:.3f} ms", "-", "-")  # fmt: skip
+    table.add_row("trajectory steps without a client id (baseline: a transaction each)",
+                  f"batched {db['step_batched_ms']:.3f} ms vs {db['step_each_ms']:.3f} ms", "-", "-")  # fmt: skip
     if "pre_ping" in report:
         ping = report["pre_ping"]
         table.add_row("a read of one record with pool_pre_ping (baseline: without)",
