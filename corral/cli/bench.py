@@ -202,6 +202,19 @@ def bench_cluster(
     run_cluster_benchmark(nodes=nodes, count=count, rounds=rounds, as_json=as_json, console=console)
 
 
+@bench_app.command("partition")
+def bench_partition(
+    cut_s: Annotated[float, typer.Option(min=10, max=45, help="How long each cut lasts (seconds).")] = 30.0,
+    rounds: Annotated[int, typer.Option(min=1, help="Cuts (both nodes at once each time).")] = 2,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Measure a cluster node's network cut (lost, heard again, placed on again) with the database's TCP timeouts
+    against without, same run."""
+    from corral.bench.partition import run_partition_benchmark
+
+    run_partition_benchmark(cut_s=cut_s, rounds=rounds, as_json=as_json, console=console)
+
+
 @bench_app.command("gvisor")
 def bench_gvisor(
     runs: Annotated[int, typer.Option(help="Runs; each creates one sandbox per runtime and snapshots once.")] = 10,

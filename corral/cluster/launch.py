@@ -15,6 +15,9 @@ It waits until the actor has started (and re-adopted), prints its pid, exits.
 namespace (cluster/network.py); ``netns NAME -- command`` runs any command
 there (the gateway). ``forward NAME PORT...`` bridges host loopback ports into
 the namespace (``forward_loopback``: a registry on the host's 127.0.0.1).
+``relay NAME ADDRESS SOCKET`` offers a unix socket (PostgreSQL's) on an
+address in the namespace, for a node in a namespace of its own
+(``relay_unix_socket``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import sys
 from typing import Any
 
 from corral.cluster.edge_actor import ACTOR_NAMESPACE, EdgeActor, actor_name, node_resource
-from corral.cluster.network import enter_netns, forward_loopback
+from corral.cluster.network import enter_netns, forward_loopback, relay_unix_socket
 from corral.node import enter_node_namespace
 
 __all__ = ["main", "EDGE_START_TIMEOUT_S"]
@@ -87,9 +90,16 @@ def main(argv: list[str] | None = None) -> None:
     forward = commands.add_parser("forward", help="relay 127.0.0.1:PORT in the namespace to the host's")
     forward.add_argument("name")
     forward.add_argument("ports", nargs="+", type=int)
+    relay = commands.add_parser("relay", help="offer a unix socket on ADDRESS:<a free port> in the namespace")
+    relay.add_argument("name")
+    relay.add_argument("address")
+    relay.add_argument("socket")
     args = parser.parse_args(argv)
     if args.command == "forward":
         forward_loopback(args.name, args.ports)
+        return
+    if args.command == "relay":
+        relay_unix_socket(args.name, args.address, args.socket)
         return
     if args.command == "node":
         _run_in(args.netns, args.argv, node=True)

@@ -10,7 +10,9 @@ of their own, so `down` ends exactly them, by pid.
 On one machine the whole cluster lives in a network namespace of its own
 (cluster/network.py): Ray refuses loopback node addresses, and this way no
 Ray process ever uses the machine's outward address. Ray's usage reporting
-is off.
+is off. A node joined with ``own_network`` gets a namespace of its own behind
+a veth pair (``NodeNetwork``), the database over TCP, and can be cut off from
+the cluster and restored (``cut_node``/``restore_node``): a partition.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from sqlalchemy.engine import make_url
 
 from corral.cluster.edge_actor import node_resource
-from corral.cluster.network import FORWARD_READY, ClusterNetwork
+from corral.cluster.network import FORWARD_READY, ClusterNetwork, NodeNetwork
 from corral.embedded import EmbeddedServer, delete_leftover_sandboxes
 from corral.procfs import stat_fields
 from corral.sdk import Client, CorralError
@@ -57,6 +60,7 @@ class NodeProcess:
     session: int  # the launcher's pid = the session id of the raylet and its workers
     data_dir: str
     labels: dict[str, str] = field(default_factory=dict)
+    netns: str | None = None  # the node's own network namespace (``own_network``), if it has one
 
 
 @dataclass
@@ -72,6 +76,8 @@ class ClusterState:
     netns: str | None = None
     forwarder_pid: int = 0  # the relay of host loopback ports into the namespace (forward_ports), if any
     replicas: list[int] = field(default_factory=list)  # pids of gateway replicas beyond the first
+    database_relay_pid: int = 0  # PostgreSQL's socket offered over TCP in the namespace, once a node needs it
+    database_relay_url: str = ""  # the database URL over that relay
     nodes: dict[str, NodeProcess] = field(default_factory=dict)
 
     def save(self) -> None:
@@ -314,12 +320,39 @@ class LocalCluster:
         return state
 
     def add_node(
-        self, edge_id: str, labels: dict[str, str] | None = None, settings: dict[str, str] | None = None
-    ) -> NodeProcess:
-        """Join a node; ``settings``: ``CORRAL_*`` of this node only, over the cluster's node settings."""
-        node = self._record(self._start_node(edge_id, labels, settings))
+        self, edge_id: str, labels: dict[str, str] | None = None, settings: dict[str, str] | None = None, *,
+        own_network: bool = False,
+    ) -> NodeProcess:  # fmt: skip
+        """Join a node; ``settings``: ``CORRAL_*`` of this node only, over the cluster's node settings.
+        ``own_network``: in a network namespace of its own, as if on another machine (``cut_node`` needs it)."""
+        node = self._record(self._start_node(edge_id, labels, settings, own_network))
         self._wait_until_up(edge_id)
         return node
+
+    def remove_node(self, edge_id: str) -> None:
+        """Stop a node as `corral cluster leave` does (the gateways mark it and its sandboxes lost once its
+        heartbeats stop), delete what its sandboxes left on this machine and its network namespace."""
+        state = self._state()
+        node = state.nodes.pop(edge_id)
+        stop_session(node.session)
+        delete_leftover_sandboxes(Path(node.data_dir))
+        if node.netns is not None:
+            NodeNetwork.for_node(ClusterNetwork.for_directory(self.directory), edge_id).delete()
+        state.save()
+
+    def cut_node(self, edge_id: str) -> None:
+        """Cut the node's network: no packet passes between it and the cluster (head, gateway, other nodes,
+        the database) until ``restore_node``. Its processes run on, as on a machine behind a broken link."""
+        self._node_network(edge_id).cut()
+
+    def restore_node(self, edge_id: str) -> None:
+        self._node_network(edge_id).restore()
+
+    def _node_network(self, edge_id: str) -> NodeNetwork:
+        node = self._state().nodes[edge_id]
+        if node.netns is None:
+            raise ValueError(f"node {edge_id} shares the cluster's network namespace: join it with own_network")
+        return NodeNetwork.for_node(ClusterNetwork.for_directory(self.directory), edge_id)
 
     def add_nodes(self, nodes: dict[str, dict[str, str]]) -> list[NodeProcess]:
         """Join several nodes (edge id -> labels), one after another: raylets joining the same head from one
@@ -332,23 +365,59 @@ class LocalCluster:
         state.save()
         return node
 
-    def _start_node(self, edge_id: str, labels: dict[str, str] | None, settings: dict[str, str] | None) -> NodeProcess:
+    def _start_node(
+        self, edge_id: str, labels: dict[str, str] | None, settings: dict[str, str] | None, own_network: bool
+    ) -> NodeProcess:
         """Start a node's raylet and edge actor (blocking until the actor runs; before the node heartbeats)."""
         state = self._state()
         data_dir = self.directory / "nodes" / edge_id
         node_dir = self._node_dir or data_dir / "node"
+        netns, node_address, database_url = state.netns, state.ray_address.rsplit(":", 1)[0], state.database_url
+        network = None
+        if own_network:
+            database_url = self._database_over_network()
+            network = NodeNetwork.for_node(ClusterNetwork.for_directory(self.directory), edge_id)
+            network.create()
+            netns, node_address = network.name, network.address
         env = node_env(
-            edge_id=edge_id, data_dir=data_dir, node_dir=node_dir, database_url=state.database_url,
+            edge_id=edge_id, data_dir=data_dir, node_dir=node_dir, database_url=database_url,
             gateway_url=state.gateway_url, api_key=state.api_key, labels=labels,
             extra={**LOCAL_RAY_ENV, **self._node_settings, **(settings or {})},
         )  # fmt: skip
-        node_address = state.ray_address.rsplit(":", 1)[0]
-        process, _ = join_node(
-            state.ray_address, edge_id, env, self.directory / "logs", netns=state.netns,
-            ray_args=["--node-ip-address", node_address, "--object-store-memory", str(100 << 20),
-                      "--temp-dir", str(self._ray_temp_dir())],
+        try:
+            process, _ = join_node(
+                state.ray_address, edge_id, env, self.directory / "logs", netns=netns,
+                ray_args=["--node-ip-address", node_address, "--object-store-memory", str(100 << 20),
+                          "--temp-dir", str(self._ray_temp_dir())],
+            )  # fmt: skip
+        except BaseException:
+            if network is not None:
+                network.delete()
+            raise
+        return NodeProcess(
+            edge_id=edge_id, session=process.pid, data_dir=str(data_dir), labels=labels or {},
+            netns=network.name if network else None,
         )  # fmt: skip
-        return NodeProcess(edge_id=edge_id, session=process.pid, data_dir=str(data_dir), labels=labels or {})
+
+    def _database_over_network(self) -> str:
+        """The state database as a node in a namespace of its own reaches it: over TCP to the cluster's address,
+        where a relay (started once) offers PostgreSQL's unix socket."""
+        state = self._state()
+        if state.database_relay_url:
+            return state.database_relay_url
+        url = make_url(state.database_url)
+        socket_dir = url.query.get("host")
+        if not url.drivername.startswith("postgresql") or not isinstance(socket_dir, str) or url.host:
+            raise ValueError(f"a node of its own network needs PostgreSQL on a unix socket, not {url!r}")
+        assert state.netns is not None
+        socket_path = f"{socket_dir}/.s.PGSQL.{url.port or 5432}"
+        address = state.ray_address.rsplit(":", 1)[0]
+        state.database_relay_pid, port = _start_relay(
+            _launch("relay", state.netns, address, socket_path), self.directory / "logs" / "database-relay.log"
+        )
+        state.database_relay_url = url.set(host=address, port=port, query={}).render_as_string(hide_password=False)
+        state.save()
+        return state.database_relay_url
 
     def _wait_until_up(self, edge_id: str) -> None:
         deadline = time.monotonic() + NODE_UP_TIMEOUT_S
@@ -438,10 +507,13 @@ class LocalCluster:
         stop_sessions([node.session for node in nodes] + ([state.head_session] if state.head_session else []))
         for node in nodes:
             delete_leftover_sandboxes(Path(node.data_dir))
+            if node.netns is not None:
+                NodeNetwork.for_node(ClusterNetwork.for_directory(self.directory), node.edge_id).delete()
         state.nodes.clear()
         state.save()
-        if state.forwarder_pid:
-            _stop_pid(state.forwarder_pid)
+        for pid in (state.forwarder_pid, state.database_relay_pid):
+            if pid:
+                _stop_pid(pid)
         if state.netns:
             ClusterNetwork.for_directory(self.directory).delete()
         if state.postgres_dir:
@@ -454,16 +526,22 @@ class LocalCluster:
 
 def _start_forwarder(netns: str, ports: list[int], log_path: Path) -> int:
     """`launch forward` in a session of its own; its pid once its listeners are bound."""
+    return _start_relay(_launch("forward", netns, *map(str, ports)), log_path)[0]
+
+
+def _start_relay(command: list[str], log_path: Path) -> tuple[int, int]:
+    """`launch forward|relay` in a session of its own: its pid once its listeners are bound, and the port the
+    relay printed (0 for a forwarder, whose ports are given)."""
     with open(log_path, "ab") as log:
-        forwarder = subprocess.Popen(_launch("forward", netns, *map(str, ports)), stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=log, start_new_session=True)  # fmt: skip
-    assert forwarder.stdout is not None
-    ready = forwarder.stdout.readline().decode().strip()  # the line comes once bound, or EOF if it failed
-    forwarder.stdout.close()
-    if ready != FORWARD_READY:
-        forwarder.wait()
-        raise RuntimeError(f"forwarding ports {ports} into {netns} failed: {log_path.read_text()[-2000:]}")
-    return forwarder.pid
+        relay = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
+                                 start_new_session=True)  # fmt: skip
+    assert relay.stdout is not None
+    ready = relay.stdout.readline().decode().split()  # the line comes once bound, or EOF if it failed
+    relay.stdout.close()
+    if not ready or ready[0] != FORWARD_READY:
+        relay.wait()
+        raise RuntimeError(f"{' '.join(command[3:])} failed: {log_path.read_text()[-2000:]}")
+    return relay.pid, int(ready[1]) if len(ready) > 1 else 0
 
 
 def _stop_pid(pid: int) -> None:

@@ -28,6 +28,9 @@ log = logging.getLogger("corral.cluster")
 
 T = TypeVar("T")
 
+PROBE_TIMEOUT_S = 5.0
+"""How long a node heard again after a silence gets to answer the probe before it is placed on (next beat: again)."""
+
 
 class RayEdge:
     """``Edge`` over the named actor of one node: every Edge method not defined here is forwarded as is (the actor
@@ -40,6 +43,7 @@ class RayEdge:
         self.edge_id = edge_id
         self._handle: Any = None
         self._silent = asyncio.Event()  # set while the node's heartbeats have stopped (RayEdges.set_silent)
+        self._probe: asyncio.Task[None] | None = None  # a call through to the edge of a node heard again
 
     async def _answer(self, pending: Awaitable[T]) -> T:
         """``pending``'s result, unless the node goes silent first: a call to a cut-off node would wait until
@@ -57,9 +61,32 @@ class RayEdge:
             raise self._gone_silent()
         return answer.result()
 
-    def set_silent(self, silent: bool) -> None:
-        """Set while the node's heartbeats have stopped: calls, and those waiting, end at once."""
-        self._silent.set() if silent else self._silent.clear()
+    def set_silent(self, silent: bool) -> bool:
+        """Set while the node's heartbeats have stopped: calls, and those waiting, end at once. Whether calls
+        go through now: a node heard again after a silence is called again only once a probe (the actor's pid)
+        has gone through, since the first call over a connection the silence broke fails ("the actor is
+        temporarily unavailable", seen after a 30 s network cut) and a create that fails so is not sent again
+        (it may have run)."""
+        if silent:
+            self._silent.set()
+            return False
+        if not self._silent.is_set():
+            return True
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.get_running_loop().create_task(self._wake())
+        return False
+
+    async def _wake(self) -> None:
+        try:
+            actor = await self._actor()
+            await asyncio.wait_for(asyncio.ensure_future(actor.pid.remote()), PROBE_TIMEOUT_S)
+        except (ActorUnavailableError, RayActorError, ServerUnavailable, TimeoutError) as exc:
+            if isinstance(exc, ActorDiedError):
+                self._handle = None
+            log.info("edge %s: heard again but not answering yet (%s)", self.edge_id, type(exc).__name__)
+            return
+        log.warning("edge %s answers again after its node's silence", self.edge_id)
+        self._silent.clear()
 
     def _gone_silent(self) -> ServerUnavailable:
         return ServerUnavailable(f"edge {self.edge_id} is unavailable: its node stopped heartbeating")
@@ -151,8 +178,8 @@ class RayEdges:
             edge = self._edges[edge_id] = RayEdge(edge_id)
         return edge
 
-    def set_silent(self, edge_id: str, silent: bool) -> None:
-        self.get(edge_id).set_silent(silent)
+    def set_silent(self, edge_id: str, silent: bool) -> bool:
+        return self.get(edge_id).set_silent(silent)
 
     def restarting(self, last_seen: Mapping[str, float]) -> set[str]:
         """Of these edges (id -> when its node last heartbeat), those Ray is restarting on a live raylet: the

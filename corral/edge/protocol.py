@@ -195,9 +195,10 @@ class EdgeDirectory(Protocol):
 
     def get(self, edge_id: str) -> Edge: ...
 
-    def set_silent(self, edge_id: str, silent: bool) -> None:
+    def set_silent(self, edge_id: str, silent: bool) -> bool:
         """Whether the node's heartbeats stopped (it is cut off or gone): calls to it, and calls already waiting
-        on it, then end with ``ServerUnavailable`` instead of waiting for an answer that may never come."""
+        on it, then end with ``ServerUnavailable`` instead of waiting for an answer that may never come. Returns
+        whether calls go through now (a node heard again may need a moment before its edge answers)."""
         ...
 
     def restarting(self, last_seen: Mapping[str, float]) -> set[str]:

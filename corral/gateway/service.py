@@ -295,7 +295,7 @@ class SandboxService:
                 before = now - self._node_lost_after_s
                 for edge_id in await self._silent_nodes_lost(before):
                     message = (f"its node {edge_id} went silent: no heartbeat for {self._node_lost_after_s:g}s "
-                               "(the machine or its server stopped)")  # fmt: skip
+                               "(the machine, its server or its network stopped)")  # fmt: skip
                     lost = await self._db.run(self._store.mark_node_lost, edge_id, before, message)
                     self.metrics.ended.labels("lost").inc(lost)
                     log.warning("node %s marked lost after %.0fs of silence; %d sandboxes lost", edge_id,
@@ -336,8 +336,7 @@ class SandboxService:
                 continue
             heard = row["state"] == "up" and row["last_seen"] >= before
             assert self._remote is not None
-            self._remote.set_silent(edge_id, not heard)
-            if heard:
+            if self._remote.set_silent(edge_id, not heard):
                 self.scheduler.refresh(EdgeLoad.model_validate(row["load"]))
             else:
                 self.scheduler.remove_node(edge_id)

@@ -99,6 +99,7 @@ class Scheduler:
         self._starting: set[str] = set()
         self._largest = (0.0, 0)  # the most cores and memory of any node
         self._offers: dict[str, frozenset[str]] = {}  # what the nodes declare they run, with its capabilities
+        self._away: dict[str, NodeView] = {}  # nodes removed (lost), by id, until they are added again
         self._rng = rng or random.Random()
 
     def add_node(self, load: EdgeLoad) -> NodeView:
@@ -112,6 +113,7 @@ class Scheduler:
         self._offers.update(node.offers)
         if load.edge_id not in self.nodes:
             self._ids.append(load.edge_id)
+        self._away.pop(load.edge_id, None)
         self.nodes[load.edge_id] = node
         self._largest = (max(self._largest[0], node.node_cpu), max(self._largest[1], node.node_memory_mb))
         return node
@@ -137,8 +139,10 @@ class Scheduler:
 
     def remove_node(self, edge_id: str) -> None:
         """Stop placing on a node (it was lost); what was placed there is forgotten."""
-        if self.nodes.pop(edge_id, None) is None:
+        node = self.nodes.pop(edge_id, None)
+        if node is None:
             return
+        self._away[edge_id] = node
         self._ids.remove(edge_id)
         gone = [sandbox_id for sandbox_id, placed in self._placed.items() if placed.edge_id == edge_id]
         for sandbox_id in gone:
@@ -211,6 +215,12 @@ class Scheduler:
         if selector:
             labelled = [node for node in nodes if node.matches(selector)]
             if not labelled:
+                away = sorted(edge_id for edge_id, node in self._away.items() if node.matches(selector))
+                if away:  # a request that is right, for nodes that may come back (a cut, a restart)
+                    raise CapacityExhausted(
+                        f"the nodes with labels {_pairs(selector)} ({', '.join(away)}) are not reachable now "
+                        "(lost, or heard again and reconnecting): retry later"
+                    )
                 raise InvalidRequest(_no_node_has(selector, nodes))
             nodes = [node for node in labelled if node.runs(backend)]
             if not nodes:

@@ -38,6 +38,10 @@ FRESH_NODE_SETTINGS = {
 """A machine that has never seen the package's images: joined once, by the first test that needs one (a join
 costs ~15 s), while a burst runs or on its own (``join_fresh_node``). Its layer cache has a small budget and idle
 layers unmount at once, for the eviction test; the others only need it fresh."""
+CUT_NODE = "e7"
+CUT_NODE_LABELS = {"zone": "isolated"}
+"""A node in a network namespace of its own (``own_network``: as on another machine, the database over TCP),
+whose link the network-cut fault test cuts and restores; it leaves at the end of that test."""
 
 
 @contextlib.contextmanager

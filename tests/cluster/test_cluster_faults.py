@@ -6,11 +6,11 @@ was told exists is missing.
 - PostgreSQL stopped and started again (scripts/postgres.sh, same data dir) during a burst of creates.
 - A gateway replica SIGKILLed in the middle of a batch while the first gateway serves.
 - A node's edge actor SIGKILLed while an exec stream and a long-poll on a background command are open.
-- A node cut off from the gateway and the database, then back (its edge actor frozen with SIGSTOP: on one
-  machine the nodes share one network namespace and reach PostgreSQL over its unix socket, so no network rule
-  can isolate one of them; from the gateway's side and the database's, a frozen edge is a cut one).
+- A node's network cut off from the gateway, the other nodes and the database, then restored: a node of its
+  own network namespace (``CUT_NODE``, joined for it: as on another machine, PostgreSQL over TCP), whose link
+  drops every packet both ways for the cut (cluster/network.py, ``NodeNetwork.cut``).
 
-The package's three nodes are left as found: the edge that is killed is restarted by Ray, the frozen one thawed.
+The package's three nodes are left as found: the edge that is killed is restarted by Ray.
 """
 
 from __future__ import annotations
@@ -31,7 +31,14 @@ import pytest
 import corral
 from corral.cluster.local import LocalCluster
 from corral.state.db import StateStore
-from tests.cluster.conftest import CREATE_ORPHAN_AFTER_S, NODE_LOST_AFTER_S, NODES, edge_of
+from tests.cluster.conftest import (
+    CREATE_ORPHAN_AFTER_S,
+    CUT_NODE,
+    CUT_NODE_LABELS,
+    NODE_LOST_AFTER_S,
+    NODES,
+    edge_of,
+)  # fmt: skip
 
 REPO = Path(__file__).resolve().parents[2]
 STATES = [state.value for state in corral.SandboxState]
@@ -46,12 +53,14 @@ def _wait_for(what: str, check: Callable[[], bool], timeout_s: float) -> None:
 
 
 def _containers(cluster: LocalCluster) -> dict[str, set[str]]:
-    """What each of the package's nodes runs, from crun itself."""
+    """What each node of the cluster runs (the package's and those joined since), from crun itself."""
     state = cluster.state
     assert state is not None
     running = {}
-    for edge_id in NODES:
-        root = Path(state.nodes[edge_id].data_dir) / "run" / "crun"
+    for edge_id, node in state.nodes.items():
+        root = Path(node.data_dir) / "run" / "crun"
+        if not root.is_dir():
+            continue
         listing = subprocess.run(["crun", "--root", str(root), "list"], capture_output=True, text=True, check=True)
         running[edge_id] = {line.split()[0] for line in listing.stdout.splitlines()[1:] if line.strip()}
     return running
@@ -299,59 +308,72 @@ def test_an_edge_killed_ends_its_open_streams_with_a_clear_error(cluster: LocalC
 def test_a_node_cut_off_is_marked_lost_then_comes_back_reconciled(
     cluster: LocalCluster, client: corral.Client, postgres_url: str
 ) -> None:
-    """e2's edge frozen (no heartbeat, no answer): after the heartbeat timeout e2 and its sandboxes are lost
-    (``SandboxGone`` naming it), creates go to e1; thawed, e2 heartbeats again, ends the sandboxes the records
-    gave up on (their clients were told they are gone), and takes new ones."""
+    """The cut node's link drops every packet (no heartbeat reaches the database, no call the edge): after the
+    heartbeat timeout it and its sandboxes are lost (``SandboxGone`` naming it), a create pinned to its labels
+    is refused as retryable, others go on elsewhere; restored, it heartbeats again, ends the sandboxes the
+    records gave up on (their clients were told they are gone), and takes new ones at once (the gateway places
+    on it once its edge answers a probe)."""
     labels = {"fault": f"cut-{secrets.token_hex(4)}"}
+    cluster.add_node(CUT_NODE, labels=CUT_NODE_LABELS, own_network=True)
     store = StateStore(postgres_url)
-    on_e2: list[corral.Sandbox] = []
-    pid = cluster.edge_pid("e2")
-    assert pid is not None
-    frozen = False
+    cut = False
     try:
-        for _ in range(12):
-            sb = client.create("busybox", ttl_s=600, labels=labels, node_selector={"zone": "a"})
-            if edge_of(sb) == "e2":
-                on_e2.append(sb)
-                if len(on_e2) == 2:
-                    break
-        assert len(on_e2) == 2, "no create of 12 in zone a landed on e2"
-        on_e2[0].exec("echo before > /mark")
-        os.kill(pid, signal.SIGSTOP)
-        frozen = True
-        cut = time.monotonic()
+        on_node = [client.create("busybox", ttl_s=600, labels=labels, node_selector=CUT_NODE_LABELS) for _ in range(2)]
+        assert {edge_of(sb) for sb in on_node} == {CUT_NODE}
+        on_node[0].exec("echo before > /mark")
+        sleeper = on_node[1].start("exec sleep 600", timeout_s=900)
+        cluster.cut_node(CUT_NODE)
+        cut = True
+        cut_at = time.monotonic()
 
         def lost() -> bool:
-            return all(client.get(sb.id).info.state == corral.SandboxState.LOST for sb in on_e2)
+            return all(client.get(sb.id).info.state == corral.SandboxState.LOST for sb in on_node)
 
-        _wait_for("e2's sandboxes marked lost", lost, NODE_LOST_AFTER_S + 15)
-        print(f"\ne2 and its sandboxes lost {time.monotonic() - cut:.1f} s after the cut")
+        _wait_for("the cut node's sandboxes marked lost", lost, NODE_LOST_AFTER_S + 15)
+        print(f"\n{CUT_NODE} and its sandboxes lost {time.monotonic() - cut_at:.1f} s after the cut")
         nodes = {node["edge_id"]: node["state"] for node in cluster.cluster_nodes()}
-        assert nodes["e2"] == "lost" and nodes["e1"] == "up", nodes
-        info = client.get(on_e2[0].id).info
-        assert info.end_reason == "lost" and "e2" in (info.status_message or "")
-        with pytest.raises(corral.SandboxGone, match="e2"):
-            on_e2[0].exec("cat /mark")
+        assert nodes[CUT_NODE] == "lost" and all(nodes[edge_id] == "up" for edge_id in NODES), nodes
+        info = client.get(on_node[0].id).info
+        assert info.end_reason == "lost" and CUT_NODE in (info.status_message or "")
+        with pytest.raises(corral.SandboxGone, match=CUT_NODE):
+            on_node[0].exec("cat /mark")
+        with pytest.raises(corral.CapacityExhausted, match=f"{CUT_NODE}.*not reachable now"):
+            client.create("busybox", ttl_s=600, labels=labels, node_selector=CUT_NODE_LABELS)
         while_cut = client.create("busybox", ttl_s=600, labels=labels, node_selector={"zone": "a"})
-        assert edge_of(while_cut) == "e1" and while_cut.exec("echo ok").stdout == "ok\n"
-        os.kill(pid, signal.SIGCONT)
-        frozen = False
+        assert while_cut.exec("echo ok").stdout == "ok\n"
+        assert cluster.edge_pid(CUT_NODE) is not None  # the node's processes ran on through the cut
+        cluster.restore_node(CUT_NODE)
+        cut = False
+        restored_at = time.monotonic()
 
-        def up() -> bool:
-            return {node["edge_id"]: node["state"] for node in cluster.cluster_nodes()}["e2"] == "up"
-
-        _wait_for("e2 heartbeating again", up, 30)
-        _assert_records_match_nodes(cluster, store, labels)  # e2 ended the two the records gave up on
-        assert not {sb.id for sb in on_e2} & _containers(cluster)["e2"]
-        for _ in range(12):
-            sb = client.create("busybox", ttl_s=600, labels=labels, node_selector={"zone": "a"})
-            if edge_of(sb) == "e2":
-                assert sb.exec("echo usable").stdout == "usable\n"
+        _wait_for("the cut node heartbeating again", lambda: _node_state(cluster, CUT_NODE) == "up", 30)
+        heard_s = time.monotonic() - restored_at
+        refused: list[str] = []  # creates there until its edge has answered the gateway's probe: retryable
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                again = client.create("busybox", ttl_s=600, labels=labels, node_selector=CUT_NODE_LABELS)
                 break
-        else:
-            pytest.fail("no create of 12 in zone a landed on e2 after it came back")
+            except corral.CapacityExhausted as exc:
+                assert "not reachable now" in exc.message and time.monotonic() < deadline, exc.message
+                refused.append(exc.message)
+                time.sleep(0.25)
+        assert edge_of(again) == CUT_NODE and again.exec("echo usable").stdout == "usable\n"
+        print(f"heard again {heard_s:.1f} s after the link was restored, a create there after "
+              f"{time.monotonic() - restored_at:.1f} s ({len(refused)} refused as retryable before)")  # fmt: skip
+        _assert_records_match_nodes(cluster, store, labels)  # the node ended the two the records gave up on
+        assert not {sb.id for sb in on_node} & _containers(cluster)[CUT_NODE]
+        with pytest.raises(corral.SandboxGone):
+            on_node[1].command(sleeper.command_id)
     finally:
-        if frozen:
-            os.kill(pid, signal.SIGCONT)
+        if cut:
+            cluster.restore_node(CUT_NODE)
         _kill_labelled(client, labels)
         store.close()
+        cluster.remove_node(CUT_NODE)  # the package's later tests count on their three nodes only
+        _wait_for("the cut node marked lost once it left", lambda: _node_state(cluster, CUT_NODE) == "lost",
+                  NODE_LOST_AFTER_S + 15)  # fmt: skip
+
+
+def _node_state(cluster: LocalCluster, edge_id: str) -> str:
+    return str({node["edge_id"]: node["state"] for node in cluster.cluster_nodes()}[edge_id])

@@ -11,7 +11,7 @@ from pathlib import Path
 import corral
 from corral.embedded import EmbeddedServer
 from corral.gateway.service import WARM_LABEL
-from corral.state.db import StateStore, sandboxes
+from corral.state.db import POSTGRES_TCP_TIMEOUTS, StateStore, sandboxes
 from corral.testing.records import sandbox_record
 from corral.trajectory import Replay, Step, TrajectoryLog
 
@@ -173,4 +173,16 @@ def test_a_warm_record_is_claimed_once_by_concurrent_claims_on_postgres(postgres
     finally:
         with store.engine.begin() as conn:
             conn.exec_driver_sql("DELETE FROM sandboxes WHERE id = %(id)s", {"id": warm_id})
+        store.close()
+
+
+def test_connections_carry_the_tcp_timeouts_to_libpq(postgres_url: str) -> None:
+    """Each pooled connection is opened with POSTGRES_TCP_TIMEOUTS (a database over TCP that goes silent fails
+    the connection in seconds, not the kernel's ~15 minutes: the cluster's network-cut test relies on them)."""
+    store = StateStore(postgres_url)
+    try:
+        with store.engine.connect() as conn:
+            dsn = conn.connection.dbapi_connection.info.dsn  # type: ignore[union-attr]
+        assert {f"{key}={value}" for key, value in POSTGRES_TCP_TIMEOUTS.items()} <= set(dsn.split()), dsn
+    finally:
         store.close()

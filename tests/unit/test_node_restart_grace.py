@@ -32,8 +32,9 @@ class _Directory:
     def get(self, edge_id: str) -> Any:
         raise AssertionError("the watcher calls no edge")
 
-    def set_silent(self, edge_id: str, silent: bool) -> None:
+    def set_silent(self, edge_id: str, silent: bool) -> bool:
         self.silent[edge_id] = silent
+        return not silent
 
     def restarting(self, last_seen: Mapping[str, float]) -> set[str]:
         assert all(seen > 0 for seen in last_seen.values())

@@ -221,6 +221,21 @@ def test_a_removed_node_is_no_longer_placed_on() -> None:
     sched.remove_node("b")
 
 
+def test_a_selector_only_lost_nodes_match_is_retryable_until_they_are_back() -> None:
+    """A request pinned to a zone whose node is cut off is right, for a node that may come back: retry later
+    (a 503: retry later), not the 400 of a selector nothing could ever match."""
+    sched = scheduler(load("a", labels={"zone": "a"}), load("cut", labels={"zone": "iso"}))
+    sched.remove_node("cut")
+    with pytest.raises(CapacityExhausted) as caught:
+        sched.place(cpu=1, memory_mb=1, selector={"zone": "iso"})
+    assert caught.value.message == ("the nodes with labels zone=iso (cut) are not reachable now (lost, or heard "
+                                    "again and reconnecting): retry later")  # fmt: skip
+    with pytest.raises(InvalidRequest, match="no node has labels zone=b; nodes have: zone=a"):
+        sched.place(cpu=1, memory_mb=1, selector={"zone": "b"})
+    sched.refresh(load("cut", labels={"zone": "iso"}))  # heard again
+    assert sched.place(cpu=1, memory_mb=1, selector={"zone": "iso"}) == "cut"
+
+
 def test_capabilities_are_what_the_nodes_declare_for_the_backend_and_runtime() -> None:
     declared = load("a").model_copy(update={"offers": {
         "container/crun": ["cpu_classes", "layers"], "container/runsc": ["checkpoints", "cpu_classes", "layers"],
