@@ -34,13 +34,23 @@ def bench_containers(
 @bench_app.command("warm-pool")
 def bench_warm_pool(
     runs: Annotated[int, typer.Option(help="Samples of create → first exec, pooled and cold each.")] = 30,
-    batch: Annotated[int, typer.Option(help="Sandboxes per batch (cold, then from the pool).")] = 1000,
+    batch: Annotated[
+        int | None,
+        typer.Option(
+            help="Sandboxes per batch (cold, then from the pool); 0: none. Default: 1000, none for microvm."
+        ),  # fmt: skip
+    ] = None,
+    backend: Annotated[str, typer.Option(help="container or microvm.")] = "container",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """Measure creates claimed from a warm pool against cold creates: create-to-first-exec and a batch's rate."""
     from corral.bench.warm_pool import run_warm_pool_benchmark
 
-    run_warm_pool_benchmark(runs=runs, batch=batch, as_json=as_json, console=console)
+    if backend not in ("container", "microvm"):
+        raise typer.BadParameter("container or microvm", param_hint="--backend")
+    if batch is None:
+        batch = 1000 if backend == "container" else 0
+    run_warm_pool_benchmark(runs=runs, batch=batch, backend=backend, as_json=as_json, console=console)
 
 
 @bench_app.command("restart")

@@ -1,13 +1,14 @@
-"""Warm pools: container sandboxes started ahead of demand, which a create claims instead of starting one.
+"""Warm pools: container and microvm sandboxes started ahead of demand, which a create claims instead of starting one.
 
-A container's start (crun create and start, its overlay, its cgroups: ~17 ms here) is most of a create. A pool
+A container's start (crun create and start, its overlay, its cgroups: ~17 ms here) is most of a create, and a
+microvm's boot (or the restore of its boot template: ~0.3-4 s on TCG) all but the whole of it. A pool
 per shape (the stack of layers, backend, runtime, cpu, memory, pids, CPU class, disk, setuid label, guard paths:
 what the runtime fixes when the container starts) keeps such sandboxes running, unclaimed. A create of that
 shape takes one: its record becomes the client's (labels, env, cwd, user, TTL, idle pause, node selector
 excepted: see ``poolable``) and its edge applies the per-command settings (``Edge.claim``), so it is exactly the
 sandbox a cold create would have made, only started earlier. A claimed sandbox is the client's; nothing goes
 back to a pool (its end destroys it as any other). A create whose shape has no warm sandbox starts one cold, as
-without pools; a network policy, a node selector, a restore or a microvm/vm backend always does.
+without pools; a network policy, a node selector, a restore or the vm backend always does.
 
 Sizing: a pool's target is how many creates of its shape came in the last ``window_s`` (demand), and all
 pools' warm sandboxes together stay within ``memory_budget_mb``, counted at their memory limit (what admission
@@ -40,7 +41,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from corral.api.errors import CorralError
-from corral.api.models import CreateSandboxRequest, SandboxInfo, SandboxState
+from corral.api.models import CreateSandboxRequest, ExecRequest, SandboxInfo, SandboxState
 from corral.backends.base import SETUID_LABEL, LayerRef, setuid_allowed
 from corral.gateway.fncall import POOL_LABEL as FNCALL_LABEL
 from corral.gateway.service import WARM_LABEL, SandboxService
@@ -91,11 +92,18 @@ class Shape:
         return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
 
 
+_PRIMED_BACKENDS = frozenset({"microvm"})  # their first command is slow: see WarmPools._prime
+_PRIMER = ExecRequest(cmd="true", timeout_s=30)
+POOLED_BACKENDS = frozenset({"container", "microvm"})
+"""The backends pools serve. Not the full ``vm``: a whole operating system's boot (seconds of a core under TCG,
+its init system's memory) is too much to keep idle on speculation; its creates restore a boot template."""
+
+
 def poolable(request: CreateSandboxRequest) -> bool:
-    """Creates a pool may serve: container sandboxes on loopback only, placed by the scheduler (a network policy,
-    a node selector and VM backends are set up at start and always start cold), and not the pools' own (nor the
-    fncall pools', which recycle theirs)."""
-    return (request.backend == "container" and request.network is None and not request.node_selector
+    """Creates a pool may serve: container and microvm sandboxes on loopback only, placed by the scheduler (a
+    network policy and a node selector are set up at start and always start cold), and not the pools' own (nor
+    the fncall pools', which recycle theirs)."""
+    return (request.backend in POOLED_BACKENDS and request.network is None and not request.node_selector
             and WARM_LABEL not in request.labels and FNCALL_LABEL not in request.labels)  # fmt: skip
 
 
@@ -298,11 +306,29 @@ class WarmPools:
             log.warning("warm pool could not start a sandbox (next try in %g s): %s", _RETRY_AFTER_FAILURE_S,
                         exc.message)  # fmt: skip
         else:
+            if pool.shape.backend in _PRIMED_BACKENDS and not await self._prime(info.id):
+                return
             self.refills.labels("started").inc()
             pool.idle.append(info.id)
         finally:
             pool.starting -= 1
             self._wake.set()
+
+    async def _prime(self, sandbox_id: str) -> bool:
+        """Run ``true`` in a new pool guest (on the edge: no trajectory step, nothing the client sees) so the claim's
+        first command does not pay for the guest's first fork and exec of its shell: under TCG the code cache of a
+        guest restored from its boot template starts empty, and that first command took 100-130 ms against 25-40
+        ms for the next ones. False (and the guest discarded) if it did not answer."""
+        try:
+            result = await self._sandboxes.edge(sandbox_id).exec(sandbox_id, _PRIMER)
+        except CorralError as exc:
+            result = None
+            log.warning("warm pool: %s did not run its first command: %s", sandbox_id, exc.message)
+        if result is not None and result.exit_code == 0:
+            return True
+        self.refills.labels("failed").inc()
+        await self._discard(sandbox_id, "unclaimable")
+        return False
 
     async def _discard(self, sandbox_id: str, reason: str) -> None:
         self.discarded.labels(reason).inc()
@@ -324,13 +350,13 @@ class _PoolCollector(Collector):
         self._pools = pools
 
     def collect(self) -> Iterator[Metric]:
-        labels = ["image", "memory_mb", "shape"]
+        labels = ["image", "backend", "memory_mb", "shape"]
         sizes = GaugeMetricFamily("corral_warm_pool_sandboxes", "Unclaimed pool sandboxes by state (warm: ready to "
                                   "claim; starting).", labels=[*labels, "state"])  # fmt: skip
         target = GaugeMetricFamily("corral_warm_pool_target", "What a pool fills up to now: its creates in the "
                                    "demand window (CORRAL_WARM_POOL_WINDOW_S).", labels=labels)  # fmt: skip
         for pool, demand in self._pools.levels():
-            key = [pool.image_name, str(pool.shape.memory_mb), pool.shape.label()]
+            key = [pool.image_name, pool.shape.backend, str(pool.shape.memory_mb), pool.shape.label()]
             sizes.add_metric([*key, "warm"], len(pool.idle))
             sizes.add_metric([*key, "starting"], pool.starting)
             target.add_metric(key, demand)

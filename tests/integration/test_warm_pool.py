@@ -7,6 +7,7 @@ at the end. Each test uses its own memory size, so its own shape and pool: the t
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -89,6 +90,32 @@ def test_a_create_claims_a_warm_sandbox_with_its_own_settings(pooled: EmbeddedSe
     finally:
         sandbox.kill()
     assert client.get(sandbox.id).info.state == "ended"
+
+
+def test_a_microvm_create_claims_a_booted_guest(pooled: EmbeddedServer, client: corral.Client) -> None:
+    """A microvm pool holds booted guests: a create of its shape claims one (no boot), whose agent takes the
+    client's env and working dir, and which holds nothing of the guest the shape's first create used."""
+    first = client.create("busybox", backend="microvm", memory_mb=256, ttl_s=300)
+    assert first.info.status_message != CLAIMED_NOTE  # the shape's first create boots (or restores a template)
+    first.exec("echo first > /root/mark; sleep 600 >/dev/null 2>&1 &")
+    first.kill()
+    _wait_for(lambda: _warm(pooled, 256) >= 1, timeout_s=180)
+    assert _metric(pooled, "corral_warm_pool_sandboxes", backend="microvm", memory_mb="256", state="warm") >= 1
+    started = time.perf_counter()
+    sandbox = client.create("busybox", backend="microvm", memory_mb=256, ttl_s=300, env={"TASK": "vm-3"}, cwd="/tmp")
+    try:
+        result = sandbox.exec(
+            'echo "$TASK"; pwd; uname -r; cat /root/mark 2>/dev/null; ps -o args | grep -c "[s]leep 600"'
+        )
+        took_ms = (time.perf_counter() - started) * 1000
+        print(f"\npooled microvm create → first exec: {took_ms:.1f} ms")
+        info = sandbox.info
+        assert info.status_message == CLAIMED_NOTE and info.backend == "microvm" and sandbox.id != first.id
+        lines = result.stdout.splitlines()
+        assert lines[:2] == ["vm-3", "/tmp"] and lines[2] != os.uname().release, result  # the guest's own kernel
+        assert lines[3:] == ["0"], result  # no mark, no process of the first guest
+    finally:
+        sandbox.kill()
 
 
 def test_claims_never_share_a_sandbox_nor_what_a_client_left(pooled: EmbeddedServer, client: corral.Client) -> None:
