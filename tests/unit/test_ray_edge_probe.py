@@ -1,0 +1,52 @@
+"""A remote edge whose node is heard again after a silence is placed on only once a probe went through
+(``RayEdge.set_silent``'s answer, which the gateway's node watcher places by). The handle here answers the probe
+as an actor's would (an awaitable per ``pid.remote()``); the real actor over a real cut is
+tests/cluster/test_cluster_faults.py's network-cut test."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+
+import pytest
+
+from corral.cluster import ray_edge
+from corral.cluster.ray_edge import RayEdge
+
+
+class _Probe:
+    def __init__(self, answers: list[asyncio.Future[int]]) -> None:
+        self.answers = answers
+        self.calls = 0
+
+    def remote(self) -> Awaitable[int]:
+        self.calls += 1
+        return self.answers.pop(0)
+
+
+class _Handle:
+    def __init__(self, probe: _Probe) -> None:
+        self.pid = probe
+
+
+async def test_a_node_heard_again_is_placed_on_once_its_edge_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ray_edge, "PROBE_TIMEOUT_S", 0.05)
+    loop = asyncio.get_running_loop()
+    never: asyncio.Future[int] = loop.create_future()  # the first probe meets a connection the cut broke
+    answered: asyncio.Future[int] = loop.create_future()
+    answered.set_result(4242)
+    probe = _Probe([never, answered])
+    edge = RayEdge("e9")
+    edge._handle = _Handle(probe)  # what ray.get_actor would have given
+    assert edge.set_silent(False) is True  # never silent: calls go through, no probe
+    assert probe.calls == 0
+    assert edge.set_silent(True) is False
+    assert edge.set_silent(False) is False  # heard again: a probe starts, not placed on yet
+    assert edge.set_silent(False) is False  # one probe at a time
+    await asyncio.sleep(0.2)
+    assert probe.calls == 1 and never.cancelled()  # it timed out: still not placed on
+    assert edge.set_silent(False) is False  # the next beat probes again
+    await asyncio.sleep(0.05)
+    assert probe.calls == 2
+    assert edge.set_silent(False) is True  # answered: placed on again
+    assert edge.set_silent(False) is True and probe.calls == 2
