@@ -306,12 +306,15 @@ def unreachable_error(exc: BaseException) -> ServerUnavailable:
     return ServerUnavailable(f"the state database is unreachable ({first_line}); retry")
 
 
-POSTGRES_TCP_TIMEOUTS: dict[str, int] = {
+POSTGRES_TCP_TIMEOUTS: dict[str, int | str] = {
     "connect_timeout": 10,  # s
     "tcp_user_timeout": 10_000,  # ms that sent data may stay unacknowledged before the connection fails
     "keepalives_idle": 10,  # s; then a probe each 5 s, 3 unanswered end the connection (~25 s)
     "keepalives_interval": 5,
     "keepalives_count": 3,
+    # A client cut off mid-transaction holds its row locks until the server notices; 30 s and the server ends
+    # it (seen: a cut node's heartbeat UPDATE left idle in transaction blocked the gateway's UPDATE of that row).
+    "options": "-c idle_in_transaction_session_timeout=30000",
 }
 """libpq's settings for a database over TCP (unix sockets ignore them). Without them a connection whose peer
 went silent (a partition, a machine gone) blocks its caller until the kernel gives up (~15 min), and one that

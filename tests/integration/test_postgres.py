@@ -183,6 +183,9 @@ def test_connections_carry_the_tcp_timeouts_to_libpq(postgres_url: str) -> None:
     try:
         with store.engine.connect() as conn:
             dsn = conn.connection.dbapi_connection.info.dsn  # type: ignore[union-attr]
-        assert {f"{key}={value}" for key, value in POSTGRES_TCP_TIMEOUTS.items()} <= set(dsn.split()), dsn
+            idle_limit = conn.exec_driver_sql("SHOW idle_in_transaction_session_timeout").scalar()
+        tcp = {key: value for key, value in POSTGRES_TCP_TIMEOUTS.items() if key != "options"}
+        assert {f"{key}={value}" for key, value in tcp.items()} <= set(dsn.split()), dsn
+        assert idle_limit == "30s"  # a client cut off mid-transaction does not hold its locks for ever
     finally:
         store.close()
