@@ -17,8 +17,7 @@ import pytest
 
 import corral
 from corral.api.models import AuditEvent
-
-TAINT = Path("/proc/sys/kernel/tainted")
+from tests.kernel_log import KernelWatch
 
 
 @pytest.fixture
@@ -26,12 +25,15 @@ def bystander(client: corral.Client) -> Iterator[corral.Sandbox]:
     """Another sandbox on the same node, holding a file; it must come out of every attack unchanged."""
     with client.create("debian-12") as sandbox:
         sandbox.files.write("/work/state.txt", "untouched\n")
-        taint = TAINT.read_text()
-        yield sandbox
-        assert sandbox.files.read_text("/work/state.txt") == "untouched\n"
-        assert sandbox.exec("bash -c 'echo $((6 * 7))'").stdout == "42\n"
-        assert sandbox.audit_events() == []
-        assert TAINT.read_text() == taint  # no kernel warning, oops or bad module on the host meanwhile
+        kernel = KernelWatch()
+        try:
+            yield sandbox
+            assert sandbox.files.read_text("/work/state.txt") == "untouched\n"
+            assert sandbox.exec("bash -c 'echo $((6 * 7))'").stdout == "42\n"
+            assert sandbox.audit_events() == []
+            assert kernel.problems() == []  # no kernel warning, oops or bad module on the host meanwhile
+        finally:
+            kernel.close()
 
 
 def _events(sandbox: corral.Sandbox, kind: str, key: str | None = None, wait_s: float = 10.0) -> list[AuditEvent]:
