@@ -333,11 +333,12 @@ class LocalCluster:
         """Stop a node as `corral cluster leave` does (the gateways mark it and its sandboxes lost once its
         heartbeats stop), delete what its sandboxes left on this machine and its network namespace."""
         state = self._state()
-        node = state.nodes.pop(edge_id)
-        stop_session(node.session)
+        node = state.nodes[edge_id]
+        stop_session(node.session)  # kept in the state until stopped: if this raises, `down` still finds it
         delete_leftover_sandboxes(Path(node.data_dir))
         if node.netns is not None:
-            NodeNetwork.for_node(ClusterNetwork.for_directory(self.directory), edge_id).delete()
+            self._network_of(edge_id).delete()
+        del state.nodes[edge_id]
         state.save()
 
     def cut_node(self, edge_id: str) -> None:
@@ -352,6 +353,10 @@ class LocalCluster:
         node = self._state().nodes[edge_id]
         if node.netns is None:
             raise ValueError(f"node {edge_id} shares the cluster's network namespace: join it with own_network")
+        return self._network_of(edge_id)
+
+    def _network_of(self, edge_id: str) -> NodeNetwork:
+        """The network namespace a node of its own network has (or will have) on this cluster."""
         return NodeNetwork.for_node(ClusterNetwork.for_directory(self.directory), edge_id)
 
     def add_nodes(self, nodes: dict[str, dict[str, str]]) -> list[NodeProcess]:
@@ -376,7 +381,7 @@ class LocalCluster:
         network = None
         if own_network:
             database_url = self._database_over_network()
-            network = NodeNetwork.for_node(ClusterNetwork.for_directory(self.directory), edge_id)
+            network = self._network_of(edge_id)
             network.create()
             netns, node_address = network.name, network.address
         env = node_env(
@@ -508,7 +513,7 @@ class LocalCluster:
         for node in nodes:
             delete_leftover_sandboxes(Path(node.data_dir))
             if node.netns is not None:
-                NodeNetwork.for_node(ClusterNetwork.for_directory(self.directory), node.edge_id).delete()
+                self._network_of(node.edge_id).delete()
         state.nodes.clear()
         state.save()
         for pid in (state.forwarder_pid, state.database_relay_pid):

@@ -175,7 +175,7 @@ def test_a_postgres_restart_during_a_burst_loses_nothing(
             assert logged[step_id].result["stdout"] == stdout
         ran = sandbox.exec("cat /steps").stdout.split()
         assert sorted(ran) == sorted(f"step-{step_id.rsplit('-', 1)[1]}" for step_id in acked)  # none ran unlogged
-        nodes = {node["edge_id"]: node["state"] for node in cluster.cluster_nodes()}
+        nodes = _node_states(cluster)
         assert all(nodes[edge_id] == "up" for edge_id in NODES), nodes
         _assert_records_match_nodes(cluster, store, labels)
     finally:
@@ -331,7 +331,7 @@ def test_a_node_cut_off_is_marked_lost_then_comes_back_reconciled(
 
         _wait_for("the cut node's sandboxes marked lost", lost, NODE_LOST_AFTER_S + 15)
         print(f"\n{CUT_NODE} and its sandboxes lost {time.monotonic() - cut_at:.1f} s after the cut")
-        nodes = {node["edge_id"]: node["state"] for node in cluster.cluster_nodes()}
+        nodes = _node_states(cluster)
         assert nodes[CUT_NODE] == "lost" and all(nodes[edge_id] == "up" for edge_id in NODES), nodes
         info = client.get(on_node[0].id).info
         assert info.end_reason == "lost" and CUT_NODE in (info.status_message or "")
@@ -375,5 +375,9 @@ def test_a_node_cut_off_is_marked_lost_then_comes_back_reconciled(
                   NODE_LOST_AFTER_S + 15)  # fmt: skip
 
 
+def _node_states(cluster: LocalCluster) -> dict[str, str]:
+    return {str(node["edge_id"]): str(node["state"]) for node in cluster.cluster_nodes()}
+
+
 def _node_state(cluster: LocalCluster, edge_id: str) -> str:
-    return str({node["edge_id"]: node["state"] for node in cluster.cluster_nodes()}[edge_id])
+    return _node_states(cluster)[edge_id]
