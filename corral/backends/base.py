@@ -41,6 +41,7 @@ __all__ = [
     "RunningCommand",
     "SETUID_LABEL",
     "SandboxSpec",
+    "WARM_LABEL",
     "setuid_allowed",
 ]
 
@@ -52,6 +53,12 @@ SETUID_LABEL = "corral.setuid"
 
 def setuid_allowed(labels: Mapping[str, str]) -> bool:
     return labels.get(SETUID_LABEL) == "allowed"
+
+
+# A warm pool's sandboxes not yet claimed carry this label (corral/gateway/warm_pool.py); their spec says
+# ``pool_member``: they run at the lowest CPU weight until a claim (``Backend.claimed``), so that starting and
+# priming them takes only what the node's other sandboxes leave (a claimed one's first commands above all).
+WARM_LABEL = "corral.warm"
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,7 @@ class SandboxSpec:
     backend: str = "container"  # which backend runs it: container | microvm | vm
     restore_from: str | None = None  # VM backends: start from this checkpoint directory (memory, devices, disk)
     setuid_allowed: bool = False  # setuid programs raise privileges inside the sandbox (SETUID_LABEL)
+    pool_member: bool = False  # a warm pool's, not yet claimed (WARM_LABEL): the lowest CPU weight until claimed
 
 
 @dataclass(frozen=True)
@@ -138,7 +146,7 @@ class Capability(StrEnum):
     """Memory and processes are saved with the disk (``Checkpointing``): checkpoints, rewinds, forks that keep
     running processes, and creates with ``SandboxSpec.restore_from``."""
     CPU_CLASSES = "cpu_classes"
-    """``qos="batch"`` puts it in an idle CPU tier (corral/backends/container/qos.py)."""
+    """``qos="batch"`` puts it in an idle CPU tier (corral/backends/common/qos.py)."""
     LAYERS = "layers"
     """Its file changes are kept as a writable layer of their own: they pack into a layer (``pack_diff``:
     snapshots, forks that copy files) and ``changed_paths`` lists them (the trajectory log's provenance)."""
@@ -290,6 +298,10 @@ class Backend(Protocol):
 
     async def recycle(self, sandbox_id: str) -> bool:
         """End every process of the last use; True if nothing of it is left, so it can be used as new."""
+
+    async def claimed(self, spec: SandboxSpec) -> None:
+        """A warm pool's sandbox is a client's now (``spec``): it takes its CPU class's weight (SandboxSpec's
+        ``pool_member`` ran at the lowest). SandboxGone if it ended meanwhile."""
 
     async def fs_clock(self, sandbox_id: str) -> float:
         """A timestamp on the clock the sandbox's filesystem stamps changes with."""

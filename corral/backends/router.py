@@ -114,6 +114,9 @@ class BackendRouter:
     async def recycle(self, sandbox_id: str) -> bool:
         return await self.owner(sandbox_id).recycle(sandbox_id)
 
+    async def claimed(self, spec: SandboxSpec) -> None:
+        await self.owner(spec.sandbox_id).claimed(spec)
+
     async def fs_clock(self, sandbox_id: str) -> float:
         return await self.owner(sandbox_id).fs_clock(sandbox_id)
 

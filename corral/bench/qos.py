@@ -34,8 +34,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from corral.backends.common import host
-from corral.backends.container import qos
+from corral.backends.common import host, qos
 from corral.bench.containers import summarize
 from corral.bench.harness import ResultTable, bench_session, emit
 from corral.embedded import EmbeddedServer

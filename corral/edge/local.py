@@ -176,7 +176,8 @@ class _Sandbox:
 
 def _handover_settings(spec: SandboxSpec) -> dict[str, Any]:
     """The settings a warm sandbox takes from its claim (the edge applies them per command, not at start)."""
-    return {"image": spec.image, "env": spec.env, "cwd": spec.cwd, "user": spec.user, "idle_pause_s": spec.idle_pause_s}
+    return {"image": spec.image, "env": spec.env, "cwd": spec.cwd, "user": spec.user, "idle_pause_s": spec.idle_pause_s,
+            "pool_member": spec.pool_member}  # fmt: skip
 
 
 def _lookup_owner(tree: FileTree, user: str) -> tuple[int, int]:
@@ -454,7 +455,10 @@ class LocalEdge:
         sandbox = self._get(sandbox_id)
         if dataclasses.replace(spec, **_handover_settings(sandbox.spec)) != sandbox.spec:
             raise InvalidRequest(f"sandbox {sandbox_id} was started with other settings than the claim's")
+        was_pool_member = sandbox.spec.pool_member
         sandbox.spec, sandbox.owner, sandbox.last_active = spec, None, time.monotonic()
+        if was_pool_member and not spec.pool_member:
+            await self._backend.claimed(spec)
 
     async def sandbox_ids(self) -> set[str]:
         """The sandboxes this edge runs (started; not those still starting)."""

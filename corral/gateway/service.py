@@ -44,7 +44,7 @@ from corral.api.models import (
     SandboxState,
     is_registry_reference,
 )
-from corral.backends.base import Capability, LayerRef, SandboxSpec, offer_key
+from corral.backends.base import WARM_LABEL, Capability, LayerRef, SandboxSpec, offer_key
 from corral.edge.adoption import end_stale, readopt
 from corral.edge.protocol import Edge, EdgeDirectory, edge_of, new_sandbox_id
 from corral.gateway.metrics import GatewayMetrics
@@ -67,7 +67,6 @@ T = TypeVar("T")
 _ACTIVE = [SandboxState.CREATING.value, SandboxState.RUNNING.value, SandboxState.PAUSED.value]
 _LIVE = (SandboxState.CREATING, SandboxState.RUNNING, SandboxState.PAUSED)
 _POOL_LABEL = "corral.fncall"  # the fncall pools' own sandboxes (corral/gateway/fncall.py)
-WARM_LABEL = "corral.warm"  # a warm pool's sandboxes not yet claimed (corral/gateway/warm_pool.py)
 MAX_BATCH = 32_000  # sandboxes per batch request (a training step's burst)
 DEFAULT_BATCH_CONCURRENCY = 512  # creates of one batch running at once
 DEFAULT_BATCH_PER_NODE = 32  # ... and at most this many on one node (containers: the backend's own limit applies)

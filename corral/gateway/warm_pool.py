@@ -15,8 +15,9 @@ pools' warm sandboxes together stay within ``memory_budget_mb``, counted at thei
 reserves for them, so the pools never take more of the node's capacity than that). A pool above its target
 (demand fell) is trimmed, oldest first. Refills start at most ``_REFILL_CONCURRENCY`` at once, and only while
 no client create came in the last ``_QUIET_S``: client creates (and the first commands after them) go first.
-Not niced: a process's niceness is inherited by the container it starts, which would still run niced after the
-claim.
+Low CPU priority without nice (a process's niceness is inherited by the container it starts, which would still
+run niced after the claim): a pool's sandbox runs at the lowest CPU weight of its cgroup until its claim gives it
+its class's (``SandboxSpec.pool_member``, ``Backend.claimed``; corral/backends/common/qos.py).
 
 Restarts: pool sandboxes are sandboxes with records (label ``corral.warm``), re-adopted like any other; at start
 the pools take back the running ones whose shape pools still serve and destroy the rest (paused ones, or all of
@@ -317,8 +318,9 @@ class WarmPools:
     async def _prime(self, sandbox_id: str) -> bool:
         """Run ``true`` in a new pool guest (on the edge: no trajectory step, nothing the client sees) so the claim's
         first command does not pay for the guest's first fork and exec of its shell: under TCG the code cache of a
-        guest restored from its boot template starts empty, and that first command took 100-130 ms against 25-40
-        ms for the next ones. False (and the guest discarded) if it did not answer."""
+        guest restored from its boot template starts empty: without this the claim's first exec took 110 ms
+        (median of 6 claims, 1-core guests; the next ones 27-38 ms), with it 34 ms (by hand, not a benchmark row).
+        False (and the guest discarded) if it did not answer."""
         try:
             result = await self._sandboxes.edge(sandbox_id).exec(sandbox_id, _PRIMER)
         except CorralError as exc:

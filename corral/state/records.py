@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from corral.api.models import CreateSandboxRequest, NetworkPolicy, SandboxInfo, SandboxState
-from corral.backends.base import LayerRef, SandboxSpec, setuid_allowed
+from corral.backends.base import WARM_LABEL, LayerRef, SandboxSpec, setuid_allowed
 from corral.backends.common.network import to_allow_rules
 
 __all__ = ["JOB_LABEL", "SandboxRecord"]
@@ -98,7 +98,7 @@ class SandboxRecord:
             user=self.user, idle_pause_s=self.idle_pause_s, network=allow,
             protected_paths=tuple(self.protected_paths or ()), sensitive_paths=tuple(self.sensitive_paths or ()),
             disk_mb=self.disk_mb, backend=self.backend, restore_from=restore_from,
-            setuid_allowed=setuid_allowed(self.labels),
+            setuid_allowed=setuid_allowed(self.labels), pool_member=WARM_LABEL in self.labels,
         )  # fmt: skip
 
     def to_request(self, *, labels: dict[str, str], **overrides: Any) -> CreateSandboxRequest:  # noqa: ANN401

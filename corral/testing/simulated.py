@@ -279,6 +279,10 @@ class SimulatedBackend:
         """As good as new while nothing but its root directory was ever written (commands leave nothing)."""
         return list(self._get(sandbox_id).files) == ["/"]
 
+    async def claimed(self, spec: SandboxSpec) -> None:
+        """No CPU to weigh: only that it still runs."""
+        self._get(spec.sandbox_id)
+
     async def fs_clock(self, sandbox_id: str) -> float:
         self._get(sandbox_id)
         return time.time()

@@ -18,10 +18,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import corral
+from corral.backends.common import qos
 from corral.embedded import EmbeddedServer
 from corral.gateway.warm_pool import CLAIMED_NOTE
 
-WARM_ENV = {"CORRAL_WARM_POOL_MEMORY_MB": "2048", "CORRAL_WARM_POOL_WINDOW_S": "600"}
+# The budget holds every pool of this module at its demand (about 2.1 GB: each test has a shape of its own).
+WARM_ENV = {"CORRAL_WARM_POOL_MEMORY_MB": "3072", "CORRAL_WARM_POOL_WINDOW_S": "600"}
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +94,27 @@ def test_a_create_claims_a_warm_sandbox_with_its_own_settings(pooled: EmbeddedSe
     assert client.get(sandbox.id).info.state == "ended"
 
 
+def test_pool_sandboxes_run_at_the_lowest_cpu_weight_until_claimed(
+    pooled: EmbeddedServer, client: corral.Client
+) -> None:
+    """A refill must not slow the node's clients' sandboxes down, a claimed one's first commands least: a pool's
+    sandbox starts and waits at the pool's weight; the claim gives it its class's."""
+    before = _warm_ids(pooled)
+    for made in _fill(pooled, client, 44, 1):
+        made.kill()
+    (warm_id,) = _warm_ids(pooled) - before
+    assert _cpu_weight("corral", warm_id) == qos.POOL_WEIGHT
+    sandbox = client.create("busybox", memory_mb=44, ttl_s=300)
+    try:
+        assert sandbox.id == warm_id and sandbox.info.status_message == CLAIMED_NOTE
+        assert _cpu_weight("corral", warm_id) == qos.weight_of("latency")
+        cold = client.create("busybox", memory_mb=44, ttl_s=300, network={"allow": []})  # always cold
+        assert cold.info.status_message != CLAIMED_NOTE and _cpu_weight("corral", cold.id) == qos.weight_of("latency")
+        cold.kill()
+    finally:
+        sandbox.kill()
+
+
 def test_a_microvm_create_claims_a_booted_guest(pooled: EmbeddedServer, client: corral.Client) -> None:
     """A microvm pool holds booted guests: a create of its shape claims one (no boot), whose agent takes the
     client's env and working dir, and which holds nothing of the guest the shape's first create used."""
@@ -101,6 +124,8 @@ def test_a_microvm_create_claims_a_booted_guest(pooled: EmbeddedServer, client: 
     first.kill()
     _wait_for(lambda: _warm(pooled, 256) >= 1, timeout_s=180)
     assert _metric(pooled, "corral_warm_pool_sandboxes", backend="microvm", memory_mb="256", state="warm") >= 1
+    warm = _warm_guests(pooled) - {first.id}
+    assert warm and {_cpu_weight("corral-vm", i) for i in warm} == {qos.POOL_WEIGHT}  # booted, waiting at the lowest
     started = time.perf_counter()
     sandbox = client.create("busybox", backend="microvm", memory_mb=256, ttl_s=300, env={"TASK": "vm-3"}, cwd="/tmp")
     try:
@@ -111,6 +136,7 @@ def test_a_microvm_create_claims_a_booted_guest(pooled: EmbeddedServer, client: 
         print(f"\npooled microvm create → first exec: {took_ms:.1f} ms")
         info = sandbox.info
         assert info.status_message == CLAIMED_NOTE and info.backend == "microvm" and sandbox.id != first.id
+        assert sandbox.id in warm and _cpu_weight("corral-vm", sandbox.id) == qos.V2_DEFAULT_WEIGHT
         lines = result.stdout.splitlines()
         assert lines[:2] == ["vm-3", "/tmp"] and lines[2] != os.uname().release, result  # the guest's own kernel
         assert lines[3:] == ["0"], result  # no mark, no process of the first guest
@@ -219,6 +245,7 @@ def test_a_restart_takes_warm_sandboxes_back_or_destroys_them(pooled: EmbeddedSe
         taken = after.create("busybox", memory_mb=60, ttl_s=300)
         assert taken.info.status_message == CLAIMED_NOTE
         assert taken.id in warm_before  # one started before the restart
+        assert _cpu_weight("corral", taken.id) == qos.weight_of("latency")  # adopted as a pool's, claimed as ours
         assert taken.exec("echo back").stdout == "back\n"
         taken.kill()
 
@@ -236,3 +263,17 @@ def _containers(data_dir: Path) -> set[str]:
         capture_output=True, text=True, timeout=30, check=True,
     )  # fmt: skip
     return set(listing.stdout.split())
+
+
+def _warm_guests(server: EmbeddedServer) -> set[str]:
+    """The server's VM sandboxes that no client holds (a VM sandbox's directory is under the data dir's vms/)."""
+    with server.client() as c:
+        return {d.name for d in (server.data_dir / "vms").iterdir() if d.is_dir()} - {s.id for s in c.list()}
+
+
+def _cpu_weight(tier: str, sandbox_id: str) -> int:
+    """A sandbox's cgroup CPU weight in v2 units, as the kernel has it (v1: cpu.shares through qos's map)."""
+    v1 = Path("/sys/fs/cgroup/cpu")
+    if v1.is_dir():
+        return qos.shares_to_weight(int((v1 / tier / sandbox_id / "cpu.shares").read_text()))
+    return int((Path("/sys/fs/cgroup") / tier / sandbox_id / "cpu.weight").read_text())

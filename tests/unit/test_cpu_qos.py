@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from corral.backends.container import oci, qos
+from corral.backends.common import qos
+from corral.backends.container import oci
 
 
 def test_defaults_map_to_each_other() -> None:

@@ -35,6 +35,7 @@ from corral.backends.base import (
     SandboxSpec,
     offer_key,
 )
+from corral.backends.common import qos
 from corral.backends.common.agent_protocol import (
     IpcCounts,
 )
@@ -46,7 +47,6 @@ from corral.backends.common.network import (
     HostResolver,
     NetworkFabric,
 )
-from corral.backends.container import qos
 from corral.backends.container.gvisor import RUNSC, Gvisor
 from corral.backends.container.isolation import Container, Isolation, PlainOci
 from corral.backends.container.kernel_watch import SeccompDenials, SensitiveReads, session_of
@@ -158,6 +158,12 @@ def _pristine_state(upper: Path, init_pid: int) -> frozenset[str]:
         except OSError:
             continue
     return frozenset(state)
+
+
+def _weighed_pool_member(spec: SandboxSpec) -> bool:
+    """A warm pool's crun sandbox, which starts at the pool's weight until its claim. Not gVisor's: runsc makes its
+    cgroups its own way (the backend never writes their weight)."""
+    return spec.pool_member and spec.runtime != RUNSC
 
 
 class ContainerBackend:
@@ -300,7 +306,7 @@ class ContainerBackend:
                     cpu=spec.cpu,
                     memory_mb=spec.memory_mb,
                     pids_max=spec.pids_max,
-                    cpu_shares=qos.weight_to_shares(qos.weight_of(spec.qos)),
+                    cpu_shares=qos.weight_to_shares(qos.start_weight(spec.qos, pool_member=_weighed_pool_member(spec))),
                     open_files=self._open_files,
                 ),
                 cgroup_path=qos.cgroup_path(spec.sandbox_id, spec.qos),
@@ -569,13 +575,24 @@ class ContainerBackend:
         runtime made the tier as the sandbox's parent; setting it again is harmless)."""
         sandbox_dir = self._cgroup_dir(qos.cgroup_path(spec.sandbox_id, spec.qos), "cpu")
         weight = qos.weight_of(spec.qos)
-        self._write_weight(sandbox_dir, weight)
+        self._write_weight(sandbox_dir, qos.start_weight(spec.qos, pool_member=_weighed_pool_member(spec)))
         tier = sandbox_dir.parent
         if qos.TIERS[spec.qos] in qos.IDLE_TIERS:
             if (tier / "cpu.idle").exists():  # an idle cgroup has the lowest weight and refuses another
                 (tier / "cpu.idle").write_text("1")
             else:  # kernels before 5.15
                 self._write_weight(tier, weight)
+
+    async def claimed(self, spec: SandboxSpec) -> None:
+        """A claimed warm sandbox takes its class's weight (it started at the pool's lowest)."""
+        self.container(spec.sandbox_id)
+        if spec.runtime == RUNSC:  # started at its class's weight: see _weighed_pool_member
+            return
+        try:
+            self._write_weight(self._cgroup_dir(qos.cgroup_path(spec.sandbox_id, spec.qos), "cpu"),
+                               qos.weight_of(spec.qos))  # fmt: skip
+        except FileNotFoundError:
+            raise SandboxGone(f"sandbox {spec.sandbox_id} ended before its claim") from None
 
     def _write_weight(self, cgroup_dir: Path, weight: int) -> None:
         """A cgroup's CPU weight in v2 units (``cpu.weight``; ``cpu.shares`` through the same map on v1)."""

@@ -174,7 +174,7 @@ class ContainerLimits:
     cpu: float
     memory_mb: int
     pids_max: int
-    cpu_shares: int = 1024  # v1 weight (the kernel's default); corral.backends.container.qos sets it per class
+    cpu_shares: int = 1024  # v1 weight (the kernel's default); corral.backends.common.qos sets it per class
     open_files: int = DEFAULT_OPEN_FILES  # RLIMIT_NOFILE, soft and hard: without CAP_SYS_RESOURCE it stays
 
 

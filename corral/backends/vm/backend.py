@@ -46,6 +46,7 @@ from corral.backends.base import (
     ReclaimResult,
     SandboxSpec,
 )
+from corral.backends.common import qos
 from corral.backends.common.agent_protocol import AgentConnection, AgentExit, AgentOutput, ExecOrder
 from corral.backends.common.guest_tree import GuestTree
 from corral.backends.common.host import CgroupLayout, orphans
@@ -365,7 +366,7 @@ class VmBackend:
         """Start QEMU and put it (all its threads) in the sandbox's cgroup: CPU and memory capped."""
         cgroup = self._cgroup(spec.sandbox_id)
         if cgroup is not None:
-            cgroup.create(spec.cpu, machine.config.memory_mb)
+            cgroup.create(spec.cpu, machine.config.memory_mb, weight=qos.POOL_WEIGHT if spec.pool_member else None)
         with orphans.spawned():
             await machine.launch(incoming=incoming)
         if cgroup is not None and machine.pid is not None:
@@ -619,6 +620,16 @@ class VmBackend:
                 break
             last = now
             await asyncio.sleep(0.05)
+
+    async def claimed(self, spec: SandboxSpec) -> None:
+        """The claimed guest runs at the kernel's default CPU weight, as a cold one does."""
+        self._get(spec.sandbox_id)
+        cgroup = self._cgroup(spec.sandbox_id)
+        if cgroup is not None:
+            try:
+                cgroup.set_weight(qos.V2_DEFAULT_WEIGHT)
+            except FileNotFoundError:
+                raise SandboxGone(f"sandbox {spec.sandbox_id} ended before its claim") from None
 
     async def resume(self, sandbox_id: str) -> None:
         vm = self._get(sandbox_id)

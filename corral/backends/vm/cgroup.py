@@ -2,7 +2,8 @@
 at its guest memory plus QEMU's own overhead, on cgroup v1 and v2.
 
 vCPUs alone do not limit CPU (one TCG vCPU can take a whole host core) and guest RAM does not count QEMU's
-heap or its TCG code cache; the cgroup bounds both, like a container's.
+heap or its TCG code cache; the cgroup bounds both, like a container's. Its CPU weight is the kernel's default,
+but a warm pool's guest boots and waits at the lowest until it is claimed (corral/backends/common/qos.py).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+from corral.backends.common import qos
 from corral.backends.common.host import CgroupLayout
 
 __all__ = ["VmCgroup", "QEMU_OVERHEAD_MB", "CFS_PERIOD_US"]
@@ -33,8 +35,9 @@ class VmCgroup:
     def memory_dir(self) -> Path:
         return self._dirs["memory"]
 
-    def create(self, cpu: float, memory_mb: int) -> None:
-        """Make the cgroup with its limits (QEMU joins it with ``add`` once it runs)."""
+    def create(self, cpu: float, memory_mb: int, *, weight: int | None = None) -> None:
+        """Make the cgroup with its limits (QEMU joins it with ``add`` once it runs); ``weight``: a CPU weight
+        (v2 units) other than the kernel's default."""
         quota = max(1000, int(cpu * CFS_PERIOD_US))
         limit = (memory_mb + QEMU_OVERHEAD_MB) << 20
         for directory in set(self._dirs.values()):
@@ -48,6 +51,24 @@ class VmCgroup:
             (self._dirs["cpu"] / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
             (self._dirs["cpu"] / "cpu.cfs_quota_us").write_text(str(quota))
             (self._dirs["memory"] / "memory.limit_in_bytes").write_text(str(limit))
+        if weight is not None:
+            self.set_weight(weight)
+
+    def set_weight(self, weight: int) -> None:
+        """Its CPU weight, in v2 units (``cpu.weight``; ``cpu.shares`` through qos's map on v1)."""
+        if self._layout is CgroupLayout.UNIFIED:
+            (self._dirs["cpu"] / "cpu.weight").write_text(str(weight))
+        else:
+            (self._dirs["cpu"] / "cpu.shares").write_text(str(qos.weight_to_shares(weight)))
+
+    def weight(self) -> int | None:
+        """Its CPU weight in v2 units, as the kernel has it (None if it is gone)."""
+        try:
+            if self._layout is CgroupLayout.UNIFIED:
+                return int((self._dirs["cpu"] / "cpu.weight").read_text())
+            return qos.shares_to_weight(int((self._dirs["cpu"] / "cpu.shares").read_text()))
+        except OSError:
+            return None
 
     def add(self, pid: int) -> None:
         """Move a process, all its threads with it, into the cgroup."""

@@ -13,6 +13,11 @@ a low-weight sibling of the sandboxes only by the sandboxes. Batch work still
 takes every cycle nothing else wants; both classes keep their ``cpu`` quota as a
 hard cap.
 
+A warm pool's sandbox not yet claimed (``SandboxSpec.pool_member``) runs at ``POOL_WEIGHT``, the lowest,
+whatever its class, container or VM alike (a VM's QEMU has a cgroup of its own, corral/backends/vm/cgroup.py):
+pools refill while clients' sandboxes run, and a claimed sandbox's first commands must not wait on the next
+one booting. The claim gives it its class's weight (``Backend.claimed``).
+
 The weights are defined in v2 units; v1 shares follow systemd's proportional map
 (weight 100 = 1024 shares). The runtime is given shares in config.json (the OCI
 field) and converts them on v2 with a formula of its own version (runc and crun
@@ -24,7 +29,17 @@ from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["IDLE_TIERS", "QOS_WEIGHTS", "TIERS", "cgroup_path", "shares_to_weight", "weight_of", "weight_to_shares"]
+__all__ = [
+    "IDLE_TIERS",
+    "POOL_WEIGHT",
+    "QOS_WEIGHTS",
+    "TIERS",
+    "cgroup_path",
+    "shares_to_weight",
+    "start_weight",
+    "weight_of",
+    "weight_to_shares",
+]
 
 V1_DEFAULT_SHARES: Final = 1024
 V2_DEFAULT_WEIGHT: Final = 100
@@ -33,7 +48,10 @@ V2_WEIGHT_RANGE: Final = (1, 10000)
 
 QOS_WEIGHTS: Final = {"latency": V2_DEFAULT_WEIGHT, "batch": 1}  # v2 cpu.weight of each class
 TIERS: Final = {"latency": "/corral", "batch": "/corral-batch"}  # parent cgroup of each class
-IDLE_TIERS: Final = frozenset({"/corral-batch"})  # marked cpu.idle where the kernel has it, and weighted lowest
+IDLE_TIERS: Final = frozenset({"/corral-batch"})
+POOL_WEIGHT: Final = (
+    1  # a warm pool's sandbox until it is claimed  # marked cpu.idle where the kernel has it, and weighted lowest
+)
 
 
 def _clamp(value: int, bounds: tuple[int, int]) -> int:
@@ -62,3 +80,8 @@ def cgroup_path(sandbox_id: str, qos: str) -> str:
     """The sandbox's cgroup (``cgroupsPath``): ``/corral/<id>`` or ``/corral-batch/<id>``."""
     weight_of(qos)
     return f"{TIERS[qos]}/{sandbox_id}"
+
+
+def start_weight(qos: str, *, pool_member: bool) -> int:
+    """The v2 weight a sandbox starts with: its class's, or the lowest while it waits in a warm pool."""
+    return POOL_WEIGHT if pool_member else weight_of(qos)
