@@ -29,6 +29,18 @@ def _sleepers(sandbox: Sandbox) -> int:
     return int(sandbox.commands.run("cat /proc/[0-9]*/comm | grep -cx sleep || true").stdout)
 
 
+def _start_sleeper(sandbox: Sandbox) -> None:
+    """``sleep 600`` in the background, once it runs. The SDK starts a command as ``bash -l -c``: the start
+    answers once bash runs, and bash execs ``sleep`` only after its login profile, so a count (or a pause) right
+    after the start can come before it (a full run failed so, its machine loaded)."""
+    before = _sleepers(sandbox)
+    sandbox.commands.run("sleep 600", background=True)
+    deadline = time.monotonic() + 10
+    while _sleepers(sandbox) != before + 1:
+        assert time.monotonic() < deadline, "the background sleep never ran"
+        time.sleep(0.05)
+
+
 def test_snapshots_create_list_delete_and_start_sandboxes(sbx: Sandbox, e2b_sandboxes: list) -> None:  # type: ignore[type-arg]
     sbx.files.write("/home/user/state.txt", "at step 1")
     unnamed = sbx.create_snapshot()
@@ -80,8 +92,7 @@ def test_fork_copies_files_and_settings(sbx: Sandbox, e2b_sandboxes: list, clien
 
 def test_pause_without_memory_keeps_files_not_processes(sbx: Sandbox) -> None:
     sbx.files.write("/home/user/state.txt", "kept")
-    sbx.commands.run("sleep 600", background=True)
-    assert _sleepers(sbx) == 1
+    _start_sleeper(sbx)
     assert sbx.pause(**FILESYSTEM_ONLY) is True
     assert sbx.get_info().state == SandboxState.PAUSED
     resumed = Sandbox.connect(sbx.sandbox_id)
@@ -90,13 +101,13 @@ def test_pause_without_memory_keeps_files_not_processes(sbx: Sandbox) -> None:
 
 
 def test_connect_with_reboot_drops_processes_and_full_pause_keeps_them(sbx: Sandbox) -> None:
-    sbx.commands.run("sleep 600", background=True)  # running once this answers (the agent waits for its exec)
+    _start_sleeper(sbx)
     assert sbx.pause() is True  # mode="full": memory and processes kept
     assert _sleepers(Sandbox.connect(sbx.sandbox_id)) == 1
     assert sbx.pause() is True
     rebooted = Sandbox.connect(sbx.sandbox_id, on_resume="reboot")
     assert rebooted.get_info().state == SandboxState.RUNNING and _sleepers(rebooted) == 0
-    sbx.commands.run("sleep 600", background=True)
+    _start_sleeper(sbx)
     Sandbox.connect(sbx.sandbox_id, on_resume="reboot")  # running: a no-op
     assert _sleepers(sbx) == 1
 
@@ -115,7 +126,7 @@ def test_on_timeout_pause_pauses_and_a_resume_starts_a_new_period(e2b_sandboxes:
     e2b_sandboxes.append(sandbox)
     assert sandbox.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": True}
     sandbox.files.write("/home/user/state.txt", "kept")
-    sandbox.commands.run("sleep 600", background=True)
+    _start_sleeper(sandbox)
     assert 1.5 <= _wait_for_state(sandbox, SandboxState.PAUSED, within_s=10) <= 8  # at its timeout, not killed
     time.sleep(3)  # past the end of its TTL: paused, not reaped
     assert client.get(sandbox.sandbox_id).info.state == corral.SandboxState.PAUSED
@@ -132,7 +143,7 @@ def test_on_timeout_pause_without_memory_keeps_the_files(e2b_sandboxes: list, cl
     sandbox = Sandbox.create("base", timeout=3, lifecycle={"on_timeout": {"action": "pause", **FILESYSTEM_ONLY}})
     e2b_sandboxes.append(sandbox)
     sandbox.files.write("/home/user/state.txt", "kept")
-    sandbox.commands.run("sleep 600", background=True)
+    _start_sleeper(sandbox)
     _wait_for_state(sandbox, SandboxState.PAUSED, within_s=10)
     resumed = Sandbox.connect(sandbox.sandbox_id)
     assert resumed.files.read("/home/user/state.txt") == "kept" and _sleepers(resumed) == 0
