@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import corral
+from corral.backends.container.oci import masked_directories
 from corral.embedded import EmbeddedServer
 
 
@@ -61,6 +62,23 @@ def test_masked_proc_paths(sandbox: corral.Sandbox) -> None:
         result = sandbox.exec(f"head -c 16 {path} | wc -c")
         assert result.stdout.strip() == "0", path
     assert sandbox.exec("echo 1 > /proc/sys/kernel/panic; echo rc=$?").stdout.strip() != "rc=0"
+
+
+def test_masked_directories_are_empty_read_only_and_no_superblock_of_their_own(sandbox: corral.Sandbox) -> None:
+    """Masked directories (/proc/acpi, /sys/firmware, ...) show nothing and take nothing, and are binds of the
+    node's one empty directory: a tmpfs each would be three more superblocks per sandbox, and every superblock
+    costs every memory cgroup of the node (corral/backends/container/oci.py)."""
+    directories = masked_directories()
+    assert directories, "this kernel has none of the masked directories: nothing to check"
+    for path in directories:
+        listing = sandbox.exec(f"ls -A {path} | wc -l; touch {path}/x 2>&1; echo rc=$?").stdout.splitlines()
+        assert listing[0].strip() == "0" and listing[-1] != "rc=0", (path, listing)
+    fstype = {}
+    for line in sandbox.exec("cat /proc/self/mountinfo").stdout.splitlines():
+        fields = line.split()
+        fstype[fields[4]] = fields[fields.index("-") + 1]
+    assert all(fstype.get(path) not in (None, "tmpfs") for path in directories), fstype  # binds: the host's fs
+    assert {point for point, kind in fstype.items() if kind == "tmpfs"} == {"/dev", "/dev/shm"}, fstype
 
 
 def test_cgroup_limits_applied(client: corral.Client) -> None:

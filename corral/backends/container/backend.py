@@ -51,7 +51,13 @@ from corral.backends.container.gvisor import RUNSC, Gvisor
 from corral.backends.container.isolation import Container, Isolation, PlainOci
 from corral.backends.container.kernel_watch import SeccompDenials, SensitiveReads, session_of
 from corral.backends.container.memory import CgroupMemory, prefetch_swapped
-from corral.backends.container.oci import AGENT_PATH, DEFAULT_OPEN_FILES, ContainerLimits, build_config
+from corral.backends.container.oci import (
+    AGENT_PATH,
+    DEFAULT_OPEN_FILES,
+    ContainerLimits,
+    build_config,
+    masked_directories,
+)
 from corral.backends.container.runtime import OciRuntime, Overlay
 from corral.backends.container.writable import QuotaPool
 from corral.guard.audit import PACKAGE_PREFIXES, PROTECTED_PREFIXES, EventThrottle, denied_syscall_severity
@@ -66,6 +72,9 @@ log = logging.getLogger(__name__)
 
 _CHANGED_PATHS_MAX = 10_000
 _RUNTIMES = ("crun", "runc", RUNSC)
+# Runtimes that take masked directories as binds of the node's empty one (oci.py says why). runc refuses any
+# mount inside /proc ("cannot be mounted because it is inside /proc"): its sandboxes keep the tmpfs masks.
+_BIND_MASK_RUNTIMES = frozenset({"crun", RUNSC})
 _TIER_NAMES = frozenset(tier.strip("/") for tier in qos.TIERS.values())  # top-level cgroups sandboxes live under
 
 
@@ -160,6 +169,16 @@ def _pristine_state(upper: Path, init_pid: int) -> frozenset[str]:
     return frozenset(state)
 
 
+def _empty_directory(path: Path) -> Path:
+    """The node's empty, read-only directory that masks directories in its containers (oci.py says why); made
+    again if anything was put there, so nothing shows through."""
+    if path.is_dir() and any(path.iterdir()):
+        shutil.rmtree(path)
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o555)
+    return path
+
+
 def _weighed_pool_member(spec: SandboxSpec) -> bool:
     """A warm pool's crun sandbox, which starts at the pool's weight until its claim. Not gVisor's: runsc makes its
     cgroups its own way (the backend never writes their weight)."""
@@ -196,6 +215,8 @@ class ContainerBackend:
         self._default_runtime = default_runtime
         self._runtimes: dict[str, OciRuntime] = {}
         self._state_root = data_dir / "run"
+        self._mask_dir = _empty_directory(self._state_root / "mask")
+        self._masked_dirs = masked_directories()
         self._mounts = LayerMounts(data_dir / "mnt" / "layers", verify=check_layer)
         self._containers: dict[str, Container] = {}
         self.agent_start_timeout_s = agent_start_timeout_s
@@ -313,6 +334,8 @@ class ContainerBackend:
                 agent_binary=self._helpers.agent,
                 log_denials=runtime.name == "crun",
                 setuid_allowed=spec.setuid_allowed,
+                mask_dir=self._mask_dir if runtime.name in _BIND_MASK_RUNTIMES else None,
+                masked_dirs=self._masked_dirs,
             )
             (bundle / "config.json").write_text(json.dumps(isolation.config(config, spec.sandbox_id)))
             undo.push_async_callback(runtime.kill_and_delete, spec.sandbox_id)
