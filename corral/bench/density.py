@@ -28,11 +28,13 @@ host memory per sandbox and of the median create time, each the mean over a mode
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import platform
 import random
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -175,7 +177,8 @@ def _measure(data_dir: Path, count: int, step: int, progress: Progress, *, disk_
                 started = time.perf_counter()
                 result = client.bulk(LABELS, "kill")
                 kill = {"matched": result.matched, "killed": len(result.done), "failed": len(result.failed),
-                        "wall_s": time.perf_counter() - started}  # fmt: skip
+                        "wall_s": time.perf_counter() - started,
+                        "failure_reasons": _reasons(result.failed.values())}  # fmt: skip
         server.shutdown()
         leftovers = find_leftovers(data_dir, ids).counts()
         host.orphans.reap()
@@ -183,6 +186,11 @@ def _measure(data_dir: Path, count: int, step: int, progress: Progress, *, disk_
     return {"disk_quota": disk_quota, "baseline_used_mib": baseline_mib, "steps": steps, "stopped": stopped,
             "kill": kill, "leftovers": leftovers,
             "create_ms": summarize(all_latencies) if all_latencies else None}  # fmt: skip
+
+
+def _reasons(messages: Iterable[str], keep: int = 5) -> dict[str, int]:
+    """The most frequent failure messages (their first 200 characters) and how many failed so."""
+    return dict(collections.Counter(message[:200] for message in messages).most_common(keep))
 
 
 def _checks(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -200,6 +208,8 @@ def _checks(report: dict[str, Any]) -> list[dict[str, Any]]:
 def _table(report: dict[str, Any]) -> Table:
     info, kill, left = report["host"], report["kill"], report["leftovers"]
     killed = f"{kill['killed']}/{kill['matched']} in {kill['wall_s']:.1f} s" if kill else "not run"
+    if kill and kill["failed"]:
+        killed += " (failed: " + "; ".join(f"{n}× {why}" for why, n in kill["failure_reasons"].items()) + ")"
     caption = (f"Baseline {report['baseline_used_mib']:.0f} MiB in use before the first create (same run); "
                f"{IMAGE}, cpu {CPU:g}, {MEMORY_MB} MiB limit, {CREATE_CONCURRENCY} creates in flight; exec on "
                f"{EXEC_PROBES} random sandboxes. Bulk kill: {killed}. "
