@@ -61,15 +61,6 @@ class VmCgroup:
         else:
             (self._dirs["cpu"] / "cpu.shares").write_text(str(qos.weight_to_shares(weight)))
 
-    def weight(self) -> int | None:
-        """Its CPU weight in v2 units, as the kernel has it (None if it is gone)."""
-        try:
-            if self._layout is CgroupLayout.UNIFIED:
-                return int((self._dirs["cpu"] / "cpu.weight").read_text())
-            return qos.shares_to_weight(int((self._dirs["cpu"] / "cpu.shares").read_text()))
-        except OSError:
-            return None
-
     def add(self, pid: int) -> None:
         """Move a process, all its threads with it, into the cgroup."""
         for directory in set(self._dirs.values()):
