@@ -27,7 +27,10 @@ field) and converts them on v2 with a formula of its own version (runc and crun
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Final
+
+from corral.backends.common.host import CgroupLayout
 
 __all__ = [
     "IDLE_TIERS",
@@ -39,6 +42,7 @@ __all__ = [
     "start_weight",
     "weight_of",
     "weight_to_shares",
+    "write_weight",
 ]
 
 V1_DEFAULT_SHARES: Final = 1024
@@ -48,10 +52,8 @@ V2_WEIGHT_RANGE: Final = (1, 10000)
 
 QOS_WEIGHTS: Final = {"latency": V2_DEFAULT_WEIGHT, "batch": 1}  # v2 cpu.weight of each class
 TIERS: Final = {"latency": "/corral", "batch": "/corral-batch"}  # parent cgroup of each class
-IDLE_TIERS: Final = frozenset({"/corral-batch"})
-POOL_WEIGHT: Final = (
-    1  # a warm pool's sandbox until it is claimed  # marked cpu.idle where the kernel has it, and weighted lowest
-)
+IDLE_TIERS: Final = frozenset({"/corral-batch"})  # marked cpu.idle where the kernel has it, and weighted lowest
+POOL_WEIGHT: Final = 1  # a warm pool's sandbox until it is claimed
 
 
 def _clamp(value: int, bounds: tuple[int, int]) -> int:
@@ -85,3 +87,11 @@ def cgroup_path(sandbox_id: str, qos: str) -> str:
 def start_weight(qos: str, *, pool_member: bool) -> int:
     """The v2 weight a sandbox starts with: its class's, or the lowest while it waits in a warm pool."""
     return POOL_WEIGHT if pool_member else weight_of(qos)
+
+
+def write_weight(cpu_dir: Path, weight: int, layout: CgroupLayout) -> None:
+    """A cgroup's CPU weight in v2 units (``cpu.weight``; on v1 ``cpu.shares`` through ``weight_to_shares``)."""
+    if layout is CgroupLayout.UNIFIED:
+        (cpu_dir / "cpu.weight").write_text(str(weight))
+    else:
+        (cpu_dir / "cpu.shares").write_text(str(weight_to_shares(weight)))

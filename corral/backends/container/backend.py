@@ -618,11 +618,7 @@ class ContainerBackend:
             raise SandboxGone(f"sandbox {spec.sandbox_id} ended before its claim") from None
 
     def _write_weight(self, cgroup_dir: Path, weight: int) -> None:
-        """A cgroup's CPU weight in v2 units (``cpu.weight``; ``cpu.shares`` through the same map on v1)."""
-        if self._layout is CgroupLayout.UNIFIED:
-            (cgroup_dir / "cpu.weight").write_text(str(weight))
-        else:
-            (cgroup_dir / "cpu.shares").write_text(str(qos.weight_to_shares(weight)))
+        qos.write_weight(cgroup_dir, weight, self._layout)
 
     async def changed_paths(self, sandbox_id: str, since: float) -> list[str]:
         """Paths in the sandbox's writable layer changed (written, created or deleted) at or after ``since``."""

@@ -30,6 +30,7 @@ that), the bounding set caps what any exec can gain, and the namespaces stay.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -217,7 +218,7 @@ def masked_directories() -> list[str]:
     return [path for path in MASKED_PATHS if Path(path).is_dir()]
 
 
-def _mask_binds(mask_dir: Path, directories: list[str]) -> list[dict[str, Any]]:
+def _mask_binds(mask_dir: Path, directories: Sequence[str]) -> list[dict[str, Any]]:
     return [{"destination": path, "type": "bind", "source": str(mask_dir),
              "options": ["bind", "ro", "nosuid", "noexec", "nodev"]} for path in directories]  # fmt: skip
 
@@ -264,12 +265,12 @@ def build_config(
     log_denials: bool = True,
     setuid_allowed: bool = False,
     mask_dir: Path | None = None,
-    masked_dirs: list[str] | None = None,
+    masked_dirs: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The config.json for one sandbox; ``root.path`` is ``rootfs`` in the bundle. ``setuid_allowed``: without
-    no_new_privs (see the module's docstring). ``mask_dir``: an empty directory that masks ``masked_dirs`` (by
-    default ``masked_directories()``) as read-only binds; without it the runtime masks them with tmpfs."""
-    binds = _mask_binds(mask_dir, masked_directories() if masked_dirs is None else masked_dirs) if mask_dir else []
+    no_new_privs (see the module's docstring). ``mask_dir``: an empty directory that masks ``masked_dirs``
+    (``masked_directories()``) as read-only binds; the runtime masks the others, and all without it, with tmpfs."""
+    binds = _mask_binds(mask_dir, masked_dirs) if mask_dir else []
     bound = {bind["destination"] for bind in binds}
     capabilities = {key: list(CAPABILITIES) for key in ("bounding", "effective", "permitted")}
     return {

@@ -55,11 +55,8 @@ class VmCgroup:
             self.set_weight(weight)
 
     def set_weight(self, weight: int) -> None:
-        """Its CPU weight, in v2 units (``cpu.weight``; ``cpu.shares`` through qos's map on v1)."""
-        if self._layout is CgroupLayout.UNIFIED:
-            (self._dirs["cpu"] / "cpu.weight").write_text(str(weight))
-        else:
-            (self._dirs["cpu"] / "cpu.shares").write_text(str(qos.weight_to_shares(weight)))
+        """Its CPU weight, in v2 units."""
+        qos.write_weight(self._dirs["cpu"], weight, self._layout)
 
     def add(self, pid: int) -> None:
         """Move a process, all its threads with it, into the cgroup."""
