@@ -80,6 +80,9 @@ class Settings(BaseSettings):
     create_concurrency: int = Field(
         8, ge=1, description="Container creations the edge runs at once; more wait in line."
     )
+    destroy_concurrency: int = Field(
+        16, ge=1, description="Container teardowns the edge runs at once (a bulk kill); more wait in line."
+    )
     max_file_bytes: int = Field(256 << 20, description="Largest file or tar upload/download through the API.")
     max_logged_file_bytes: int = Field(
         1 << 20,

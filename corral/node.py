@@ -100,6 +100,7 @@ def build_edge(settings: Settings, host: HostSetup, events: EdgeEvents) -> Local
         agent_start_timeout_s=settings.agent_start_timeout_s,
         layer_idle_unmount_s=settings.layer_idle_unmount_s,
         create_concurrency=settings.create_concurrency,
+        destroy_concurrency=settings.destroy_concurrency,
         audit_repeat_window_s=settings.audit_repeat_window_s,
         default_disk_mb=settings.sandbox_disk_mb,
         disk_reserve_mb=settings.disk_floor_mb // DISK_RESERVE_FRACTION_OF_FLOOR,

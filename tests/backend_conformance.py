@@ -315,7 +315,7 @@ async def _backend(kind: str, node_dir: Path, data_dir: Path) -> AsyncIterator[B
         host.become_child_subreaper()
         backend = ContainerBackend(
             data_dir=data_dir, helpers=helpers, layout=layout, default_runtime="crun", agent_start_timeout_s=30,
-            layer_idle_unmount_s=60, create_concurrency=4, audit_repeat_window_s=30,
+            layer_idle_unmount_s=60, create_concurrency=4, destroy_concurrency=4, audit_repeat_window_s=30,
         )  # fmt: skip
     else:
         from corral.backends.vm.backend import VmBackend

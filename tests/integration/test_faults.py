@@ -259,6 +259,35 @@ def test_server_killed_mid_batch_create_leaves_records_that_match_reality(
             assert not left, left
 
 
+# A server holds about one fd per idle sandbox (its agent's socket) and 13 of its own; every runtime process
+# of a teardown takes a few more while it runs. 220: room for 100 sandboxes and a bounded teardown (peak ~150
+# here), not for 100 at once (it failed 50 of 100 with EMFILE), as 10,000 on a node of 20,000 fds did.
+FD_LIMIT, FD_SANDBOXES = 220, 100
+
+
+def test_a_bulk_kill_bounded_by_open_files_kills_every_sandbox(tmp_path: Path, test_env: dict[str, str]) -> None:
+    labels = {"fault": "open-files"}
+    launcher = ["prlimit", f"--nofile={FD_LIMIT}:{FD_LIMIT}", "--"]  # it execs: the server's pid, its limit
+    server = EmbeddedServer(tmp_path / "server", env={**test_env, **CRASH_ENV}, launcher=launcher)
+    server.start()
+    try:
+        assert server.process is not None
+        limits = Path(f"/proc/{server.process.pid}/limits").read_text()
+        assert f"Max open files            {FD_LIMIT}" in limits, limits
+        with server.client() as client:
+            created = [handle.id for handle in client.create_many(FD_SANDBOXES, "busybox", cpu=0.1, memory_mb=64,
+                                                                   labels=labels)]  # fmt: skip
+            killed = client.bulk(labels, "kill")
+            assert killed.failed == {} and sorted(killed.done) == sorted(created)
+            records = client.list(state=list(corral.SandboxState), labels=labels)
+            assert {info.state for info in records} == {corral.SandboxState.ENDED} and len(records) == FD_SANDBOXES
+            assert _containers(server.data_dir, "running") == set()
+            left = find_leftovers(server.data_dir, created, server_pid=server.process.pid)
+            assert not left, left
+    finally:
+        server.shutdown()
+
+
 def _crun_pid(data_dir: Path, sandbox_id: str) -> int:
     """The host pid of a container's init: the agent the sandbox was created with."""
     state = subprocess.run(["crun", "--root", str(data_dir / "run" / "crun"), "state", sandbox_id],
