@@ -911,7 +911,9 @@ class Client:
     def bulk(
         self, labels: dict[str, str], action: str, *, ttl_s: float | None = None, clear_ttl: bool = False
     ) -> BulkResult:
-        """``action`` ("pause", "resume", "kill", "set_ttl") on every live sandbox whose labels match."""
+        """``action`` ("pause", "resume", "kill", "set_ttl") on every live sandbox whose labels match; the answer
+        comes when every one is done (a kill of 10,000 on one 2-core node took ten minutes), so it waits up to an
+        hour."""
         body = _validated(BulkRequest, {"labels": labels, "action": action, "ttl_s": ttl_s, "clear_ttl": clear_ttl})
-        response = self._transport.request("POST", "/v1/sandboxes/bulk", json=body.model_dump(), timeout_s=600)
+        response = self._transport.request("POST", "/v1/sandboxes/bulk", json=body.model_dump(), timeout_s=3600)
         return BulkResult.model_validate(response.json())

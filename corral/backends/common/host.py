@@ -20,9 +20,11 @@ import resource
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from corral.procfs import read_small
 
 __all__ = [
     "CgroupLayout",
@@ -284,20 +286,23 @@ class OrphanReaper:
                 self._spawning -= 1
             self._tracked.difference_update(pids)
 
-    def reap(self) -> int:
+    def reap(self, alive: Collection[int] = ()) -> int:
+        """Reap our zombie children that nobody waits for; returns how many. ``alive``: pids the caller knows
+        are running and waited for elsewhere (the inits of its live containers), not read: at 10,000 sandboxes
+        reading each one's /proc stat every second was half the server's CPU during a bulk kill."""
         spawning = self._spawning > 0
         reaped = 0
         # An orphan is handed to any of our threads, so read every task's children.
         for children in Path("/proc/self/task").glob("*/children"):
             try:
-                pids = [int(pid) for pid in children.read_text().split()]
+                pids = [int(pid) for pid in read_small(str(children)).split()]
             except OSError:
                 continue
             for pid in pids:
-                if pid in self._tracked:
+                if pid in self._tracked or pid in alive:
                     continue
                 try:
-                    stat = Path(f"/proc/{pid}/stat").read_text()
+                    stat = read_small(f"/proc/{pid}/stat")
                 except OSError:
                     continue
                 zombie = stat[stat.rindex(")") + 2] == "Z"
