@@ -683,7 +683,7 @@ class ContainerBackend:
             container.prefetch = asyncio.ensure_future(asyncio.to_thread(prefetch_swapped, container.memory.pids()))
 
     def housekeeping(self) -> None:
-        orphans.reap(alive={container.init_pid for container in self._containers.values()})
+        orphans.reap()
         self._mounts.unmount_idle(self._layer_idle_unmount_s)
 
     def refresh_network(self) -> None:
