@@ -23,10 +23,15 @@ from tests.conftest import SLOW_ENV, restartable_server
 
 
 def _containers(data_dir: Path, status: str) -> set[str]:
-    """Ids of the server's crun containers in ``status``."""
-    listing = subprocess.run(["crun", "--root", str(data_dir / "run" / "crun"), "list", "--format", "json"],
-                             capture_output=True, text=True, check=True, timeout=60)  # fmt: skip
-    return {c["id"] for c in json.loads(listing.stdout or "[]") or [] if c["status"] == status}
+    """Ids of the server's crun containers in ``status``. `crun list` fails when a container's state goes away
+    while it reads it (another test's sandbox ending on the shared server, its TTL or a kill): asked again then."""
+    command = ["crun", "--root", str(data_dir / "run" / "crun"), "list", "--format", "json"]
+    for _ in range(10):
+        listing = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        if listing.returncode == 0:
+            return {c["id"] for c in json.loads(listing.stdout or "[]") or [] if c["status"] == status}
+        time.sleep(0.1)
+    raise AssertionError(f"crun list failed ten times: {listing.stderr.strip()}")
 
 
 def test_out_of_memory_is_reported_and_contained(client: corral.Client, server: EmbeddedServer) -> None:
