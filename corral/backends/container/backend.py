@@ -457,8 +457,8 @@ class ContainerBackend:
 
     async def destroy(self, sandbox_id: str) -> None:
         """Gone from the node's map at once; its teardown (runtime processes, network, directories) waits for
-        one of ``destroy_concurrency`` slots: a bulk kill of 10,000 ran 20,000 runtime processes at once and ran
-        out of the node's open files (EMFILE for half of them), for no more speed."""
+        one of ``destroy_concurrency`` slots: a bulk kill of 10,000 started every teardown at once, a runtime process
+        and its pipes each, and ran out of the node's open files (EMFILE for half of them), for no more speed."""
         container = self._containers.pop(sandbox_id, None)
         self._forget_kernel(sandbox_id)
         async with self._destroy_slots:
