@@ -4,7 +4,6 @@ process cleanup and the tests share, and the small reads of /proc, /sys and cgro
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 __all__ = ["read_small", "running", "stat_fields"]
 
@@ -27,7 +26,7 @@ def stat_fields(pid: int) -> list[str] | None:
     the parent's pid, the group, the session; None when there is no such process. The name is in parentheses
     and may itself hold spaces and parentheses: the fields start after the last ``)``."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        stat = read_small(f"/proc/{pid}/stat")
     except OSError:
         return None
     return stat[stat.rindex(")") + 2 :].split()

@@ -188,9 +188,8 @@ class Scheduler:
         picked: list[NodeView] = []
         seen: set[str] = set()
         draws = _SAMPLES_PER_CANDIDATE * self.candidates
-        if len(self._ids) <= draws:  # small: every node, at no more cost than sampling
-            draws = 0
-        for _ in range(draws):
+        scan_all = len(self._ids) <= draws  # small: every node, at no more cost than sampling
+        for _ in range(0 if scan_all else draws):
             node = self.nodes[self._ids[self._rng.randrange(len(self._ids))]]
             if node.edge_id in seen:
                 continue
@@ -203,7 +202,7 @@ class Scheduler:
                     break
         if not picked:
             picked = self._scan(eligible, max_in_flight, cpu=cpu, memory_mb=memory_mb, backend=backend,
-                                runtime=runtime, selector=selector, refused=len(exclude), every=draws == 0)  # fmt: skip
+                                runtime=runtime, selector=selector, refused=len(exclude), every=scan_all)  # fmt: skip
         wanted = set(layers)
         return min(picked, key=lambda node: self._score(node, wanted)).edge_id
 

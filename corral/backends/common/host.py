@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from corral.procfs import read_small
+from corral.procfs import read_small, stat_fields
 
 __all__ = [
     "CgroupLayout",
@@ -318,10 +318,9 @@ class OrphanReaper:
         if not spawning:
             return True
         try:
-            stat = read_small(f"/proc/{pid}/stat")
+            return read_small(f"/proc/{pid}/comm").strip() in _CONTAINER_INITS
         except OSError:
             return False
-        return stat[stat.index("(") + 1 : stat.rindex(")")] in _CONTAINER_INITS
 
     def _reap_each(self) -> int:
         spawning = self._spawning > 0
@@ -333,11 +332,8 @@ class OrphanReaper:
             except OSError:
                 continue
             for pid in pids:
-                try:
-                    zombie = read_small(f"/proc/{pid}/stat").rpartition(")")[2][1:2] == "Z"
-                except OSError:
-                    continue
-                if zombie and self._ours(pid, spawning):
+                fields = stat_fields(pid)
+                if fields is not None and fields[0] == "Z" and self._ours(pid, spawning):
                     with contextlib.suppress(ChildProcessError):
                         os.waitpid(pid, os.WNOHANG)
                         reaped += 1
