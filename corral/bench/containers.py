@@ -4,7 +4,12 @@ Corral is measured through the real SDK over HTTP against an embedded server
 this command starts for itself: create -> first exec, exec round trip, and a
 burst of concurrent creates. The baseline is plain crun on a copy of the same
 busybox rootfs, with Corral's own config.json (limits, namespaces, seccomp)
-minus the agent: `crun run --detach` + `crun exec`, and `crun exec` alone.
+minus the agent: `crun run --detach` + `crun exec`, `crun exec` alone, and for
+the burst as many `crun run --detach` as there are creates, as many at once as
+the server starts (its create concurrency), each on a bundle of its own. Both
+bursts also report the host's CPU time per create (all processes, from
+/proc/stat): on a node with C cores, C seconds divided by that is the most
+creates per second that way of starting containers can reach there.
 The same two are also taken on a second bundle without the security profile
 (no seccomp, no masked or read-only paths, no no_new_privs; the capability set
 is kept, dropping capabilities costs nothing measurable), which gives the
@@ -134,6 +139,17 @@ class _Crun:
     def exec_true(self, container_id: str) -> None:
         self._run("exec", container_id, "/bin/true")
 
+    async def run_detached_async(self, container_id: str, bundle: Path) -> None:
+        """``run_detached`` without blocking the event loop: the burst baseline starts several at once."""
+        process = await asyncio.create_subprocess_exec(
+            *self._base, "run", "--detach", "--bundle", str(bundle), container_id,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log,
+        )  # fmt: skip
+        if await asyncio.wait_for(process.wait(), CRUN_TIMEOUT_S) != 0:
+            self._log.flush()
+            tail = self._log_path.read_bytes()[-600:].decode(errors="replace").strip()
+            raise RuntimeError(f"crun run exited {process.returncode}: {tail}")
+
     def kill_and_delete(self, container_id: str) -> None:
         """By the time delete -f returns the init has exited, so its zombie is reaped here."""
         self._run("kill", container_id, "KILL", check=False)
@@ -225,6 +241,14 @@ def _crun_create_sample(crun: _Crun, bundle: _Bundle, container_id: str) -> floa
         crun.kill_and_delete(container_id)
 
 
+def _host_busy_s() -> float:
+    """CPU seconds this host's cores have spent busy since boot (every process and the kernel: /proc/stat's cpu
+    line less idle and iowait)."""
+    fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 async def _concurrent_create(url: str, api_key: str, count: int, on_created: Callable[[], None]) -> dict[str, Any]:
     async with AsyncClient(url, api_key) as client:
 
@@ -233,14 +257,41 @@ async def _concurrent_create(url: str, api_key: str, count: int, on_created: Cal
             on_created()
             return sandbox
 
-        started = time.perf_counter()
+        busy_before, started = _host_busy_s(), time.perf_counter()
         results = await asyncio.gather(*(create_one() for _ in range(count)), return_exceptions=True)
-        wall_s = time.perf_counter() - started
+        wall_s, busy_s = time.perf_counter() - started, _host_busy_s() - busy_before
         created = [r for r in results if isinstance(r, AsyncSandbox)]
         errors = sorted({f"{type(r).__name__}: {r}" for r in results if isinstance(r, BaseException)})
         await asyncio.gather(*(sandbox.kill() for sandbox in created), return_exceptions=True)
     return {"requested": count, "succeeded": len(created), "wall_s": wall_s,
-            "creations_per_s": len(created) / wall_s, "errors": errors[:5]}  # fmt: skip
+            "creations_per_s": len(created) / wall_s, "host_cpu_ms_per_create": busy_s * 1000 / count,
+            "errors": errors[:5]}  # fmt: skip
+
+
+async def _crun_concurrent_create(crun: _Crun, rootfs: Path, work_dir: Path, count: int, at_once: int,
+                                  on_created: Callable[[], None]) -> dict[str, Any]:  # fmt: skip
+    """``count`` plain ``crun run --detach``, ``at_once`` at a time, each on a bundle of its own (written first,
+    outside the timing), with Corral's profile; then all killed and deleted."""
+    bundles = [_Bundle(work_dir / f"burst-{i}", rootfs, profile=True) for i in range(count)]
+    for index, bundle in enumerate(bundles):
+        bundle.write_config(f"bench-burst-{index}")
+    slots = asyncio.Semaphore(at_once)
+
+    async def start(index: int) -> None:
+        async with slots:
+            await crun.run_detached_async(f"bench-burst-{index}", bundles[index].directory)
+        on_created()
+
+    busy_before, started = _host_busy_s(), time.perf_counter()
+    results = await asyncio.gather(*(start(i) for i in range(count)), return_exceptions=True)
+    wall_s, busy_s = time.perf_counter() - started, _host_busy_s() - busy_before
+    errors = sorted({f"{type(r).__name__}: {r}" for r in results if isinstance(r, BaseException)})
+    succeeded = sum(r is None for r in results)
+    for index in range(count):
+        await asyncio.to_thread(crun.kill_and_delete, f"bench-burst-{index}")
+    return {"requested": count, "succeeded": succeeded, "at_once": at_once, "wall_s": wall_s,
+            "creations_per_s": succeeded / wall_s, "host_cpu_ms_per_create": busy_s * 1000 / count,
+            "errors": errors[:5]}  # fmt: skip
 
 
 def _profile_cost(with_profile: Sequence[float], without_profile: Sequence[float]) -> dict[str, Any]:
@@ -294,13 +345,17 @@ def _measure(work_dir: Path, layer_file: Path, runs: int, concurrency: int, prog
 
         task = progress.add_task(f"concurrent create ×{concurrency} (corral)", total=concurrency)
         burst = asyncio.run(_concurrent_create(url, api_key, concurrency, lambda: progress.advance(task)))
+        at_once = Settings().create_concurrency  # what the server starts at once
+        task = progress.add_task(f"concurrent create ×{concurrency} (plain crun, {at_once} at once)", total=concurrency)
+        crun_burst = asyncio.run(_crun_concurrent_create(crun, rootfs, work_dir / "baseline" / "burst", concurrency,
+                                                         at_once, lambda: progress.advance(task)))  # fmt: skip
         cleanup = progress.add_task("cleaning up (sandboxes, server, containers)", total=1)
     progress.update(cleanup, completed=1)
     return {
         "corral": {"create_to_first_exec": summarize(samples["corral_create"]),
                    "exec_roundtrip": summarize(samples["corral_exec"]), "concurrent_create": burst},
         "baseline": {"crun_create_start_exec": summarize(samples["crun_create"]),
-                     "crun_exec": summarize(samples["crun_exec"])},
+                     "crun_exec": summarize(samples["crun_exec"]), "crun_concurrent_create": crun_burst},
         "profile_cost": {"crun_create_start_exec": _profile_cost(samples["crun_create"], samples["crun_create_bare"]),
                          "crun_exec": _profile_cost(samples["crun_exec"], samples["crun_exec_bare"])},
     }  # fmt: skip
@@ -310,6 +365,7 @@ def _checks(results: dict[str, Any]) -> list[dict[str, Any]]:
     corral, baseline = results["corral"], results["baseline"]
     create_ratio = corral["create_to_first_exec"]["p50"] / baseline["crun_create_start_exec"]["p50"]
     exec_p50, burst = corral["exec_roundtrip"]["p50"], corral["concurrent_create"]
+    baseline_burst = baseline["crun_concurrent_create"]
     return [
         {"metric": "create_to_first_exec", "target": f"ratio ≤ {CREATE_RATIO_TARGET:g}", "value": create_ratio,
          "ok": create_ratio <= CREATE_RATIO_TARGET},
@@ -317,14 +373,18 @@ def _checks(results: dict[str, Any]) -> list[dict[str, Any]]:
          "ok": exec_p50 <= EXEC_P50_TARGET_MS},
         {"metric": "concurrent_create", "target": "all succeed", "value": burst["succeeded"],
          "ok": burst["succeeded"] == burst["requested"]},
+        {"metric": "crun_concurrent_create", "target": "all succeed", "value": baseline_burst["succeeded"],
+         "ok": baseline_burst["succeeded"] == baseline_burst["requested"]},
     ]  # fmt: skip
 
 
 def _table(report: dict[str, Any]) -> Table:
     corral, baseline, info, params = report["corral"], report["baseline"], report["host"], report["params"]
     checks = {check["metric"]: check for check in report["checks"]}
+    at_once = baseline["crun_concurrent_create"]["at_once"]
     caption = (f"baselines: crun run --detach + crun exec, and crun exec; {params['runs']} creates and "
-               f"{params['exec_samples']} execs per side, interleaved. Profile cost: the same crun runs with "
+               f"{params['exec_samples']} execs per side, interleaved; the burst's: as many crun run --detach, "
+               f"{at_once} at once. Profile cost: the same crun runs with "
                "Corral's profile vs without seccomp, masked/read-only paths and no_new_privs. "
                f"Kernel {info['kernel']}, {info['cpu_count']} cpus, cgroup {info['cgroup_layout']}, "
                f"{info['crun_version']}.")  # fmt: skip
@@ -341,10 +401,16 @@ def _table(report: dict[str, Any]) -> Table:
         ours, theirs = corral[metric], baseline[base_key]
         table.add_row(label, f"{ours['p50']:.1f}", f"{ours['p95']:.1f}", f"{theirs['p50']:.1f}",
                       f"{ours['p50'] / theirs['p50']:.2f}", checks[metric]["target"], verdict(metric))  # fmt: skip
-    burst = corral["concurrent_create"]
+    burst, crun_burst = corral["concurrent_create"], baseline["crun_concurrent_create"]
     table.add_row(f"concurrent creates ×{burst['requested']}", f"{burst['succeeded']}/{burst['requested']} ok",
-                  f"{burst['wall_s']:.2f} s wall", "-", f"{burst['creations_per_s']:.1f}/s",
+                  f"{burst['wall_s']:.2f} s wall", f"crun: {crun_burst['creations_per_s']:.1f}/s",
+                  f"{burst['creations_per_s'] / crun_burst['creations_per_s']:.2f}",
                   "all succeed", verdict("concurrent_create", "failed"))  # fmt: skip
+    table.add_row("  creates per second", f"{burst['creations_per_s']:.1f}/s", "-",
+                  f"{crun_burst['creations_per_s']:.1f}/s", "-", "-", "-")  # fmt: skip
+    table.add_row("  host CPU per create", f"{burst['host_cpu_ms_per_create']:.1f} ms", "-",
+                  f"{crun_burst['host_cpu_ms_per_create']:.1f} ms", "-", "-",
+                  verdict("crun_concurrent_create", "baseline failed"))  # fmt: skip
     table.add_section()
     for label, key in (("profile cost: create+exec", "crun_create_start_exec"), ("profile cost: exec", "crun_exec")):
         cost = report["profile_cost"][key]

@@ -1,0 +1,31 @@
+"""`corral bench containers` at a tiny size (2 samples, a burst of 6), so that the benchmark and its baselines cannot
+rot: it runs as its own process, as users run it, with its own server and its own crun state."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+BURST = 6
+
+
+def test_bench_containers_measures_the_burst_against_plain_crun() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "corral.cli.main", "bench", "containers", "--runs", "2", "--concurrency", str(BURST),
+         "--json"],
+        cwd=REPO, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(run.stdout)
+    corral, baseline = report["corral"]["concurrent_create"], report["baseline"]["crun_concurrent_create"]
+    for burst in (corral, baseline):
+        assert burst["requested"] == burst["succeeded"] == BURST, burst["errors"]
+        assert burst["creations_per_s"] > 0 and burst["wall_s"] > 0
+        # The host was busy starting them: at least one process ran for each (crun forks, execs and clones).
+        assert 0.1 < burst["host_cpu_ms_per_create"] < 10_000
+    assert baseline["at_once"] == 8  # the server's default create concurrency
+    assert report["baseline"]["crun_create_start_exec"]["n"] == 2
+    assert {check["metric"]: check["ok"] for check in report["checks"]}["crun_concurrent_create"] is True
