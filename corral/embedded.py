@@ -21,6 +21,7 @@ from types import TracebackType
 
 import httpx
 
+from corral.backends.common.host import run_dir_of, runtime_state_root
 from corral.config import Settings
 from corral.sdk import Client, CorralError
 
@@ -64,6 +65,7 @@ def delete_leftover_sandboxes(data_dir: Path) -> None:
     """Containers and VMs of a server (or cluster node) with this data dir that outlived it."""
     _delete_leftover_containers(data_dir)
     _kill_leftover_vms(data_dir)
+    shutil.rmtree(run_dir_of(data_dir), ignore_errors=True)  # their runtime state and bundles, on the host's tmpfs
 
 
 def _kill_leftover_vms(data_dir: Path) -> None:
@@ -83,7 +85,7 @@ def _kill_leftover_vms(data_dir: Path) -> None:
 
 def _delete_leftover_containers(data_dir: Path) -> None:
     for runtime in ("crun", "runc", "runsc"):
-        state_root = data_dir / "run" / runtime
+        state_root = runtime_state_root(data_dir, runtime)
         binary = shutil.which(runtime)
         if binary is None or not state_root.is_dir():
             continue

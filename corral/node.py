@@ -13,11 +13,13 @@ import os
 from dataclasses import dataclass
 
 from corral.backends.common.host import (
+    RUN_ROOT,
     CgroupLayout,
     NativeHelpers,
     become_child_subreaper,
     build_native_helpers,
     detect_cgroup_layout,
+    ensure_run_tmpfs,
     enter_private_mount_namespace,
     raise_open_files_limit,
 )
@@ -55,8 +57,11 @@ def _own_mount_namespace() -> str:
 
 
 def enter_node_namespace() -> CgroupLayout:
-    """Enter a private mount namespace and say so to child processes (call before any thread starts)."""
+    """Enter a private mount namespace and say so to child processes (call before any thread starts). The node's
+    run directory's tmpfs is mounted first, in the host's namespace, where the next server finds it."""
     layout = detect_cgroup_layout()
+    if ensure_run_tmpfs():
+        log.info("mounted a tmpfs at %s for the runtime's state (this host's /run is on disk)", RUN_ROOT)
     enter_private_mount_namespace(layout)
     os.environ[PRIVATE_MOUNT_NS_ENV] = _own_mount_namespace()
     return layout

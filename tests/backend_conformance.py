@@ -311,6 +311,7 @@ async def _backend(kind: str, node_dir: Path, data_dir: Path) -> AsyncIterator[B
     if kind.startswith("container/"):
         from corral.backends.container.backend import ContainerBackend
 
+        host.ensure_run_tmpfs()  # in the host's namespace, as a node does
         host.enter_private_mount_namespace(layout)
         host.become_child_subreaper()
         backend = ContainerBackend(

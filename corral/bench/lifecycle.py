@@ -39,6 +39,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from corral.backends.common import host
+from corral.backends.common.host import runtime_state_root
 from corral.bench.containers import summarize
 from corral.bench.harness import ResultTable, bench_session, emit, ms_since, require_success
 from corral.embedded import EmbeddedServer
@@ -213,7 +214,7 @@ def _measure(data_dir: Path, runs: int, progress: Progress) -> dict[str, Any]:
         server.start()
         progress.update(task, completed=1)
         with server.client() as client:
-            pause = _pause_samples(client, data_dir / "run" / "crun", runs, progress)
+            pause = _pause_samples(client, runtime_state_root(data_dir, "crun"), runs, progress)
             fork = _fork_samples(client, runs, parents, progress)
             replay = _replay(client, server.url, server.api_key, progress)
         task = progress.add_task("cleaning up (sandboxes, fork layers, server)", total=1)

@@ -36,6 +36,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from corral.backends.common import host
+from corral.backends.common.host import runtime_state_root
 from corral.backends.vm.accel import probe_boot
 from corral.backends.vm.guest import GuestKit, ensure_guest_kit
 from corral.backends.vm.memory import KSM_DIR, ksm_merged_bytes
@@ -186,7 +187,7 @@ def _used_mib() -> float:
 def _container_pss_mib(data_dir: Path, sandbox_id: str) -> float | None:
     """PSS of a container sandbox's processes (its init and descendants), or None if crun does not say."""
     try:
-        out = subprocess.run(["crun", "--root", str(data_dir / "run" / "crun"), "state", sandbox_id],
+        out = subprocess.run(["crun", "--root", str(runtime_state_root(data_dir, "crun")), "state", sandbox_id],
                              capture_output=True, text=True, check=True, timeout=CRUN_TIMEOUT_S)  # fmt: skip
         pid = int(json.loads(out.stdout)["pid"])
         return sum(_memory_kib(p).get("Pss", 0) for p in _descendants(pid)) / 1024

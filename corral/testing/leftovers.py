@@ -1,6 +1,6 @@
 """What ended sandboxes may have left on the host: the one check that fault tests and the density bench share.
 
-A container sandbox is a crun container (its state under ``<data_dir>/run/crun``), the processes in its
+A container sandbox is a crun container (its state under ``runtime_state_root(data_dir, "crun")``), the processes in its
 cgroups, the overlay of its own mount namespace over erofs layers, cgroups under ``corral/`` or
 ``corral-batch/`` of each controller, a veth in the node's router namespace when it had a network, and a
 subvolume of the node's btrfs pool (``<data_dir>/writable.img`` on one loop device). After its sandboxes
@@ -18,6 +18,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from corral.backends.common.host import runtime_state_root
 from corral.backends.common.network import sandbox_veth_name
 
 __all__ = ["Leftovers", "find_leftovers"]
@@ -46,7 +47,7 @@ class Leftovers:
 
 
 def _containers(data_dir: Path) -> list[str]:
-    state_root = data_dir / "run" / "crun"
+    state_root = runtime_state_root(data_dir, "crun")
     crun = shutil.which("crun")
     if crun is None or not state_root.is_dir():
         return []

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import corral
+from corral.backends.common.host import runtime_state_root
 from corral.cluster.local import LocalCluster, stop_session
 from corral.cluster.network import ClusterNetwork
 from corral.embedded import delete_leftover_sandboxes
@@ -130,7 +131,7 @@ def test_a_second_gateway_serves_the_same_cluster(cluster: LocalCluster, client:
 def _containers(cluster: LocalCluster, edge_id: str) -> str:
     state = cluster.state
     assert state is not None
-    root = Path(state.nodes[edge_id].data_dir) / "run" / "crun"
+    root = runtime_state_root(Path(state.nodes[edge_id].data_dir), "crun")
     return subprocess.run(["crun", "--root", str(root), "list"], capture_output=True, text=True, check=True).stdout
 
 

@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 
 import corral
+from corral.backends.common.host import runtime_state_root
 from corral.cluster.local import LocalCluster
 from corral.state.db import StateStore
 from tests.cluster.conftest import (
@@ -58,7 +59,7 @@ def _containers(cluster: LocalCluster) -> dict[str, set[str]]:
     assert state is not None
     running = {}
     for edge_id, node in state.nodes.items():
-        root = Path(node.data_dir) / "run" / "crun"
+        root = runtime_state_root(Path(node.data_dir), "crun")
         if not root.is_dir():
             continue
         listing = subprocess.run(["crun", "--root", str(root), "list"], capture_output=True, text=True, check=True)

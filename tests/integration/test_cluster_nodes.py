@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import corral
+from corral.backends.common.host import runtime_state_root
 from corral.embedded import EmbeddedServer, free_port
 from corral.images.fetch import LayerFetcher
 from corral.images.store import LayerStore
@@ -137,7 +138,7 @@ def test_a_node_back_after_it_was_marked_lost_ends_its_lost_sandboxes(
         second = EmbeddedServer(tmp_path / "b", env={**shared, "CORRAL_EDGE_ID": "e9"})
         second.start()
         assert second.process is not None
-        crun_list = ["crun", "--root", str(tmp_path / "b" / "run" / "crun"), "list", "--quiet"]
+        crun_list = ["crun", "--root", str(runtime_state_root(tmp_path / "b", "crun")), "list", "--quiet"]
         try:
             with second.client() as client:
                 sandbox = client.create("busybox", ttl_s=600)

@@ -15,6 +15,7 @@ import pytest
 
 import corral
 from corral.api.models import AuditEvent
+from corral.backends.common.host import runtime_state_root
 from corral.embedded import EmbeddedServer
 from tests.conftest import restartable_server
 
@@ -93,7 +94,7 @@ def test_limits_survive_a_restart_and_go_with_the_sandbox(quota_server: Embedded
         kept.exec("echo kept > /kept")
         lost = _layer(quota_server, killed_while_down.id).relative_to(f"/proc/{quota_server.process.pid}/root")
     quota_server.stop()
-    subprocess.run(["crun", "--root", str(quota_server.data_dir / "run" / "crun"), "delete", "--force",
+    subprocess.run(["crun", "--root", str(runtime_state_root(quota_server.data_dir, "crun")), "delete", "--force",
                     killed_while_down.id], capture_output=True, timeout=30, check=True)  # fmt: skip
     quota_server.start()
     with quota_server.client() as client:

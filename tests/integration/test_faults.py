@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 import corral
+from corral.backends.common.host import runtime_state_root
 from corral.embedded import EmbeddedServer
 from corral.procfs import stat_fields
 from corral.testing.leftovers import find_leftovers
@@ -25,7 +26,7 @@ from tests.conftest import SLOW_ENV, restartable_server
 def _containers(data_dir: Path, status: str) -> set[str]:
     """Ids of the server's crun containers in ``status``. `crun list` fails when a container's state goes away
     while it reads it (another test's sandbox ending on the shared server, its TTL or a kill): asked again then."""
-    command = ["crun", "--root", str(data_dir / "run" / "crun"), "list", "--format", "json"]
+    command = ["crun", "--root", str(runtime_state_root(data_dir, "crun")), "list", "--format", "json"]
     for _ in range(10):
         listing = subprocess.run(command, capture_output=True, text=True, timeout=60)
         if listing.returncode == 0:
@@ -64,7 +65,7 @@ def test_fork_bomb_is_contained_by_pid_limit(client: corral.Client) -> None:
 def test_init_exit_marks_sandbox_ended(fresh_server: EmbeddedServer) -> None:
     with fresh_server.client() as client:
         sandbox = client.create("busybox")
-        runtime_root = fresh_server.data_dir / "run" / "crun"
+        runtime_root = runtime_state_root(fresh_server.data_dir, "crun")
         subprocess.run(
             ["crun", "--root", str(runtime_root), "kill", sandbox.id, "KILL"], check=True, capture_output=True
         )
@@ -106,7 +107,7 @@ def test_sandbox_gone_during_restart_is_reported_lost(fresh_server: EmbeddedServ
         doomed = client.create("busybox")
         survivor = client.create("busybox")
     fresh_server.stop(signal.SIGKILL)  # a crash, not a clean stop
-    runtime_root = fresh_server.data_dir / "run" / "crun"
+    runtime_root = runtime_state_root(fresh_server.data_dir, "crun")
     subprocess.run(["crun", "--root", str(runtime_root), "kill", doomed.id, "KILL"], check=True, capture_output=True)
     time.sleep(0.3)
     fresh_server.start()
@@ -180,7 +181,7 @@ async def test_kill_during_create_wins(fresh_server: EmbeddedServer) -> None:
         for sandbox_id in killed:
             assert (await client.get(sandbox_id)).info.end_reason == "killed"
     listing = subprocess.run(
-        ["crun", "--root", str(fresh_server.data_dir / "run" / "crun"), "list", "--format", "json"],
+        ["crun", "--root", str(runtime_state_root(fresh_server.data_dir, "crun")), "list", "--format", "json"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert {c["id"] for c in json.loads(listing.stdout or "[]") or []} == survivors
@@ -295,7 +296,7 @@ def test_a_bulk_kill_bounded_by_open_files_kills_every_sandbox(tmp_path: Path, t
 
 def _crun_pid(data_dir: Path, sandbox_id: str) -> int:
     """The host pid of a container's init: the agent the sandbox was created with."""
-    state = subprocess.run(["crun", "--root", str(data_dir / "run" / "crun"), "state", sandbox_id],
+    state = subprocess.run(["crun", "--root", str(runtime_state_root(data_dir, "crun")), "state", sandbox_id],
                            capture_output=True, text=True, check=True, timeout=30)  # fmt: skip
     return int(json.loads(state.stdout)["pid"])
 

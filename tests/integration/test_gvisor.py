@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 import corral
+from corral.backends.common.host import runtime_state_root
 from corral.embedded import EmbeddedServer
 from corral.sdk import NotFound
 
@@ -31,7 +32,7 @@ def gvisor(server: EmbeddedServer) -> Iterator[corral.Sandbox]:
 
 def _runsc_ids(server: EmbeddedServer) -> list[str]:
     listing = subprocess.run(
-        ["runsc", "--root", str(server.data_dir / "run" / "runsc"), "list", "--quiet"],
+        ["runsc", "--root", str(runtime_state_root(server.data_dir, "runsc")), "list", "--quiet"],
         capture_output=True, text=True, timeout=30, check=False,
     )  # fmt: skip
     return listing.stdout.split()

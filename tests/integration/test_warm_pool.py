@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import corral
 from corral.backends.common import qos
+from corral.backends.common.host import runtime_state_root
 from corral.embedded import EmbeddedServer
 from corral.gateway.warm_pool import CLAIMED_NOTE
 
@@ -259,7 +260,7 @@ def _warm_ids(server: EmbeddedServer) -> set[str]:
 def _containers(data_dir: Path) -> set[str]:
     """The containers crun runs for this server (its state directory), by id."""
     listing = subprocess.run(
-        ["crun", "--root", str(data_dir / "run" / "crun"), "list", "--quiet"],
+        ["crun", "--root", str(runtime_state_root(data_dir, "crun")), "list", "--quiet"],
         capture_output=True, text=True, timeout=30, check=True,
     )  # fmt: skip
     return set(listing.stdout.split())

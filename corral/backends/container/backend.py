@@ -39,7 +39,14 @@ from corral.backends.common import qos
 from corral.backends.common.agent_protocol import (
     IpcCounts,
 )
-from corral.backends.common.host import CgroupLayout, LayerMounts, NativeHelpers, orphans
+from corral.backends.common.host import (
+    CgroupLayout,
+    LayerMounts,
+    NativeHelpers,
+    orphans,
+    run_dir_of,
+    runtime_state_root,
+)
 from corral.backends.common.network import (
     DEFAULT_RESOLVE_INTERVAL_S,
     AllowRule,
@@ -211,12 +218,17 @@ class ContainerBackend:
     ) -> None:
         self._dir = data_dir / "sandboxes"
         self._dir.mkdir(parents=True, exist_ok=True)
+        self._data_dir = data_dir
+        # On a tmpfs (host.ensure_run_tmpfs, which a node mounts before this): what lives as long as the containers.
+        self._run_dir = run_dir_of(data_dir)
+        self._runtime_dirs = self._run_dir / "sandboxes"
+        self._runtime_dirs.mkdir(parents=True, exist_ok=True)
         self._helpers = helpers
         self._layout = layout
         self._default_runtime = default_runtime
         self._runtimes: dict[str, OciRuntime] = {}
-        self._state_root = data_dir / "run"
-        self._mask_dir = _empty_directory(self._state_root / "mask")
+        # On disk, not the run dir's tmpfs: a bind of it shows the host's disk filesystem in the sandbox.
+        self._mask_dir = _empty_directory(data_dir / "run" / "mask")
         self._masked_dirs = masked_directories()
         self._mounts = LayerMounts(data_dir / "mnt" / "layers", verify=check_layer)
         self._containers: dict[str, Container] = {}
@@ -248,8 +260,11 @@ class ContainerBackend:
     def runtime(self, name: str | None) -> OciRuntime:
         name = name or self._default_runtime
         if name not in self._runtimes:
-            self._runtimes[name] = OciRuntime(name, self._state_root / name, self._helpers.launch)
+            self._runtimes[name] = OciRuntime(name, self._state_root(name), self._helpers.launch)
         return self._runtimes[name]
+
+    def _state_root(self, name: str) -> Path:
+        return runtime_state_root(self._data_dir, name)
 
     def _layer_root(self, sandbox_id: str) -> Path:
         """Where its writable layer lives: its subvolume of the quota pool when it has a limit, else the data dir."""
@@ -287,6 +302,9 @@ class ContainerBackend:
     def sandbox_dir(self, sandbox_id: str) -> Path:
         return self._dir / sandbox_id
 
+    def runtime_dir(self, sandbox_id: str) -> Path:
+        return self._runtime_dirs / sandbox_id
+
     def replace(self, sandbox_id: str, container: Container | None) -> None:
         if container is None:
             self._containers.pop(sandbox_id, None)
@@ -311,7 +329,7 @@ class ContainerBackend:
         runtime = self.runtime(spec.runtime)
         isolation = self._isolations[runtime.name]
         isolation.refuse(spec)
-        bundle = self._dir / spec.sandbox_id / "bundle"
+        bundle = self.runtime_dir(spec.sandbox_id) / "bundle"
         # Each step that takes something pushes how to give it back; a failure at any later step (a disk that
         # cannot be made, a layer that cannot be mounted, an agent that never answers) undoes them, last first.
         async with contextlib.AsyncExitStack() as undo:
@@ -416,7 +434,7 @@ class ContainerBackend:
         """Containers in our runtime state that no sandbox record owns."""
         found: list[str] = []
         for name in _RUNTIMES:
-            if shutil.which(name) and (self._state_root / name).exists():
+            if shutil.which(name) and self._state_root(name).exists():
                 found += [cid for cid in await self.runtime(name).list_ids() if cid not in known_ids]
         if self._pool.made and await self._open_pool():  # writable layers of sandboxes no record owns
             found += [sid for sid in self._pool.sandbox_ids() if sid not in known_ids and sid not in found]
@@ -480,7 +498,16 @@ class ContainerBackend:
     def _remove_dirs(self, sandbox_id: str) -> None:
         """Its bundle and its writable layer (with its quota, when it has one)."""
         self._pool.remove(sandbox_id)
+        shutil.rmtree(self.runtime_dir(sandbox_id), ignore_errors=True)
         shutil.rmtree(self._dir / sandbox_id, ignore_errors=True)
+
+    def _remove_run_dir_if_unused(self) -> None:
+        """The run dir goes once no container of this node is left in it (every one has its runtime dir until its
+        teardown ends), so servers that came and went (tests, benches) leave nothing on the host's tmpfs; with
+        containers left, it stays for the next server to adopt them."""
+        with contextlib.suppress(FileNotFoundError):
+            if not any(self._runtime_dirs.iterdir()):
+                shutil.rmtree(self._run_dir, ignore_errors=True)
 
     async def pack_diff(self, sandbox_id: str, dest: Path) -> None:
         """Pack the sandbox's writable layer (whiteouts and opaque dirs kept) into an EROFS file.
@@ -503,7 +530,10 @@ class ContainerBackend:
 
         It waits for that clock to tick once, so everything changed before the call is
         strictly older than the returned time (at most one tick, a few ms)."""
-        marker = self._dir / sandbox_id / "clock"
+        # In the run dir: never in the writable layer's subvolume, whose quota a full sandbox has used up. The
+        # clock is the kernel's for every filesystem (multigrain timestamps keep coarse ones after fine ones).
+        marker = self.runtime_dir(sandbox_id) / "clock"
+        marker.parent.mkdir(parents=True, exist_ok=True)  # a sandbox an older server started has none yet
         marker.write_bytes(b"")
         before = marker.stat().st_ctime_ns
         while True:
@@ -741,6 +771,7 @@ class ContainerBackend:
         for container in self._containers.values():
             container.agent.close()
         self._containers.clear()
+        self._remove_run_dir_if_unused()
         self._denials.close()
         self._reads.close()
         self._mounts.unmount_all()

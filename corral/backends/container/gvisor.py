@@ -226,7 +226,7 @@ class Gvisor:
                 path.mkdir()
             lowers = await self._parts.acquire_layers(spec)
             self._parts.release_layers(spec)  # the sandbox still holds its own reference
-            bundle = self._parts.sandbox_dir(sandbox_id) / "bundle"
+            bundle = self._parts.runtime_dir(sandbox_id) / "bundle"
             init_pid, agent = await self.start(container.runtime, spec, bundle, Overlay(lowers, upper, work))
         except BaseException:
             self._parts.replace(sandbox_id, None)  # its watcher reports it ended

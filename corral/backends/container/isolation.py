@@ -52,7 +52,11 @@ class ContainerParts(Protocol):
     agent_start_timeout_s: float
 
     def sandbox_dir(self, sandbox_id: str) -> Path:
-        """Its bundle, writable layer and runtime log live here."""
+        """What of it is kept on disk: gVisor's checkpoints and control socket; its writable layer when it has no
+        size limit."""
+
+    def runtime_dir(self, sandbox_id: str) -> Path:
+        """Its bundle, init's pid file and runtime log: in the node's run dir (a tmpfs), gone with its teardown."""
 
     def upper(self, sandbox_id: str) -> Path: ...
 
@@ -151,7 +155,8 @@ class PlainOci:
         agent = AgentConnection(edge_end)
         try:
             try:
-                log_file = self._parts.sandbox_dir(spec.sandbox_id) / "runtime.log"
+                log_file = self._parts.runtime_dir(spec.sandbox_id) / "runtime.log"
+                log_file.parent.mkdir(parents=True, exist_ok=True)  # started by an older server: its bundle on disk
                 argv = [AGENT_PATH, *(AGENT_NEW_PRIVS_ARGS if spec.setuid_allowed else ())]
                 await runtime.exec_attached(spec.sandbox_id, agent_end, argv, log_file)
             finally:
