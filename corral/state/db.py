@@ -248,21 +248,44 @@ def _creating_among(ids: list[str], postgres: bool) -> Any:  # noqa: ANN401 - a 
     return and_(sandboxes.c.id.in_(ids), sandboxes.c.state == SandboxState.CREATING.value)
 
 
-def _copy_rows(conn: Connection, table: Table, rows: list[dict[str, Any]]) -> None:
-    """Rows into a PostgreSQL table by COPY ... FROM STDIN, in the connection's transaction: what an executemany
-    INSERT stores, at a fraction of the work (psycopg would send one INSERT per row, each parsed and bound by the
-    server). Values are written as SQLAlchemy would bind them: JSON columns as ``json.dumps`` of the value (None
-    as JSON null), a column missing from the rows as its Python-side default, or else its server default."""
+def _row_layout(table: Table, rows: list[dict[str, Any]]) -> tuple[str, list[tuple[str, Any, bool]]]:
+    """The quoted column list of a batch of ``rows`` and, per column, (name, Python-side default, is JSON): the
+    columns the rows have, and those missing from them that have a scalar Python-side default (the others get
+    their server default)."""
     present = rows[0].keys()
     columns = [c for c in table.columns if c.name in present or (c.default is not None and c.default.is_scalar)]
     fields = [(c.name, getattr(c.default, "arg", None), isinstance(c.type, JSON)) for c in columns]
-    names = ", ".join(f'"{c.name}"' for c in columns)
+    return ", ".join(f'"{c.name}"' for c in columns), fields
+
+
+def _row_values(row: dict[str, Any], fields: list[tuple[str, Any, bool]]) -> list[Any]:
+    """A row's values as SQLAlchemy would bind them: JSON columns as ``json.dumps`` of the value (None as JSON
+    null), a missing column as its Python-side default."""
+    return [_json_text(row.get(name, default)) if is_json else row.get(name, default)
+            for name, default, is_json in fields]  # fmt: skip
+
+
+def _copy_rows(conn: Connection, table: Table, rows: list[dict[str, Any]]) -> None:
+    """Rows into a PostgreSQL table by COPY ... FROM STDIN, in the connection's transaction: what an executemany
+    INSERT stores, at a fraction of the work (psycopg would send one INSERT per row, each parsed and bound by the
+    server)."""
+    names, fields = _row_layout(table, rows)
     driver = conn.connection.driver_connection
     assert driver is not None  # an open connection has its DBAPI connection
     with driver.cursor() as cursor, cursor.copy(f"COPY {table.name} ({names}) FROM STDIN") as copy:
         for row in rows:
-            copy.write_row([_json_text(row.get(name, default)) if is_json else row.get(name, default)
-                            for name, default, is_json in fields])  # fmt: skip
+            copy.write_row(_row_values(row, fields))
+
+
+def _insert_rows(conn: Connection, table: Table, rows: list[dict[str, Any]]) -> None:
+    """Rows into a SQLite table, in the connection's transaction: one executemany of positional values built as
+    ``_copy_rows`` builds them. SQLAlchemy's own executemany ran a bind processor per value and built a
+    parameter dict per row, which cost more than SQLite's work (py-spy over a 32,000 burst: 9.4 of the 18.3% of
+    samples in the records' insert)."""
+    names, fields = _row_layout(table, rows)
+    marks = ", ".join("?" * len(fields))
+    conn.exec_driver_sql(f"INSERT INTO {table.name} ({names}) VALUES ({marks})",
+                         [tuple(_row_values(row, fields)) for row in rows])  # fmt: skip
 
 
 def _sandbox_events(
@@ -278,10 +301,12 @@ def write_events(conn: Connection, batch: list[dict[str, Any]], postgres: bool) 
     """Event rows in the caller's transaction; a burst's many by COPY on PostgreSQL."""
     if not batch:
         return
-    if postgres and len(batch) > 1:
+    if len(batch) == 1:
+        conn.execute(events.insert(), batch)
+    elif postgres:
         _copy_rows(conn, events, batch)
     else:
-        conn.execute(events.insert(), batch)
+        _insert_rows(conn, events, batch)
 
 
 def _json_text(value: Any) -> str:  # noqa: ANN401 - any JSON value
@@ -358,7 +383,7 @@ class StateStore:
             if self._postgres:
                 _copy_rows(conn, sandboxes, rows)
             else:
-                conn.execute(sandboxes.insert(), rows)
+                _insert_rows(conn, sandboxes, rows)
 
     def update(self, sandbox_id: str, **values: Any) -> None:
         with self._engine.begin() as conn:

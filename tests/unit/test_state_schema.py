@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 from sqlalchemy import create_engine, text
 
 from corral.state.db import StateStore
+from corral.testing.records import sandbox_record
 
 
 def test_columns_added_since_are_added_to_an_old_database(tmp_path: Path) -> None:
@@ -53,3 +55,36 @@ def test_job_column_is_added_filled_and_indexed_in_an_old_database(tmp_path: Pat
             str(row) for row in conn.execute(text("EXPLAIN QUERY PLAN SELECT id FROM sandboxes WHERE job = 'j1'"))
         )
     assert "ix_sandboxes_job" in plan
+
+
+def test_batched_writes_store_what_single_writes_store_on_sqlite(tmp_path: Path) -> None:
+    """insert_many (one executemany of positional values on SQLite, JSON written by the store) stores each column
+    as insert does (SQLAlchemy's binding), to the JSON text: None as JSON null, an empty list and dict, a tab, a
+    backslash, non-ASCII, a network policy; and a burst's events (several rows) as a single event is stored."""
+    store = StateStore(f"sqlite:///{tmp_path / 'corral.db'}")
+    record = sandbox_record("sb-e0-lite-record", state="creating", cpu=0.25, memory_mb=256, cwd="/tmp/a b",
+                            env={"A": "tab\there\nnew \\ é"}, layers=["sha256:0"], labels={"job": "lite", "k": "v"},
+                            network={"allow": [{"host": "pypi.org", "ports": [443]}]}, created_at=1796042149.2624586,
+                            expires_at=1796042249.5, ttl_counts_paused=True, protected_paths=[],
+                            sensitive_paths=None)  # fmt: skip
+    ids = ["sb-e0-lite-single", "sb-e0-lite-batch-0", "sb-e0-lite-batch-1"]
+    try:
+        store.insert(dataclasses.replace(record, id=ids[0]))
+        store.insert_many([dataclasses.replace(record, id=sandbox_id) for sandbox_id in ids[1:]])
+        with store.engine.connect() as conn:
+            rows = [conn.execute(text("SELECT * FROM sandboxes WHERE id = :id"), {"id": i}).one()._asdict()
+                    for i in ids]  # fmt: skip
+            for row in rows:
+                row.pop("id")
+            assert rows[0] == rows[1] == rows[2]
+            assert rows[0]["sensitive_paths"] == "null" and rows[0]["protected_paths"] == "[]"
+            assert rows[0]["env"] == json.dumps({"A": "tab\there\nnew \\ é"})
+            assert store.get(ids[1]) == dataclasses.replace(store.get(ids[0]), id=ids[1])
+            assert store.mark_running_many({ids[0]: None}) == {ids[0]}  # one event
+            assert store.mark_running_many({ids[1]: None, ids[2]: None}) == {ids[1], ids[2]}  # a batch of two
+            written = [conn.execute(text("SELECT kind, edge_id, job, detail FROM events WHERE sandbox_id = :id"),
+                                    {"id": i}).one()._asdict() for i in ids]  # fmt: skip
+        assert written[0] == written[1] == written[2] == {"kind": "sandbox.running", "edge_id": "e0", "job": "lite",
+                                                          "detail": "{}"}  # fmt: skip
+    finally:
+        store.close()
