@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 import corral
-from corral.backends.common.host import runtime_state_root
+from corral.backends.common.host import run_dir_of, runtime_state_root
 from corral.embedded import EmbeddedServer
 from corral.procfs import stat_fields
 from corral.testing.leftovers import find_leftovers
@@ -142,13 +142,21 @@ def _zombie_children(pid: int) -> list[int]:
 
 
 def test_nothing_left_behind(fresh_server: EmbeddedServer) -> None:
-    """No containers, processes, mounts, cgroups, veths, loop devices, sandbox dirs or zombies after sandboxes end."""
+    """No containers, processes, mounts, cgroups, veths, loop devices, sandbox dirs or zombies after sandboxes end:
+    an idle one, one with a process of its own session still running, and a paused one (its teardown is one
+    ``crun delete --force``)."""
     with fresh_server.client() as client:
-        ids = [client.create("busybox").id for _ in range(3)]
+        sandboxes = [client.create("busybox") for _ in range(3)]
+        sandboxes[1].exec("setsid sleep 600 </dev/null >/dev/null 2>&1 &")
+        assert "sleep 600" in sandboxes[1].exec("ps -o args").stdout
+        sandboxes[2].exec("sleep 600 </dev/null >/dev/null 2>&1 &")
+        sandboxes[2].pause()
+        ids = [sandbox.id for sandbox in sandboxes]
         for sandbox_id in ids:
             client.kill(sandbox_id)
     for sandbox_id in ids:
         assert not (fresh_server.data_dir / "sandboxes" / sandbox_id).exists()
+        assert not (run_dir_of(fresh_server.data_dir) / "sandboxes" / sandbox_id).exists()
     assert fresh_server.process is not None
     assert not (left := find_leftovers(fresh_server.data_dir, ids, server_pid=fresh_server.process.pid)), left
     deadline = time.monotonic() + 5
