@@ -4,6 +4,7 @@ last container of a server that stopped."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -66,3 +67,25 @@ def test_a_restart_adopts_from_the_run_dir_and_the_last_stop_removes_it(tmp_path
         _wait_gone(run_dir / "sandboxes" / sandbox.id)
         server.stop()  # no container left: nothing of this server stays on the host's tmpfs
         assert not run_dir.exists()
+
+
+def test_a_stop_keeps_the_run_dir_while_runtime_state_is_left_in_it(tmp_path: Path,
+                                                                    test_env: dict[str, str]) -> None:  # fmt: skip
+    """A container whose delete failed keeps its runtime state for the next start's orphan sweep: the stop that
+    finds such state (planted here) leaves the run dir, and what is in it, alone."""
+    data_dir = tmp_path / "server"
+    run_dir = run_dir_of(data_dir)
+    left = run_dir / "crun" / "sb-e0-00000000deadbeef"
+    try:
+        with restartable_server(data_dir, test_env) as server, server.client() as client:
+            client.create("busybox").kill()  # the crun root exists now
+            left.mkdir(parents=True)
+            (left / "status").write_text("{}")
+            server.stop()
+            assert (left / "status").read_text() == "{}"
+            left.joinpath("status").unlink()
+            left.rmdir()
+            server.start()
+        assert not run_dir.exists()  # nothing left at the last stop: removed
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)

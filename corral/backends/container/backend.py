@@ -502,12 +502,15 @@ class ContainerBackend:
         shutil.rmtree(self._dir / sandbox_id, ignore_errors=True)
 
     def _remove_run_dir_if_unused(self) -> None:
-        """The run dir goes once no container of this node is left in it (every one has its runtime dir until its
-        teardown ends), so servers that came and went (tests, benches) leave nothing on the host's tmpfs; with
+        """The run dir goes once nothing of a container is left in it: no sandbox's runtime dir (each has one until
+        its teardown ends) and no runtime state (a delete that failed leaves its container's, for the next start's
+        orphan sweep). So servers that came and went (tests, benches) leave nothing on the host's tmpfs; with
         containers left, it stays for the next server to adopt them."""
-        with contextlib.suppress(FileNotFoundError):
-            if not any(self._runtime_dirs.iterdir()):
-                shutil.rmtree(self._run_dir, ignore_errors=True)
+        roots = [self._runtime_dirs, *(self._run_dir / name for name in _RUNTIMES)]
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            if any(any(root.iterdir()) for root in roots if root.is_dir()):
+                return
+            shutil.rmtree(self._run_dir, ignore_errors=True)
 
     async def pack_diff(self, sandbox_id: str, dest: Path) -> None:
         """Pack the sandbox's writable layer (whiteouts and opaque dirs kept) into an EROFS file.
