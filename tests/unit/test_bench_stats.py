@@ -8,6 +8,7 @@ import statistics
 import pytest
 
 from corral.bench.containers import percentile, summarize
+from corral.bench.control_plane import _ms
 
 
 def test_median_of_an_even_sample_interpolates_between_the_middle_two() -> None:
@@ -83,3 +84,9 @@ def test_summary_of_one_sample() -> None:
 def test_summary_of_an_empty_sample_is_refused() -> None:
     with pytest.raises(ValueError, match="empty"):
         summarize([])
+
+
+def test_control_plane_latencies_never_put_p95_below_p50() -> None:
+    """`corral bench control-plane` lists one job a few times: with two samples its p95 was their minimum."""
+    assert _ms([0.1109, 0.0988]) == {"p50": pytest.approx(104.85), "p95": pytest.approx(110.295)}
+    assert _ms([0.001 * i for i in range(1, 101)])["p95"] == pytest.approx(95.05)
