@@ -394,11 +394,14 @@ class ContainerBackend:
         runtime = self.runtime(spec.runtime)
         isolation = self._isolations[runtime.name]
         state = await runtime.state(spec.sandbox_id)
+        # Its writable layer may be in the pool: mount that first (the same filesystem), for a sandbox that is gone
+        # too, whose layer goes with it. Adoptions run at once: the gone one's teardown had looked for its layer
+        # before another's adoption mounted the pool, and left it (a one-process teardown made that race likely).
+        if self._pool.made:
+            await self._open_pool()
         if state is None or state.status not in ("running", "paused"):
             await self.destroy(spec.sandbox_id)
             return None
-        if self._pool.made:  # its writable layer may be in the pool: mount that first (the same filesystem)
-            await self._open_pool()
         await self.acquire_layers(spec)  # counted like a new sandbox; released on destroy
         paused = state.status == "paused"
         try:
