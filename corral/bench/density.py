@@ -214,7 +214,8 @@ def _table(report: dict[str, Any]) -> Table:
                f"{IMAGE}, cpu {CPU:g}, {MEMORY_MB} MiB limit, {CREATE_CONCURRENCY} creates in flight; exec on "
                f"{EXEC_PROBES} random sandboxes. Bulk kill: {killed}. "
                f"Left behind: {left['containers']} containers, {left['processes']} processes, {left['cgroups']} "
-               f"cgroups, {left['mounts']} mounts, {left['veths']} veths, {left['loop_devices']} loop devices. "
+               f"cgroups, {left['mounts']} mounts, {left['veths']} veths, {left['loop_devices']} loop devices, "
+               f"{left['sandbox_dirs']} sandbox dirs. "
                f"Kernel {info['kernel']}, {info['cpu_count']} cpus, {info['mem_total_mib']:.0f} MiB RAM.")  # fmt: skip
     title = f"corral bench density (disk quota {'on' if report['disk_quota'] else 'off'})"
     table = Table("sandboxes", "host MiB used", "MiB / sandbox", "exec p50 / p95", "create p50 (rate)", "server mounts",

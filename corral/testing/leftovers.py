@@ -3,7 +3,8 @@
 A container sandbox is a crun container (its state under ``runtime_state_root(data_dir, "crun")``), the processes in its
 cgroups, the overlay of its own mount namespace over erofs layers, cgroups under ``corral/`` or
 ``corral-batch/`` of each controller, a veth in the node's router namespace when it had a network, and a
-subvolume of the node's btrfs pool (``<data_dir>/writable.img`` on one loop device). After its sandboxes
+subvolume of the node's btrfs pool (``<data_dir>/writable.img`` on one loop device), and its directories (on
+disk and in the node's run dir). After its sandboxes
 end, none of that may remain but the node's own shared parts: the router namespace and, while the server
 runs, the pool's one loop device. A process of a sandbox is found by its cgroup, so a mount or network
 namespace no process holds any more is gone with it; the namespaces that outlive processes are bind
@@ -18,7 +19,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from corral.backends.common.host import runtime_state_root
+from corral.backends.common.host import runtime_dirs_of, runtime_state_root
 from corral.backends.common.network import sandbox_veth_name
 
 __all__ = ["Leftovers", "find_leftovers"]
@@ -38,6 +39,7 @@ class Leftovers:
     mounts: list[str]
     veths: list[str]
     loop_devices: list[str]
+    sandbox_dirs: list[str]
 
     def counts(self) -> dict[str, int]:
         return {field.name: len(getattr(self, field.name)) for field in fields(self)}
@@ -119,6 +121,15 @@ def _loop_devices(data_dir: Path, server_running: bool) -> list[str]:
     return found
 
 
+def _sandbox_dirs(data_dir: Path, ids: set[str]) -> list[str]:
+    """Their directories: on disk (a writable layer without a quota, gVisor's checkpoints) and in the node's run dir
+    (bundle, pid file, runtime log)."""
+    candidates = [
+        root / sandbox_id for root in (data_dir / "sandboxes", runtime_dirs_of(data_dir)) for sandbox_id in ids
+    ]
+    return sorted(str(path) for path in candidates if path.exists())
+
+
 def find_leftovers(data_dir: Path, sandbox_ids: Collection[str], *, server_pid: int | None = None) -> Leftovers:
     """What of ``sandbox_ids`` (all ended) and of the server with ``data_dir`` remains on the host.
 
@@ -132,4 +143,5 @@ def find_leftovers(data_dir: Path, sandbox_ids: Collection[str], *, server_pid: 
         mounts=_mounts(data_dir, ids, server_pid),
         veths=_veths(ids),
         loop_devices=_loop_devices(data_dir, server_pid is not None),
+        sandbox_dirs=_sandbox_dirs(data_dir, ids),
     )

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import corral
+from corral.backends.common.host import runtime_dirs_of
 from corral.embedded import EmbeddedServer
 from tests.terminal import run_in_terminal
 
@@ -240,6 +241,7 @@ def test_corrupt_layer_is_refused(fresh_server: EmbeddedServer, tmp_path: Path) 
             client.create(environment={"base": "busybox", "tools": "to-corrupt"})
         assert client.list() == []
         assert list((fresh_server.data_dir / "sandboxes").iterdir()) == []  # nothing of the failed create is left
+        assert list(runtime_dirs_of(fresh_server.data_dir).iterdir()) == []  # on disk nor in the run dir
 
 
 def test_cli_build_import_tag_rm_snapshot(server: EmbeddedServer, tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 import corral
-from corral.backends.common.host import run_dir_of, runtime_state_root
+from corral.backends.common.host import runtime_dirs_of, runtime_state_root
 from corral.embedded import EmbeddedServer
 from corral.procfs import stat_fields
 from corral.testing.leftovers import find_leftovers
@@ -156,7 +156,7 @@ def test_nothing_left_behind(fresh_server: EmbeddedServer) -> None:
             client.kill(sandbox_id)
     for sandbox_id in ids:
         assert not (fresh_server.data_dir / "sandboxes" / sandbox_id).exists()
-        assert not (run_dir_of(fresh_server.data_dir) / "sandboxes" / sandbox_id).exists()
+        assert not (runtime_dirs_of(fresh_server.data_dir) / sandbox_id).exists()
     assert fresh_server.process is not None
     assert not (left := find_leftovers(fresh_server.data_dir, ids, server_pid=fresh_server.process.pid)), left
     deadline = time.monotonic() + 5

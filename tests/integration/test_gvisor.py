@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 import corral
-from corral.backends.common.host import runtime_state_root
+from corral.backends.common.host import runtime_dirs_of, runtime_state_root
 from corral.embedded import EmbeddedServer
 from corral.sdk import NotFound
 
@@ -126,6 +126,7 @@ def test_runsc_kill_removes_the_gvisor_sandbox(server: EmbeddedServer, client: c
     sb.kill()
     assert sb.id not in _runsc_ids(server)
     assert not (server.data_dir / "sandboxes" / sb.id).exists()
+    assert not (runtime_dirs_of(server.data_dir) / sb.id).exists()
 
 
 def test_runsc_sandbox_is_readopted_after_a_server_restart(fresh_server: EmbeddedServer) -> None:

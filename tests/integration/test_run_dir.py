@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import corral
-from corral.backends.common.host import ensure_run_tmpfs, fs_type_at, run_dir_of, runtime_state_root
+from corral.backends.common.host import ensure_run_tmpfs, fs_type_at, run_dir_of, runtime_dirs_of, runtime_state_root
 from corral.embedded import EmbeddedServer
 from tests.conftest import restartable_server
 
@@ -40,7 +40,7 @@ def test_a_sandbox_keeps_its_runtime_state_on_a_tmpfs_until_it_ends(server: Embe
                                                                      client: corral.Client) -> None:  # fmt: skip
     sandbox = client.create("busybox")
     state = runtime_state_root(server.data_dir, "crun") / sandbox.id
-    bundle = run_dir_of(server.data_dir) / "sandboxes" / sandbox.id / "bundle"
+    bundle = runtime_dirs_of(server.data_dir) / sandbox.id / "bundle"
     try:
         assert (state / "status").is_file() and (bundle / "config.json").is_file()
         assert fs_type_at(state) == "tmpfs" and fs_type_at(bundle) == "tmpfs"
@@ -64,7 +64,7 @@ def test_a_restart_adopts_from_the_run_dir_and_the_last_stop_removes_it(tmp_path
         assert client.get(sandbox.id).info.state.value == "running"
         assert sandbox.exec("cat /kept").stdout == "kept\n"
         sandbox.kill()
-        _wait_gone(run_dir / "sandboxes" / sandbox.id)
+        _wait_gone(runtime_dirs_of(data_dir) / sandbox.id)
         server.stop()  # no container left: nothing of this server stays on the host's tmpfs
         assert not run_dir.exists()
 
@@ -86,6 +86,7 @@ def test_a_stop_keeps_the_run_dir_while_runtime_state_is_left_in_it(tmp_path: Pa
             left.joinpath("status").unlink()
             left.rmdir()
             server.start()
-        assert not run_dir.exists()  # nothing left at the last stop: removed
+            server.stop()
+            assert not run_dir.exists()  # nothing left at this stop: the server removed it
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)

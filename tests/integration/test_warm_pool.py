@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import corral
 from corral.backends.common import qos
-from corral.backends.common.host import runtime_state_root
+from corral.backends.common.host import runtime_dirs_of, runtime_state_root
 from corral.embedded import EmbeddedServer
 from corral.gateway.warm_pool import CLAIMED_NOTE
 
@@ -241,6 +241,7 @@ def test_a_restart_takes_warm_sandboxes_back_or_destroys_them(pooled: EmbeddedSe
         assert _metric(pooled, "corral_warm_pool_discarded_total", reason="stale") == 1  # the new process's count
         assert paused_id not in _containers(pooled.data_dir)
         assert not (pooled.data_dir / "sandboxes" / paused_id).exists()
+        assert not (runtime_dirs_of(pooled.data_dir) / paused_id).exists()
         assert _containers(pooled.data_dir) >= warm_before - {paused_id}  # the others adopted, none destroyed
         _wait_for(lambda: _warm(pooled, 60) >= 2)
         taken = after.create("busybox", memory_mb=60, ttl_s=300)

@@ -45,6 +45,7 @@ from corral.backends.common.host import (
     NativeHelpers,
     orphans,
     run_dir_of,
+    runtime_dirs_of,
     runtime_state_root,
 )
 from corral.backends.common.network import (
@@ -221,7 +222,7 @@ class ContainerBackend:
         self._data_dir = data_dir
         # On a tmpfs (host.ensure_run_tmpfs, which a node mounts before this): what lives as long as the containers.
         self._run_dir = run_dir_of(data_dir)
-        self._runtime_dirs = self._run_dir / "sandboxes"
+        self._runtime_dirs = runtime_dirs_of(data_dir)
         self._runtime_dirs.mkdir(parents=True, exist_ok=True)
         self._helpers = helpers
         self._layout = layout
@@ -260,11 +261,8 @@ class ContainerBackend:
     def runtime(self, name: str | None) -> OciRuntime:
         name = name or self._default_runtime
         if name not in self._runtimes:
-            self._runtimes[name] = OciRuntime(name, self._state_root(name), self._helpers.launch)
+            self._runtimes[name] = OciRuntime(name, runtime_state_root(self._data_dir, name), self._helpers.launch)
         return self._runtimes[name]
-
-    def _state_root(self, name: str) -> Path:
-        return runtime_state_root(self._data_dir, name)
 
     def _layer_root(self, sandbox_id: str) -> Path:
         """Where its writable layer lives: its subvolume of the quota pool when it has a limit, else the data dir."""
@@ -437,7 +435,7 @@ class ContainerBackend:
         """Containers in our runtime state that no sandbox record owns."""
         found: list[str] = []
         for name in _RUNTIMES:
-            if shutil.which(name) and self._state_root(name).exists():
+            if shutil.which(name) and runtime_state_root(self._data_dir, name).exists():
                 found += [cid for cid in await self.runtime(name).list_ids() if cid not in known_ids]
         if self._pool.made and await self._open_pool():  # writable layers of sandboxes no record owns
             found += [sid for sid in self._pool.sandbox_ids() if sid not in known_ids and sid not in found]
