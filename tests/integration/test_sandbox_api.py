@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import subprocess
 import sys
 import time
@@ -118,6 +119,24 @@ def test_wrong_api_key(server: EmbeddedServer) -> None:
     response = httpx.get(f"{server.url}/v1/sandboxes")
     assert response.status_code == 401
     assert response.json()["error"]["code"] == "unauthenticated"
+
+
+def test_every_route_that_declares_the_bearer_scheme_refuses_a_request_without_it(server: EmbeddedServer) -> None:
+    """Routes check the key in different ways (a dependency, or the hot routes' own parsing after it): each one the
+    document says needs the key answers 401 without it, whatever its path and body."""
+    document = json.loads((REPO / "docs" / "openapi.json").read_text())
+    checked = []
+    for path, operations in document["paths"].items():
+        for method, operation in operations.items():
+            if not operation.get("security"):
+                continue
+            url = path.replace("{sandbox_id}", "sb-e0-0000000000000000")
+            url = re.sub(r"\{[a-z_]+\}", "x", url)
+            response = httpx.request(method, f"{server.url}{url}", json={}, timeout=30)
+            assert (response.status_code, response.json()["error"]["code"]) == (401, "unauthenticated"), (method, path)
+            checked.append((method, path))
+    assert ("post", "/v1/sandboxes/{sandbox_id}/exec") in checked and ("post", "/v1/fncall") in checked
+    assert len(checked) >= 60
 
 
 def test_unreachable_server() -> None:

@@ -5,8 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
 
 from corral.api.models import (
     FnCallBatch,
@@ -19,35 +17,20 @@ from corral.api.models import (
 from corral.gateway.routes.deps import (
     Auth,
     FnCalls,
+    json_body,
+    parsed_body,
 )
 
 __all__ = ["router"]
 
 router = APIRouter()
 
-_FNCALL_BODY = {
-    "requestBody": {
-        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/FnCallRequest"}}},
-        "required": True,
-    },
-    "responses": {
-        "422": {
-            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/HTTPValidationError"}}},
-            "description": "Validation Error",
-        }
-    },
-}
 
-
-@router.post("/v1/fncall", dependencies=[Auth], response_model=FnCallResult, openapi_extra=_FNCALL_BODY)
+@router.post("/v1/fncall", dependencies=[Auth], response_model=FnCallResult, openapi_extra=json_body(FnCallRequest))
 async def fncall(request: Request, fncalls: FnCalls) -> Response:
     """One short call in a pre-warmed, isolated sandbox: a command, or Python whose main() returns JSON."""
-    # The hottest route: the body is parsed and the result serialized by pydantic's core in one step
-    # each, instead of FastAPI's generic body solving and response validation (same document, same errors).
-    try:
-        body = FnCallRequest.model_validate_json(await request.body())
-    except ValidationError as exc:
-        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from exc
+    # A hot route: the body is parsed and the result serialized by pydantic's core (same document, same errors).
+    body = await parsed_body(request, FnCallRequest)
     result = await fncalls.call(body)
     return Response(result.model_dump_json(), media_type="application/json")
 
