@@ -32,6 +32,7 @@ __all__ = [
 
 M = TypeVar("M", bound=BaseModel)
 
+
 class _Authenticate(HTTPBearer):
     """The caller, checked against the sandbox in the path (a job token reaches only its job's sandboxes).
 
