@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
 from pydantic import BaseModel, ValidationError
 
 from corral.api.errors import CorralError, InvalidRequest, ServerUnavailable, error_from_response
@@ -72,7 +71,7 @@ from corral.api.models import (
     is_registry_reference,
 )
 from corral.sdk._config import resolve_connection
-from corral.sdk._transport import POOL_LIMITS, async_http_transport
+from corral.sdk._transport import AsyncTransport
 
 __all__ = ["AsyncClient", "AsyncSandbox", "AsyncFiles", "AsyncImages"]
 
@@ -82,58 +81,6 @@ BATCH_TIMEOUT_S = 3600.0  # a batch stream may go quiet while its creates run (a
 EVENTS_QUIET_S = 30.0  # a followed event stream sends a blank line every 15 s of quiet
 PULL_TIMEOUT_S = 3600.0  # a create from a registry image not pulled yet waits for the pull (GBs)
 M = TypeVar("M", bound=BaseModel)
-
-
-class _AsyncTransport:
-    """One HTTP connection pool; turns error responses into CorralErrors."""
-
-    def __init__(self, url: str, api_key: str, timeout_s: float) -> None:
-        self.url = url
-        self.api_key = api_key
-        self.timeout_s = timeout_s
-        self._http = httpx.AsyncClient(
-            base_url=url,
-            headers={"Authorization": f"Bearer {api_key}"},
-            timeout=httpx.Timeout(timeout_s),
-            transport=async_http_transport(POOL_LIMITS),
-        )
-
-    @staticmethod
-    def _raise_for(response: httpx.Response) -> None:
-        if response.status_code < 400:
-            return
-        try:
-            body = response.json()
-        except ValueError:
-            body = None
-        raise error_from_response(response.status_code, body)
-
-    async def request(self, method: str, path: str, *, timeout_s: float | None = None, **kwargs: Any) -> httpx.Response:
-        if timeout_s is not None:
-            kwargs["timeout"] = httpx.Timeout(timeout_s + self.timeout_s)
-        try:
-            response = await self._http.request(method, path, **kwargs)
-        except httpx.TransportError as exc:
-            raise ServerUnavailable(f"cannot reach the Corral server at {self.url}: {exc!r}") from exc
-        self._raise_for(response)
-        return response
-
-    async def stream_lines(self, method: str, path: str, *, timeout_s: float, **kwargs: Any) -> AsyncIterator[str]:
-        try:
-            async with self._http.stream(
-                method, path, timeout=httpx.Timeout(timeout_s + self.timeout_s), **kwargs
-            ) as response:
-                if response.status_code >= 400:
-                    await response.aread()
-                    self._raise_for(response)
-                async for line in response.aiter_lines():
-                    if line:
-                        yield line
-        except httpx.TransportError as exc:
-            raise ServerUnavailable(f"lost the stream from the Corral server at {self.url}: {exc!r}") from exc
-
-    async def aclose(self) -> None:
-        await self._http.aclose()
 
 
 def _validated(model: type[M], fields: dict[str, Any]) -> M:
@@ -247,7 +194,7 @@ class AsyncFiles:
 class AsyncImages:
     """``client.images``: images (``name:version`` tags over layers) and the layers themselves."""
 
-    def __init__(self, transport: _AsyncTransport) -> None:
+    def __init__(self, transport: AsyncTransport) -> None:
         self._transport = transport
 
     async def list(self) -> list[ImageInfo]:
@@ -356,12 +303,12 @@ class AsyncSandbox:
     """A handle on one sandbox. Plain data: pickle it, send it to another process."""
 
     def __init__(self, info: SandboxInfo, url: str, api_key: str, timeout_s: float = DEFAULT_TIMEOUT_S, *,
-                 transport: _AsyncTransport | None = None) -> None:  # fmt: skip
+                 transport: AsyncTransport | None = None) -> None:  # fmt: skip
         self.info = info
         self.url = url
         self.api_key = api_key
         self.timeout_s = timeout_s
-        self._own_transport: _AsyncTransport | None = None
+        self._own_transport: AsyncTransport | None = None
         self._shared_transport = transport
         self.files = AsyncFiles(self)
 
@@ -370,11 +317,11 @@ class AsyncSandbox:
         return self.info.id
 
     @property
-    def _transport(self) -> _AsyncTransport:
+    def _transport(self) -> AsyncTransport:
         if self._shared_transport is not None:
             return self._shared_transport
         if self._own_transport is None:
-            self._own_transport = _AsyncTransport(self.url, self.api_key, self.timeout_s)
+            self._own_transport = AsyncTransport(self.url, self.api_key, self.timeout_s)
         return self._own_transport
 
     def __getstate__(self) -> dict[str, Any]:
@@ -452,7 +399,7 @@ class AsyncSandbox:
         response = await self._transport.request(
             "POST", f"/v1/sandboxes/{self.id}/exec", json=body, timeout_s=timeout_s
         )
-        return ExecResult.model_validate(response.json())
+        return ExecResult.model_validate_json(response.content)  # the hot path: one parse
 
     async def exec_stream(
         self,
@@ -668,7 +615,7 @@ class AsyncClient:
     ) -> None:
         self.url, self.api_key = resolve_connection(url, api_key)
         self.timeout_s = timeout_s
-        self._transport = _AsyncTransport(self.url, self.api_key, timeout_s)
+        self._transport = AsyncTransport(self.url, self.api_key, timeout_s)
         self.images = AsyncImages(self._transport)
 
     async def __aenter__(self) -> AsyncClient:
@@ -823,7 +770,7 @@ class AsyncClient:
                   "timeout_s": timeout_s, "memory_mb": memory_mb, "cpu": cpu, "network": network}  # fmt: skip
         body = _validated(FnCallRequest, fields).model_dump(mode="json")
         response = await self._transport.request("POST", "/v1/fncall", json=body, timeout_s=timeout_s)
-        return FnCallResult.model_validate(response.json())
+        return FnCallResult.model_validate_json(response.content)
 
     async def fncall_batch(
         self, calls: builtins.list[FnCallRequest | dict[str, Any]]

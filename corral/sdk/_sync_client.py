@@ -10,7 +10,6 @@ from collections.abc import Iterator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
 from pydantic import BaseModel, ValidationError
 
 from corral.api.errors import CorralError, InvalidRequest, ServerUnavailable, error_from_response
@@ -70,7 +69,7 @@ from corral.api.models import (
     is_registry_reference,
 )
 from corral.sdk._config import resolve_connection
-from corral.sdk._transport import POOL_LIMITS, sync_http_transport
+from corral.sdk._transport import SyncTransport
 
 __all__ = ["Client", "Sandbox", "Files", "Images"]
 
@@ -80,58 +79,6 @@ BATCH_TIMEOUT_S = 3600.0  # a batch stream may go quiet while its creates run (a
 EVENTS_QUIET_S = 30.0  # a followed event stream sends a blank line every 15 s of quiet
 PULL_TIMEOUT_S = 3600.0  # a create from a registry image not pulled yet waits for the pull (GBs)
 M = TypeVar("M", bound=BaseModel)
-
-
-class _SyncTransport:
-    """One HTTP connection pool; turns error responses into CorralErrors."""
-
-    def __init__(self, url: str, api_key: str, timeout_s: float) -> None:
-        self.url = url
-        self.api_key = api_key
-        self.timeout_s = timeout_s
-        self._http = httpx.Client(
-            base_url=url,
-            headers={"Authorization": f"Bearer {api_key}"},
-            timeout=httpx.Timeout(timeout_s),
-            transport=sync_http_transport(POOL_LIMITS),
-        )
-
-    @staticmethod
-    def _raise_for(response: httpx.Response) -> None:
-        if response.status_code < 400:
-            return
-        try:
-            body = response.json()
-        except ValueError:
-            body = None
-        raise error_from_response(response.status_code, body)
-
-    def request(self, method: str, path: str, *, timeout_s: float | None = None, **kwargs: Any) -> httpx.Response:
-        if timeout_s is not None:
-            kwargs["timeout"] = httpx.Timeout(timeout_s + self.timeout_s)
-        try:
-            response = self._http.request(method, path, **kwargs)
-        except httpx.TransportError as exc:
-            raise ServerUnavailable(f"cannot reach the Corral server at {self.url}: {exc!r}") from exc
-        self._raise_for(response)
-        return response
-
-    def stream_lines(self, method: str, path: str, *, timeout_s: float, **kwargs: Any) -> Iterator[str]:
-        try:
-            with self._http.stream(
-                method, path, timeout=httpx.Timeout(timeout_s + self.timeout_s), **kwargs
-            ) as response:
-                if response.status_code >= 400:
-                    response.read()
-                    self._raise_for(response)
-                for line in response.iter_lines():
-                    if line:
-                        yield line
-        except httpx.TransportError as exc:
-            raise ServerUnavailable(f"lost the stream from the Corral server at {self.url}: {exc!r}") from exc
-
-    def close(self) -> None:
-        self._http.close()
 
 
 def _validated(model: type[M], fields: dict[str, Any]) -> M:
@@ -245,7 +192,7 @@ class Files:
 class Images:
     """``client.images``: images (``name:version`` tags over layers) and the layers themselves."""
 
-    def __init__(self, transport: _SyncTransport) -> None:
+    def __init__(self, transport: SyncTransport) -> None:
         self._transport = transport
 
     def list(self) -> list[ImageInfo]:
@@ -354,12 +301,12 @@ class Sandbox:
     """A handle on one sandbox. Plain data: pickle it, send it to another process."""
 
     def __init__(self, info: SandboxInfo, url: str, api_key: str, timeout_s: float = DEFAULT_TIMEOUT_S, *,
-                 transport: _SyncTransport | None = None) -> None:  # fmt: skip
+                 transport: SyncTransport | None = None) -> None:  # fmt: skip
         self.info = info
         self.url = url
         self.api_key = api_key
         self.timeout_s = timeout_s
-        self._own_transport: _SyncTransport | None = None
+        self._own_transport: SyncTransport | None = None
         self._shared_transport = transport
         self.files = Files(self)
 
@@ -368,11 +315,11 @@ class Sandbox:
         return self.info.id
 
     @property
-    def _transport(self) -> _SyncTransport:
+    def _transport(self) -> SyncTransport:
         if self._shared_transport is not None:
             return self._shared_transport
         if self._own_transport is None:
-            self._own_transport = _SyncTransport(self.url, self.api_key, self.timeout_s)
+            self._own_transport = SyncTransport(self.url, self.api_key, self.timeout_s)
         return self._own_transport
 
     def __getstate__(self) -> dict[str, Any]:
@@ -450,7 +397,7 @@ class Sandbox:
         response = self._transport.request(
             "POST", f"/v1/sandboxes/{self.id}/exec", json=body, timeout_s=timeout_s
         )
-        return ExecResult.model_validate(response.json())
+        return ExecResult.model_validate_json(response.content)  # the hot path: one parse
 
     def exec_stream(
         self,
@@ -666,7 +613,7 @@ class Client:
     ) -> None:
         self.url, self.api_key = resolve_connection(url, api_key)
         self.timeout_s = timeout_s
-        self._transport = _SyncTransport(self.url, self.api_key, timeout_s)
+        self._transport = SyncTransport(self.url, self.api_key, timeout_s)
         self.images = Images(self._transport)
 
     def __enter__(self) -> Client:
@@ -821,7 +768,7 @@ class Client:
                   "timeout_s": timeout_s, "memory_mb": memory_mb, "cpu": cpu, "network": network}  # fmt: skip
         body = _validated(FnCallRequest, fields).model_dump(mode="json")
         response = self._transport.request("POST", "/v1/fncall", json=body, timeout_s=timeout_s)
-        return FnCallResult.model_validate(response.json())
+        return FnCallResult.model_validate_json(response.content)
 
     def fncall_batch(
         self, calls: builtins.list[FnCallRequest | dict[str, Any]]
