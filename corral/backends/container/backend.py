@@ -585,13 +585,15 @@ class ContainerBackend:
 
     async def findings(self, sandbox_id: str) -> tuple[list[str], int]:
         container = self.container(sandbox_id)
-        upper = self.upper(sandbox_id)
+        if container.audit_paths is None:  # where they are is fixed for the container's life: found once
+            container.audit_paths = (self.upper(sandbox_id), str(self._cgroup_file(sandbox_id, "pids", "pids.events")))
+        upper, pids_events = container.audit_paths
         prefixes = (*PACKAGE_PREFIXES, *PROTECTED_PREFIXES, *container.spec.protected_paths)
         changed = _changed_under(upper, prefixes)  # one listdir in the usual case: no thread hop
         if container.spec.sensitive_paths:  # files written or directories replaced since get marks too
             await asyncio.to_thread(self._reads.mark, sandbox_id, self._root(container), container.spec.sensitive_paths)
         try:
-            events = read_small(str(self._cgroup_file(sandbox_id, "pids", "pids.events"))).split()
+            events = read_small(pids_events).split()
             pid_limit_hits = int(events[events.index("max") + 1]) if "max" in events else 0
         except OSError:
             pid_limit_hits = 0

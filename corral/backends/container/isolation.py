@@ -44,6 +44,7 @@ class Container:
     stop_reclaim: threading.Event = field(default_factory=threading.Event)
     prefetch: asyncio.Future[int] | None = None  # swap-in after a resume
     replacing: bool = False  # gVisor: being restored from a checkpoint, its agent's end is not the sandbox's
+    audit_paths: tuple[Path, str] | None = None  # its upper dir and pids.events, read after every command
 
 
 class ContainerParts(Protocol):

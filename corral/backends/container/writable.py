@@ -88,7 +88,7 @@ class QuotaPool:
         self.mountpoint = data_dir / _MOUNTPOINT
         self._lock = threading.Lock()
         self._sysfs: Path | None = None  # /sys/fs/btrfs/<fsid>/qgroups once open
-        self._qgroups: dict[str, int] = {}  # sandbox id -> its subvolume's (level 0) qgroup id
+        self._qgroups: dict[str, str] = {}  # sandbox id -> its subvolume's (level 0) qgroup in sysfs (usage's reads)
 
     @property
     def is_open(self) -> bool:
@@ -200,19 +200,20 @@ class QuotaPool:
             if exc.errno != errno.ENOENT:
                 raise
 
-    def _qgroup(self, sandbox_id: str) -> int:
+    def _qgroup(self, sandbox_id: str) -> str:
         if sandbox_id not in self._qgroups:
             args = bytearray(struct.pack("QQ4080s", 0, _FIRST_FREE_OBJECTID, b""))
             found = self._ioctl(self.layer_dir(sandbox_id), _INO_LOOKUP, args)
-            self._qgroups[sandbox_id] = struct.unpack_from("Q", found)[0]  # the subvolume's tree id
+            self._qgroups[sandbox_id] = f"{self._sysfs}/0_{struct.unpack_from('Q', found)[0]}/"  # its tree id
         return self._qgroups[sandbox_id]
 
     def usage(self, sandbox_id: str) -> tuple[int, int] | None:
-        """(bytes used, limit in bytes) of the sandbox's writable layer; None when it has none here."""
-        if self._sysfs is None or not self.has(sandbox_id):
-            return None
+        """(bytes used, limit in bytes) of the sandbox's writable layer; None when it has none here. Read after
+        every command: a sandbox seen once goes straight to its qgroup's files (no stat, no path to build)."""
         try:
-            qgroup = f"{self._sysfs}/0_{self._qgroup(sandbox_id)}/"
+            if sandbox_id not in self._qgroups and (self._sysfs is None or not self.has(sandbox_id)):
+                return None
+            qgroup = self._qgroup(sandbox_id)
             # Written back (referenced) plus reserved for what is still dirty: what counts against the limit.
             used = sum(int(read_small(qgroup + name)) for name in _COUNTED)
             return used, int(read_small(qgroup + "max_referenced"))
