@@ -56,7 +56,7 @@ from corral.backends.common.network import (
     NetworkFabric,
 )
 from corral.backends.container.gvisor import RUNSC, Gvisor
-from corral.backends.container.isolation import Container, Isolation, PlainOci
+from corral.backends.container.isolation import CommandPaths, Container, Isolation, PlainOci
 from corral.backends.container.kernel_watch import SeccompDenials, SensitiveReads, session_of
 from corral.backends.container.memory import CgroupMemory, prefetch_swapped
 from corral.backends.container.oci import (
@@ -585,15 +585,13 @@ class ContainerBackend:
 
     async def findings(self, sandbox_id: str) -> tuple[list[str], int]:
         container = self.container(sandbox_id)
-        if container.audit_paths is None:  # where they are is fixed for the container's life: found once
-            container.audit_paths = (self.upper(sandbox_id), str(self._cgroup_file(sandbox_id, "pids", "pids.events")))
-        upper, pids_events = container.audit_paths
+        paths = self._command_paths(container)
         prefixes = (*PACKAGE_PREFIXES, *PROTECTED_PREFIXES, *container.spec.protected_paths)
-        changed = _changed_under(upper, prefixes)  # one listdir in the usual case: no thread hop
+        changed = _changed_under(paths.upper, prefixes)  # one listdir in the usual case: no thread hop
         if container.spec.sensitive_paths:  # files written or directories replaced since get marks too
             await asyncio.to_thread(self._reads.mark, sandbox_id, self._root(container), container.spec.sensitive_paths)
         try:
-            events = read_small(pids_events).split()
+            events = read_small(paths.pids_events).split()
             pid_limit_hits = int(events[events.index("max") + 1]) if "max" in events else 0
         except OSError:
             pid_limit_hits = 0
@@ -614,7 +612,8 @@ class ContainerBackend:
         container = self.container(sandbox_id)
         if Capability.RECYCLE not in container.isolation.capabilities:
             return False
-        pids = str(self._cgroup_file(sandbox_id, "pids", "pids.current"))
+        paths = self._command_paths(container)
+        pids = paths.pids_current
         if _read_int(pids) > 1:  # something outlived the call
             await container.agent.kill_all()
         for _ in range(_RECYCLE_POLLS):
@@ -623,10 +622,20 @@ class ContainerBackend:
             await asyncio.sleep(0.002)
         else:
             return False
-        state = _pristine_state(self.upper(sandbox_id), container.init_pid)  # small: cheaper than a thread hop
+        state = _pristine_state(paths.upper, container.init_pid)  # small: cheaper than a thread hop
         if state != container.baseline or _TOO_MANY in state:
             return False
         return await self._no_ipc_objects(container)
+
+    def _command_paths(self, container: Container) -> CommandPaths:
+        if container.command_paths is None:
+            sandbox_id = container.spec.sandbox_id
+            container.command_paths = CommandPaths(
+                self.upper(sandbox_id),
+                str(self._cgroup_file(sandbox_id, "pids", "pids.events")),
+                str(self._cgroup_file(sandbox_id, "pids", "pids.current")),
+            )
+        return container.command_paths
 
     def _cgroup_file(self, sandbox_id: str, controller: str, name: str) -> Path:
         return self._cgroup_dir(qos.cgroup_path(sandbox_id, self.container(sandbox_id).spec.qos), controller) / name

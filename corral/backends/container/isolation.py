@@ -27,7 +27,7 @@ from corral.backends.container.memory import CgroupMemory
 from corral.backends.container.oci import AGENT_NEW_PRIVS_ARGS, AGENT_PATH
 from corral.backends.container.runtime import OciRuntime, Overlay
 
-__all__ = ["Container", "ContainerParts", "Isolation", "PlainOci"]
+__all__ = ["CommandPaths", "Container", "ContainerParts", "Isolation", "PlainOci"]
 
 
 @dataclass
@@ -44,7 +44,16 @@ class Container:
     stop_reclaim: threading.Event = field(default_factory=threading.Event)
     prefetch: asyncio.Future[int] | None = None  # swap-in after a resume
     replacing: bool = False  # gVisor: being restored from a checkpoint, its agent's end is not the sandbox's
-    audit_paths: tuple[Path, str] | None = None  # its upper dir and pids.events, read after every command
+    command_paths: CommandPaths | None = None  # read after every command: found once (fixed for its life)
+
+
+@dataclass(frozen=True)
+class CommandPaths:
+    """What the audit after a command and a pool's recycle read, by paths found once per container."""
+
+    upper: Path  # its writable layer's upper dir
+    pids_events: str  # its pids cgroup's pids.events (limit hits)
+    pids_current: str  # and pids.current (processes left)
 
 
 class ContainerParts(Protocol):
