@@ -5,7 +5,8 @@
    `sh -c true` from this process (what running it here would cost), and a
    fresh container through the API (`create` + `exec("true")`, what a caller
    without pools pays).
-2. Throughput: `--clients` concurrent AsyncClient callers, then one caller;
+2. Throughput: `--clients` concurrent AsyncClient callers, then one caller, each
+   after untimed calls at that concurrency (the pool grows to the callers first);
    calls/s, latency and pool hit rate. Baseline: `sh -c true` from a thread pool
    of as many workers, same number of calls. The client, the server and the
    sandboxes share this machine's cores, so the rate is a floor, not a ceiling.
@@ -210,6 +211,9 @@ def _throughput(server: EmbeddedServer, runs: int, clients: int, progress: Progr
     for level in sorted({clients, 1}, reverse=True):
         task = progress.add_task(f"throughput ×{level} (fncall, sh -c true threads)", total=2 * calls)
         advance = functools.partial(progress.advance, task)
+        # As many calls at this concurrency first, not timed: the pool grows to the callers' number (each miss
+        # starts a container, 20-35 ms of crun) before the rate and the CPU per call are measured.
+        asyncio.run(_fncall_rate(server.url, server.api_key, max(WARMUP_CALLS, 4 * level), level, lambda: None))
         before = _cpu_used(server)
         fncall = asyncio.run(_fncall_rate(server.url, server.api_key, calls, level, advance))
         fncall["cpu_ms_per_call"] = _cpu_per_call_ms(before, _cpu_used(server), calls)
