@@ -351,14 +351,14 @@ class AsyncSandbox:
 
     async def refresh(self) -> SandboxInfo:
         response = await self._transport.request("GET", f"/v1/sandboxes/{self.id}")
-        self.info = SandboxInfo.model_validate(response.json())
+        self.info = SandboxInfo.model_validate_json(response.content)
         return self.info
 
     async def kill(self, *, step_id: str | None = None) -> SandboxInfo:
         """End it now. ``step_id`` (here and on every method that changes a sandbox): the step's id in its
         trajectory log, so a resend after a trainer restart is answered from the log instead of done twice."""
         response = await self._transport.request("DELETE", f"/v1/sandboxes/{self.id}", params=_step(step_id))
-        self.info = SandboxInfo.model_validate(response.json())
+        self.info = SandboxInfo.model_validate_json(response.content)
         return self.info
 
     async def shutdown(self, timeout_s: float = 10.0, *, step_id: str | None = None) -> SandboxInfo:
@@ -368,14 +368,14 @@ class AsyncSandbox:
         response = await self._transport.request(
             "POST", f"/v1/sandboxes/{self.id}/shutdown", params=params, timeout_s=timeout_s + 60
         )
-        self.info = SandboxInfo.model_validate(response.json())
+        self.info = SandboxInfo.model_validate_json(response.content)
         return self.info
 
     async def set_ttl(self, ttl_s: float | None, *, step_id: str | None = None) -> SandboxInfo:
         response = await self._transport.request(
             "POST", f"/v1/sandboxes/{self.id}/ttl", json={"ttl_s": ttl_s}, params=_step(step_id)
         )
-        self.info = SandboxInfo.model_validate(response.json())
+        self.info = SandboxInfo.model_validate_json(response.content)
         return self.info
 
     async def exec(
@@ -547,7 +547,7 @@ class AsyncSandbox:
 
     async def resume(self, *, step_id: str | None = None) -> SandboxInfo:
         response = await self._transport.request("POST", f"/v1/sandboxes/{self.id}/resume", params=_step(step_id))
-        self.info = SandboxInfo.model_validate(response.json())
+        self.info = SandboxInfo.model_validate_json(response.content)
         return self.info
 
     async def fork(
@@ -590,7 +590,7 @@ class AsyncSandbox:
         response = await self._transport.request(
             "POST", f"/v1/sandboxes/{self.id}/checkpoints/{checkpoint}/restore", timeout_s=600
         )
-        self.info = SandboxInfo.model_validate(response.json())
+        self.info = SandboxInfo.model_validate_json(response.content)
         return self.info
 
     async def snapshot(self, name: str | None = None, *, step_id: str | None = None) -> SnapshotInfo:
@@ -679,7 +679,7 @@ class AsyncClient:
         response = await self._transport.request(
             "POST", "/v1/sandboxes", json=body.model_dump(mode="json"), timeout_s=wait_s
         )
-        return self._handle(SandboxInfo.model_validate(response.json()))
+        return self._handle(SandboxInfo.model_validate_json(response.content))
 
     async def create_many(
         self,
@@ -722,7 +722,7 @@ class AsyncClient:
 
     async def get(self, sandbox_id: str) -> AsyncSandbox:
         response = await self._transport.request("GET", f"/v1/sandboxes/{sandbox_id}")
-        return self._handle(SandboxInfo.model_validate(response.json()))
+        return self._handle(SandboxInfo.model_validate_json(response.content))
 
     def connect(self, sandbox: AsyncSandbox) -> AsyncSandbox:
         """Share this client's connection pool with an unpickled handle."""
@@ -735,7 +735,7 @@ class AsyncClient:
 
     async def kill(self, sandbox_id: str) -> SandboxInfo:
         response = await self._transport.request("DELETE", f"/v1/sandboxes/{sandbox_id}")
-        return SandboxInfo.model_validate(response.json())
+        return SandboxInfo.model_validate_json(response.content)
 
     async def cluster_nodes(self) -> builtins.list[ClusterNode]:
         """Every node in the shared state (several servers on one PostgreSQL): up or lost, last heartbeat, load."""

@@ -349,14 +349,14 @@ class Sandbox:
 
     def refresh(self) -> SandboxInfo:
         response = self._transport.request("GET", f"/v1/sandboxes/{self.id}")
-        self.info = SandboxInfo.model_validate(response.json())
+        self.info = SandboxInfo.model_validate_json(response.content)
         return self.info
 
     def kill(self, *, step_id: str | None = None) -> SandboxInfo:
         """End it now. ``step_id`` (here and on every method that changes a sandbox): the step's id in its
         trajectory log, so a resend after a trainer restart is answered from the log instead of done twice."""
         response = self._transport.request("DELETE", f"/v1/sandboxes/{self.id}", params=_step(step_id))
-        self.info = SandboxInfo.model_validate(response.json())
+        self.info = SandboxInfo.model_validate_json(response.content)
         return self.info
 
     def shutdown(self, timeout_s: float = 10.0, *, step_id: str | None = None) -> SandboxInfo:
@@ -366,14 +366,14 @@ class Sandbox:
         response = self._transport.request(
             "POST", f"/v1/sandboxes/{self.id}/shutdown", params=params, timeout_s=timeout_s + 60
         )
-        self.info = SandboxInfo.model_validate(response.json())
+        self.info = SandboxInfo.model_validate_json(response.content)
         return self.info
 
     def set_ttl(self, ttl_s: float | None, *, step_id: str | None = None) -> SandboxInfo:
         response = self._transport.request(
             "POST", f"/v1/sandboxes/{self.id}/ttl", json={"ttl_s": ttl_s}, params=_step(step_id)
         )
-        self.info = SandboxInfo.model_validate(response.json())
+        self.info = SandboxInfo.model_validate_json(response.content)
         return self.info
 
     def exec(
@@ -545,7 +545,7 @@ class Sandbox:
 
     def resume(self, *, step_id: str | None = None) -> SandboxInfo:
         response = self._transport.request("POST", f"/v1/sandboxes/{self.id}/resume", params=_step(step_id))
-        self.info = SandboxInfo.model_validate(response.json())
+        self.info = SandboxInfo.model_validate_json(response.content)
         return self.info
 
     def fork(
@@ -588,7 +588,7 @@ class Sandbox:
         response = self._transport.request(
             "POST", f"/v1/sandboxes/{self.id}/checkpoints/{checkpoint}/restore", timeout_s=600
         )
-        self.info = SandboxInfo.model_validate(response.json())
+        self.info = SandboxInfo.model_validate_json(response.content)
         return self.info
 
     def snapshot(self, name: str | None = None, *, step_id: str | None = None) -> SnapshotInfo:
@@ -677,7 +677,7 @@ class Client:
         response = self._transport.request(
             "POST", "/v1/sandboxes", json=body.model_dump(mode="json"), timeout_s=wait_s
         )
-        return self._handle(SandboxInfo.model_validate(response.json()))
+        return self._handle(SandboxInfo.model_validate_json(response.content))
 
     def create_many(
         self,
@@ -720,7 +720,7 @@ class Client:
 
     def get(self, sandbox_id: str) -> Sandbox:
         response = self._transport.request("GET", f"/v1/sandboxes/{sandbox_id}")
-        return self._handle(SandboxInfo.model_validate(response.json()))
+        return self._handle(SandboxInfo.model_validate_json(response.content))
 
     def connect(self, sandbox: Sandbox) -> Sandbox:
         """Share this client's connection pool with an unpickled handle."""
@@ -733,7 +733,7 @@ class Client:
 
     def kill(self, sandbox_id: str) -> SandboxInfo:
         response = self._transport.request("DELETE", f"/v1/sandboxes/{sandbox_id}")
-        return SandboxInfo.model_validate(response.json())
+        return SandboxInfo.model_validate_json(response.content)
 
     def cluster_nodes(self) -> builtins.list[ClusterNode]:
         """Every node in the shared state (several servers on one PostgreSQL): up or lost, last heartbeat, load."""
