@@ -96,7 +96,9 @@ StepIdQuery = Annotated[
 
 def json_body(model: type[BaseModel]) -> dict[str, Any]:
     """``openapi_extra`` of a route that reads its body with ``parsed_body``: the document FastAPI writes for a
-    body parameter of that model (its schema, required, and the 422 of a body that does not match)."""
+    body parameter of that model (its schema, required, and the 422 of a body that does not match). The schema
+    is named by reference, so the model must be in the document through another route (ExecRequest: exec/stream;
+    FnCallRequest: fncall/batch): ``test_sdk_contract.py::test_every_reference_in_the_api_document_resolves``."""
     return {
         "requestBody": {
             "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
