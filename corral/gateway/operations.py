@@ -304,7 +304,10 @@ class Operations:
                     files = None
                     if step is not None and since is not None:
                         files = await self._sandboxes.call(sandbox_id, lambda e: e.changed_paths(sandbox_id, since))
-                    await self._db.run(self._record, sandbox_id, step, "exec_stream", body, outcome, files)
+                    if step is None:  # with the other steps of the moment, after the exit has gone out
+                        self._append_auto(sandbox_id, "exec_stream", body, outcome)
+                    else:  # durable before the exit is sent: a resend is answered from it
+                        await self._db.run(self._record, step, outcome, files)
                     await self._audit(sandbox_id, _command_text(body), event.result)
                 elif event.type in output:
                     output[event.type].append(event.data or "")
@@ -317,27 +320,23 @@ class Operations:
             raise
         except CorralError as exc:
             if outcome is None:
-                self._db.submit(self._record, sandbox_id, step, "exec_stream", body, exc.to_body(), None)
+                self._stream_failed(sandbox_id, step, body, exc.to_body())
                 outcome = {}
             raise
         finally:
             if outcome is None:  # the client went away mid-stream; the edge killed the command
                 error = {"error": {"code": "conflict", "message": "the client went away; the command was killed"}}
-                self._db.submit(self._record, sandbox_id, step, "exec_stream", body, error, None)
+                self._stream_failed(sandbox_id, step, body, error)
 
-    def _record(
-        self,
-        sandbox_id: str,
-        step: Step | None,
-        kind: str,
-        request: dict[str, Any],
-        result: dict[str, Any],
-        files: list[str] | None,
-    ) -> None:
-        """On the database thread (``append_many`` for a step without a client id)."""
+    def _stream_failed(self, sandbox_id: str, step: Step | None, body: dict[str, Any], error: dict[str, Any]) -> None:
         if step is None:
-            self._log.append_many([(sandbox_id, _auto_id(), kind, request, result)])
-        elif "error" in result:
+            self._append_auto(sandbox_id, "exec_stream", body, error)
+        else:
+            self._db.submit(self._record, step, error, None)
+
+    def _record(self, step: Step, result: dict[str, Any], files: list[str] | None) -> None:
+        """A streamed command's step with a client id, once it ended (on the database thread)."""
+        if "error" in result:
             self._log.fail(step, result["error"])
         else:
             self._log.finish(step, result, files=files)

@@ -27,8 +27,9 @@ class _FrozenClockLoop(asyncio.SelectorEventLoop):
         return self.frozen_at if self.frozen_at is not None else super().time()
 
 
-def _run(tmp_path: Path, execs: int) -> tuple[int, int]:
-    """Steps in the log right after ``execs`` execs with the clock frozen, and after the delay has passed."""
+def _run(tmp_path: Path, execs: int, *, streamed: bool = False) -> tuple[int, int]:
+    """Steps in the log right after ``execs`` execs (``streamed``: exec streams, read to their exit) with the clock
+    frozen, and after the delay has passed."""
     store = StateStore(f"sqlite:///{tmp_path / 'state.db'}")
     loop = _FrozenClockLoop()
 
@@ -42,7 +43,12 @@ def _run(tmp_path: Path, execs: int) -> tuple[int, int]:
             info = await service.create(CreateSandboxRequest(image=control_plane.IMAGE, cpu=0.25, memory_mb=256))
             loop.frozen_at = loop.time()
             for _ in range(execs):
-                await ops.exec(info.id, ExecRequest(cmd=["true"]))
+                if streamed:
+                    assert [event.type async for event in ops.exec_stream(info.id, ExecRequest(cmd=["true"]))][
+                        -1
+                    ] == "exit"
+                else:
+                    await ops.exec(info.id, ExecRequest(cmd=["true"]))
             await asyncio.sleep(0)  # what was scheduled to run at once runs
             at_once = len(log.steps(info.id))
             loop.frozen_at = None
@@ -65,3 +71,8 @@ def test_a_full_batch_is_written_without_waiting_for_the_delay(tmp_path: Path) -
     # The flush is queued to run at once when the batch fills; the simulated execs never wait, so it runs at the
     # first pause, after the two more: all of them are in the log before the clock moved.
     assert _run(tmp_path, batch + 2) == (batch + 2, batch + 2)
+
+
+def test_a_streamed_command_is_logged_with_the_others_after_its_exit(tmp_path: Path) -> None:
+    """Not in a transaction of its own before the exit goes out (the E2B facade's commands.run is one)."""
+    assert _run(tmp_path, 3, streamed=True) == (0, 3)
