@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from corral.api.errors import InternalError
 from corral.backends.common.guest_tree import _parse_stat
 from corral.backends.vm.backend import _parse_stamp
 from corral.backends.vm.guest import GuestKitError, extract_vmlinux, module_closure
-from corral.backends.vm.qemu import MachineConfig, kernel_command_line, machine_argv, timing_arguments
+from corral.backends.vm.qemu import Machine, MachineConfig, kernel_command_line, machine_argv, timing_arguments
 
 
 def test_extract_vmlinux_finds_the_xz_elf_after_a_decompressor_stub() -> None:
@@ -96,3 +97,15 @@ def test_guest_stat_lines_parse() -> None:
 def test_guest_time_stamps_keep_nanoseconds() -> None:
     assert _parse_stamp("1796032704|2026-11-30 10:00:00.123456789 +0000") == pytest.approx(1796032704.123456789)
     assert _parse_stamp("garbage") == 0.0
+
+
+async def test_a_data_dir_too_deep_for_the_vm_sockets_is_a_clear_error_before_qemu_starts(tmp_path: Path) -> None:
+    """QEMU refuses a unix socket path over 107 bytes with a message about a socket nobody asked for (seen with
+    pytest's default deep temp dirs): the launch says what to change instead, and starts nothing."""
+    directory = tmp_path / ("d" * 80) / "vms" / "sb-e0-0123456789abcdef"
+    directory.mkdir(parents=True)
+    config = MachineConfig(name="sb-e0-0123456789abcdef", kind="microvm", accel="tcg", vcpus=1, memory_mb=64,
+                           kernel="k", initramfs="i", layers=(), disk="d", hostname="h")  # fmt: skip
+    with pytest.raises(InternalError, match="shorter data dir"):
+        await Machine(config, directory).launch()
+    assert list(directory.iterdir()) == []  # not even its config written

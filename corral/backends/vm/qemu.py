@@ -19,6 +19,7 @@ from pathlib import Path
 
 from qemu.qmp import QMPClient
 
+from corral.api.errors import InternalError
 from corral.backends.vm.network import GUEST_ADDRESS, GUEST_GATEWAY
 from corral.procfs import running
 
@@ -169,6 +170,9 @@ def console_tail(directory: Path, lines: int = 15) -> str:
     return "\n".join(tail) or "(no console output)"
 
 
+_UNIX_PATH_MAX = 107  # sun_path holds 108 bytes, the last a NUL
+
+
 class Machine:
     """A running (or starting) QEMU process and its monitor."""
 
@@ -186,6 +190,12 @@ class Machine:
 
     async def launch(self, *, incoming: bool = False) -> None:
         """Start QEMU daemonized; returns once it runs (its guest is still booting)."""
+        longest = max(len(os.fsencode(self.directory / name)) for name in ("agent.sock", "qmp.sock"))
+        if longest > _UNIX_PATH_MAX:  # QEMU would refuse it with a message about a socket nobody asked for
+            raise InternalError(
+                f"the VM's sockets under {self.directory} would be {longest} bytes long, over the {_UNIX_PATH_MAX} a "
+                "unix socket's path may have: give the server a shorter data dir (CORRAL_DATA_DIR)"
+            )
         self.config.save(self.directory)
         argv = machine_argv(self.config, self.directory, incoming=incoming)
         if self.config.netns:
