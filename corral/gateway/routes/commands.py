@@ -18,6 +18,7 @@ from corral.api.models import (
     ExecResult,
     PtySize,
 )
+from corral.gateway.operations import Operations
 from corral.gateway.routes.deps import (
     Auth,
     Ops,
@@ -26,7 +27,6 @@ from corral.gateway.routes.deps import (
     body_within_limit,
     json_body,
     ndjson,
-    operations,
     parsed_body,
 )
 
@@ -48,7 +48,8 @@ class SignalRequest(BaseModel):
 async def exec_command(sandbox_id: str, request: Request) -> Response:
     """Run a command and wait; with ``step_id``, a step sent again is answered from the trajectory log."""
     # The hottest route of all: body and result through pydantic's core, the operations layer without a dependency.
-    result = await operations(request).exec(sandbox_id, await parsed_body(request, ExecRequest))
+    ops: Operations = request.app.state.service.operations
+    result = await ops.exec(sandbox_id, await parsed_body(request, ExecRequest))
     return Response(result.model_dump_json(), media_type="application/json")
 
 

@@ -27,7 +27,7 @@ from corral.logs import current_sandbox
 
 __all__ = [
     "Auth", "CallerDep", "FnCalls", "Images", "Logs", "Ops", "PathQuery", "Service", "StepIdQuery", "body_within_limit",
-    "json_body", "label_pairs", "ndjson", "ndjson_lines", "operations", "parsed_body", "save_body",
+    "json_body", "label_pairs", "ndjson", "ndjson_lines", "parsed_body", "save_body",
 ]  # fmt: skip
 
 M = TypeVar("M", bound=BaseModel)
@@ -67,13 +67,8 @@ async def _fncall(request: Request) -> FnCallService:
     return request.app.state.service.fncall  # type: ignore[no-any-return]
 
 
-def operations(request: Request) -> Operations:
-    """The operations layer, for the hot routes that take it without a dependency to solve (``Ops`` elsewhere)."""
-    return request.app.state.service.operations  # type: ignore[no-any-return]
-
-
 async def _operations(request: Request) -> Operations:
-    return operations(request)
+    return request.app.state.service.operations  # type: ignore[no-any-return]
 
 
 async def _trajectories(request: Request) -> Trajectories:
