@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import lzma
+import mmap
+import os
 from pathlib import Path
 
 import pytest
 
 from corral.api.errors import InternalError
 from corral.backends.common.guest_tree import _parse_stat
-from corral.backends.vm.backend import _parse_stamp
+from corral.backends.vm.backend import _fill, _parse_stamp, _sized_like
 from corral.backends.vm.guest import GuestKitError, extract_vmlinux, module_closure
 from corral.backends.vm.qemu import Machine, MachineConfig, kernel_command_line, machine_argv, timing_arguments
 
@@ -109,3 +111,24 @@ async def test_a_data_dir_too_deep_for_the_vm_sockets_is_a_clear_error_before_qe
     with pytest.raises(InternalError, match="shorter data dir"):
         await Machine(config, directory).launch()
     assert list(directory.iterdir()) == []  # not even its config written
+
+
+def test_a_memory_file_mapped_before_its_copy_sees_the_data_and_keeps_its_holes(tmp_path: Path) -> None:
+    """A restore starts QEMU (which maps the guest's memory file) while the template's memory is copied in:
+    the file exists at full size first and the copy writes into that same file, data extents only."""
+    source, dest = tmp_path / "memory", tmp_path / "copy"
+    size, extents = 64 << 20, {0: b"a" * 4096, 8 << 20: os.urandom(3 << 20), (64 << 20) - 4096: b"z" * 4096}
+    with open(source, "wb") as handle:
+        handle.truncate(size)
+        for offset, data in extents.items():
+            handle.seek(offset)
+            handle.write(data)
+    pending = _sized_like(source, dest)
+    with open(dest, "r+b") as handle, mmap.mmap(handle.fileno(), size) as mapped:  # as QEMU maps it, before
+        assert os.stat(dest).st_size == size
+        _fill(pending)
+        for offset, data in extents.items():
+            assert mapped[offset : offset + len(data)] == data
+        assert mapped[4096 : 8 << 20] == bytes((8 << 20) - 4096)
+    assert dest.read_bytes() == source.read_bytes()
+    assert os.stat(dest).st_blocks * 512 <= os.stat(source).st_blocks * 512 + (1 << 20)  # holes stayed holes

@@ -200,6 +200,41 @@ def _copy_sparse(source: Path, dest: Path) -> None:
     _run(["cp", "--sparse=always", "--reflink=auto", str(source), str(dest)])
 
 
+@dataclass
+class _PendingCopy:
+    """A file made at its full size whose data is still to be copied in (``_fill``)."""
+
+    source: Path
+    dest: Path
+
+
+def _sized_like(source: Path, dest: Path) -> _PendingCopy:
+    """``dest`` made empty at ``source``'s size, so a process may map it before its data is in: QEMU refuses a
+    memory file shorter than the guest's RAM, and ``cp`` would truncate it to nothing first."""
+    with open(dest, "wb") as handle:
+        handle.truncate(source.stat().st_size)
+    return _PendingCopy(source, dest)
+
+
+def _fill(copy: _PendingCopy) -> None:
+    """Copy the data extents of ``copy.source`` into the same offsets of its ``dest``; holes stay holes."""
+    with open(copy.source, "rb") as src, open(copy.dest, "r+b") as dst:
+        size, offset = os.fstat(src.fileno()).st_size, 0
+        while offset < size:
+            try:
+                start = os.lseek(src.fileno(), offset, os.SEEK_DATA)
+            except OSError:  # ENXIO: no data after offset
+                break
+            end = os.lseek(src.fileno(), start, os.SEEK_HOLE)
+            os.lseek(dst.fileno(), start, os.SEEK_SET)
+            while start < end:  # sendfile writes at dst's position, reads src at ``start``
+                sent = os.sendfile(dst.fileno(), src.fileno(), start, end - start)
+                if sent == 0:
+                    raise InternalError(f"{copy.source} ended at {start} bytes while being copied")
+                start += sent
+            offset = end
+
+
 class VmBackend:
     """One backend object per machine kind ("microvm" or "vm"); both share the node's guest kit."""
 
@@ -263,21 +298,12 @@ class VmBackend:
         return self._dir / sandbox_id
 
     async def _config(self, spec: SandboxSpec, directory: Path) -> MachineConfig:
+        """The machine this spec asks for; its disk is not made yet (``_make_disk``: a restore copies its own)."""
         kit, accel = await self.ready()
         if not spec.layers:
             raise InvalidRequest("a VM sandbox needs at least one layer")
         disk = directory / "disk.qcow2"
-        size_mb = spec.disk_mb or DEFAULT_DISK_MB
-        layer_files = tuple(layer.path for layer in spec.layers)
-        if self.name == "microvm":
-            backing = await asyncio.to_thread(_scratch_template, self._vm_dir, size_mb)
-            machine_layers = tuple(str(path) for path in layer_files)
-        else:
-            backing = await asyncio.to_thread(root_disk_image, self._vm_dir, layer_files, size_mb)
-            machine_layers = ()
-        await asyncio.to_thread(
-            _run, ["qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b", str(backing), str(disk)]
-        )
+        machine_layers = tuple(str(layer.path) for layer in spec.layers) if self.name == "microvm" else ()
         return MachineConfig(
             name=spec.sandbox_id,
             kind=self.name,
@@ -291,6 +317,19 @@ class VmBackend:
             hostname=spec.sandbox_id[-12:],
             tsc_khz=host_tsc_khz() if accel.name == "tcg" else None,
             memory=self._memory,
+        )
+
+    async def _make_disk(self, spec: SandboxSpec, config: MachineConfig) -> None:
+        """A booting machine's writable disk: a qcow2 over the node's empty scratch file system (microvm) or over
+        the root disk built from the layers (vm), each made once per node."""
+        size_mb = spec.disk_mb or DEFAULT_DISK_MB
+        if self.name == "microvm":
+            backing = await asyncio.to_thread(_scratch_template, self._vm_dir, size_mb)
+        else:
+            layer_files = tuple(layer.path for layer in spec.layers)
+            backing = await asyncio.to_thread(root_disk_image, self._vm_dir, layer_files, size_mb)
+        await asyncio.to_thread(
+            _run, ["qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b", str(backing), config.disk]
         )
 
     async def _connect_agent(self, machine: Machine, timeout_s: float) -> AgentConnection:
@@ -340,6 +379,7 @@ class VmBackend:
                     machine = await self._restore(spec, template, directory, None)
                     restored = True
                 else:
+                    await self._make_disk(spec, config)
                     machine = Machine(config, directory)
                     await self._launch(machine, spec)
             agent = await self._connect_agent(machine, self._boot_timeout_s)
@@ -448,9 +488,16 @@ class VmBackend:
         )
         machine = Machine(config, directory)
         shared = config.memory == "shared"
-        if shared:
-            await asyncio.to_thread(_copy_sparse, source / "memory", machine.memory_file)
-        await self._launch(machine, spec, incoming=True)
+        if shared:  # QEMU starts meanwhile: waiting for its migration stream, it leaves guest RAM alone
+            memory = await asyncio.to_thread(_sized_like, source / "memory", machine.memory_file)
+            outcomes = await asyncio.gather(
+                self._launch(machine, spec, incoming=True), asyncio.to_thread(_fill, memory), return_exceptions=True
+            )  # both finish before a failure is raised: the caller's cleanup must find QEMU's pid file
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+        else:
+            await self._launch(machine, spec, incoming=True)
         await machine.execute("migrate-set-capabilities",
                               {"capabilities": [{"capability": "x-ignore-shared", "state": shared}]})  # fmt: skip
         await machine.execute("migrate-incoming", {"uri": f"exec:cat {source / 'state'}"})

@@ -621,12 +621,25 @@ static void greet(void) {
     send_frame(T_HELLO, 0, hello, sizeof hello);
 }
 
+/* Guest mode: SIGIO (read through the signalfd) when the host end connects or goes, while nobody is connected:
+ * the port reports POLLHUP all that time, so poll alone cannot wait for it. Off while connected, where the port
+ * would raise one for every frame that arrives. */
+static void watch_host(int on) {
+    int flags = fcntl(dev_fd, F_GETFL);
+    if (flags >= 0) fcntl(dev_fd, F_SETFL, on ? flags | O_ASYNC : flags & ~O_ASYNC);
+}
+
 /* Guest mode: once the host end is connected (the port no longer reports POLLHUP), greet it. */
 static void reconnect_dev(void) {
-    if (dev_fd < 0) dev_fd = open(ctl_dev, O_RDWR | O_CLOEXEC);
-    if (dev_fd < 0) return;
+    if (dev_fd < 0) {
+        dev_fd = open(ctl_dev, O_RDWR | O_CLOEXEC);
+        if (dev_fd < 0) return;
+        fcntl(dev_fd, F_SETOWN, getpid());
+    }
+    watch_host(1);  /* before looking: a host that connects right after the look still wakes us */
     struct pollfd p = {.fd = dev_fd, .events = POLLIN};
     if (poll(&p, 1, 0) < 0 || (p.revents & POLLHUP)) return;
+    watch_host(0);
     ctl = dev_fd;
     rlen = 0;
     greet();
@@ -677,6 +690,7 @@ int main(int argc, char **argv) {
     sigset_t mask;
     sigemptyset(&mask);
     sigaddset(&mask, SIGCHLD);
+    sigaddset(&mask, SIGIO);  /* guest mode: the host end of the port (dis)connected */
     sigprocmask(SIG_BLOCK, &mask, NULL);
     int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
     int is_init = getpid() == 1;
@@ -710,7 +724,8 @@ int main(int argc, char **argv) {
                 if (wait_ms < 0 || left < wait_ms) wait_ms = left;
             }
         }
-        if (ctl < 0 && (ctl_dev || ctl_path) && (wait_ms < 0 || wait_ms > 50)) wait_ms = 50;  /* look for the host */
+        /* look for the host; in guest mode SIGIO says when it comes, this is the fallback */
+        if (ctl < 0 && (ctl_dev || ctl_path) && (wait_ms < 0 || wait_ms > 50)) wait_ms = 50;
         int r = poll(pfds, (nfds_t)n, (int)wait_ms);
         if (r < 0 && errno != EINTR) break;
         if (r > 0) {
