@@ -320,10 +320,10 @@ class WarmPools:
         first command does not pay for the guest's first fork and exec of its shell: under TCG the code cache of a
         guest restored from its boot template starts empty: without this the claim's first exec took 110 ms
         (median of 6 claims, 1-core guests; the next ones 27-38 ms), with it 34 ms (by hand, not a benchmark row).
-        With the audit after it, as a client's command has: the audit's own guest commands (the project's busybox
-        looking for changed protected paths) start cold too: the claim's first exec took 22-25 ms against 16-18 for
-        the next one without it, 19-21 against 16 with it (`corral bench warm-pool --backend microvm`, 2026-12-05,
-        3 and 2 runs). The audit's findings are
+        With the audit after it, as a client's command has: its walk of the guest's writable layer starts cold too
+        (measured when that walk was the project's busybox: the claim's first exec took 22-25 ms against 16-18 for
+        the next one without it, 19-21 against 16 with it, `corral bench warm-pool --backend microvm`, 2026-12-05,
+        3 and 2 runs; the agent walks it itself now). The audit's findings are
         dropped: `true` changes nothing, and the guest is nobody's yet. False (and the guest discarded) if it did
         not answer."""
         try:

@@ -104,6 +104,17 @@ def test_microvm_pause_then_any_request_resumes(microvm: corral.Sandbox) -> None
     assert microvm.refresh().state == "running"
 
 
+def test_microvm_changes_to_protected_paths_are_audit_events(microvm: corral.Sandbox) -> None:
+    """The audit after each command walks the guest's writable layer (the agent does, in the guest): a system
+    binary removed (an overlayfs whiteout) and one added are both reported, once."""
+    microvm.exec("rm /bin/vi && echo '#!/bin/sh' > /usr/bin/corral-audit-probe")
+    events = [e for e in microvm.audit_events() if e.kind == "protected_path_modified"]
+    assert len(events) == 1 and events[0].severity == "critical"
+    assert {"/bin/vi", "/usr/bin/corral-audit-probe"} <= set(events[0].detail["paths"])
+    microvm.exec("true")
+    assert len([e for e in microvm.audit_events() if e.kind == "protected_path_modified"]) == 1
+
+
 def test_microvm_fork_carries_memory_and_processes(client: corral.Client, microvm: corral.Sandbox) -> None:
     microvm.exec("echo parent-file > /root/state")
     microvm.exec("sleep 600 >/dev/null 2>&1 & echo $! > /root/pid", timeout_s=10)

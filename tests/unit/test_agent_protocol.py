@@ -5,12 +5,19 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import stat
+import struct
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from corral.backends.common.agent_protocol import (
+    _HEADER,
+    T_FIND,
+    T_HELLO,
+    T_PING,
+    T_PONG,
     AgentConnection,
     AgentExit,
     AgentOutput,
@@ -102,3 +109,70 @@ async def test_ipc_counts_see_the_agents_own_ipc_namespace(tmp_path: Path) -> No
     finally:
         agent.close()
         await asyncio.to_thread(process.wait, 5)
+
+
+async def test_find_lists_what_is_under_each_path_without_following_symlinks(
+    agent: AgentConnection, tmp_path: Path
+) -> None:
+    """The audit's walk of a guest's writable layer, done by the agent: every non-directory under each path that
+    exists (a whiteout, a symlink, a file in a subdirectory), named relative to the root, nothing outside them."""
+    upper = tmp_path / "upper"
+    (upper / "usr/bin/sub").mkdir(parents=True)
+    (upper / "usr/bin/tool").write_text("x")
+    (upper / "usr/bin/sub/deep").write_text("y")
+    (upper / "usr/bin/to-etc").symlink_to("/etc")  # listed, not followed
+    os.mknod(upper / "usr/bin/removed", 0o600 | stat.S_IFCHR, 0)  # overlayfs's whiteout of a deleted file
+    (upper / "etc").mkdir()
+    (upper / "etc/ld.so.preload").write_text("evil.so")
+    (upper / "home").mkdir()
+    (upper / "home/untouched").write_text("z")
+    found = await agent.find(str(upper), ["usr/bin", "etc/ld.so.preload", "lib", "bin"], 1 << 20)
+    assert found is not None
+    names, cut = found
+    assert sorted(names) == ["etc/ld.so.preload", "usr/bin/removed", "usr/bin/sub/deep", "usr/bin/to-etc",
+                             "usr/bin/tool"]  # fmt: skip
+    assert not cut
+    assert await agent.find(str(tmp_path / "no-such-root"), ["usr/bin"], 1 << 20) == ([], False)
+
+
+async def test_find_stops_at_its_cap_and_says_so(agent: AgentConnection, tmp_path: Path) -> None:
+    for index in range(100):
+        (tmp_path / f"file-{index:03}").write_text("")
+    found = await agent.find(str(tmp_path.parent), [tmp_path.name], 200)
+    assert found is not None
+    names, cut = found
+    assert cut and 0 < len(names) < 100 and sum(len(name) + 1 for name in names) <= 200
+    assert all(name.startswith(f"{tmp_path.name}/file-") for name in names)
+
+
+async def test_find_learns_once_that_an_older_agent_cannot() -> None:
+    """An agent built before FIND ignores it (as it does any type it does not know) and answers the ping sent
+    behind it: the edge is told to walk another way, and asks no more on that connection. The peer here speaks
+    only what such an agent does: its hello and pongs."""
+    edge_end, peer_end = socket.socketpair()
+    seen: list[int] = []
+
+    def older_agent() -> None:
+        peer_end.sendall(_HEADER.pack(13, T_HELLO, 0) + struct.pack("<II", 2, os.getpid()))
+        buffer = b""
+        while chunk := peer_end.recv(65536):
+            buffer += chunk
+            while len(buffer) >= 4 and len(buffer) >= 4 + struct.unpack_from("<I", buffer)[0]:
+                total, kind, job_id = _HEADER.unpack_from(buffer)
+                buffer = buffer[4 + total :]
+                seen.append(kind)
+                if kind == T_PING:
+                    peer_end.sendall(_HEADER.pack(5, T_PONG, job_id))
+
+    peer = asyncio.get_running_loop().run_in_executor(None, older_agent)
+    agent = AgentConnection(edge_end)
+    try:
+        await agent.start(hello_timeout_s=5)
+        assert await asyncio.wait_for(agent.find("/scratch/upper", ["usr/bin"], 1 << 20), 5) is None
+        assert await asyncio.wait_for(agent.find("/scratch/upper", ["usr/bin"], 1 << 20), 5) is None
+    finally:
+        agent.close()
+        peer_end.shutdown(socket.SHUT_RDWR)
+        await peer
+        peer_end.close()
+    assert seen == [T_FIND, T_PING]  # the second call sent nothing

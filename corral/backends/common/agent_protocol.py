@@ -12,7 +12,7 @@ import asyncio
 import itertools
 import socket
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from corral.api.errors import Conflict, ServerUnavailable
@@ -21,7 +21,7 @@ __all__ = ["AgentConnection", "AgentExit", "AgentOutput", "AgentStarted", "ExecO
 
 T_EXEC, T_STDIN, T_SIGNAL, T_PING, T_KILL_ALL, T_RESIZE = 1, 2, 3, 4, 5, 6
 T_STARTED, T_STDOUT, T_STDERR, T_EXIT, T_ERROR, T_PONG, T_HELLO = 10, 11, 12, 13, 14, 15, 20
-T_IPC_QUERY, T_IPC_COUNTS = 31, 32
+T_IPC_QUERY, T_IPC_COUNTS, T_FIND = 31, 32, 33
 F_TIMED_OUT, F_OUT_TRUNC, F_ERR_TRUNC = 1, 2, 4
 _TOOL_FLAGS = {"": 0, "sandbox": 2, "guest": 2 | 4}  # EXEC flags: run the tool binary by fd; skip the chroot
 _X_TERMINAL = 8  # EXEC flag: a pseudo-terminal for the command; u16 rows, u16 cols follow the strings
@@ -112,6 +112,7 @@ class AgentConnection:
         self._read_task: asyncio.Task[None] | None = None
         self.agent_pid: int | None = None
         self.agent_version = AGENT_VERSION  # what the agent said in its hello
+        self._finds: bool | None = None  # does the agent walk trees itself (FIND)? Learned on first use
         self.closed = asyncio.Event()
 
     async def start(self, hello_timeout_s: float, *, ping: bool = False) -> None:
@@ -251,6 +252,46 @@ class AgentConnection:
             return event
         finally:
             self._jobs.pop(job_id, None)
+
+    async def find(self, root: str, paths: Sequence[str], cap_bytes: int) -> tuple[list[str], bool] | None:
+        """Every non-directory at or below each of ``paths`` (relative to ``root``; symlinks not followed), named
+        relative to ``root``, walked by the agent itself (no process started); and whether its byte cap or time
+        budget cut the list short. None if the agent predates this request: it ignores it and answers the ping
+        sent behind it first (frames are handled in order), which is learned once per connection."""
+        if self._finds is False:
+            return None
+        strings = (root, *paths)
+        if any("\0" in text for text in strings):
+            raise ValueError("NUL byte in a path")
+        find_id = self.new_job_id()
+        jobs = {find_id: _Job()}
+        self._jobs.update(jobs)
+        try:
+            self._send(T_FIND, find_id, struct.pack("<I", cap_bytes) + b"".join(s.encode() + b"\0" for s in strings))
+            if self._finds is None:
+                probe_id = self.new_job_id()
+                jobs[probe_id] = self._jobs[probe_id] = _Job()
+                self._send(T_PING, probe_id)
+                pong = await jobs[probe_id].queue.get()
+                if isinstance(pong, Exception):
+                    raise pong
+                self._finds = not jobs[find_id].queue.empty()
+                if not self._finds:
+                    return None
+            names = bytearray()
+            while True:
+                event = await jobs[find_id].queue.get()
+                if isinstance(event, Exception):
+                    raise event
+                if isinstance(event, AgentOutput):
+                    names += event.data
+                elif isinstance(event, AgentExit):
+                    return [
+                        name.decode(errors="replace") for name in names.split(b"\0") if name
+                    ], event.stdout_truncated
+        finally:
+            for job_id in jobs:
+                self._jobs.pop(job_id, None)
 
     async def kill_all(self) -> None:
         """SIGKILL every process in the sandbox except the agent; returns once the agent has sent the signal."""

@@ -73,6 +73,7 @@ log = logging.getLogger("corral.vm")
 MIN_GUEST_MEMORY_MB = 192  # Debian's kernel and the initramfs need this much to boot
 DEFAULT_DISK_MB = 2048
 _CHANGED_MAX = 10_000
+_FIND_CAP_BYTES = 1 << 20  # names of protected paths the audit's walk reports at most (as the busybox find's output)
 _TEMPLATES_KEPT = 8  # boot templates per node (each holds a copy of a booted guest's memory)
 _BALLOON_HEADROOM_MB = 32  # left above what the guest uses when a pause squeezes it
 _BALLOON_WAIT_S = 2.0  # how long a pause waits for the balloon to inflate
@@ -777,9 +778,16 @@ class VmBackend:
         if self.name != "microvm":
             return [], 0  # a full VM's root disk has no separate writable layer to look at
         prefixes = sorted({p.strip("/") for p in (*PROTECTED_PREFIXES, *vm.spec.protected_paths)})
-        script = 'cd /scratch/upper || exit 0; for p in "$@"; do [ -e "$p" ] && find "$p" ! -type d; done; exit 0'
-        out = await self._tool(vm, ["sh", "-c", script, "sh", *prefixes], tool="guest")
-        return ["/" + line for line in out.decode(errors="replace").splitlines()[:_CHANGED_MAX] if line], 0
+        found = await vm.agent.find("/scratch/upper", prefixes, _FIND_CAP_BYTES)
+        if found is not None:
+            names, cut = found
+            if cut:
+                log.warning("sandbox %s: the audit's walk of the writable layer was cut short", sandbox_id)
+        else:  # an agent of an older build (a guest restored from an older checkpoint): the project's busybox
+            script = 'cd /scratch/upper || exit 0; for p in "$@"; do [ -e "$p" ] && find "$p" ! -type d; done; exit 0'
+            out = await self._tool(vm, ["sh", "-c", script, "sh", *prefixes], tool="guest")
+            names = out.decode(errors="replace").splitlines()
+        return ["/" + name for name in names[:_CHANGED_MAX] if name], 0
 
     def resident_bytes(self, sandbox_id: str) -> int:
         vm = self._vms.get(sandbox_id)

@@ -36,7 +36,12 @@
  * Edge -> agent: EXEC, STDIN (empty payload closes stdin; for a terminal it
  *   is ignored: the user types ^D), SIGNAL, PING, RESIZE (u16 rows, u16 cols),
  *   KILL_ALL (SIGKILL every other process in the sandbox; answered with PONG),
- *   IPC_QUERY (how many SysV IPC objects the sandbox's IPC namespace holds).
+ *   IPC_QUERY (how many SysV IPC objects the sandbox's IPC namespace holds),
+ *   FIND (u32 byte cap, root, NUL, then NUL-terminated paths under it: every
+ *   non-directory at or below each path that exists, symlinks not followed,
+ *   named relative to root and NUL-terminated, as STDOUT frames, then EXIT 0
+ *   with flag 2 if the cap or FIND_BUDGET_MS cut it short). An agent that
+ *   predates a request type ignores it.
  * Agent -> edge: HELLO, STARTED, STDOUT, STDERR, EXIT, ERROR, PONG,
  *   IPC_COUNTS (u32 shared memory segments, message queues, semaphore sets).
  * Keep in sync with corral/backends/common/agent_protocol.py.
@@ -44,6 +49,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <ftw.h>
 #include <grp.h>
 #include <poll.h>
 #include <signal.h>
@@ -69,7 +75,7 @@ enum {
     T_EXEC = 1, T_STDIN = 2, T_SIGNAL = 3, T_PING = 4, T_KILL_ALL = 5, T_RESIZE = 6,
     T_STARTED = 10, T_STDOUT = 11, T_STDERR = 12, T_EXIT = 13, T_ERROR = 14,
     T_PONG = 15, T_HELLO = 20,
-    T_IPC_QUERY = 31, T_IPC_COUNTS = 32,
+    T_IPC_QUERY = 31, T_IPC_COUNTS = 32, T_FIND = 33,
 };
 enum { F_TIMED_OUT = 1, F_OUT_TRUNC = 2, F_ERR_TRUNC = 4 };
 enum { X_STDIN = 1, X_TOOL = 2, X_NO_CHROOT = 4, X_TERMINAL = 8 };
@@ -543,6 +549,73 @@ static void send_ipc_counts(uint32_t id) {
     send_frame(T_IPC_COUNTS, id, counts, sizeof counts);
 }
 
+/* FIND: what the edge's audit looks for after each command in a guest (protected paths in the writable layer),
+ * walked here instead of by a busybox `sh` and `find` per command: two process starts a command, which a TCG
+ * guest pays ~6 ms for, and translates afresh in every restored guest. One walk at a time (nftw has no user
+ * pointer: the state is here). */
+#define FIND_BUDGET_MS 5000 /* a tree too big to walk in this long is reported cut short, not waited for */
+static struct {
+    char *buf;
+    size_t len, cap, skip;  /* skip: the root's length and its slash, left off each name */
+    int64_t deadline;
+    unsigned visited;
+    int cut;
+} walk;
+
+static int find_visit(const char *path, const struct stat *st, int type, struct FTW *ftw) {
+    (void)st;
+    (void)ftw;
+    if ((++walk.visited & 255) == 0 && now_ms() > walk.deadline) {
+        walk.cut = 1;
+        return 1;
+    }
+    if (type != FTW_F && type != FTW_SL && type != FTW_SLN) return 0;  /* directories, unreadable entries */
+    const char *name = strlen(path) > walk.skip ? path + walk.skip : path;
+    size_t n = strlen(name) + 1;
+    if (walk.len + n > walk.cap) {
+        walk.cut = 1;
+        return 1;
+    }
+    memcpy(walk.buf + walk.len, name, n);
+    walk.len += n;
+    return 0;
+}
+
+static void find_paths(uint32_t id, const char *p, size_t len) {
+    uint32_t cap;
+    const char *end = p + len, *root = p + 4;
+    const char *stop = len > 4 ? memchr(root, '\0', (size_t)(end - root)) : NULL;
+    if (!stop) {
+        send_frame(T_ERROR, id, "find: no root", strlen("find: no root"));
+        return;
+    }
+    memcpy(&cap, p, 4);
+    walk.buf = malloc(cap ? cap : 1);
+    if (!walk.buf) {
+        send_error(id, "find: %s: %s", "malloc");
+        return;
+    }
+    walk.len = 0;
+    walk.cap = cap;
+    walk.skip = (size_t)(stop - root) + 1;
+    walk.deadline = now_ms() + FIND_BUDGET_MS;
+    walk.visited = 0;
+    walk.cut = 0;
+    char full[4096];
+    for (const char *q = stop + 1; q < end && !walk.cut;) {
+        const char *next = memchr(q, '\0', (size_t)(end - q));
+        if (!next) break;
+        if (snprintf(full, sizeof full, "%s/%s", root, q) < (int)sizeof full)
+            nftw(full, find_visit, 16, FTW_PHYS);  /* a path that does not exist: nothing to report */
+        q = next + 1;
+    }
+    for (size_t off = 0; off < walk.len; off += CHUNK)
+        send_frame(T_STDOUT, id, walk.buf + off, walk.len - off < CHUNK ? walk.len - off : CHUNK);
+    free(walk.buf);
+    char payload[5] = {0, 0, 0, 0, walk.cut ? F_OUT_TRUNC : 0};
+    send_frame(T_EXIT, id, payload, 5);
+}
+
 static void handle_frame(uint8_t type, uint32_t id, const char *p, size_t len) {
     struct job *j;
     switch (type) {
@@ -578,6 +651,9 @@ static void handle_frame(uint8_t type, uint32_t id, const char *p, size_t len) {
         break;
     case T_IPC_QUERY:
         send_ipc_counts(id);
+        break;
+    case T_FIND:
+        find_paths(id, p, len);
         break;
     default:
         break;
