@@ -8,8 +8,8 @@ setup:
 demo: setup
 	@.venv/bin/python -m corral.demo
 
-# Two workers (pytest-xdist); a short --basetemp (emptied at each run): a VM's sockets live under its test's
-# directory and a unix socket path has at most 107 bytes. CORRAL_TEST_TMP for a second run at the same time.
+# Two workers (pytest-xdist); a short --basetemp (emptied at each run): a gVisor sandbox's control socket lives under
+# its test's directory and a unix socket path has at most 107 bytes (a VM's are in the node's run dir). CORRAL_TEST_TMP for a second run at the same time.
 # The API fuzzing runs on its own, in one process: schemathesis gives its cases one test id per test function,
 # and xdist, which hands tests out by id, would run one case of each. --durations: the slowest tests in every
 # run's log (CI's too), so the default run's time stays watched (well under 20 minutes).

@@ -19,7 +19,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from corral.backends.common.host import runtime_dirs_of, runtime_state_root
+from corral.backends.common.host import runtime_dirs_of, runtime_state_root, vm_sockets_of
 from corral.backends.common.network import sandbox_veth_name
 
 __all__ = ["Leftovers", "find_leftovers"]
@@ -122,11 +122,10 @@ def _loop_devices(data_dir: Path, server_running: bool) -> list[str]:
 
 
 def _sandbox_dirs(data_dir: Path, ids: set[str]) -> list[str]:
-    """Their directories: on disk (a writable layer without a quota, gVisor's checkpoints) and in the node's run dir
-    (bundle, pid file, runtime log)."""
-    candidates = [
-        root / sandbox_id for root in (data_dir / "sandboxes", runtime_dirs_of(data_dir)) for sandbox_id in ids
-    ]
+    """Their directories: on disk (a writable layer without a quota, gVisor's checkpoints, a VM's disk) and in the
+    node's run dir (bundle, pid file, runtime log; a VM's sockets)."""
+    roots = (data_dir / "sandboxes", data_dir / "vms", runtime_dirs_of(data_dir), vm_sockets_of(data_dir))
+    candidates = [root / sandbox_id for root in roots for sandbox_id in ids]
     return sorted(str(path) for path in candidates if path.exists())
 
 

@@ -12,14 +12,14 @@ import os
 import signal
 import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
 import corral
 from corral.backends.base import LayerRef, SandboxSpec
-from corral.backends.common.host import build_native_helpers
+from corral.backends.common.host import build_native_helpers, run_dir_of
 from corral.backends.vm.accel import probe_boot, probe_kvm
 from corral.backends.vm.backend import VmBackend
 from corral.backends.vm.guest import ensure_guest_kit
@@ -197,10 +197,13 @@ def test_vm_sandboxes_are_readopted_after_a_server_restart(fresh_server: Embedde
 
 
 @pytest.fixture
-def vm_backend(tmp_path: Path, test_env: dict[str, str]) -> VmBackend:
+async def vm_backend(tmp_path: Path, test_env: dict[str, str]) -> AsyncIterator[VmBackend]:
     node_dir = Path(test_env["CORRAL_NODE_DIR"])
     agent = build_native_helpers(node_dir).agent
-    return VmBackend(kind="microvm", data_dir=tmp_path, node_dir=node_dir, guest_agent=agent, boot_timeout_s=60)
+    backend = VmBackend(kind="microvm", data_dir=tmp_path, node_dir=node_dir, guest_agent=agent, boot_timeout_s=60)
+    yield backend
+    await backend.close()
+    assert not run_dir_of(tmp_path).exists()  # no sockets' directory left on the host's tmpfs
 
 
 def _spec(sandbox_id: str, layer: Path, **extra: object) -> SandboxSpec:
@@ -301,6 +304,21 @@ def test_checkpoints_rewind_the_same_sandbox_and_seed_forks(client: corral.Clien
             vm.restore("ck-000000000000")
     with client.create("busybox", ttl_s=60) as container, pytest.raises(corral.InvalidRequest, match="checkpoints"):
         container.checkpoint()
+
+
+def test_a_server_whose_data_dir_is_deeper_than_a_socket_path_may_be_runs_microvms(
+    tmp_path: Path, test_env: dict[str, str]
+) -> None:
+    """A VM's unix sockets are in the node's short run dir, not beside its disk: with them there, a data dir this
+    deep made QEMU refuse to start (a unix socket's path has at most 107 bytes)."""
+    data_dir = tmp_path / ("d" * 110) / "server"
+    with EmbeddedServer(data_dir, env=test_env) as server, server.client() as client:
+        with client.create("busybox", backend="microvm", ttl_s=300) as vm:
+            assert vm.exec("cat /proc/sys/kernel/hostname").stdout.strip() == vm.id[-12:]
+            assert (run_dir_of(data_dir) / "vms" / vm.id / "agent.sock").is_socket()
+            assert not (data_dir / "vms" / vm.id / "agent.sock").exists()
+            sockets = run_dir_of(data_dir) / "vms" / vm.id
+        assert not sockets.exists()  # gone with the sandbox
 
 
 def test_mergeable_guest_memory_is_merged_by_ksm_and_still_forks(tmp_path: Path, test_env: dict[str, str]) -> None:

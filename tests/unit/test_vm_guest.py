@@ -11,7 +11,8 @@ import pytest
 
 from corral.api.errors import InternalError
 from corral.backends.common.guest_tree import _parse_stat
-from corral.backends.vm.backend import _fill, _parse_stamp, _sized_like
+from corral.backends.common.host import run_dir_of
+from corral.backends.vm.backend import VmBackend, _fill, _parse_stamp, _sized_like
 from corral.backends.vm.guest import GuestKitError, extract_vmlinux, module_closure
 from corral.backends.vm.qemu import Machine, MachineConfig, kernel_command_line, machine_argv, timing_arguments
 
@@ -63,20 +64,21 @@ def _config(kind: str, **extra: object) -> MachineConfig:
 
 
 def test_microvm_command_line_shares_layers_read_only_and_memory_in_a_file(tmp_path: Path) -> None:
-    argv = machine_argv(_config("microvm", tsc_khz=2_000_000), tmp_path)
+    argv = machine_argv(_config("microvm", tsc_khz=2_000_000), tmp_path, tmp_path / "sockets")
     joined = " ".join(argv)
     assert "microvm" in argv[argv.index("-M") + 1]
     assert joined.count("readonly=on") == 2 and "serial=l0" in joined and "serial=l1" in joined
     assert "virtio-blk-device,drive=disk,serial=scratch" in joined
     assert "mem-path=/dev/shm/corral-sb-e0-1.mem,share=on" in joined
     assert "name=corral.agent" in joined and "-nodefaults" in argv and "-incoming" not in argv
+    assert f"path={tmp_path}/sockets/agent.sock," in joined and f"unix:{tmp_path}/sockets/qmp.sock," in joined
     append = argv[argv.index("-append") + 1]
     assert "corral.layers=2" in append and "tsc_early_khz=2000000" in append
-    assert "-incoming" in machine_argv(_config("microvm"), tmp_path, incoming=True)
+    assert "-incoming" in machine_argv(_config("microvm"), tmp_path, tmp_path, incoming=True)
 
 
 def test_full_vm_boots_its_root_disk_on_pci(tmp_path: Path) -> None:
-    argv = machine_argv(_config("vm"), tmp_path)
+    argv = machine_argv(_config("vm"), tmp_path, tmp_path)
     assert argv[argv.index("-M") + 1].startswith("q35")
     assert "virtio-blk-pci,drive=disk,serial=root" in " ".join(argv)
     assert "corral.root=disk" in kernel_command_line(_config("vm"))
@@ -101,16 +103,30 @@ def test_guest_time_stamps_keep_nanoseconds() -> None:
     assert _parse_stamp("garbage") == 0.0
 
 
-async def test_a_data_dir_too_deep_for_the_vm_sockets_is_a_clear_error_before_qemu_starts(tmp_path: Path) -> None:
+def test_a_vms_sockets_are_in_the_run_dir_however_deep_its_data_dir(tmp_path: Path) -> None:
     """QEMU refuses a unix socket path over 107 bytes with a message about a socket nobody asked for (seen with
-    pytest's default deep temp dirs): the launch says what to change instead, and starts nothing."""
-    directory = tmp_path / ("d" * 80) / "vms" / "sb-e0-0123456789abcdef"
-    directory.mkdir(parents=True)
+    pytest's default deep temp dirs, when the sockets were beside the VM's disk): they are in the node's short run
+    dir now, and a machine an older server started keeps its own (adoption finds them)."""
+    data_dir = tmp_path / ("d" * 120)
+    backend = VmBackend(kind="microvm", data_dir=data_dir, node_dir=tmp_path, guest_agent=tmp_path / "agent")
+    sockets = backend._sockets("sb-e0-0123456789abcdef")
+    assert sockets == run_dir_of(data_dir) / "vms" / "sb-e0-0123456789abcdef"
+    assert len(os.fsencode(sockets / "agent.sock")) <= 107 < len(os.fsencode(data_dir))
+    assert backend._sockets_of_existing("sb-e0-0123456789abcdef") == sockets
+    older = data_dir / "vms" / "sb-e0-0123456789abcdef"
+    older.mkdir(parents=True)
+    (older / "qmp.sock").touch()
+    assert backend._sockets_of_existing("sb-e0-0123456789abcdef") == older
+
+
+async def test_sockets_too_long_for_qemu_are_a_clear_error_before_it_starts(tmp_path: Path) -> None:
+    directory, sockets = tmp_path / "vm", tmp_path / ("s" * 100)
+    directory.mkdir()
     config = MachineConfig(name="sb-e0-0123456789abcdef", kind="microvm", accel="tcg", vcpus=1, memory_mb=64,
                            kernel="k", initramfs="i", layers=(), disk="d", hostname="h")  # fmt: skip
-    with pytest.raises(InternalError, match="shorter data dir"):
-        await Machine(config, directory).launch()
-    assert list(directory.iterdir()) == []  # not even its config written
+    with pytest.raises(InternalError, match="over the 107 a unix socket's path may have"):
+        await Machine(config, directory, sockets).launch()
+    assert list(directory.iterdir()) == [] and not sockets.exists()  # nothing written, nothing started
 
 
 def test_a_memory_file_mapped_before_its_copy_sees_the_data_and_keeps_its_holes(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ __all__ = [
     "fs_type_at",
     "run_dir_of",
     "runtime_dirs_of",
+    "vm_sockets_of",
     "runtime_state_root",
     "LayerMounts",
     "NativeHelpers",
@@ -145,6 +146,13 @@ def runtime_dirs_of(data_dir: Path) -> Path:
     """Where, in its node's run dir, each container sandbox has its runtime dir (``<this>/<sandbox id>``): its bundle,
     its init's pid file, its runtime log."""
     return run_dir_of(data_dir) / "sandboxes"
+
+
+def vm_sockets_of(data_dir: Path) -> Path:
+    """Where, in its node's run dir, each VM sandbox has its QEMU's unix sockets (``<this>/<sandbox id>``: the
+    monitor's and the agent channel's). Not beside its disk in the data dir: a socket's path has at most 107 bytes,
+    which a deep data dir (pytest's own temp dirs) passed."""
+    return run_dir_of(data_dir) / "vms"
 
 
 def runtime_state_root(data_dir: Path, runtime: str) -> Path:

@@ -47,6 +47,7 @@ from corral.backends.common.host import (
     run_dir_of,
     runtime_dirs_of,
     runtime_state_root,
+    vm_sockets_of,
 )
 from corral.backends.common.network import (
     DEFAULT_RESOLVE_INTERVAL_S,
@@ -223,6 +224,7 @@ class ContainerBackend:
         # On a tmpfs (host.ensure_run_tmpfs, which a node mounts before this): what lives as long as the containers.
         self._run_dir = run_dir_of(data_dir)
         self._runtime_dirs = runtime_dirs_of(data_dir)
+        self._vm_sockets = vm_sockets_of(data_dir)
         self._runtime_dirs.mkdir(parents=True, exist_ok=True)
         self._helpers = helpers
         self._layout = layout
@@ -506,8 +508,9 @@ class ContainerBackend:
         """The run dir goes once nothing of a container is left in it: no sandbox's runtime dir (each has one until
         its teardown ends) and no runtime state (a delete that failed leaves its container's, for the next start's
         orphan sweep). So servers that came and went (tests, benches) leave nothing on the host's tmpfs; with
-        containers left, it stays for the next server to adopt them."""
-        roots = [self._runtime_dirs, *(self._run_dir / name for name in _RUNTIMES)]
+        containers left, it stays for the next server to adopt them. Nor while a VM's sockets are there (its QEMU
+        outlives the server as a container does)."""
+        roots = [self._runtime_dirs, self._vm_sockets, *(self._run_dir / name for name in _RUNTIMES)]
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             if any(any(root.iterdir()) for root in roots if root.is_dir()):
                 return

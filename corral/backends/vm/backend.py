@@ -9,7 +9,8 @@ over an ext4 disk image built once per node from the sandbox's layers and
 hands PID 1 to the image's own init system when it has one.
 
 Per sandbox, under ``<data_dir>/vms/<id>/``: machine.json, the disk,
-console.log, qemu.log and the QMP and agent sockets; guest memory is a shared
+console.log and qemu.log; its QMP and agent sockets in the node's run dir
+(``host.vm_sockets_of``: short paths); guest memory is a shared
 file in /dev/shm, so snapshots (``checkpoint``) write only device state and
 copy that file. QEMU is daemonized and re-adopted after an edge restart.
 """
@@ -49,13 +50,21 @@ from corral.backends.base import (
 from corral.backends.common import qos
 from corral.backends.common.agent_protocol import AgentConnection, AgentExit, AgentOutput, ExecOrder
 from corral.backends.common.guest_tree import GuestTree
-from corral.backends.common.host import CgroupLayout, orphans
+from corral.backends.common.host import CgroupLayout, orphans, vm_sockets_of
 from corral.backends.common.network import GUEST_LINK_IFNAME, AllowRule, DeniedCounts, NetworkFabric
 from corral.backends.vm.accel import choose_accelerator
 from corral.backends.vm.cgroup import VmCgroup
 from corral.backends.vm.guest import GuestKit, ensure_guest_kit
 from corral.backends.vm.network import create_guest_link, delete_namespace, namespace_name
-from corral.backends.vm.qemu import SHM_DIR, Accelerator, Machine, MachineConfig, console_tail, host_tsc_khz
+from corral.backends.vm.qemu import (
+    QMP_SOCKET,
+    SHM_DIR,
+    Accelerator,
+    Machine,
+    MachineConfig,
+    console_tail,
+    host_tsc_khz,
+)
 from corral.guard.audit import PROTECTED_PREFIXES
 from corral.images.erofs import build_erofs
 
@@ -257,6 +266,7 @@ class VmBackend:
             raise ValueError(f"unknown VM kind {kind!r}")
         self.name = kind
         self._dir = data_dir / "vms"
+        self._sockets_root = vm_sockets_of(data_dir)
         self._vm_dir = node_dir / "vm"
         self._guest_agent = guest_agent
         self._accel_setting = accel
@@ -297,6 +307,14 @@ class VmBackend:
 
     def _machine_dir(self, sandbox_id: str) -> Path:
         return self._dir / sandbox_id
+
+    def _sockets(self, sandbox_id: str) -> Path:
+        return self._sockets_root / sandbox_id
+
+    def _sockets_of_existing(self, sandbox_id: str) -> Path:
+        """Where a machine already started keeps its sockets: beside its files if an older server started it."""
+        directory = self._machine_dir(sandbox_id)
+        return directory if (directory / QMP_SOCKET).exists() else self._sockets(sandbox_id)
 
     async def _config(self, spec: SandboxSpec, directory: Path) -> MachineConfig:
         """The machine this spec asks for; its disk is not made yet (``_make_disk``: a restore copies its own)."""
@@ -381,7 +399,7 @@ class VmBackend:
                     restored = True
                 else:
                     await self._make_disk(spec, config)
-                    machine = Machine(config, directory)
+                    machine = Machine(config, directory, self._sockets(spec.sandbox_id))
                     await self._launch(machine, spec)
             agent = await self._connect_agent(machine, self._boot_timeout_s)
             vm = _Vm(spec, machine, agent)
@@ -487,7 +505,7 @@ class VmBackend:
                 "hostname": spec.sandbox_id[-12:],
             }
         )
-        machine = Machine(config, directory)
+        machine = Machine(config, directory, self._sockets(spec.sandbox_id))
         shared = config.memory == "shared"
         if shared:  # QEMU starts meanwhile: waiting for its migration stream, it leaves guest RAM alone
             memory = await asyncio.to_thread(_sized_like, source / "memory", machine.memory_file)
@@ -528,7 +546,7 @@ class VmBackend:
     async def adopt(self, spec: SandboxSpec) -> str | None:
         directory = self._machine_dir(spec.sandbox_id)
         try:
-            machine = Machine(MachineConfig.load(directory), directory)
+            machine = Machine(MachineConfig.load(directory), directory, self._sockets_of_existing(spec.sandbox_id))
         except (OSError, ValueError, TypeError):
             return None
         if not machine.adopt():
@@ -605,7 +623,7 @@ class VmBackend:
             vm.agent.close()
         if machine is None and (directory / "machine.json").exists():
             try:
-                machine = Machine(MachineConfig.load(directory), directory)
+                machine = Machine(MachineConfig.load(directory), directory, self._sockets_of_existing(sandbox_id))
                 machine.adopt()  # sets its pid if the process still runs
             except (OSError, ValueError, TypeError):
                 machine = None
@@ -617,6 +635,7 @@ class VmBackend:
             cgroup.remove()
         await self._unplug(sandbox_id)
         await asyncio.to_thread(shutil.rmtree, directory, True)
+        await asyncio.to_thread(shutil.rmtree, self._sockets(sandbox_id), True)
 
     async def shutdown(self, sandbox_id: str, timeout_s: float = 10.0) -> bool:
         """Clean stop: sync the guest's disks and power it off; True if it stopped within ``timeout_s``."""
@@ -853,8 +872,12 @@ class VmBackend:
         return None  # VMs plug into the container backend's fabric, which refreshes their rules
 
     async def close(self) -> None:
-        """Running VMs keep running (they are re-adopted); only our connections close."""
+        """Running VMs keep running (they are re-adopted, their sockets left in the run dir); only our connections
+        close. With none left, their sockets' directory goes, and the run dir if nothing else is in it."""
         for vm in self._vms.values():
             vm.agent.close()
             await vm.machine.close_monitor()
         self._vms.clear()
+        for empty in (self._sockets_root, self._sockets_root.parent):
+            with contextlib.suppress(OSError):  # not empty (a VM left running, a container's state) or gone
+                empty.rmdir()

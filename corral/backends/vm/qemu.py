@@ -1,7 +1,8 @@
 """One QEMU process per VM sandbox: its command line, its QMP monitor, its files.
 
-A machine lives in its own directory (console log, QMP and agent sockets, pid
-file, scratch disk) and its guest memory in a shared file under /dev/shm, so a
+A machine lives in its own directory (console log, pid file, scratch disk), its
+unix sockets (QMP, agent) in a short one of the node's run dir, and its guest
+memory in a shared file under /dev/shm, so a
 snapshot only has to write device state (``x-ignore-shared``) and copy that
 file, and so the memory survives nothing but the machine itself. QEMU runs
 daemonized: it outlives an edge restart and is re-adopted by its pid file.
@@ -28,6 +29,7 @@ __all__ = ["Accelerator", "MachineConfig", "Machine", "QEMU_BINARY", "console_ta
 QEMU_BINARY = "qemu-system-x86_64"
 SHM_DIR = Path("/dev/shm")
 AGENT_PORT_NAME = "corral.agent"
+AGENT_SOCKET, QMP_SOCKET = "agent.sock", "qmp.sock"
 _CONFIG_FILE = "machine.json"
 
 
@@ -100,8 +102,9 @@ def kernel_command_line(config: MachineConfig) -> str:
     return " ".join(words)
 
 
-def machine_argv(config: MachineConfig, directory: Path, *, incoming: bool = False) -> list[str]:
-    """The QEMU command line: no default devices, virtio only, console to a file (never a pipe)."""
+def machine_argv(config: MachineConfig, directory: Path, sockets: Path, *, incoming: bool = False) -> list[str]:
+    """The QEMU command line: no default devices, virtio only, console to a file (never a pipe), its monitor's
+    and agent channel's unix sockets in ``sockets``."""
     memory_file = SHM_DIR / f"corral-{config.name}.mem"
     bus = "device" if config.kind == "microvm" else "pci"
     machine = (
@@ -138,10 +141,10 @@ def machine_argv(config: MachineConfig, directory: Path, *, incoming: bool = Fal
         "-drive", f"id=disk,file={config.disk},format=qcow2,if=none,discard=unmap",
         "-device", f"virtio-blk-{bus},drive=disk,serial={disk_serial}",
         "-device", f"virtio-serial-{bus}",
-        "-chardev", f"socket,id=agent,path={directory / 'agent.sock'},server=on,wait=off",
+        "-chardev", f"socket,id=agent,path={sockets / AGENT_SOCKET},server=on,wait=off",
         "-device", f"virtserialport,chardev=agent,name={AGENT_PORT_NAME}",
         "-device", f"virtio-balloon-{bus},id=balloon,free-page-reporting=on,deflate-on-oom=on",
-        "-qmp", f"unix:{directory / 'qmp.sock'},server=on,wait=off",
+        "-qmp", f"unix:{sockets / QMP_SOCKET},server=on,wait=off",
         "-pidfile", str(directory / "qemu.pid"),
         "-daemonize",
     ]  # fmt: skip
@@ -174,11 +177,13 @@ _UNIX_PATH_MAX = 107  # sun_path holds 108 bytes, the last a NUL
 
 
 class Machine:
-    """A running (or starting) QEMU process and its monitor."""
+    """A running (or starting) QEMU process and its monitor: its files in ``directory``, its unix sockets in
+    ``sockets``."""
 
-    def __init__(self, config: MachineConfig, directory: Path) -> None:
+    def __init__(self, config: MachineConfig, directory: Path, sockets: Path) -> None:
         self.config = config
         self.directory = directory
+        self.sockets = sockets
         self.memory_file = SHM_DIR / f"corral-{config.name}.mem"
         self.pid: int | None = None
         self._qmp: QMPClient | None = None
@@ -186,18 +191,19 @@ class Machine:
 
     @property
     def agent_socket(self) -> Path:
-        return self.directory / "agent.sock"
+        return self.sockets / AGENT_SOCKET
 
     async def launch(self, *, incoming: bool = False) -> None:
         """Start QEMU daemonized; returns once it runs (its guest is still booting)."""
-        longest = max(len(os.fsencode(self.directory / name)) for name in ("agent.sock", "qmp.sock"))
+        longest = max(len(os.fsencode(self.sockets / name)) for name in (AGENT_SOCKET, QMP_SOCKET))
         if longest > _UNIX_PATH_MAX:  # QEMU would refuse it with a message about a socket nobody asked for
             raise InternalError(
-                f"the VM's sockets under {self.directory} would be {longest} bytes long, over the {_UNIX_PATH_MAX} a "
-                "unix socket's path may have: give the server a shorter data dir (CORRAL_DATA_DIR)"
+                f"the VM's sockets under {self.sockets} would be {longest} bytes long, over the {_UNIX_PATH_MAX} a "
+                "unix socket's path may have"
             )
+        self.sockets.mkdir(parents=True, exist_ok=True)
         self.config.save(self.directory)
-        argv = machine_argv(self.config, self.directory, incoming=incoming)
+        argv = machine_argv(self.config, self.directory, self.sockets, incoming=incoming)
         if self.config.netns:
             argv = ["ip", "netns", "exec", self.config.netns, *argv]
         with (self.directory / "qemu.log").open("ab") as log:
@@ -233,7 +239,7 @@ class Machine:
             client = QMPClient(f"corral-{self.config.name}")
             for _ in range(100):
                 try:
-                    await client.connect(str(self.directory / "qmp.sock"))
+                    await client.connect(str(self.sockets / QMP_SOCKET))
                     break
                 except (OSError, ConnectionError, Exception):  # noqa: BLE001 - qemu.qmp wraps OS errors in its own
                     if not self.alive():
