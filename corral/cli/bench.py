@@ -37,17 +37,17 @@ def bench_warm_pool(
     batch: Annotated[
         int | None,
         typer.Option(
-            help="Sandboxes per batch (cold, then from the pool); 0: none. Default: 1000, none for microvm."
+            help="Sandboxes per batch (cold, then from the pool); 0: none. Default: 1000, none for VMs."
         ),  # fmt: skip
     ] = None,
-    backend: Annotated[str, typer.Option(help="container or microvm.")] = "container",
+    backend: Annotated[str, typer.Option(help="container, microvm or vm.")] = "container",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """Measure creates claimed from a warm pool against cold creates: create-to-first-exec and a batch's rate."""
     from corral.bench.warm_pool import run_warm_pool_benchmark
 
-    if backend not in ("container", "microvm"):
-        raise typer.BadParameter("container or microvm", param_hint="--backend")
+    if backend not in ("container", "microvm", "vm"):
+        raise typer.BadParameter("container, microvm or vm", param_hint="--backend")
     if batch is None:
         batch = 1000 if backend == "container" else 0
     run_warm_pool_benchmark(runs=runs, batch=batch, backend=backend, as_json=as_json, console=console)

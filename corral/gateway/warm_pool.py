@@ -1,14 +1,14 @@
-"""Warm pools: container and microvm sandboxes started ahead of demand, which a create claims instead of starting one.
+"""Warm pools: container and VM sandboxes started ahead of demand, which a create claims instead of starting one.
 
 A container's start (crun create and start, its overlay, its cgroups: ~17 ms here) is most of a create, and a
-microvm's boot (or the restore of its boot template: ~0.3-4 s on TCG) all but the whole of it. A pool
+VM's boot (or the restore of its boot template: ~0.3-6 s on TCG) all but the whole of it. A pool
 per shape (the stack of layers, backend, runtime, cpu, memory, pids, CPU class, disk, setuid label, guard paths:
 what the runtime fixes when the container starts) keeps such sandboxes running, unclaimed. A create of that
 shape takes one: its record becomes the client's (labels, env, cwd, user, TTL, idle pause, node selector
 excepted: see ``poolable``) and its edge applies the per-command settings (``Edge.claim``), so it is exactly the
 sandbox a cold create would have made, only started earlier. A claimed sandbox is the client's; nothing goes
 back to a pool (its end destroys it as any other). A create whose shape has no warm sandbox starts one cold, as
-without pools; a network policy, a node selector, a restore or the vm backend always does.
+without pools; a network policy, a node selector or a restore always does.
 
 Sizing: a pool's target is how many creates of its shape came in the last ``window_s`` (demand), and all
 pools' warm sandboxes together stay within ``memory_budget_mb``, counted at their memory limit (what admission
@@ -93,15 +93,16 @@ class Shape:
         return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
 
 
-_PRIMED_BACKENDS = frozenset({"microvm"})  # their first command is slow: see WarmPools._prime
+_PRIMED_BACKENDS = frozenset({"microvm", "vm"})  # their first command is slow: see WarmPools._prime
 _PRIMER = ExecRequest(cmd="true", timeout_s=30)
-POOLED_BACKENDS = frozenset({"container", "microvm"})
-"""The backends pools serve. Not the full ``vm``: a whole operating system's boot (seconds of a core under TCG,
-its init system's memory) is too much to keep idle on speculation; its creates restore a boot template."""
+POOLED_BACKENDS = frozenset({"container", "microvm", "vm"})
+"""The backends pools serve: every stateful one (``fncall`` keeps pools of its own). A full ``vm`` is a whole
+operating system's memory kept idle, so its pools are what the budget and the demand make them, as any other's:
+nothing is started for a shape nobody asked for, and a vm's creates restore its boot template meanwhile."""
 
 
 def poolable(request: CreateSandboxRequest) -> bool:
-    """Creates a pool may serve: container and microvm sandboxes on loopback only, placed by the scheduler (a
+    """Creates a pool may serve: container, microvm and vm sandboxes on loopback only, placed by the scheduler (a
     network policy and a node selector are set up at start and always start cold), and not the pools' own (nor
     the fncall pools', which recycle theirs)."""
     return (request.backend in POOLED_BACKENDS and request.network is None and not request.node_selector

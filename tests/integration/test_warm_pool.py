@@ -23,7 +23,7 @@ from corral.backends.common.host import runtime_dirs_of, runtime_state_root
 from corral.embedded import EmbeddedServer
 from corral.gateway.warm_pool import CLAIMED_NOTE
 
-# The budget holds every pool of this module at its demand (about 2.1 GB: each test has a shape of its own).
+# The budget holds every pool of this module at its demand (about 2.6 GB: each test has a shape of its own).
 WARM_ENV = {"CORRAL_WARM_POOL_MEMORY_MB": "3072", "CORRAL_WARM_POOL_WINDOW_S": "600"}
 
 
@@ -117,17 +117,27 @@ def test_pool_sandboxes_run_at_the_lowest_cpu_weight_until_claimed(
         sandbox.kill()
 
 
+def _pooled_guests(server: EmbeddedServer, client: corral.Client, image: str, backend: str, memory_mb: int,
+                   leave: str) -> set[str]:  # fmt: skip
+    """The shape's first create (a boot, or a template's restore) runs ``leave``, ends, and makes the shape's pool:
+    the pool's guests once one is warm, each waiting at the lowest CPU weight."""
+    first = client.create(image, backend=backend, memory_mb=memory_mb, ttl_s=300)
+    assert first.info.status_message != CLAIMED_NOTE
+    first.exec(leave)
+    first.kill()
+    _wait_for(lambda: _warm(server, memory_mb) >= 1, timeout_s=180)
+    assert _metric(server, "corral_warm_pool_sandboxes", backend=backend, memory_mb=str(memory_mb), state="warm") >= 1
+    warm = _warm_guests(server) - {first.id}
+    assert warm and {_cpu_weight("corral-vm", i) for i in warm} == {qos.POOL_WEIGHT}
+    return warm
+
+
 def test_a_microvm_create_claims_a_booted_guest(pooled: EmbeddedServer, client: corral.Client) -> None:
     """A microvm pool holds booted guests: a create of its shape claims one (no boot), whose agent takes the
     client's env and working dir, and which holds nothing of the guest the shape's first create used."""
-    first = client.create("busybox", backend="microvm", memory_mb=256, ttl_s=300)
-    assert first.info.status_message != CLAIMED_NOTE  # the shape's first create boots (or restores a template)
-    first.exec("echo first > /root/mark; sleep 600 >/dev/null 2>&1 &")
-    first.kill()
-    _wait_for(lambda: _warm(pooled, 256) >= 1, timeout_s=180)
-    assert _metric(pooled, "corral_warm_pool_sandboxes", backend="microvm", memory_mb="256", state="warm") >= 1
-    warm = _warm_guests(pooled) - {first.id}
-    assert warm and {_cpu_weight("corral-vm", i) for i in warm} == {qos.POOL_WEIGHT}  # booted, waiting at the lowest
+    warm = _pooled_guests(
+        pooled, client, "busybox", "microvm", 256, "echo first > /root/mark; sleep 600 >/dev/null 2>&1 &"
+    )
     started = time.perf_counter()
     sandbox = client.create("busybox", backend="microvm", memory_mb=256, ttl_s=300, env={"TASK": "vm-3"}, cwd="/tmp")
     try:
@@ -137,11 +147,26 @@ def test_a_microvm_create_claims_a_booted_guest(pooled: EmbeddedServer, client: 
         took_ms = (time.perf_counter() - started) * 1000
         print(f"\npooled microvm create → first exec: {took_ms:.1f} ms")
         info = sandbox.info
-        assert info.status_message == CLAIMED_NOTE and info.backend == "microvm" and sandbox.id != first.id
-        assert sandbox.id in warm and _cpu_weight("corral-vm", sandbox.id) == qos.V2_DEFAULT_WEIGHT
+        assert info.status_message == CLAIMED_NOTE and info.backend == "microvm" and sandbox.id in warm
+        assert _cpu_weight("corral-vm", sandbox.id) == qos.V2_DEFAULT_WEIGHT
         lines = result.stdout.splitlines()
         assert lines[:2] == ["vm-3", "/tmp"] and lines[2] != os.uname().release, result  # the guest's own kernel
         assert lines[3:] == ["0"], result  # no mark, no process of the first guest
+    finally:
+        sandbox.kill()
+
+
+def test_a_full_vm_create_claims_a_booted_system(pooled: EmbeddedServer, client: corral.Client) -> None:
+    """A full vm's pool holds booted guests of the shape's whole disk too: a create claims one (no boot, no
+    restore), with the client's settings, and nothing of the system the shape's first create ran."""
+    warm = _pooled_guests(pooled, client, "debian-12", "vm", 448, "echo first > /root/mark")
+    sandbox = client.create("debian-12", backend="vm", memory_mb=448, ttl_s=300, env={"TASK": "vm-4"}, cwd="/tmp")
+    try:
+        result = sandbox.exec('echo "$TASK"; pwd; hostname; cat /root/mark 2>/dev/null; true')
+        info = sandbox.info
+        assert info.status_message == CLAIMED_NOTE and info.backend == "vm" and sandbox.id in warm
+        assert _cpu_weight("corral-vm", sandbox.id) == qos.V2_DEFAULT_WEIGHT
+        assert result.stdout.splitlines() == ["vm-4", "/tmp", sandbox.id[-12:]], result  # no mark of the first
     finally:
         sandbox.kill()
 
