@@ -458,8 +458,8 @@ class VmBackend:
     async def _diverge(self, vm: _Vm) -> None:
         """A restored guest is a copy: give it its own hostname and stir fresh host entropy into its RNG."""
         hostname = vm.spec.sandbox_id[-12:]
-        order = ExecOrder(["sh", "-c", 'hostname "$1" && cat > /dev/urandom', "sh", hostname], {}, "/", "root",
-                          10_000, 4096, True, tool="guest")  # fmt: skip
+        script = 'echo "$1" > /proc/sys/kernel/hostname && exec cat > /dev/urandom'
+        order = ExecOrder(["sh", "-c", script, "sh", hostname], {}, "/", "root", 10_000, 4096, True, tool="guest")
         async for _ in vm.agent.run(vm.agent.new_job_id(), order, os.urandom(512)):
             pass
 
