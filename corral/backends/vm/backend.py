@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import io
 import json
@@ -233,8 +234,10 @@ def _fill(copy: _PendingCopy) -> None:
         while offset < size:
             try:
                 start = os.lseek(src.fileno(), offset, os.SEEK_DATA)
-            except OSError:  # ENXIO: no data after offset
-                break
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # no data after offset
+                    break
+                raise
             end = os.lseek(src.fileno(), start, os.SEEK_HOLE)
             os.lseek(dst.fileno(), start, os.SEEK_SET)
             while start < end:  # sendfile writes at dst's position, reads src at ``start``
