@@ -4,8 +4,18 @@ process cleanup and the tests share, and the small reads of /proc, /sys and cgro
 from __future__ import annotations
 
 import os
+import re
 
-__all__ = ["read_small", "running", "stat_fields"]
+__all__ = ["mount_field", "read_small", "running", "stat_fields"]
+
+_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
+
+
+def mount_field(text: str) -> str:
+    """A path field of /proc/*/mounts or mountinfo as it is: the kernel writes a space, tab, newline and backslash
+    in a mount's source or mount point as an octal escape (``\\040``), so a path holding one never equals its
+    field as written."""
+    return _OCTAL_ESCAPE.sub(lambda match: chr(int(match.group(1), 8)), text) if "\\" in text else text
 
 
 def read_small(path: str) -> str:

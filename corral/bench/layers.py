@@ -42,6 +42,7 @@ from corral.config import Settings
 from corral.embedded import EmbeddedServer, linked_node_dir
 from corral.images.erofs import build_erofs
 from corral.images.store import LayerStore, check_layer_file
+from corral.procfs import mount_field
 from corral.sdk import Client, ExecResult, InvalidRequest, Sandbox
 
 __all__ = ["run_layers_benchmark"]
@@ -68,8 +69,8 @@ def _umount(target: Path, flags: int = 0) -> None:
 def _unmount_under(root: Path) -> None:
     """Detach whatever is still mounted under ``root``, deepest (latest) first."""
     prefix = f"{root}/"
-    targets = [fields[1] for line in Path("/proc/self/mounts").read_text().splitlines()
-               if len(fields := line.split()) > 1 and fields[1].startswith(prefix)]  # fmt: skip
+    targets = [mount_field(fields[1]) for line in Path("/proc/self/mounts").read_text().splitlines()
+               if len(fields := line.split()) > 1 and mount_field(fields[1]).startswith(prefix)]  # fmt: skip
     for target in reversed(targets):
         with contextlib.suppress(OSError):
             _umount(Path(target), _MNT_DETACH)

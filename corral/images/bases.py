@@ -40,6 +40,7 @@ from typing import IO, Literal
 from corral.api.errors import CorralError, InvalidRequest, NotFound
 from corral.images.erofs import build_erofs
 from corral.images.store import ImageRecord, LayerStore
+from corral.procfs import mount_field
 
 __all__ = [
     "BASE_IMAGE_NAMES",
@@ -421,7 +422,7 @@ def _mounts_below(path: Path) -> list[str]:
     mounts = []
     with open("/proc/self/mountinfo", encoding="utf-8") as f:
         for line in f:
-            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4])
+            point = mount_field(line.split()[4])
             if point == root or point.startswith(root + "/"):
                 mounts.append(point)
     return mounts

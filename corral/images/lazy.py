@@ -73,7 +73,7 @@ import httpx
 
 from corral.api.errors import InternalError, NotFound, ServerUnavailable
 from corral.images.store import ChunkIndex, LayerStore, check_layer_file
-from corral.procfs import running
+from corral.procfs import mount_field, running
 
 __all__ = ["LAZY_FILE_NAME", "AuditSink", "LayerSource", "OnDemandLayers", "PartialFiles", "build_lazyfs",
            "check_layer", "is_on_demand_file"]  # fmt: skip
@@ -120,7 +120,7 @@ def is_on_demand_file(path: Path) -> bool:
     mountpoint = str(path.parent)
     for line in Path("/proc/self/mounts").read_text().splitlines():
         fields = line.split()
-        if len(fields) > 2 and fields[1] == mountpoint and fields[2] == "fuse.corral-lazyfs":
+        if len(fields) > 2 and mount_field(fields[1]) == mountpoint and fields[2] == "fuse.corral-lazyfs":
             return True
     return False
 
@@ -674,7 +674,7 @@ def _mount_dev(mountpoint: Path) -> int | None:
     target = str(mountpoint)
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
         fields = line.split(" ", 5)
-        if len(fields) > 4 and fields[4] == target:
+        if len(fields) > 4 and mount_field(fields[4]) == target:
             major, _, minor = fields[2].partition(":")
             dev = os.makedev(int(major), int(minor))
     return dev

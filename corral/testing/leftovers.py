@@ -21,6 +21,7 @@ from pathlib import Path
 
 from corral.backends.common.host import runtime_dirs_of, runtime_state_root, vm_sockets_of
 from corral.backends.common.network import sandbox_veth_name
+from corral.procfs import mount_field
 
 __all__ = ["Leftovers", "find_leftovers"]
 
@@ -83,7 +84,7 @@ def _mounts(data_dir: Path, ids: set[str], server_pid: int | None) -> list[str]:
     in the server's namespace (where the layers are mounted: those are the node's, not a sandbox's, unless
     they name a sandbox)."""
     found = [line for line in Path("/proc/mounts").read_text().splitlines()
-             if str(data_dir) in line or any(sandbox_id in line for sandbox_id in ids)]  # fmt: skip
+             if str(data_dir) in mount_field(line) or any(sandbox_id in line for sandbox_id in ids)]  # fmt: skip
     if server_pid is not None:
         try:
             server_mounts = Path(f"/proc/{server_pid}/mounts").read_text().splitlines()

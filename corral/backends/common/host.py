@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from corral.procfs import read_small, stat_fields
+from corral.procfs import mount_field, read_small, stat_fields
 
 __all__ = [
     "CgroupLayout",
@@ -111,7 +111,7 @@ def fs_type_at(path: Path, mounts: str | None = None) -> str:
         fields = line.split()
         if len(fields) < 3:
             continue
-        point = fields[1].replace("\\040", " ").replace("\\011", "\t").replace("\\134", "\\")
+        point = mount_field(fields[1])
         if point == target or target.startswith(point.rstrip("/") + "/"):
             if len(point) >= best:  # a later mount on the same point is the one in effect
                 best, found = len(point), fields[2]
