@@ -21,7 +21,8 @@ from types import TracebackType
 
 import httpx
 
-from corral.backends.common.host import run_dir_of, runtime_state_root
+from corral.backends.common.host import detect_cgroup_layout, run_dir_of, runtime_state_root
+from corral.backends.vm.cgroup import VmCgroup
 from corral.config import Settings
 from corral.sdk import Client, CorralError
 
@@ -70,17 +71,30 @@ def delete_leftover_sandboxes(data_dir: Path) -> None:
 
 def _kill_leftover_vms(data_dir: Path) -> None:
     """QEMU processes of the VM sandboxes that outlived their server (a create still booting when it
-    stopped): by their pid files, checked against the process's name, with their guest memory files."""
-    for pid_file in sorted((data_dir / "vms").glob("*/qemu.pid")):
-        sandbox_id = pid_file.parent.name
+    stopped, a warm pool's guests): by their pid files, checked against the process's name, with their guest
+    memory files and their cgroups (which outlive the process: the kernel keeps an empty cgroup until removed)."""
+    layout = detect_cgroup_layout()
+    for machine_dir in sorted(path for path in (data_dir / "vms").glob("*") if path.is_dir()):
+        sandbox_id = machine_dir.name
         try:
-            pid = int(pid_file.read_text().strip())
+            pid = int((machine_dir / "qemu.pid").read_text().strip())
             if f"corral-{sandbox_id}".encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
                 print(f"killing VM {sandbox_id} (QEMU pid {pid}), which outlived its server", file=sys.stderr)
                 os.kill(pid, signal.SIGKILL)
         except (OSError, ValueError):
             pass
         Path(f"/dev/shm/corral-{sandbox_id}.mem").unlink(missing_ok=True)
+        cgroup = VmCgroup(layout, sandbox_id)
+        _wait_empty(cgroup)
+        cgroup.remove()
+
+
+def _wait_empty(cgroup: VmCgroup, timeout_s: float = 10.0) -> None:
+    """Until a killed QEMU has left its cgroup: all its threads, not only the leader (a zombie leader whose vCPU
+    threads are still exiting is listed, and keeps the cgroup busy)."""
+    deadline = time.monotonic() + timeout_s
+    while cgroup.pids() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _delete_leftover_containers(data_dir: Path) -> None:

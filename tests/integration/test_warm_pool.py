@@ -19,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import corral
 from corral.backends.common import qos
-from corral.backends.common.host import runtime_dirs_of, runtime_state_root
+from corral.backends.common.host import detect_cgroup_layout, runtime_dirs_of, runtime_state_root
+from corral.backends.vm.cgroup import VmCgroup
 from corral.embedded import EmbeddedServer
 from corral.gateway.warm_pool import CLAIMED_NOTE
 
@@ -31,6 +32,14 @@ WARM_ENV = {"CORRAL_WARM_POOL_MEMORY_MB": "3072", "CORRAL_WARM_POOL_WINDOW_S": "
 def pooled(tmp_path_factory: pytest.TempPathFactory, test_env: dict[str, str]) -> Iterator[EmbeddedServer]:
     with EmbeddedServer(tmp_path_factory.mktemp("warm-server"), env={**test_env, **WARM_ENV}) as proc:
         yield proc
+    # Its shutdown killed the VM pools' guests the server left running (a restart would take them back): their
+    # cgroups go with them. A killed QEMU's leader is a zombie before its vCPU threads have gone, so removing the
+    # cgroup when the leader is one found it busy and left it behind, one per warm guest.
+    guests = [d.name for d in (proc.data_dir / "vms").iterdir() if d.is_dir()]
+    assert guests, "no VM pool guest to check"
+    layout = detect_cgroup_layout()
+    left = [guest for guest in guests if VmCgroup(layout, guest).memory_dir.exists()]
+    assert not left, f"VM cgroups left behind: {left}"
 
 
 @pytest.fixture

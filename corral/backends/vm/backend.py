@@ -279,6 +279,9 @@ class VmBackend:
         self._templates = templates
         self._cgroup_layout = cgroup_layout  # None: QEMU runs in the server's cgroup (backend-level tests)
         self._vms: dict[str, _Vm] = {}
+        # Machines not yet in _vms (a create or rewind under way): a failure's cleanup kills them and closes their
+        # monitors (a dropped QMP client leaves its reader's EOFError unretrieved, logged whenever it is collected).
+        self._starting: dict[str, Machine] = {}
         self._ready_lock = asyncio.Lock()
         self._kit: GuestKit | None = None
         self.accelerator: Accelerator | None = None
@@ -402,7 +405,9 @@ class VmBackend:
                     restored = True
                 else:
                     await self._make_disk(spec, config)
-                    machine = Machine(config, directory, self._sockets(spec.sandbox_id))
+                    machine = self._starting[spec.sandbox_id] = Machine(
+                        config, directory, self._sockets(spec.sandbox_id)
+                    )
                     await self._launch(machine, spec)
             agent = await self._connect_agent(machine, self._boot_timeout_s)
             vm = _Vm(spec, machine, agent)
@@ -414,6 +419,7 @@ class VmBackend:
             await self.destroy(spec.sandbox_id)  # finds a QEMU started half-way by its pid file
             raise
         self._vms[spec.sandbox_id] = vm
+        self._starting.pop(spec.sandbox_id, None)
         if not restored and template is not None:
             await self._save_template(spec.sandbox_id, template)
         accel = self.accelerator
@@ -508,7 +514,7 @@ class VmBackend:
                 "hostname": spec.sandbox_id[-12:],
             }
         )
-        machine = Machine(config, directory, self._sockets(spec.sandbox_id))
+        machine = self._starting[spec.sandbox_id] = Machine(config, directory, self._sockets(spec.sandbox_id))
         shared = config.memory == "shared"
         if shared:  # QEMU starts meanwhile: waiting for its migration stream, it leaves guest RAM alone
             memory = await asyncio.to_thread(_sized_like, source / "memory", machine.memory_file)
@@ -621,9 +627,14 @@ class VmBackend:
     async def destroy(self, sandbox_id: str) -> None:
         vm = self._vms.pop(sandbox_id, None)
         directory = self._machine_dir(sandbox_id)
-        machine = vm.machine if vm is not None else None
+        starting = self._starting.pop(sandbox_id, None)
+        machine = vm.machine if vm is not None else starting
         if vm is not None:
             vm.agent.close()
+        if starting is not None and starting is not machine:
+            await starting.kill()  # a rewind's new machine that failed before it replaced the old one
+        if machine is not None and machine.pid is None:
+            machine.adopt()  # failed or cancelled in its start: its pid file, if QEMU got as far as writing it
         if machine is None and (directory / "machine.json").exists():
             try:
                 machine = Machine(MachineConfig.load(directory), directory, self._sockets_of_existing(sandbox_id))
@@ -764,6 +775,7 @@ class VmBackend:
             self._vms.pop(sandbox_id, None)  # its watcher reports it ended
             raise
         self._vms[sandbox_id] = _Vm(vm.spec, machine, agent)
+        self._starting.pop(sandbox_id, None)
 
     async def pack_diff(self, sandbox_id: str, dest: Path) -> None:
         """The guest's writable layer as an EROFS diff layer (microvm: the overlay's upper directory)."""

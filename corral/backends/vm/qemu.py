@@ -210,7 +210,13 @@ class Machine:
             proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
             )
-            code = await proc.wait()
+            exited = asyncio.ensure_future(proc.wait())
+            try:
+                code = await asyncio.shield(exited)
+            except asyncio.CancelledError:  # let the launcher daemonize and write its pid file: the cleanup kills by it
+                if await exited == 0:
+                    self.adopt()
+                raise
         if code != 0:
             detail = (self.directory / "qemu.log").read_text(errors="replace").strip()[-1500:]
             raise RuntimeError(f"QEMU did not start (exit {code}): {detail}")
