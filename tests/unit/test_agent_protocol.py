@@ -3,29 +3,36 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import stat
 import struct
 import subprocess
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 
 from corral.backends.common.agent_protocol import (
     _HEADER,
+    T_EXEC,
+    T_EXIT,
     T_FIND,
     T_HELLO,
     T_PING,
     T_PONG,
+    T_STARTED,
     AgentConnection,
     AgentExit,
     AgentOutput,
     AgentStarted,
     ExecOrder,
     IpcCounts,
+    TreeWalk,
 )
 from corral.backends.common.host import build_native_helpers
+from corral.backends.vm.backend import ExitWalk, walk_still_current
 
 
 def test_exec_order_rejects_nul() -> None:
@@ -145,14 +152,13 @@ async def test_find_stops_at_its_cap_and_says_so(agent: AgentConnection, tmp_pat
     assert all(name.startswith(f"{tmp_path.name}/file-") for name in names)
 
 
-async def test_find_learns_once_that_an_older_agent_cannot() -> None:
-    """An agent built before FIND ignores it (as it does any type it does not know) and answers the ping sent
-    behind it: the edge is told to walk another way, and asks no more on that connection. The peer here speaks
-    only what such an agent does: its hello and pongs."""
+@contextlib.asynccontextmanager
+async def older_agent(answer: Callable[[int, int], bytes]) -> AsyncIterator[AgentConnection]:
+    """A connection to a peer that speaks only what an agent of an older build does: its hello, then for each
+    frame it reads (type, job id) what ``answer`` gives back (nothing for a type it does not know)."""
     edge_end, peer_end = socket.socketpair()
-    seen: list[int] = []
 
-    def older_agent() -> None:
+    def serve() -> None:
         peer_end.sendall(_HEADER.pack(13, T_HELLO, 0) + struct.pack("<II", 2, os.getpid()))
         buffer = b""
         while chunk := peer_end.recv(65536):
@@ -160,19 +166,89 @@ async def test_find_learns_once_that_an_older_agent_cannot() -> None:
             while len(buffer) >= 4 and len(buffer) >= 4 + struct.unpack_from("<I", buffer)[0]:
                 total, kind, job_id = _HEADER.unpack_from(buffer)
                 buffer = buffer[4 + total :]
-                seen.append(kind)
-                if kind == T_PING:
-                    peer_end.sendall(_HEADER.pack(5, T_PONG, job_id))
+                peer_end.sendall(answer(kind, job_id))
 
-    peer = asyncio.get_running_loop().run_in_executor(None, older_agent)
+    peer = asyncio.get_running_loop().run_in_executor(None, serve)
     agent = AgentConnection(edge_end)
     try:
         await agent.start(hello_timeout_s=5)
-        assert await asyncio.wait_for(agent.find("/scratch/upper", ["usr/bin"], 1 << 20), 5) is None
-        assert await asyncio.wait_for(agent.find("/scratch/upper", ["usr/bin"], 1 << 20), 5) is None
+        yield agent
     finally:
         agent.close()
         peer_end.shutdown(socket.SHUT_RDWR)
         await peer
         peer_end.close()
+
+
+async def test_find_learns_once_that_an_older_agent_cannot() -> None:
+    """An agent built before FIND ignores it (as it does any type it does not know) and answers the ping sent
+    behind it: the edge is told to walk another way, and asks no more on that connection."""
+    seen: list[int] = []
+
+    def answer(kind: int, job_id: int) -> bytes:
+        seen.append(kind)
+        return _HEADER.pack(5, T_PONG, job_id) if kind == T_PING else b""
+
+    async with older_agent(answer) as agent:
+        assert await asyncio.wait_for(agent.find("/scratch/upper", ["usr/bin"], 1 << 20), 5) is None
+        assert await asyncio.wait_for(agent.find("/scratch/upper", ["usr/bin"], 1 << 20), 5) is None
     assert seen == [T_FIND, T_PING]  # the second call sent nothing
+
+
+async def test_a_walk_after_a_command_sees_what_the_command_wrote(agent: AgentConnection, tmp_path: Path) -> None:
+    """EXEC flag 16: the agent walks once the command has exited (not when it starts), and the names ride on its
+    exit; the command's own output is untouched. With a terminal the walk's request follows the terminal's size."""
+    upper = tmp_path / "upper"
+    (upper / "etc").mkdir(parents=True)
+    walk = TreeWalk(str(upper), ("usr/bin", "etc/ld.so.preload"), 1 << 20)
+    script = f"mkdir -p {upper}/usr/bin/sub && : > {upper}/usr/bin/sub/new && echo done"
+    out, _, end = await collect(agent, ExecOrder(["sh", "-c", script], {"PATH": os.environ["PATH"]}, "/", "",
+                                                 5000, 1 << 20, False, walk_after=walk))  # fmt: skip
+    assert out == b"done\n" and end.exit_code == 0
+    assert end.walked == (["usr/bin/sub/new"], False)
+    (upper / "etc/ld.so.preload").write_text("evil.so")
+    terminal = ExecOrder(["true"], {"PATH": os.environ["PATH"]}, "/", "", 5000, 1 << 20, False, terminal=(24, 80),
+                         walk_after=walk)  # fmt: skip
+    _, _, end = await collect(agent, terminal)
+    assert end.walked is not None and sorted(end.walked[0]) == ["etc/ld.so.preload", "usr/bin/sub/new"]
+    _, _, end = await collect(agent, order(["true"]))
+    assert end.walked is None  # not asked for
+
+
+async def test_a_walk_after_a_command_stops_at_its_cap(agent: AgentConnection, tmp_path: Path) -> None:
+    for index in range(100):
+        (tmp_path / f"file-{index:03}").write_text("")
+    walk = TreeWalk(str(tmp_path.parent), (tmp_path.name,), 200)
+    _, _, end = await collect(agent, ExecOrder(["true"], {"PATH": os.environ["PATH"]}, "/", "", 5000, 1 << 20,
+                                               False, walk_after=walk))  # fmt: skip
+    assert end.walked is not None
+    names, cut = end.walked
+    assert cut and 0 < len(names) < 100 and sum(len(name) + 1 for name in names) <= 200
+
+
+async def test_an_older_agent_runs_the_command_and_sends_no_walk() -> None:
+    """An agent built before EXEC flag 16 ignores it and the bytes after the strings: the command runs, its exit
+    says nothing was walked (the edge then asks FIND)."""
+
+    def answer(kind: int, job_id: int) -> bytes:
+        if kind != T_EXEC:
+            return b""
+        started = _HEADER.pack(9, T_STARTED, job_id) + struct.pack("<I", 4242)
+        return started + _HEADER.pack(10, T_EXIT, job_id) + struct.pack("<iB", 0, 0)
+
+    async with older_agent(answer) as agent:
+        walk = TreeWalk("/scratch/upper", ("usr/bin",), 1 << 20)
+        exec_order = ExecOrder(["true"], {}, "/", "", 5000, 100, False, walk_after=walk)
+        _, _, end = await asyncio.wait_for(collect(agent, exec_order), 5)
+        assert end.exit_code == 0 and end.walked is None
+
+
+def test_a_walk_at_an_exit_answers_the_audit_only_until_another_command_starts() -> None:
+    """The rule VmBackend.findings applies: the walk at command 7's exit is the audit's answer while 7 is still the
+    last command sent to the agent and the audit asks the same walk; else the agent must walk again."""
+    request = TreeWalk("/scratch/upper", ("etc/ld.so.preload", "usr/bin"), 1 << 20)
+    walked = ExitWalk(7, request, ["usr/bin/x"], False)
+    assert walk_still_current(walked, 7, request) == (["usr/bin/x"], False)
+    assert walk_still_current(walked, 8, request) is None  # a command (or a file operation) started since
+    assert walk_still_current(walked, 7, TreeWalk("/scratch/upper", ("usr/bin",), 1 << 20)) is None
+    assert walk_still_current(None, 7, request) is None

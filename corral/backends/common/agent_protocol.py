@@ -17,20 +17,37 @@ from dataclasses import dataclass, field
 
 from corral.api.errors import Conflict, ServerUnavailable
 
-__all__ = ["AgentConnection", "AgentExit", "AgentOutput", "AgentStarted", "ExecOrder", "IpcCounts"]
+__all__ = ["AgentConnection", "AgentExit", "AgentOutput", "AgentStarted", "ExecOrder", "IpcCounts", "TreeWalk"]
 
 T_EXEC, T_STDIN, T_SIGNAL, T_PING, T_KILL_ALL, T_RESIZE = 1, 2, 3, 4, 5, 6
 T_STARTED, T_STDOUT, T_STDERR, T_EXIT, T_ERROR, T_PONG, T_HELLO = 10, 11, 12, 13, 14, 15, 20
-T_IPC_QUERY, T_IPC_COUNTS, T_FIND = 31, 32, 33
-F_TIMED_OUT, F_OUT_TRUNC, F_ERR_TRUNC = 1, 2, 4
+T_IPC_QUERY, T_IPC_COUNTS, T_FIND, T_FOUND = 31, 32, 33, 34
+F_TIMED_OUT, F_OUT_TRUNC, F_ERR_TRUNC, F_WALK_CUT, F_WALKED = 1, 2, 4, 8, 16
 _TOOL_FLAGS = {"": 0, "sandbox": 2, "guest": 2 | 4}  # EXEC flags: run the tool binary by fd; skip the chroot
 _X_TERMINAL = 8  # EXEC flag: a pseudo-terminal for the command; u16 rows, u16 cols follow the strings
+_X_WALK_AFTER = 16  # EXEC flag: a walk (FIND's payload) once the command exited; after the terminal's size
 AGENT_VERSION = 2  # 2: terminals
 _AGENT_VERSIONS = frozenset({1, 2})  # agents an edge still talks to (one started by an older build keeps running)
 _TERMINAL_SIZE = struct.Struct("<HH")
 _HEADER = struct.Struct("<IBI")
 _EXEC_FIXED = struct.Struct("<IIQII")
 _MAX_FRAME = 16 << 20
+
+
+@dataclass(frozen=True)
+class TreeWalk:
+    """What FIND walks: every non-directory at or below each of ``paths`` (relative to ``root``), at most
+    ``cap_bytes`` of NUL-terminated names."""
+
+    root: str
+    paths: tuple[str, ...]
+    cap_bytes: int
+
+    def encode(self) -> bytes:
+        strings = (self.root, *self.paths)
+        if any("\0" in text for text in strings):
+            raise ValueError("NUL byte in a path")
+        return struct.pack("<I", self.cap_bytes) + b"".join(s.encode() + b"\0" for s in strings)
 
 
 @dataclass(frozen=True)
@@ -46,21 +63,24 @@ class ExecOrder:
     has_stdin: bool
     tool: str = ""  # guest agents: "sandbox" runs the project's busybox in the sandbox's root, "guest" outside it
     terminal: tuple[int, int] | None = None  # (rows, cols): the command runs on a pseudo-terminal
+    walk_after: TreeWalk | None = None  # the agent walks this once the command exited (AgentExit.walked)
 
     def encode(self) -> bytes:
         strings = [self.user, self.cwd, *self.argv, *(f"{k}={v}" for k, v in self.env.items())]
         for text in strings:
             if "\0" in text:
                 raise ValueError("NUL byte in command, environment, cwd or user")
+        flags = (1 if self.has_stdin else 0) | _TOOL_FLAGS[self.tool] | (_X_TERMINAL if self.terminal else 0)
         fixed = _EXEC_FIXED.pack(
-            (1 if self.has_stdin else 0) | _TOOL_FLAGS[self.tool] | (_X_TERMINAL if self.terminal else 0),
+            flags | (_X_WALK_AFTER if self.walk_after else 0),
             self.timeout_ms,
             self.output_cap_bytes,
             len(self.argv),
             len(self.env),
         )
         size = _TERMINAL_SIZE.pack(*self.terminal) if self.terminal else b""
-        return fixed + b"".join(s.encode() + b"\0" for s in strings) + size
+        walk = self.walk_after.encode() if self.walk_after else b""
+        return fixed + b"".join(s.encode() + b"\0" for s in strings) + size + walk
 
 
 @dataclass(frozen=True)
@@ -80,6 +100,14 @@ class AgentExit:
     timed_out: bool
     stdout_truncated: bool
     stderr_truncated: bool
+    walked: tuple[list[str], bool] | None = None  # ExecOrder.walk_after's names and whether its cap cut them short
+
+
+@dataclass(frozen=True)
+class _Found:
+    """Names of an EXEC's walk (FOUND), NUL-terminated; the exit that follows carries them (AgentExit.walked)."""
+
+    names: bytes
 
 
 @dataclass(frozen=True)
@@ -92,7 +120,7 @@ class IpcCounts:
 
 
 AgentEvent = AgentStarted | AgentOutput | AgentExit
-_Answer = AgentEvent | IpcCounts
+_Answer = AgentEvent | IpcCounts | _Found
 
 
 @dataclass
@@ -113,6 +141,7 @@ class AgentConnection:
         self.agent_pid: int | None = None
         self.agent_version = AGENT_VERSION  # what the agent said in its hello
         self._finds: bool | None = None  # does the agent walk trees itself (FIND)? Learned on first use
+        self.last_exec_id: int | None = None  # the job of the last EXEC sent: a walk at an earlier one's exit is stale
         self.closed = asyncio.Event()
 
     async def start(self, hello_timeout_s: float, *, ping: bool = False) -> None:
@@ -179,7 +208,11 @@ class AgentConnection:
             return AgentOutput("stderr", payload)
         if kind == T_EXIT:
             code, flags = struct.unpack_from("<iB", payload)
-            return AgentExit(code, bool(flags & F_TIMED_OUT), bool(flags & F_OUT_TRUNC), bool(flags & F_ERR_TRUNC))
+            walked: tuple[list[str], bool] | None = ([], bool(flags & F_WALK_CUT)) if flags & F_WALKED else None
+            return AgentExit(code, bool(flags & F_TIMED_OUT), bool(flags & F_OUT_TRUNC), bool(flags & F_ERR_TRUNC),
+                             walked)  # fmt: skip  # walked's names: from the FOUND frames, in run()
+        if kind == T_FOUND:
+            return _Found(payload)
         if kind == T_ERROR:
             return Conflict(payload.decode(errors="replace"))
         if kind == T_PONG:
@@ -208,8 +241,10 @@ class AgentConnection:
             raise Conflict("this sandbox's agent predates terminals (it was started by an older Corral): recreate it")
         job = _Job()
         self._jobs[job_id] = job
+        found = bytearray()
         try:
             self._send(T_EXEC, job_id, order.encode())
+            self.last_exec_id = job_id
             if order.has_stdin:
                 for offset in range(0, len(stdin or b""), 1 << 20):
                     self._send(T_STDIN, job_id, (stdin or b"")[offset : offset + (1 << 20)])
@@ -222,6 +257,13 @@ class AgentConnection:
                 if isinstance(event, Exception):
                     raise event
                 assert not isinstance(event, IpcCounts)
+                if isinstance(event, _Found):
+                    found += event.names
+                    continue
+                if isinstance(event, AgentExit) and event.walked is not None:
+                    names = [name.decode(errors="replace") for name in found.split(b"\0") if name]
+                    event = AgentExit(event.exit_code, event.timed_out, event.stdout_truncated,
+                                      event.stderr_truncated, (names, event.walked[1]))  # fmt: skip
                 yield event
                 if isinstance(event, AgentExit):
                     return
@@ -260,14 +302,12 @@ class AgentConnection:
         sent behind it first (frames are handled in order), which is learned once per connection."""
         if self._finds is False:
             return None
-        strings = (root, *paths)
-        if any("\0" in text for text in strings):
-            raise ValueError("NUL byte in a path")
+        request = TreeWalk(root, tuple(paths), cap_bytes).encode()
         find_id = self.new_job_id()
         jobs = {find_id: _Job()}
         self._jobs.update(jobs)
         try:
-            self._send(T_FIND, find_id, struct.pack("<I", cap_bytes) + b"".join(s.encode() + b"\0" for s in strings))
+            self._send(T_FIND, find_id, request)
             if self._finds is None:
                 probe_id = self.new_job_id()
                 jobs[probe_id] = self._jobs[probe_id] = _Job()

@@ -49,7 +49,7 @@ from corral.backends.base import (
     SandboxSpec,
 )
 from corral.backends.common import qos
-from corral.backends.common.agent_protocol import AgentConnection, AgentExit, AgentOutput, ExecOrder
+from corral.backends.common.agent_protocol import AgentConnection, AgentExit, AgentOutput, ExecOrder, TreeWalk
 from corral.backends.common.guest_tree import GuestTree
 from corral.backends.common.host import CgroupLayout, orphans, vm_sockets_of
 from corral.backends.common.network import GUEST_LINK_IFNAME, AllowRule, DeniedCounts, NetworkFabric
@@ -76,6 +76,8 @@ __all__ = [
     "guest_upper_members",
     "root_disk_image",
     "root_disk_path",
+    "ExitWalk",
+    "walk_still_current",
 ]
 
 log = logging.getLogger("corral.vm")
@@ -96,6 +98,29 @@ class _Vm:
     agent: AgentConnection
     paused: bool = False
     replacing: bool = False  # being restored from a checkpoint: its QEMU's exit is not the sandbox's end
+    walked: ExitWalk | None = None  # the audit's walk the agent did at the last command's exit
+
+
+@dataclass(frozen=True)
+class ExitWalk:
+    """A walk the agent did as a command (job ``job_id``) exited: the audit's answer while no command started
+    since (one that did may have changed the tree after it)."""
+
+    job_id: int
+    request: TreeWalk
+    names: list[str]
+    cut: bool
+
+
+def walk_still_current(
+    walked: ExitWalk | None, last_exec_id: int | None, request: TreeWalk
+) -> tuple[list[str], bool] | None:
+    """The names (and whether they were cut short) of the walk done at a command's exit, if it answers ``request``
+    now: the same request, and no command started on the agent since (an exec, a file operation through it, a
+    command in the background: any may have changed the tree after the walk). None: walk again."""
+    if walked is None or walked.job_id != last_exec_id or walked.request != request:
+        return None
+    return walked.names, walked.cut
 
 
 def _run(argv: list[str]) -> None:
@@ -607,7 +632,15 @@ class VmBackend:
         return vm
 
     def run(self, sandbox_id: str, command: CommandSpec) -> AgentCommand:
-        return AgentCommand(self._get(sandbox_id).agent, command)
+        vm = self._get(sandbox_id)
+        if self.name != "microvm":
+            return AgentCommand(vm.agent, command)
+        walk = self._audit_walk(vm)
+
+        def keep(job_id: int, names: list[str], cut: bool) -> None:
+            vm.walked = ExitWalk(job_id, walk, names, cut)
+
+        return AgentCommand(vm.agent, command, walk_after=walk, on_walked=keep)
 
     def files(self, sandbox_id: str) -> GuestTree:
         return GuestTree(self._get(sandbox_id).agent, asyncio.get_running_loop())
@@ -811,17 +844,26 @@ class VmBackend:
         vm = self._get(sandbox_id)
         if self.name != "microvm":
             return [], 0  # a full VM's root disk has no separate writable layer to look at
-        prefixes = sorted({p.strip("/") for p in (*PROTECTED_PREFIXES, *vm.spec.protected_paths)})
-        found = await vm.agent.find("/scratch/upper", prefixes, _FIND_CAP_BYTES)
+        walk = self._audit_walk(vm)
+        found = walk_still_current(vm.walked, vm.agent.last_exec_id, walk)
+        vm.walked = None
+        if found is None:  # no walk at the exit, or a command started since: the agent walks now
+            found = await vm.agent.find(walk.root, walk.paths, walk.cap_bytes)
         if found is not None:
             names, cut = found
             if cut:
                 log.warning("sandbox %s: the audit's walk of the writable layer was cut short", sandbox_id)
         else:  # an agent of an older build (a guest restored from an older checkpoint): the project's busybox
             script = 'cd /scratch/upper || exit 0; for p in "$@"; do [ -e "$p" ] && find "$p" ! -type d; done; exit 0'
-            out = await self._tool(vm, ["sh", "-c", script, "sh", *prefixes], tool="guest")
+            out = await self._tool(vm, ["sh", "-c", script, "sh", *walk.paths], tool="guest")
             names = out.decode(errors="replace").splitlines()
         return ["/" + name for name in names[:_CHANGED_MAX] if name], 0
+
+    @staticmethod
+    def _audit_walk(vm: _Vm) -> TreeWalk:
+        """What the audit after each command looks at: protected paths in a microvm's writable layer."""
+        prefixes = sorted({p.strip("/") for p in (*PROTECTED_PREFIXES, *vm.spec.protected_paths)})
+        return TreeWalk("/scratch/upper", tuple(prefixes), _FIND_CAP_BYTES)
 
     def resident_bytes(self, sandbox_id: str) -> int:
         vm = self._vms.get(sandbox_id)

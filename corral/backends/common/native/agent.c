@@ -32,7 +32,10 @@
  * EXEC flags: 1 stdin, 2 tool, 4 outside the chroot, 8 a terminal: the command
  *   gets a pseudo-terminal of the sandbox's devpts as its controlling terminal
  *   and stdin/stdout/stderr (output comes as STDOUT); u16 rows, u16 cols follow
- *   the strings.
+ *   the strings; 16 a walk after the command: a FIND request's payload follows
+ *   (after the terminal size, if any), walked once the command has exited; its
+ *   names come as FOUND frames before the EXIT, which has flag 16 (walked) and
+ *   8 (the walk was cut short). An agent that predates it sends no flag 16.
  * Edge -> agent: EXEC, STDIN (empty payload closes stdin; for a terminal it
  *   is ignored: the user types ^D), SIGNAL, PING, RESIZE (u16 rows, u16 cols),
  *   KILL_ALL (SIGKILL every other process in the sandbox; answered with PONG),
@@ -43,7 +46,8 @@
  *   with flag 2 if the cap or FIND_BUDGET_MS cut it short). An agent that
  *   predates a request type ignores it.
  * Agent -> edge: HELLO, STARTED, STDOUT, STDERR, EXIT, ERROR, PONG,
- *   IPC_COUNTS (u32 shared memory segments, message queues, semaphore sets).
+ *   IPC_COUNTS (u32 shared memory segments, message queues, semaphore sets),
+ *   FOUND (names of an EXEC's walk, as FIND's STDOUT).
  * Keep in sync with corral/backends/common/agent_protocol.py.
  */
 #define _GNU_SOURCE
@@ -75,10 +79,10 @@ enum {
     T_EXEC = 1, T_STDIN = 2, T_SIGNAL = 3, T_PING = 4, T_KILL_ALL = 5, T_RESIZE = 6,
     T_STARTED = 10, T_STDOUT = 11, T_STDERR = 12, T_EXIT = 13, T_ERROR = 14,
     T_PONG = 15, T_HELLO = 20,
-    T_IPC_QUERY = 31, T_IPC_COUNTS = 32, T_FIND = 33,
+    T_IPC_QUERY = 31, T_IPC_COUNTS = 32, T_FIND = 33, T_FOUND = 34,
 };
-enum { F_TIMED_OUT = 1, F_OUT_TRUNC = 2, F_ERR_TRUNC = 4 };
-enum { X_STDIN = 1, X_TOOL = 2, X_NO_CHROOT = 4, X_TERMINAL = 8 };
+enum { F_TIMED_OUT = 1, F_OUT_TRUNC = 2, F_ERR_TRUNC = 4, F_WALK_CUT = 8, F_WALKED = 16 };
+enum { X_STDIN = 1, X_TOOL = 2, X_NO_CHROOT = 4, X_TERMINAL = 8, X_WALK_AFTER = 16 };
 #define AGENT_VERSION 2 /* 2: terminals (EXEC flag 8, RESIZE) */
 #define MAX_FRAME (16u << 20)
 #define MAX_JOBS 1024
@@ -96,6 +100,8 @@ struct job {
     size_t in_len, in_off;
     int in_close;                 /* close stdin once the buffer is written */
     int terminal;                 /* out_fd and in_fd are dups of a terminal's master side */
+    char *walk_req;               /* EXEC flag 16: a FIND payload to walk once the command has exited */
+    size_t walk_req_len;
 };
 
 static int ctl = -1;
@@ -362,6 +368,9 @@ static void start_job(uint32_t id, const char *p, size_t len) {
     }
     for (uint32_t i = 0; i < argc; i++) argv[i] = strs[2 + i];
     for (uint32_t i = 0; i < envc; i++) envp[i] = strs[2 + argc + i];
+    /* After the strings: the terminal's size (flag 8), then the walk's request (flag 16). */
+    const char *walk_at = q + ((flags & X_TERMINAL) ? 4 : 0);
+    size_t walk_len = (flags & X_WALK_AFTER) && walk_at < end ? (size_t)(end - walk_at) : 0;
 
     int out[2], err[2], in[2];
     int has_stdin = flags & X_STDIN, term_fd = -1;
@@ -429,6 +438,10 @@ static void start_job(uint32_t id, const char *p, size_t len) {
         return;
     }
     struct job *j = calloc(1, sizeof *j);
+    if (walk_len && (j->walk_req = malloc(walk_len))) {  /* no memory for it: no flag 16, the edge asks FIND */
+        memcpy(j->walk_req, walk_at, walk_len);
+        j->walk_req_len = walk_len;
+    }
     j->id = id;
     j->pid = pid;
     j->out_fd = out[0];
@@ -505,23 +518,6 @@ static void drain(struct job *j, int *fdp, uint64_t *sent, int trunc_flag, uint8
     }
 }
 
-static void finish_job(int idx) {
-    struct job *j = jobs[idx];
-    if (j->out_fd >= 0) drain(j, &j->out_fd, &j->out_sent, F_OUT_TRUNC, T_STDOUT);
-    if (j->err_fd >= 0) drain(j, &j->err_fd, &j->err_sent, F_ERR_TRUNC, T_STDERR);
-    /* Background children may hold the pipes open; the command is done when its process is. */
-    if (j->out_fd >= 0) close(j->out_fd);
-    if (j->err_fd >= 0) close(j->err_fd);
-    close_stdin(j);
-    char payload[5];
-    int32_t code = WIFEXITED(j->status) ? WEXITSTATUS(j->status) : -WTERMSIG(j->status);
-    memcpy(payload, &code, 4);
-    payload[4] = (char)j->flags;
-    send_frame(T_EXIT, j->id, payload, 5);
-    free(j);
-    jobs[idx] = jobs[--njobs];
-}
-
 static void reap(void) {
     int status;
     pid_t pid;
@@ -581,20 +577,17 @@ static int find_visit(const char *path, const struct stat *st, int type, struct 
     return 0;
 }
 
-static void find_paths(uint32_t id, const char *p, size_t len) {
+/* The walk of a FIND payload (u32 cap, root, NUL, paths each NUL-terminated) into walk.buf (send_walk sends and
+ * frees it): NULL, or what stopped it before it began. */
+static const char *walk_paths(const char *p, size_t len) {
     uint32_t cap;
     const char *end = p + len, *root = p + 4;
     const char *stop = len > 4 ? memchr(root, '\0', (size_t)(end - root)) : NULL;
-    if (!stop) {
-        send_frame(T_ERROR, id, "find: no root", strlen("find: no root"));
-        return;
-    }
+    walk.buf = NULL;
+    if (!stop) return "find: no root";
     memcpy(&cap, p, 4);
     walk.buf = malloc(cap ? cap : 1);
-    if (!walk.buf) {
-        send_error(id, "find: %s: %s", "malloc");
-        return;
-    }
+    if (!walk.buf) return "find: out of memory";
     walk.len = 0;
     walk.cap = cap;
     walk.skip = (size_t)(stop - root) + 1;
@@ -609,12 +602,52 @@ static void find_paths(uint32_t id, const char *p, size_t len) {
             nftw(full, find_visit, 16, FTW_PHYS);  /* a path that does not exist: nothing to report */
         q = next + 1;
     }
+    return NULL;
+}
+
+static void send_walk(uint8_t type, uint32_t id) {
     for (size_t off = 0; off < walk.len; off += CHUNK)
-        send_frame(T_STDOUT, id, walk.buf + off, walk.len - off < CHUNK ? walk.len - off : CHUNK);
+        send_frame(type, id, walk.buf + off, walk.len - off < CHUNK ? walk.len - off : CHUNK);
     free(walk.buf);
+    walk.buf = NULL;
+}
+
+static void find_paths(uint32_t id, const char *p, size_t len) {
+    const char *problem = walk_paths(p, len);
+    if (problem) {
+        send_frame(T_ERROR, id, problem, strlen(problem));
+        return;
+    }
+    send_walk(T_STDOUT, id);
     char payload[5] = {0, 0, 0, 0, walk.cut ? F_OUT_TRUNC : 0};
     send_frame(T_EXIT, id, payload, 5);
 }
+
+static void finish_job(int idx) {
+    struct job *j = jobs[idx];
+    if (j->out_fd >= 0) drain(j, &j->out_fd, &j->out_sent, F_OUT_TRUNC, T_STDOUT);
+    if (j->err_fd >= 0) drain(j, &j->err_fd, &j->err_sent, F_ERR_TRUNC, T_STDERR);
+    /* Background children may hold the pipes open; the command is done when its process is. */
+    if (j->out_fd >= 0) close(j->out_fd);
+    if (j->err_fd >= 0) close(j->err_fd);
+    close_stdin(j);
+    /* The walk the edge's audit would ask for next, done now: its answer rides on the exit, one round trip less. */
+    if (j->walk_req) {
+        if (!walk_paths(j->walk_req, j->walk_req_len)) {
+            send_walk(T_FOUND, j->id);
+            j->flags |= F_WALKED | (walk.cut ? F_WALK_CUT : 0);
+        }
+        free(j->walk_req);
+    }
+    char payload[5];
+    int32_t code = WIFEXITED(j->status) ? WEXITSTATUS(j->status) : -WTERMSIG(j->status);
+    memcpy(payload, &code, 4);
+    payload[4] = (char)j->flags;
+    send_frame(T_EXIT, j->id, payload, 5);
+    free(j);
+    jobs[idx] = jobs[--njobs];
+}
+
 
 static void handle_frame(uint8_t type, uint32_t id, const char *p, size_t len) {
     struct job *j;
