@@ -93,7 +93,7 @@ class Shape:
         return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
 
 
-_PRIMED_BACKENDS = frozenset({"microvm", "vm"})  # their first command is slow: see WarmPools._prime
+_PRIMED_BACKENDS = frozenset({"container", "microvm", "vm"})  # see WarmPools._prime
 _PRIMER = ExecRequest(cmd="true", timeout_s=30)
 POOLED_BACKENDS = frozenset({"container", "microvm", "vm"})
 """The backends pools serve: every stateful one (``fncall`` keeps pools of its own). A full ``vm`` is a whole
@@ -309,6 +309,7 @@ class WarmPools:
                         exc.message)  # fmt: skip
         else:
             if pool.shape.backend in _PRIMED_BACKENDS and not await self._prime(info.id):
+                pool.retry_at = time.monotonic() + _RETRY_AFTER_FAILURE_S  # a sandbox that did not answer: as above
                 return
             self.refills.labels("started").inc()
             pool.idle.append(info.id)
@@ -317,23 +318,24 @@ class WarmPools:
             self._wake.set()
 
     async def _prime(self, sandbox_id: str) -> bool:
-        """Run ``true`` in a new pool guest (on the edge: no trajectory step, nothing the client sees) so the claim's
-        first command does not pay for the guest's first fork and exec of its shell: under TCG the code cache of a
+        """Run ``true`` in a new pool sandbox (on the edge: no trajectory step, nothing the client sees) so the claim's
+        first command does not pay for the sandbox's first fork and exec of its shell. A container's costs ~0.2 ms
+        more than its next (the claim's first exec 2.74-2.86 ms primed vs 2.97-3.04, `corral bench warm-pool`, 3
+        alternating runs, 2026-12-05). Under TCG the code cache of a
         guest restored from its boot template starts empty: without this the claim's first exec took 110 ms
         (median of 6 claims, 1-core guests; the next ones 27-38 ms), with it 34 ms (by hand, not a benchmark row).
         With the audit after it, as a client's command has: its walk of the guest's writable layer starts cold too
         (measured when that walk was the project's busybox: the claim's first exec took 22-25 ms against 16-18 for
         the next one without it, 19-21 against 16 with it, `corral bench warm-pool --backend microvm`, 2026-12-05,
         3 and 2 runs; the agent walks it itself now). The audit's findings are
-        dropped: `true` changes nothing, and the guest is nobody's yet. False (and the guest discarded) if it did
-        not answer."""
+        dropped: `true` changes nothing, and the sandbox is nobody's yet. Whatever its exit (an image with no
+        /bin/sh answers 127, and is as claimable as any), the sandbox answered; False (and it is discarded) if it
+        did not."""
         try:
-            result, _ = await self._sandboxes.edge(sandbox_id).exec_audited(sandbox_id, _PRIMER)
-        except CorralError as exc:
-            result = None
-            log.warning("warm pool: %s did not run its first command: %s", sandbox_id, exc.message)
-        if result is not None and result.exit_code == 0:
+            await self._sandboxes.edge(sandbox_id).exec_audited(sandbox_id, _PRIMER)
             return True
+        except CorralError as exc:
+            log.warning("warm pool: %s did not run its first command: %s", sandbox_id, exc.message)
         self.refills.labels("failed").inc()
         await self._discard(sandbox_id, "unclaimable")
         return False
