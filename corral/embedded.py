@@ -31,6 +31,7 @@ __all__ = ["EmbeddedServer", "delete_leftover_sandboxes", "free_port", "linked_n
 START_TIMEOUT_S = 60.0
 STOP_GRACE_S = 15.0
 RUNTIME_TIMEOUT_S = 30.0
+_IDS_SHOWN = 5  # sandbox ids named in the line about leftovers
 
 
 def linked_node_dir(node_dir: Path, parts: tuple[str, ...] = ("layers", "bin", "vm")) -> Path:
@@ -63,30 +64,48 @@ def free_port() -> int:
 
 
 def delete_leftover_sandboxes(data_dir: Path) -> None:
-    """Containers and VMs of a server (or cluster node) with this data dir that outlived it."""
-    _delete_leftover_containers(data_dir)
-    _kill_leftover_vms(data_dir)
+    """Containers and VMs of a server (or cluster node) with this data dir that outlived it, said in one line:
+    a warm pool's sandboxes (a stopping server leaves them for its restart) or creates it stopped in."""
+    containers = _delete_leftover_containers(data_dir)
+    vms = _kill_leftover_vms(data_dir)
     shutil.rmtree(run_dir_of(data_dir), ignore_errors=True)  # their runtime state and bundles, on the host's tmpfs
+    if containers or vms:
+        ids = [*containers, *vms]
+        shown = ", ".join(ids[:_IDS_SHOWN]) + (f" and {len(ids) - _IDS_SHOWN} more" if len(ids) > _IDS_SHOWN else "")
+        _tell(f"deleted {len(containers)} container(s) and {len(vms)} VM(s) that outlived their server "
+              f"({data_dir}; a warm pool's, or creates it stopped in): {shown}")  # fmt: skip
 
 
-def _kill_leftover_vms(data_dir: Path) -> None:
+def _tell(line: str) -> None:
+    """A line on stderr that cannot stop a cleanup: a closed stderr (a bench piped into `head`) is ignored."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+def _kill_leftover_vms(data_dir: Path) -> list[str]:
     """QEMU processes of the VM sandboxes that outlived their server (a create still booting when it
     stopped, a warm pool's guests): by their pid files, checked against the process's name, with their guest
-    memory files and their cgroups (which outlive the process: the kernel keeps an empty cgroup until removed)."""
+    memory files, their cgroups (which outlive the process: the kernel keeps an empty cgroup until removed) and
+    their directories."""
     layout = detect_cgroup_layout()
+    killed = []
     for machine_dir in sorted(path for path in (data_dir / "vms").glob("*") if path.is_dir()):
         sandbox_id = machine_dir.name
         try:
             pid = int((machine_dir / "qemu.pid").read_text().strip())
             if f"corral-{sandbox_id}".encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
-                print(f"killing VM {sandbox_id} (QEMU pid {pid}), which outlived its server", file=sys.stderr)
                 os.kill(pid, signal.SIGKILL)
+                killed.append(sandbox_id)
         except (OSError, ValueError):
             pass
         Path(f"/dev/shm/corral-{sandbox_id}.mem").unlink(missing_ok=True)
         cgroup = VmCgroup(layout, sandbox_id)
         _wait_empty(cgroup)
         cgroup.remove()
+        shutil.rmtree(machine_dir, ignore_errors=True)  # its disk: a full VM's holds a whole system
+    return killed
 
 
 def _wait_empty(cgroup: VmCgroup, timeout_s: float = 10.0) -> None:
@@ -97,7 +116,8 @@ def _wait_empty(cgroup: VmCgroup, timeout_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def _delete_leftover_containers(data_dir: Path) -> None:
+def _delete_leftover_containers(data_dir: Path) -> list[str]:
+    deleted = []
     for runtime in ("crun", "runc", "runsc"):
         state_root = runtime_state_root(data_dir, runtime)
         binary = shutil.which(runtime)
@@ -108,10 +128,11 @@ def _delete_leftover_containers(data_dir: Path) -> None:
             [*command, "list", "--quiet"], capture_output=True, text=True, timeout=RUNTIME_TIMEOUT_S
         )
         for container_id in listing.stdout.split():
-            print(f"deleting container {container_id}, which outlived its server", file=sys.stderr)
             subprocess.run(
                 [*command, "delete", "--force", container_id], capture_output=True, timeout=RUNTIME_TIMEOUT_S
             )
+            deleted.append(container_id)
+    return deleted
 
 
 class EmbeddedServer:

@@ -26,7 +26,7 @@ from corral.procfs import mount_field
 __all__ = ["Leftovers", "find_leftovers"]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-_CGROUP_TIERS = ("corral", "corral-batch")
+_CGROUP_TIERS = ("corral", "corral-batch", "corral-vm")  # containers by CPU class; VMs
 _TOOL_TIMEOUT_S = 30.0
 
 

@@ -7,6 +7,8 @@ at the end. Each test uses its own memory size, so its own shape and pool: the t
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import io
 import os
 import subprocess
 import time
@@ -19,10 +21,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import corral
 from corral.backends.common import qos
-from corral.backends.common.host import detect_cgroup_layout, runtime_dirs_of, runtime_state_root
-from corral.backends.vm.cgroup import VmCgroup
+from corral.backends.common.host import runtime_dirs_of, runtime_state_root
 from corral.embedded import EmbeddedServer
 from corral.gateway.warm_pool import CLAIMED_NOTE
+from corral.testing.leftovers import find_leftovers
 
 # The budget holds every pool of this module at its demand, with room (each test has a shape of its own; at 3 GB
 # the last test's pool, of the eleventh shape, did not fill).
@@ -31,16 +33,23 @@ WARM_ENV = {"CORRAL_WARM_POOL_MEMORY_MB": "4096", "CORRAL_WARM_POOL_WINDOW_S": "
 
 @pytest.fixture(scope="module")
 def pooled(tmp_path_factory: pytest.TempPathFactory, test_env: dict[str, str]) -> Iterator[EmbeddedServer]:
-    with EmbeddedServer(tmp_path_factory.mktemp("warm-server"), env={**test_env, **WARM_ENV}) as proc:
+    proc = EmbeddedServer(tmp_path_factory.mktemp("warm-server"), env={**test_env, **WARM_ENV})
+    proc.start()
+    warm: set[str] = set()
+    try:
         yield proc
-    # Its shutdown killed the VM pools' guests the server left running (a restart would take them back): their
-    # cgroups go with them. A killed QEMU's leader is a zombie before its vCPU threads have gone, so removing the
-    # cgroup when the leader is one found it busy and left it behind, one per warm guest.
-    vms = proc.data_dir / "vms"  # none when only container tests of the module ran
-    guests = [d.name for d in vms.iterdir() if d.is_dir()] if vms.exists() else []
-    layout = detect_cgroup_layout()
-    left = [guest for guest in guests if VmCgroup(layout, guest).memory_dir.exists()]
-    assert not left, f"VM cgroups left behind: {left}"
+        warm = _warm_ids(proc) | _warm_guests(proc)
+    finally:
+        # The shutdown deletes the pools' sandboxes the stopped server left running (a restart would take them
+        # back), and says so on stderr: closed here (a bench piped into `head`), where a print that raised once
+        # left the rest running. Each killed VM guest's cgroup goes too: a killed QEMU's leader is a zombie before
+        # its vCPU threads have gone, and removing the cgroup then found it busy and left it behind.
+        closed = io.StringIO()
+        closed.close()
+        with contextlib.redirect_stderr(closed):
+            proc.shutdown()
+    assert warm, "no pool sandbox was left for the shutdown to delete"
+    assert not (left := find_leftovers(proc.data_dir, warm)), left
 
 
 @pytest.fixture
