@@ -102,18 +102,10 @@ def _kill_leftover_vms(data_dir: Path) -> list[str]:
             pass
         Path(f"/dev/shm/corral-{sandbox_id}.mem").unlink(missing_ok=True)
         cgroup = VmCgroup(layout, sandbox_id)
-        _wait_empty(cgroup)
+        cgroup.wait_empty()
         cgroup.remove()
         shutil.rmtree(machine_dir, ignore_errors=True)  # its disk: a full VM's holds a whole system
     return killed
-
-
-def _wait_empty(cgroup: VmCgroup, timeout_s: float = 10.0) -> None:
-    """Until a killed QEMU has left its cgroup: all its threads, not only the leader (a zombie leader whose vCPU
-    threads are still exiting is listed, and keeps the cgroup busy)."""
-    deadline = time.monotonic() + timeout_s
-    while cgroup.pids() and time.monotonic() < deadline:
-        time.sleep(0.01)
 
 
 def _delete_leftover_containers(data_dir: Path) -> list[str]:

@@ -36,6 +36,7 @@ from corral.backends.base import (
 from corral.edge.protocol import new_sandbox_id
 from corral.images.store import LayerStore
 from corral.sdk import Conflict, CorralError, NotFound
+from corral.testing.leftovers import find_leftovers
 
 __all__ = ["CHECKS", "run"]
 
@@ -249,6 +250,8 @@ async def check_failed_create(case: Case) -> None:
     assert broken.sandbox_id not in await case.backend.orphans({case.sandbox_id})
     data_dir = case.scratch.parent  # the backend's data dir: its directories, disks and sockets
     assert not [str(path) for path in data_dir.rglob(f"*{broken.sandbox_id}*")], "a failed create left files"
+    # nor a cgroup (a VM's QEMU that died by itself as the guest failed to boot was still exiting at the cleanup)
+    assert not (cgroups := find_leftovers(data_dir, {broken.sandbox_id}).cgroups), cgroups
     try:
         await case.run(broken.sandbox_id, "true")
     except CorralError:

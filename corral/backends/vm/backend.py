@@ -679,6 +679,9 @@ class VmBackend:
         (SHM_DIR / f"corral-{sandbox_id}.mem").unlink(missing_ok=True)  # also when it never got a config
         cgroup = self._cgroup(sandbox_id)
         if cgroup is not None:
+            if cgroup.pids():  # a QEMU whose pid was not known, or still exiting after it died by itself
+                cgroup.kill_all()
+                await asyncio.to_thread(cgroup.wait_empty)
             cgroup.remove()
         await self._unplug(sandbox_id)
         await asyncio.to_thread(shutil.rmtree, directory, True)

@@ -9,6 +9,9 @@ but a warm pool's guest boots and waits at the lowest until it is claimed (corra
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import time
 from pathlib import Path
 
 from corral.backends.common import qos
@@ -68,6 +71,24 @@ class VmCgroup:
             return [int(pid) for pid in (self._dirs["memory"] / "cgroup.procs").read_text().split()]
         except OSError:
             return []
+
+    def kill_all(self) -> None:
+        """SIGKILL what is still in it: its QEMU only, whether or not its pid is known (a start that failed
+        before QEMU's pid file was read, or after QEMU died by itself and its leader became a zombie)."""
+        for pid in self.pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def wait_empty(self, timeout_s: float = 10.0) -> bool:
+        """Until every thread of a killed QEMU has left (a SIGKILLed process's leader is a zombie, listed in
+        cgroup.procs, while its vCPU threads still exit: the cgroup is busy until they are gone); False if it
+        still held a process after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self.pids():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
     def remove(self) -> None:
         """Delete the (empty) cgroup; a no-op if it is gone."""
