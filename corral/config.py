@@ -113,6 +113,13 @@ class Settings(BaseSettings):
         gt=0,
         description="Warm pools: a pool keeps as many sandboxes as its shape had creates in this many seconds.",
     )
+    stop_with_pid: int | None = Field(
+        None,
+        gt=0,
+        description="A throwaway server's caller (the tests, a benchmark, the demo): when that process ends, however "
+        "it ends (SIGKILL too), the server kills every sandbox it runs, pools' included, and stops. Unset (the "
+        "default): a server outlives whatever started it, and its sandboxes outlive a restart.",
+    )
     sandbox_fusion_open: bool = Field(
         False,
         description="SandboxFusion API: POST /run_code and /run_jupyter at the root need no key (SandboxFusion clients "

@@ -136,8 +136,11 @@ class EmbeddedServer:
         env: dict[str, str] | None = None,
         host: str = "127.0.0.1",
         launcher: list[str] | None = None,
+        stop_with_caller: bool = True,
     ) -> None:
-        """``host``: the address it listens on; ``launcher``: a command that runs it (e.g. in a network namespace)."""
+        """``host``: the address it listens on; ``launcher``: a command that runs it (e.g. in a network namespace);
+        ``stop_with_caller``: when this process ends, even by SIGKILL, the server kills its sandboxes and stops
+        (Settings.stop_with_pid); off for servers meant to outlive their caller (`corral cluster`'s)."""
         self.data_dir = data_dir
         self.host = host
         self._launcher = launcher or []
@@ -145,6 +148,7 @@ class EmbeddedServer:
         self.log_path = data_dir / "server.log"
         self._extra_env = env or {}
         self.process: subprocess.Popen[bytes] | None = None
+        self._stop_with_caller = stop_with_caller
 
     @property
     def url(self) -> str:
@@ -174,10 +178,14 @@ class EmbeddedServer:
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        env = self.env()
+        env.pop("CORRAL_STOP_WITH_PID", None)  # a caller's own (it may be such a server's child): not for this one
+        if self._stop_with_caller:
+            env["CORRAL_STOP_WITH_PID"] = str(os.getpid())
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 [*self._launcher, sys.executable, "-m", "corral.cli.main", "serve"],
-                env=self.env(), stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
             )  # fmt: skip
         deadline = time.monotonic() + timeout_s
         while True:

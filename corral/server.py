@@ -15,7 +15,8 @@ import json
 import logging
 import os
 import secrets
-from collections.abc import AsyncIterator
+import signal
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -104,6 +105,43 @@ def _layers_left_running(store: StateStore, edges: dict[str, Edge]) -> set[str] 
     except Exception:
         log.warning("could not read which sandboxes are left running; keeping every layer helper", exc_info=True)
         return None
+
+
+_ENDING: set[asyncio.Task[None]] = set()
+
+
+def _end_with_caller(pid: int, service: SandboxService, pools: WarmPools) -> Callable[[], None]:
+    """Settings.stop_with_pid: once process ``pid`` has ended (a pidfd turns readable; SIGKILL included), kill every
+    sandbox this server runs and stop it as SIGTERM does. Returns what stops the watch."""
+    loop = asyncio.get_running_loop()
+
+    async def end() -> None:
+        log.warning("the process that started this server (pid %d) ended: killing its sandboxes and stopping", pid)
+        await pools.close()  # no refill starts meanwhile
+        killed = await service.kill_everything()
+        log.warning("killed %d sandboxes; stopping", killed)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def caller_ended() -> None:
+        if fd is not None:
+            loop.remove_reader(fd)
+        task = loop.create_task(end())
+        _ENDING.add(task)  # held until done: the loop keeps only a weak reference
+        task.add_done_callback(_ENDING.discard)
+
+    fd: int | None = None
+    try:
+        fd = os.pidfd_open(pid)
+        loop.add_reader(fd, caller_ended)
+    except ProcessLookupError:  # gone before the server was up
+        loop.call_soon(caller_ended)
+
+    def unwatch() -> None:
+        if fd is not None:
+            loop.remove_reader(fd)
+            os.close(fd)
+
+    return unwatch
 
 
 def _ray_edges() -> RayEdges:
@@ -196,12 +234,15 @@ def serve(settings: Settings) -> None:
             )
             await warm_pools.start()
             service.warm_pools = warm_pools
+            unwatch = _end_with_caller(settings.stop_with_pid, service, warm_pools) if settings.stop_with_pid else None
             try:
                 yield Services(
                     sandboxes=service, images=images, operations=operations, trajectories=trajectories,
                     tokens=tokens, fncall=fncall, grader=Grader(images, service),
                 )  # fmt: skip
             finally:
+                if unwatch is not None:
+                    unwatch()
                 service.warm_pools = None
                 await warm_pools.close()
                 await fncall.close()

@@ -481,6 +481,7 @@ class LocalCluster:
             env={**LOCAL_RAY_ENV, "CORRAL_ENGINE": "ray", "CORRAL_RAY_ADDRESS": state.ray_address,
                  "CORRAL_DATABASE_URL": state.database_url, "CORRAL_API_KEY": state.api_key,
                  **self._gateway_settings},
+            stop_with_caller=False,  # the cluster's gateway outlives `corral cluster up`
         )  # fmt: skip
         gateway.start()
         return gateway
