@@ -75,7 +75,6 @@ _ROOTS_CACHED = 1024
 _TOUCH_EVERY_S = 60.0  # a layer's last use (LRU eviction order) is recorded at most this often
 _PROGRESS_EVERY = 1000  # a progress line per this many results
 _EVENTS_PRUNE_EVERY_S = 300.0  # events older than the retention are deleted this often
-_KILL_EVERYTHING_AT_ONCE = 8  # kill_everything's concurrency
 _DB_RETRY_S = 15.0  # record writes of creates wait out a database outage this long (a restart takes 1-3 s)
 _DB_RETRY_EVERY_S = 0.5
 _EDGE_SCRAPE_TIMEOUT_S = 5.0  # a scrape leaves out a remote edge's metrics that take longer (Prometheus waits 10 s)
@@ -789,15 +788,13 @@ class SandboxService:
 
     async def kill_everything(self) -> int:
         """Kill every sandbox live on this process's edges, pools' and fncall's too (a throwaway server whose caller
-        went: Settings.stop_with_pid); how many. A few at a time, as a bulk kill does."""
+        went: Settings.stop_with_pid); how many. All at once, as a bulk kill: the backends bound their teardowns."""
         records = await self._db.run(self._store.list, states=_ACTIVE, labels={})
         ids = [record.id for record in records if record.edge_id in self._edges]
-        for start in range(0, len(ids), _KILL_EVERYTHING_AT_ONCE):
-            batch = ids[start : start + _KILL_EVERYTHING_AT_ONCE]
-            outcomes = await asyncio.gather(*(self.kill(sandbox_id) for sandbox_id in batch), return_exceptions=True)
-            for sandbox_id, outcome in zip(batch, outcomes, strict=True):
-                if isinstance(outcome, Exception):
-                    log.warning("could not kill sandbox %s: %s", sandbox_id, outcome)
+        outcomes = await asyncio.gather(*(self.kill(sandbox_id) for sandbox_id in ids), return_exceptions=True)
+        for sandbox_id, outcome in zip(ids, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                log.warning("could not kill sandbox %s: %s", sandbox_id, outcome)
         return len(ids)
 
     async def kill(self, sandbox_id: str) -> SandboxInfo:

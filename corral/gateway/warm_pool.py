@@ -93,7 +93,6 @@ class Shape:
         return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
 
 
-_PRIMED_BACKENDS = frozenset({"container", "microvm", "vm"})  # see WarmPools._prime
 _PRIMER = ExecRequest(cmd="true", timeout_s=30)
 POOLED_BACKENDS = frozenset({"container", "microvm", "vm"})
 """The backends pools serve: every stateful one (``fncall`` keeps pools of its own). A full ``vm`` is a whole
@@ -308,7 +307,7 @@ class WarmPools:
             log.warning("warm pool could not start a sandbox (next try in %g s): %s", _RETRY_AFTER_FAILURE_S,
                         exc.message)  # fmt: skip
         else:
-            if pool.shape.backend in _PRIMED_BACKENDS and not await self._prime(info.id):
+            if not await self._prime(info.id):  # every pool sandbox, whatever its backend
                 pool.retry_at = time.monotonic() + _RETRY_AFTER_FAILURE_S  # a sandbox that did not answer: as above
                 return
             self.refills.labels("started").inc()

@@ -13,7 +13,7 @@ import itertools
 import socket
 import struct
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from corral.api.errors import Conflict, ServerUnavailable
 
@@ -262,8 +262,7 @@ class AgentConnection:
                     continue
                 if isinstance(event, AgentExit) and event.walked is not None:
                     names = [name.decode(errors="replace") for name in found.split(b"\0") if name]
-                    event = AgentExit(event.exit_code, event.timed_out, event.stdout_truncated,
-                                      event.stderr_truncated, (names, event.walked[1]))  # fmt: skip
+                    event = replace(event, walked=(names, event.walked[1]))
                 yield event
                 if isinstance(event, AgentExit):
                     return

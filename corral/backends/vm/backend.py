@@ -665,7 +665,7 @@ class VmBackend:
         if vm is not None:
             vm.agent.close()
         if starting is not None and starting is not machine:
-            await starting.kill()  # a rewind's new machine that failed before it replaced the old one
+            await starting.kill()  # a rewind's new machine, not yet in place of the old one
         if machine is not None and machine.pid is None:
             machine.adopt()  # failed or cancelled in its start: its pid file, if QEMU got as far as writing it
         if machine is None and (directory / "machine.json").exists():
