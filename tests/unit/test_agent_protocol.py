@@ -14,12 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from corral.api.errors import Conflict
 from corral.backends.common.agent_protocol import (
     _HEADER,
     T_EXEC,
     T_EXIT,
     T_FIND,
     T_HELLO,
+    T_IDENTIFY,
     T_PING,
     T_PONG,
     T_STARTED,
@@ -41,12 +43,13 @@ def test_exec_order_rejects_nul() -> None:
         order.encode()
 
 
-@pytest.fixture
-async def agent(tmp_path: Path):  # type: ignore[no-untyped-def]
-    """The real agent binary as a plain child process (no container needed)."""
+@contextlib.asynccontextmanager
+async def real_agent(tmp_path: Path, *wrapper: str) -> AsyncIterator[AgentConnection]:
+    """The real agent binary as a plain child process (no container needed), started through ``wrapper``."""
     helpers = build_native_helpers(tmp_path)
     edge_end, agent_end = socket.socketpair()
-    process = subprocess.Popen([str(helpers.agent), "--fd", str(agent_end.fileno())], pass_fds=(agent_end.fileno(),))
+    argv = [*wrapper, str(helpers.agent), "--fd", str(agent_end.fileno())]
+    process = subprocess.Popen(argv, pass_fds=(agent_end.fileno(),))
     agent_end.close()
     connection = AgentConnection(edge_end)
     await connection.start(hello_timeout_s=5)
@@ -55,6 +58,12 @@ async def agent(tmp_path: Path):  # type: ignore[no-untyped-def]
     finally:
         connection.close()
         await asyncio.to_thread(process.wait, 5)  # an attached agent ends with its edge
+
+
+@pytest.fixture
+async def agent(tmp_path: Path):  # type: ignore[no-untyped-def]
+    async with real_agent(tmp_path) as connection:
+        yield connection
 
 
 def order(argv: list[str], *, timeout_ms: int = 5000, cap: int = 1 << 20, stdin: bool = False) -> ExecOrder:
@@ -252,3 +261,32 @@ def test_a_walk_at_an_exit_answers_the_audit_only_until_another_command_starts()
     assert walk_still_current(walked, 8, request) is None  # a command (or a file operation) started since
     assert walk_still_current(walked, 7, TreeWalk("/scratch/upper", ("usr/bin",), 1 << 20)) is None
     assert walk_still_current(None, 7, request) is None
+
+
+async def test_identify_sets_the_hostname_without_a_process(tmp_path: Path) -> None:
+    """IDENTIFY (a restored guest's own hostname and entropy) is done by the agent itself; in a UTS namespace of
+    its own here, so the host keeps its name."""
+    async with real_agent(tmp_path, "unshare", "--uts") as agent:
+        assert await asyncio.wait_for(agent.identify("sb-restored-1", os.urandom(64)), 5)
+        out, _, end = await collect(agent, order(["cat", "/proc/sys/kernel/hostname"]))
+        assert out == b"sb-restored-1\n" and end.exit_code == 0
+        assert await agent.identify("again", b"")  # no entropy: the hostname alone
+        out, _, _ = await collect(agent, order(["cat", "/proc/sys/kernel/hostname"]))
+        assert out == b"again\n"
+        with pytest.raises(Conflict, match="sethostname"):
+            await agent.identify("x" * 65, b"")  # longer than the kernel takes
+    assert socket.gethostname() != "again"
+
+
+async def test_identify_tells_when_an_older_agent_ignored_it() -> None:
+    """A guest restored from a checkpoint an older build made runs an agent without IDENTIFY: it ignores it, the
+    ping behind it says so, and the caller falls back to a shell."""
+    seen: list[int] = []
+
+    def answer(kind: int, job_id: int) -> bytes:
+        seen.append(kind)
+        return _HEADER.pack(5, T_PONG, job_id) if kind == T_PING else b""
+
+    async with older_agent(answer) as agent:
+        assert await asyncio.wait_for(agent.identify("sb-restored-2", b"x" * 16), 5) is False
+    assert seen == [T_IDENTIFY, T_PING]

@@ -490,8 +490,11 @@ class VmBackend:
             await asyncio.to_thread(shutil.rmtree, staging, True)
 
     async def _diverge(self, vm: _Vm) -> None:
-        """A restored guest is a copy: give it its own hostname and stir fresh host entropy into its RNG."""
+        """A restored guest is a copy: give it its own hostname and stir fresh host entropy into its RNG. The
+        agent does it itself; one restored from a checkpoint an older Corral made needs a shell for it."""
         hostname = vm.spec.sandbox_id[-12:]
+        if await vm.agent.identify(hostname, os.urandom(512)):
+            return
         script = 'echo "$1" > /proc/sys/kernel/hostname && exec cat > /dev/urandom'
         order = ExecOrder(["sh", "-c", script, "sh", hostname], {}, "/", "root", 10_000, 4096, True, tool="guest")
         async for _ in vm.agent.run(vm.agent.new_job_id(), order, os.urandom(512)):
