@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import corral
@@ -129,3 +131,30 @@ def test_agent_channel_not_reachable(sandbox: corral.Sandbox) -> None:
     assert "socket:" not in result.stdout  # the agent is not dumpable: its fds stay hidden
     assert sandbox.exec("ls /.corral").stdout.split() == ["agent"]
     assert sandbox.exec("echo x > /.corral/agent; echo rc=$?").stdout.strip() != "rc=0"
+
+
+def _processes_where(predicate: Callable[[str], bool], what: str) -> set[int]:
+    """Host pids with a /proc/<pid>/<what> entry (a file, or a link under a directory) that ``predicate`` accepts."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        path = Path("/proc", entry, what)
+        try:
+            texts = [os.readlink(link) for link in path.iterdir()] if path.is_dir() else [path.read_text()]
+        except OSError:
+            continue  # ended meanwhile
+        if any(predicate(text) for text in texts):
+            found.add(int(entry))
+    return found
+
+
+def test_the_runtimes_sealed_copy_stays_with_the_server(server: EmbeddedServer, sandbox: corral.Sandbox) -> None:
+    """crun runs from a sealed in-memory copy the server holds (runtime.py `_sealed_copy`); no process of a sandbox
+    may hold it (a descriptor leaked into a container would be a handle on the runtime's binary)."""
+    sandbox.exec("sleep 30 >/dev/null 2>&1 &")
+    holders = _processes_where(lambda target: "memfd:corral-crun" in target, "fd")
+    in_sandbox = _processes_where(lambda cgroups: sandbox.id in cgroups, "cgroup")
+    assert server.process is not None and server.process.pid in holders
+    assert len(in_sandbox) >= 2, in_sandbox  # its agent and the sleep
+    assert not holders & in_sandbox

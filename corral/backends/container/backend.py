@@ -789,6 +789,9 @@ class ContainerBackend:
         for container in self._containers.values():
             container.agent.close()
         self._containers.clear()
+        for runtime in self._runtimes.values():
+            runtime.close()
+        self._runtimes.clear()
         self._remove_run_dir_if_unused()
         self._denials.close()
         self._reads.close()

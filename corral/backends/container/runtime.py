@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
+import os
 import shutil
 import socket
 from dataclasses import dataclass
@@ -27,9 +29,32 @@ RUNSC = "runsc"
 RUNSC_FLAGS = ["--platform=systrap", "--overlay2=none", "--network=none", "--host-uds=open"]
 
 _RUNTIME_TIMEOUT_S = 30.0
+_SEALED_RUNTIMES = frozenset({"crun"})  # those that skip their self-copy when they run from a sealed memfd
+_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+_SEALED_FD_FLOOR = 64  # above fd 3, which corral-launch makes the agent's socket
 # The agent must survive its sandbox's OOM; it resets its children to 0 so
 # they are the ones the kernel picks.
 AGENT_OOM_SCORE_ADJ = -1000
+
+
+def _sealed_copy(binary: str) -> int:
+    """A sealed in-memory copy of the runtime's binary, to run it from (as /proc/self/fd/N). crun guards against
+    CVE-2019-5736 (a container overwriting the runtime through /proc/self/exe) by copying itself into a sealed memfd
+    and re-executing that on every run, exec and create, unless it already runs from one: made once here, each
+    create skips the copy, the second execve and its dynamic linking. By hand, 50 `crun run --detach` in a row,
+    4 alternating rounds: 1.87-1.99 ms of the runtime's CPU a create against 3.06-3.31 ms, 5.4-5.9 ms wall against
+    6.6-7.0 ms (2026-12-05). The guard is the same: nothing can write a sealed memfd."""
+    fd = os.memfd_create(f"corral-{os.path.basename(binary)}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        with open(binary, "rb") as source:
+            size, offset = os.fstat(source.fileno()).st_size, 0
+            while offset < size:
+                offset += os.sendfile(fd, source.fileno(), offset, size - offset) or size  # 0: shrank meanwhile
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, _SEALED_FD_FLOOR)
+    finally:
+        os.close(fd)
+    return high
 
 
 class OciRuntimeFailed(InternalError):
@@ -58,10 +83,16 @@ class OciRuntime:
         if binary is None:
             raise InvalidRequest(f"OCI runtime {name!r} is not installed on this node (apt-get install {name})")
         self.name = name
-        self._binary = binary
+        self._sealed_fd = _sealed_copy(binary) if name in _SEALED_RUNTIMES else None
+        self._binary = f"/proc/self/fd/{self._sealed_fd}" if self._sealed_fd is not None else binary
         self._root = state_root
         self._launch = launch_binary
         state_root.mkdir(parents=True, exist_ok=True)
+
+    def close(self) -> None:
+        if self._sealed_fd is not None:
+            os.close(self._sealed_fd)
+            self._sealed_fd = None
 
     @property
     def gvisor(self) -> bool:
@@ -86,7 +117,7 @@ class OciRuntime:
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=asyncio.subprocess.DEVNULL if log is not None else asyncio.subprocess.PIPE,
                     stderr=log if log is not None else asyncio.subprocess.PIPE,
-                    pass_fds=pass_fds,
+                    pass_fds=(*pass_fds, self._sealed_fd) if self._sealed_fd is not None else pass_fds,
                 )
                 track(proc.pid)
                 try:
