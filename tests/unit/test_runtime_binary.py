@@ -32,6 +32,7 @@ def test_crun_runs_from_a_sealed_copy_nobody_can_write(tmp_path: Path) -> None:
         runtime.close()
     with pytest.raises(OSError):
         os.fstat(fd)
+    assert runtime._base()[0] == shutil.which("crun")  # a late call (a teardown after close) still finds crun
 
 
 def test_other_runtimes_run_from_their_path(tmp_path: Path) -> None:

@@ -49,7 +49,10 @@ def _sealed_copy(binary: str) -> int:
         with open(binary, "rb") as source:
             size, offset = os.fstat(source.fileno()).st_size, 0
             while offset < size:
-                offset += os.sendfile(fd, source.fileno(), offset, size - offset) or size  # 0: shrank meanwhile
+                sent = os.sendfile(fd, source.fileno(), offset, size - offset)
+                if sent == 0:
+                    raise OSError(f"{binary} changed while it was copied (a package upgrade?): start again")
+                offset += sent
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
         high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, _SEALED_FD_FLOOR)
     finally:
@@ -83,6 +86,7 @@ class OciRuntime:
         if binary is None:
             raise InvalidRequest(f"OCI runtime {name!r} is not installed on this node (apt-get install {name})")
         self.name = name
+        self._path = binary
         self._sealed_fd = _sealed_copy(binary) if name in _SEALED_RUNTIMES else None
         self._binary = f"/proc/self/fd/{self._sealed_fd}" if self._sealed_fd is not None else binary
         self._root = state_root
@@ -90,9 +94,11 @@ class OciRuntime:
         state_root.mkdir(parents=True, exist_ok=True)
 
     def close(self) -> None:
+        """Let the sealed copy go; a call after this runs the binary from its path."""
         if self._sealed_fd is not None:
             os.close(self._sealed_fd)
             self._sealed_fd = None
+            self._binary = self._path
 
     @property
     def gvisor(self) -> bool:
