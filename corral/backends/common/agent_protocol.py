@@ -280,13 +280,17 @@ class AgentConnection:
         """Set a terminal command's window size (its foreground programs get SIGWINCH)."""
         self._send(T_RESIZE, job_id, _TERMINAL_SIZE.pack(rows, cols))
 
-    async def _ask(self, kind: int) -> _Answer:
-        """Send a request that the agent answers with one frame; return that answer."""
+    async def _ask(self, kind: int, payload: bytes = b"", *, probe: bool = False) -> _Answer | None:
+        """Send a request that the agent answers with one frame; return that answer. ``probe``: a ping behind it
+        tells whether the agent knows the request; None if it does not (it ignored it)."""
         job_id = self.new_job_id()
-        job = _Job()
-        self._jobs[job_id] = job
+        job = self._jobs[job_id] = _Job()
         try:
-            self._send(kind, job_id)
+            if probe:
+                if not await self._send_probed(kind, job_id, job, payload):
+                    return None
+            else:
+                self._send(kind, job_id, payload)
             event = await job.queue.get()
             if isinstance(event, Exception):
                 raise event
@@ -347,17 +351,7 @@ class AgentConnection:
         predates the request (version 3), which then changed nothing."""
         if "\0" in hostname:
             raise ValueError("NUL byte in a hostname")
-        job_id = self.new_job_id()
-        job = self._jobs[job_id] = _Job()
-        try:
-            if not await self._send_probed(T_IDENTIFY, job_id, job, hostname.encode() + b"\0" + entropy):
-                return False
-            answer = await job.queue.get()
-            if isinstance(answer, Exception):
-                raise answer
-            return True
-        finally:
-            self._jobs.pop(job_id, None)
+        return await self._ask(T_IDENTIFY, hostname.encode() + b"\0" + entropy, probe=True) is not None
 
     async def kill_all(self) -> None:
         """SIGKILL every process in the sandbox except the agent; returns once the agent has sent the signal."""
