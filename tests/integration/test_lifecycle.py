@@ -9,10 +9,13 @@ import pytest
 import corral
 from corral.embedded import EmbeddedServer
 
-# 100 MB of anonymous memory (touched, not zero pages) plus 50 MB of page cache.
+# 100 MB of anonymous memory (touched, not zero pages) plus 50 MB of page cache. The exec returns once the
+# holder has its memory: a fixed sleep was too short for a loaded CI machine (113 MiB seen instead of > 150).
 HOLD_MEMORY = (
     "head -c 50000000 /dev/urandom > /tmp/x; "
-    "python3 -c 'import os, time; b=bytearray(os.urandom(100<<20)); time.sleep(3600)' &"
+    'python3 -c \'import os, time; b=bytearray(os.urandom(100<<20)); open("/tmp/held", "w").close(); '
+    "time.sleep(3600)' & "
+    "while [ ! -e /tmp/held ]; do sleep 0.05; done"
 )
 
 
@@ -60,8 +63,7 @@ def test_paused_processes_do_not_run(client: corral.Client) -> None:
 
 def test_pause_gives_memory_back(client: corral.Client) -> None:
     with client.create("debian-12", memory_mb=512) as sandbox:
-        sandbox.exec(HOLD_MEMORY, timeout_s=60)
-        time.sleep(1.0)
+        assert sandbox.exec(HOLD_MEMORY, timeout_s=60).exit_code == 0
         result = sandbox.pause(wait_reclaim=True)
         assert result.memory_before_bytes > 150 << 20 and not result.reclaim_pending
         reclaimed = 1 - result.memory_after_bytes / result.memory_before_bytes
@@ -72,8 +74,7 @@ def test_pause_gives_memory_back(client: corral.Client) -> None:
 
 def test_pause_returns_once_frozen_and_resume_stops_the_reclaim(client: corral.Client) -> None:
     with client.create("debian-12", memory_mb=512) as sandbox:
-        sandbox.exec(HOLD_MEMORY, timeout_s=60)
-        time.sleep(1.0)
+        assert sandbox.exec(HOLD_MEMORY, timeout_s=60).exit_code == 0
         result = sandbox.pause()
         assert result.reclaim_pending and result.duration_ms < 1000
         started = time.monotonic()
@@ -191,8 +192,7 @@ def _swap_cached_kb() -> int:
 def test_resume_prefetches_swapped_memory(client: corral.Client) -> None:
     """The memory holder sleeps and never touches its pages: only the prefetch reads them back from swap."""
     with client.create("debian-12", memory_mb=512) as sandbox:
-        sandbox.exec(HOLD_MEMORY, timeout_s=60)
-        time.sleep(1.0)
+        assert sandbox.exec(HOLD_MEMORY, timeout_s=60).exit_code == 0
         sandbox.pause(wait_reclaim=True)
         before = _swap_cached_kb()
         sandbox.resume()
