@@ -88,6 +88,33 @@ async def test_large_batch_on_simulated_nodes_sqlite(tmp_path: Path) -> None:
         store.close()
 
 
+async def test_concurrent_creates_read_their_image_once_on_postgres(tmp_path: Path, postgres_url: str) -> None:
+    """256 single creates that miss the image cache together share one catalogue read. Each reading for itself,
+    on the one database thread at ~4 ms a read, outlasted the cache's second, so it never served: 219 creates/s."""
+    store = StateStore(postgres_url)
+    try:
+        with store.engine.begin() as conn:
+            conn.exec_driver_sql("DELETE FROM sandboxes")
+        async with control_plane.simulated_cluster(4, store, tmp_path / "layers") as service:
+            resolve = service._resolve_root  # noqa: SLF001 - counted where the catalogue is read
+            reads: list[str] = []
+
+            def counted(request: CreateSandboxRequest) -> Any:  # noqa: ANN401 - resolve's own result
+                reads.append(request.image)
+                return resolve(request)
+
+            service._resolve_root = counted  # type: ignore[method-assign]  # noqa: SLF001
+            infos = await asyncio.gather(*(service.create(_request("one-read")) for _ in range(256)))
+            assert len({info.id for info in infos}) == 256 and {info.state for info in infos} == {"running"}
+            assert reads == [control_plane.IMAGE]
+            missing = CreateSandboxRequest(image="no-such-image:1", cpu=0.25, memory_mb=256)
+            failed = await asyncio.gather(*(service.create(missing) for _ in range(3)), return_exceptions=True)
+            assert [type(error) for error in failed] == [corral.NotFound] * 3  # the shared read's error, to each
+            assert reads == [control_plane.IMAGE, "no-such-image:1"]
+    finally:
+        store.close()
+
+
 async def test_large_batch_on_simulated_nodes_postgres(tmp_path: Path, postgres_url: str) -> None:
     store = StateStore(postgres_url)
     try:
