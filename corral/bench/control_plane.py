@@ -15,12 +15,17 @@ cores, 768 GiB) with the configured overcommit. Measured:
    ``POST /v1/sandboxes/batch``): time until every sandbox is placed and running;
    then the same burst through the real HTTP app (uvicorn in this process) and
    the async SDK's ``create_many``, until the client holds every handle;
-3. 400,000 live sandboxes tracked: the cluster filled with batches (one job
+3. the burst's floor: its own pieces (placement, record, insert, the edge's
+   create, the running mark, the client's info) batched with no task, future
+   or queue per sandbox, timed apiece: what a fully batched path would cost at
+   best, and the rate the gateway's pieces alone allow (the edge's create runs
+   on each node in a real cluster);
+4. 400,000 live sandboxes tracked: the cluster filled with batches (one job
    label each), then ``get`` of random ids and ``list`` of one job;
-4. the database write per create, as a same-run baseline: one transaction per
+5. the database write per create, as a same-run baseline: one transaction per
    record (what every create paid before) against the batched writes; and the
    same for the trajectory steps every exec logs;
-5. on PostgreSQL, what ``pool_pre_ping`` adds to a read of one record, against
+6. on PostgreSQL, what ``pool_pre_ping`` adds to a read of one record, against
    an engine without it.
 
 Everything runs in this one process on this machine's cores, so the gateway,
@@ -47,13 +52,14 @@ from rich.table import Table
 from sqlalchemy import create_engine, select
 from sqlalchemy.engine import Engine
 
-from corral.api.models import CreateSandboxRequest, ExecRequest
+from corral.api.models import CreateSandboxRequest, ExecRequest, SandboxState
 from corral.backends.router import BackendRouter
 from corral.bench.containers import percentile
 from corral.bench.harness import emit, throwaway_postgres
 from corral.config import Settings
 from corral.edge.host_readings import HostReadings, read_host
 from corral.edge.local import LocalEdge, NodeCapacity
+from corral.edge.protocol import new_sandbox_id
 from corral.embedded import free_port
 from corral.gateway.app import create_app
 from corral.gateway.auth import JobTokens
@@ -81,6 +87,7 @@ SANDBOX_CPU, SANDBOX_MEMORY_MB = 0.25, 256  # a small RL rollout sandbox
 IMAGE = "sim-base"
 WORKERS = 256  # concurrent single creates in the sustained phase
 TARGET_RATE, TARGET_BURST_S, TARGET_LIVE = 5_000.0, 5.0, 400_000
+NEXT_RATE = 20_000.0  # issue 22's sustained creations per second for one gateway
 LIVE_BATCH = 4_000  # sandboxes per job while filling to the live count
 LOOKUPS = 200
 SHARED_READING_MAX_AGE_S = 0.5
@@ -170,6 +177,61 @@ async def _batch(service: SandboxService, count: int, job: str) -> tuple[float, 
         if event.sandbox is not None:
             created.append(event.sandbox.id)
     return time.perf_counter() - started, created
+
+
+FLOOR_CHUNK = 512  # sandboxes per step of the floor's batches (the batch's concurrency)
+GATEWAY_PIECES = ("place", "record", "insert", "mark_running", "info")  # the edge's create runs on its node
+
+
+async def _pieces_floor(service: SandboxService, count: int) -> dict[str, Any]:
+    """The burst's own pieces with nothing around them: chunks of ``FLOOR_CHUNK`` placed, given their record and
+    spec, inserted in one transaction, created on their edges one after another, marked running in one
+    transaction and turned into the infos a client gets; no task, future or queue per sandbox. What a fully
+    batched create path would cost at best: microseconds per sandbox for each piece, and the rate the gateway's
+    own pieces (all but the edge's create, which runs on each node) allow."""
+    request, image_name, layers = await service._prepare(_request("floor"))  # noqa: SLF001 - as a create does
+    db, store = service._db, service._store  # noqa: SLF001 - the writes a create makes, called directly
+    digests = [layer.digest for layer in layers]
+    runtime = request.runtime or service.default_runtime
+    spent = dict.fromkeys(("place", "record", "insert", "edge_create", "mark_running", "info"), 0.0)
+    created = 0
+    started = time.perf_counter()
+    for offset in range(0, count, FLOOR_CHUNK):
+        placed = []
+        for _ in range(min(FLOOR_CHUNK, count - offset)):
+            begun = time.perf_counter()
+            edge_id = service.scheduler.place(
+                cpu=request.cpu, memory_mb=request.memory_mb, backend=request.backend, runtime=runtime,
+                layers=digests, selector=request.node_selector,
+            )  # fmt: skip
+            chosen = time.perf_counter()
+            spec, record = service.spec_and_record(request, image_name, layers, new_sandbox_id(edge_id))
+            service.scheduler.reserve(spec.sandbox_id, edge_id, cpu=spec.cpu, memory_mb=spec.memory_mb, layers=digests)
+            spent["place"] += chosen - begun
+            spent["record"] += time.perf_counter() - chosen
+            placed.append((spec, record))
+        begun = time.perf_counter()
+        await db.run(store.insert_many, [record for _, record in placed])
+        inserted = time.perf_counter()
+        notes = {}
+        for spec, _ in placed:
+            notes[spec.sandbox_id] = await service.edge(spec.sandbox_id).create(spec)
+            service.scheduler.started(spec.sandbox_id)
+        edges_done = time.perf_counter()
+        marked = await db.run(store.mark_running_many, notes)
+        marked_at = time.perf_counter()
+        infos = [record.to_info(state=SandboxState.RUNNING.value, status_message=notes[record.id])
+                 for _, record in placed if record.id in marked]  # fmt: skip
+        created += len(infos)
+        spent["insert"] += inserted - begun
+        spent["edge_create"] += edges_done - inserted
+        spent["mark_running"] += marked_at - edges_done
+        spent["info"] += time.perf_counter() - marked_at
+    elapsed_s = time.perf_counter() - started
+    per_sandbox_us = {piece: seconds / count * 1e6 for piece, seconds in spent.items()}
+    gateway_us = sum(per_sandbox_us[piece] for piece in GATEWAY_PIECES)
+    return {"count": count, "created": created, "elapsed_s": elapsed_s, "per_sandbox_us": per_sandbox_us,
+            "gateway_us": gateway_us, "gateway_cap_per_s": 1e6 / gateway_us}  # fmt: skip
 
 
 async def _http_burst(nodes: int, store: StateStore, scratch: Path, count: int) -> dict[str, Any]:
@@ -341,6 +403,10 @@ async def _measure(nodes: list[int], creates: int, burst: int, live: int, databa
                 "nodes": biggest, "tracked": len(ids), "fill_per_s": (len(ids) - burst) / fill_s if jobs else 0.0,
                 "get": _ms(gets), "list_job": _ms(lists or [0.0]), "list_job_size": len(listed),
             }  # fmt: skip
+    with _store(url) as store:
+        async with simulated_cluster(biggest, store, scratch / "layers") as service:
+            log(f"floor: the burst's pieces for {burst:,} sandboxes, batched, on {biggest} nodes")
+            report["floor"] = {"nodes": biggest, **await _pieces_floor(service, burst)}
     if http:
         with _store(url) as store:
             log(f"burst over HTTP: {burst:,} sandboxes through POST /v1/sandboxes/batch on {biggest} nodes")
@@ -400,6 +466,15 @@ def _table(report: dict[str, Any]) -> Table:
         table.add_row(f"the same burst through the HTTP API and SDK create_many, {over_http['nodes']} nodes",
                       f"{over_http['elapsed_s']:.2f} s ({over_http['created']:,} handed to the client)",
                       "-", "-")  # fmt: skip
+    floor = report["floor"]
+    pieces = ", ".join(f"{piece.replace('_', ' ')} {us:.1f}" for piece, us in floor["per_sandbox_us"].items())
+    table.add_row(f"the burst's pieces batched, no task per sandbox (floor), {floor['nodes']} nodes",
+                  f"{floor['elapsed_s']:.2f} s; µs per sandbox: {pieces}", "-", "-")  # fmt: skip
+    room = "[green]room[/green]" if floor["gateway_cap_per_s"] >= NEXT_RATE else "[red]caps below[/red]"
+    table.add_row("what the gateway's own pieces allow (all but the edge's create, which runs on its node)",
+                  f"{floor['gateway_cap_per_s']:,.0f}/s ({floor['gateway_us']:.1f} µs a create)",
+                  f"≥ {NEXT_RATE:,.0f}/s (issue 22)",
+                  room)  # fmt: skip
     live = report["live"]
     table.add_row("live sandboxes tracked", f"{live['tracked']:,} (filled at {live['fill_per_s']:,.0f}/s)",
                   verdicts["live"]["target"], verdict("live"))  # fmt: skip

@@ -166,5 +166,10 @@ def test_control_plane_bench_runs(tmp_path: Path) -> None:
     assert all(row["per_s"] > 0 and row["per_node_min"] > 0 for row in report["scaling"])
     assert report["burst"]["created"] == 500
     assert report["live"]["tracked"] == 1200 and report["live"]["list_job_size"] > 0
+    floor = report["floor"]
+    assert floor["created"] == 500 and floor["nodes"] == 4
+    assert set(floor["per_sandbox_us"]) == {"place", "record", "insert", "edge_create", "mark_running", "info"}
+    assert all(us > 0 for us in floor["per_sandbox_us"].values())
+    assert floor["gateway_us"] < sum(floor["per_sandbox_us"].values())  # the edge's create is not the gateway's
     assert report["db_write"]["batched_ms"] > 0 and report["db_write"]["one_transaction_each_ms"] > 0
     assert {check["metric"] for check in report["checks"]} == {"sustained", "burst", "live"}
