@@ -70,6 +70,7 @@ _POOL_LABEL = "corral.fncall"  # the fncall pools' own sandboxes (corral/gateway
 MAX_BATCH = 32_000  # sandboxes per batch request (a training step's burst)
 DEFAULT_BATCH_CONCURRENCY = 512  # creates of one batch running at once
 DEFAULT_BATCH_PER_NODE = 32  # ... and at most this many on one node (containers: the backend's own limit applies)
+_GROUP_MAX = 1024  # a batch's events handed on together at most (one write of the HTTP stream)
 _ROOT_CACHE_S = 1.0  # an image's resolution is reused this long (a tag moved by another gateway: seen within it)
 _ROOTS_CACHED = 1024
 _TOUCH_EVERY_S = 60.0  # a layer's last use (LRU eviction order) is recorded at most this often
@@ -735,15 +736,30 @@ class SandboxService:
         (a node at its limit is skipped; when every fitting node is, the batch waits for a create to finish).
         The request is validated and its layers resolved once, before anything starts.
         """
+        async for group in self.create_many_grouped(request, count, concurrency=concurrency, per_node=per_node):
+            for event in group:
+                yield event
+
+    async def create_many_grouped(
+        self,
+        request: CreateSandboxRequest,
+        count: int,
+        *,
+        concurrency: int = DEFAULT_BATCH_CONCURRENCY,
+        per_node: int = DEFAULT_BATCH_PER_NODE,
+    ) -> AsyncIterator[list[BatchEvent]]:
+        """``create_many``'s events, those ready at the same time together, in order: the HTTP stream writes each
+        group at once, where a write per line cost the 32,000 burst ~0.6 s of its ~5.5 (one process, client
+        included). Waits for nothing that is not ready."""
         if not 1 <= count <= MAX_BATCH:
             raise InvalidRequest(f"count must be between 1 and {MAX_BATCH}, got {count}")
         await self._pull_missing(request)
         async with self._layers_here(request):
-            async for event in self._create_batch(request, count, concurrency=concurrency, per_node=per_node):
-                yield event
+            async for group in self._create_batch(request, count, concurrency=concurrency, per_node=per_node):
+                yield group
 
     async def _create_batch(self, request: CreateSandboxRequest, count: int, *, concurrency: int,
-                            per_node: int) -> AsyncIterator[BatchEvent]:  # fmt: skip
+                            per_node: int) -> AsyncIterator[list[BatchEvent]]:  # fmt: skip
         request, image_name, layers = await self._prepare(request)
         started = time.perf_counter()
         queue: asyncio.Queue[BatchEvent] = asyncio.Queue()
@@ -770,16 +786,22 @@ class SandboxService:
         async with asyncio.TaskGroup() as group:
             for _ in range(workers):
                 group.create_task(worker())
-            created = failed = 0
-            for done in range(1, count + 1):
-                event = await queue.get()
-                created += event.type == "sandbox"
-                failed += event.type == "error"
-                yield event
-                if done % _PROGRESS_EVERY == 0 or done == count:
-                    elapsed_s = time.perf_counter() - started
-                    yield BatchEvent(type="progress" if done < count else "done", created=created, failed=failed,
-                                     total=count, elapsed_s=elapsed_s)  # fmt: skip
+            created = failed = done = 0
+            while done < count:
+                ready = [await queue.get()]
+                while not queue.empty() and len(ready) < _GROUP_MAX:
+                    ready.append(queue.get_nowait())
+                handed: list[BatchEvent] = []
+                for event in ready:
+                    done += 1
+                    created += event.type == "sandbox"
+                    failed += event.type == "error"
+                    handed.append(event)
+                    if done % _PROGRESS_EVERY == 0 or done == count:
+                        elapsed_s = time.perf_counter() - started
+                        handed.append(BatchEvent(type="progress" if done < count else "done", created=created,
+                                                 failed=failed, total=count, elapsed_s=elapsed_s))  # fmt: skip
+                yield handed
 
     @property
     def audit_trail(self) -> AuditLog:

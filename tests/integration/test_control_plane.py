@@ -80,6 +80,24 @@ async def _batch_on(store: StateStore, tmp_path: Path, *, nodes: int, count: int
         assert len(store.list(states=["running"])) == count
 
 
+async def test_a_batch_hands_on_the_events_ready_together(tmp_path: Path) -> None:
+    """The HTTP stream writes a group of ready events at once: a burst comes in far fewer groups than sandboxes,
+    every index once, progress after every thousandth and the done line last."""
+    store = StateStore(f"sqlite:///{tmp_path / 'state.db'}")
+    try:
+        async with control_plane.simulated_cluster(16, store, tmp_path / "layers") as service:
+            groups = [group async for group in service.create_many_grouped(_request("grouped"), 3000)]
+    finally:
+        store.close()
+    events = [event for group in groups for event in group]
+    assert all(groups) and len(groups) < 3000 // 10
+    assert sorted(event.index for event in events if event.type == "sandbox") == list(range(3000))  # type: ignore[type-var]
+    assert [(e.type, e.created) for e in events if e.type in ("progress", "done")] == [
+        ("progress", 1000), ("progress", 2000), ("done", 3000)
+    ]  # fmt: skip
+    assert events[-1].type == "done" and events[-1].failed == 0
+
+
 async def test_large_batch_on_simulated_nodes_sqlite(tmp_path: Path) -> None:
     store = StateStore(f"sqlite:///{tmp_path / 'state.db'}")
     try:

@@ -33,7 +33,7 @@ from corral.gateway.routes.deps import (
     Service,
     StepIdQuery,
     label_pairs,
-    ndjson,
+    ndjson_grouped,
 )
 
 __all__ = ["router"]
@@ -145,7 +145,9 @@ async def create_batch(body: BatchCreateRequest, svc: Service, caller: CallerDep
     """``count`` sandboxes alike; each line says one is ready (or failed), with progress and a final done."""
     fields = body.model_dump(exclude={"count", "concurrency", "per_node"}, exclude_unset=True)
     request = CreateSandboxRequest.model_validate({**fields, "labels": caller.check_labels(body.labels)})
-    return await ndjson(svc.create_many(request, body.count, concurrency=body.concurrency, per_node=body.per_node))
+    return await ndjson_grouped(
+        svc.create_many_grouped(request, body.count, concurrency=body.concurrency, per_node=body.per_node)
+    )
 
 
 @router.post("/v1/sandboxes/bulk")
