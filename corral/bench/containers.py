@@ -59,6 +59,7 @@ EXEC_SAMPLES_PER_RUN = 10
 # (cores x cpu_overcommit); the baseline containers get the same limits.
 LIMITS = oci.ContainerLimits(cpu=0.25, memory_mb=128, pids_max=256)
 SANDBOX_TTL_S = 600.0  # a sandbox leaked by a crashed bench still goes away
+BENCH_JOB = "bench-exec"  # the job label of the exec sandbox, reached by a job token too
 CREATE_RATIO_TARGET = 1.5  # create -> first exec p50, as a multiple of plain crun's
 EXEC_P50_TARGET_MS = 5.0  # exec round trip p50, absolute, in turns with crun exec
 EXEC_BACK_TO_BACK_TARGET_MS = 1.5  # exec round trip p50, one exec right after another (issue 22)
@@ -312,7 +313,8 @@ def _measure(work_dir: Path, layer_file: Path, runs: int, concurrency: int, prog
     bare = _Bundle(work_dir / "baseline" / "bare", rootfs, profile=False)
     samples: dict[str, list[float]] = {key: [] for key in ("corral_create", "crun_create", "crun_create_bare",
                                                            "corral_exec", "corral_exec_back_to_back", "corral_http",
-                                                           "host_spawn", "crun_exec", "crun_exec_bare")}  # fmt: skip
+                                                           "corral_exec_job_token", "host_spawn", "crun_exec",
+                                                           "crun_exec_bare")}  # fmt: skip
     with contextlib.ExitStack() as stack:
         task = progress.add_task("baseline rootfs (mount EROFS, cp -a)", total=1)
         _build_baseline_rootfs(rootfs, layer_file)
@@ -336,7 +338,8 @@ def _measure(work_dir: Path, layer_file: Path, runs: int, concurrency: int, prog
         calls = EXEC_WARMUP_CALLS + runs * EXEC_SAMPLES_PER_RUN
         task = progress.add_task("exec round trip (corral, crun ± profile)", total=calls)
         exec_containers = {"crun_exec": (profiled, "bench-exec"), "crun_exec_bare": (bare, "bench-exec-bare")}
-        with client.create(IMAGE, cpu=LIMITS.cpu, memory_mb=LIMITS.memory_mb, ttl_s=SANDBOX_TTL_S) as sandbox:
+        with client.create(IMAGE, cpu=LIMITS.cpu, memory_mb=LIMITS.memory_mb, ttl_s=SANDBOX_TTL_S,
+                           labels={"job": BENCH_JOB}) as sandbox:  # fmt: skip
             for bundle, container_id in exec_containers.values():
                 bundle.write_config(container_id)
                 crun.run_detached(container_id, bundle.directory)
@@ -353,10 +356,14 @@ def _measure(work_dir: Path, layer_file: Path, runs: int, concurrency: int, prog
             # In turns with crun, each exec finds the CPUs just left by crun's processes; back to back is the path's
             # own cost, and a bare HTTP request through the same client is the floor under it.
             task = progress.add_task(
-                "exec round trip back to back, a bare HTTP round trip, a bare spawn", total=3 * calls
+                "exec round trip back to back (server key, job token), a bare HTTP round trip, a bare spawn",
+                total=4 * calls,
             )
+            trainer = stack.enter_context(Client(url, client.issue_job_token(BENCH_JOB)))  # a training job's client
+            as_job = trainer.get(sandbox.id)
             for key, action in (
                 ("corral_exec_back_to_back", lambda: _require_success(sandbox.exec("true"))),
+                ("corral_exec_job_token", lambda: _require_success(as_job.exec("true"))),
                 ("corral_http", lambda: client._transport.request("GET", "/healthz")),  # noqa: SLF001
                 ("host_spawn", _spawn_true),  # and a process started and waited for, the other floor
             ):
@@ -378,6 +385,7 @@ def _measure(work_dir: Path, layer_file: Path, runs: int, concurrency: int, prog
         "corral": {"create_to_first_exec": summarize(samples["corral_create"]),
                    "exec_roundtrip": summarize(samples["corral_exec"]),
                    "exec_back_to_back": summarize(samples["corral_exec_back_to_back"]),
+                   "exec_job_token": summarize(samples["corral_exec_job_token"]),
                    "http_roundtrip": summarize(samples["corral_http"]), "concurrent_create": burst},
         "baseline": {"crun_create_start_exec": summarize(samples["crun_create"]),
                      "crun_exec": summarize(samples["crun_exec"]), "crun_concurrent_create": crun_burst,
@@ -413,7 +421,8 @@ def _table(report: dict[str, Any]) -> Table:
     at_once = baseline["crun_concurrent_create"]["at_once"]
     caption = (f"baselines: crun run --detach + crun exec, and crun exec; {params['runs']} creates and "
                f"{params['exec_samples']} execs per side, interleaved; the burst's: as many crun run --detach, "
-               f"{at_once} at once. Back to back: one exec right after another, then as many GET /healthz through the "
+               f"{at_once} at once. Back to back: one exec right after another, the same by a job token's client "
+               "(a training job's: its hold on the sandbox is checked), then as many GET /healthz through the "
                "same client and posix_spawn + wait of /bin/true on the host (the floors under an exec). "
                "Profile cost: the same crun runs with "
                "Corral's profile vs without seccomp, masked/read-only paths and no_new_privs. "
@@ -434,6 +443,7 @@ def _table(report: dict[str, Any]) -> Table:
                       f"{ours['p50'] / theirs['p50']:.2f}", checks[metric]["target"], verdict(metric))  # fmt: skip
     for metric, label in (
         ("exec_back_to_back", "  back to back"),
+        ("exec_job_token", "  back to back, by a job token's client"),
         ("http_roundtrip", "  a bare HTTP round trip"),
         ("host_spawn", "  a bare spawn of true on the host"),
     ):

@@ -234,27 +234,29 @@ async def _pieces_floor(service: SandboxService, count: int) -> dict[str, Any]:
             "gateway_us": gateway_us, "gateway_cap_per_s": 1e6 / gateway_us}  # fmt: skip
 
 
+@contextlib.asynccontextmanager
+async def simulated_services(nodes: int, store: StateStore, scratch: Path, api_key: str) -> AsyncIterator[Services]:
+    """What the HTTP app serves, over ``simulated_cluster``: the real services (operations, trajectories, job
+    tokens, images) on ``nodes`` simulated nodes, for ``create_app``."""
+    async with simulated_cluster(nodes, store, scratch / "layers") as service:
+        catalogue = service._catalogue  # noqa: SLF001 - the same catalogue the cluster resolves images in
+        images = ImageService(catalogue, LayerBuilder(catalogue, scratch / "build", 1 << 20), service)
+        steps = TrajectoryLog(store.engine)
+        operations = Operations(steps, service, images, max_logged_file_bytes=0)
+        yield Services(
+            sandboxes=service, images=images, operations=operations,
+            trajectories=Trajectories(steps, service, operations.flush),
+            tokens=JobTokens(store.engine, api_key), grader=Grader(images, service),
+            fncall=FnCallService(service, warm_budget=0, min_warm=0, max_per_pool=0),
+        )  # fmt: skip
+
+
 async def _http_burst(nodes: int, store: StateStore, scratch: Path, count: int) -> dict[str, Any]:
     """The burst through the real HTTP app (FastAPI on uvicorn, in this process) and the async SDK's
     ``create_many``: seconds until the last sandbox's line reached the client."""
     api_key = "ck_bench"
     port = free_port()
-
-    @contextlib.asynccontextmanager
-    async def services() -> AsyncIterator[Services]:
-        async with simulated_cluster(nodes, store, scratch / "layers") as service:
-            catalogue = service._catalogue  # noqa: SLF001 - the same catalogue the cluster resolves images in
-            images = ImageService(catalogue, LayerBuilder(catalogue, scratch / "build", 1 << 20), service)
-            steps = TrajectoryLog(store.engine)
-            operations = Operations(steps, service, images, max_logged_file_bytes=0)
-            yield Services(
-                sandboxes=service, images=images, operations=operations,
-                trajectories=Trajectories(steps, service, operations.flush),
-                tokens=JobTokens(store.engine, api_key), grader=Grader(images, service),
-                fncall=FnCallService(service, warm_budget=0, min_warm=0, max_per_pool=0),
-            )  # fmt: skip
-
-    app = create_app(services, 1 << 20, scratch / "uploads")
+    app = create_app(lambda: simulated_services(nodes, store, scratch, api_key), 1 << 20, scratch / "uploads")
     keepalive_s = Settings.model_fields["http_keepalive_s"].default
     config = uvicorn.Config(
         app, host="127.0.0.1", port=port, loop="asyncio", log_level="warning", timeout_keep_alive=keepalive_s

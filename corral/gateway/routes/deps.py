@@ -47,8 +47,10 @@ class _Authenticate(HTTPBearer):
         sandbox_id = request.path_params.get("sandbox_id")
         if sandbox_id is not None:
             current_sandbox.set(sandbox_id)  # on every log line written while serving this request
-        if caller.job is not None and sandbox_id is not None:
+        job = caller.job
+        if job is not None and sandbox_id is not None and not services.tokens.known_owner(sandbox_id, job):
             caller.check_owner(sandbox_id, (await services.sandboxes.record(sandbox_id)).labels)
+            services.tokens.remember_owner(sandbox_id, job)
         return caller
 
 
