@@ -143,7 +143,7 @@ class Operations:
     async def _begin(self, sandbox_id: str, step_id: str, kind: str, request: dict[str, Any]) -> Step | Replay:
         if step_id.startswith(AUTO_PREFIX):
             raise InvalidRequest(f"step ids starting with {AUTO_PREFIX!r} are Corral's own: choose another")
-        await self._sandboxes.get(sandbox_id)  # unknown sandboxes get no log entries
+        await self._sandboxes.check_exists(sandbox_id)  # unknown sandboxes get no log entries
         self.flush()  # earlier steps first: the log's order is the order steps finished or began
         return await self._db.run(self._log.begin, sandbox_id, step_id, kind, request)
 

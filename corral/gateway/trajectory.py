@@ -74,7 +74,7 @@ class Trajectories:
     # -- reading the log ------------------------------------------------
 
     async def steps(self, sandbox_id: str, *, after_seq: int, limit: int | None) -> list[TrajectoryStep]:
-        await self._sandboxes.get(sandbox_id)
+        await self._sandboxes.check_exists(sandbox_id)
         self.flush()
         found = await self._db.run(self._log.steps, sandbox_id, after_seq=after_seq, limit=limit)
         return [_to_model(step) for step in found]
@@ -82,13 +82,13 @@ class Trajectories:
     async def export_jsonl(self, sandbox_id: str) -> Iterator[str]:
         """The lines, read as they are sent (a StreamingResponse iterates a plain iterator on a worker thread),
         after the steps queued so far are written."""
-        await self._sandboxes.get(sandbox_id)
+        await self._sandboxes.check_exists(sandbox_id)
         self.flush()
         await self._db.run(lambda: None)
         return self._log.export_jsonl(sandbox_id)
 
     async def provenance(self, sandbox_id: str, path: str) -> list[TrajectoryStep]:
-        await self._sandboxes.get(sandbox_id)
+        await self._sandboxes.check_exists(sandbox_id)
         self.flush()
         return [_to_model(step) for step in await self._db.run(self._log.provenance, sandbox_id, path)]
 
