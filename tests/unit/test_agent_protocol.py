@@ -278,6 +278,17 @@ async def test_identify_sets_the_hostname_without_a_process(tmp_path: Path) -> N
     assert socket.gethostname() != "again"
 
 
+async def test_identify_reseeds_the_kernels_generator_or_says_it_could_not(tmp_path: Path) -> None:
+    """Entropy added to the kernel reaches /dev/urandom's output only at the generator's next reseed, seconds apart
+    after a boot: restores of one template gave the same random bytes until then. IDENTIFY reseeds at once
+    (RNDRESEEDCRNG), which needs CAP_SYS_ADMIN of the host's namespace: where it is missing (a user namespace
+    here, never a guest's root) IDENTIFY fails naming it rather than leave the copy's generator in step."""
+    async with real_agent(tmp_path, "unshare", "--user", "--map-root-user", "--uts") as agent:
+        assert await agent.identify("no-entropy", b"")  # the hostname alone needs no reseed
+        with pytest.raises(Conflict, match="RNDRESEEDCRNG"):
+            await asyncio.wait_for(agent.identify("sb-restored-3", os.urandom(64)), 5)
+
+
 async def test_identify_tells_when_an_older_agent_ignored_it() -> None:
     """A guest restored from a checkpoint an older build made runs an agent without IDENTIFY: it ignores it, the
     ping behind it says so, and the caller falls back to a shell."""

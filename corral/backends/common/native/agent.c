@@ -645,6 +645,11 @@ static void identify(uint32_t id, const char *p, size_t len) {
             /* credited (it is the host's), or at least mixed in where crediting is not allowed */
             if (ioctl(fd, RNDADDENTROPY, pool) < 0 && write_all(fd, end + 1, entropy) < 0)
                 problem = "IDENTIFY: cannot add entropy";
+            /* New input is drawn into the output generator only at its next reseed, which a fresh-booted kernel
+             * schedules seconds apart: until then this copy and every other restore of the template gave the
+             * same /dev/urandom bytes (seen as a failing test under load). Reseed now. */
+            else if (ioctl(fd, RNDRESEEDCRNG) < 0)
+                problem = "IDENTIFY: cannot reseed the kernel's random generator (RNDRESEEDCRNG)";
         }
         if (fd >= 0) close(fd);
         free(pool);
