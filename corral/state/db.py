@@ -365,6 +365,12 @@ class StateStore:
         if self._engine.dialect.name == "sqlite":
             event.listen(self._engine, "connect", _sqlite_pragmas)
         self._postgres = self._engine.dialect.name == "postgresql"
+        # Reads (one statement each) need no transaction: on PostgreSQL one costs a BEGIN and the pool's ROLLBACK
+        # on return, two round trips of a record's read (0.69 vs 0.51 ms by hand). Its default READ COMMITTED
+        # gives each statement its own snapshot in a transaction too, so what a read sees is the same.
+        self._reads: Engine = (
+            self._engine.execution_options(isolation_level="AUTOCOMMIT") if self._postgres else self._engine
+        )
         metadata.create_all(self._engine)
         _add_missing_columns(self._engine)
 
@@ -512,19 +518,19 @@ class StateStore:
             sandboxes.c.edge_id == edge_id, sandboxes.c.state == SandboxState.CREATING.value,
             sandboxes.c.created_at < before,
         )  # fmt: skip
-        with self._engine.connect() as conn:
+        with self._reads.connect() as conn:
             return [row.id for row in conn.execute(query)]
 
     def active_ids(self, edge_id: str) -> set[str]:
         """Ids of the sandboxes the records say are active on an edge."""
         query = select(sandboxes.c.id).where(sandboxes.c.edge_id == edge_id, sandboxes.c.state.in_(_ACTIVE))
-        with self._engine.connect() as conn:
+        with self._reads.connect() as conn:
             return {row.id for row in conn.execute(query)}
 
     def silent_nodes(self, before: float, exclude: set[str]) -> list[str]:
         """Nodes still up whose last heartbeat is older than ``before``."""
         query = select(nodes.c.edge_id).where(nodes.c.state == "up", nodes.c.last_seen < before)
-        with self._engine.connect() as conn:
+        with self._reads.connect() as conn:
             return [row.edge_id for row in conn.execute(query) if row.edge_id not in exclude]
 
     def mark_node_lost(self, edge_id: str, before: float, message: str) -> int:
@@ -552,11 +558,11 @@ class StateStore:
             return len(ended)
 
     def nodes(self) -> list[dict[str, Any]]:
-        with self._engine.connect() as conn:
+        with self._reads.connect() as conn:
             return [dict(row) for row in conn.execute(select(nodes).order_by(nodes.c.edge_id)).mappings()]
 
     def get(self, sandbox_id: str) -> SandboxRecord | None:
-        with self._engine.connect() as conn:
+        with self._reads.connect() as conn:
             row = conn.execute(_RECORD_SELECT.where(sandboxes.c.id == sandbox_id)).first()
             return SandboxRecord(*row) if row else None
 
@@ -577,7 +583,7 @@ class StateStore:
                 query = query.where(sandboxes.c.job == value)
             else:
                 query = query.where(sandboxes.c.labels[key].as_string() == value)
-        with self._engine.connect() as conn:
+        with self._reads.connect() as conn:
             return [SandboxRecord(*row) for row in conn.execute(query)]
 
     def layers_in_use(self, edge_ids: Collection[str] | None = None) -> set[str]:
@@ -588,7 +594,7 @@ class StateStore:
         query = select(sandboxes.c.layers).where(sandboxes.c.state.in_(_ACTIVE))
         if edge_ids is not None:
             query = query.where(sandboxes.c.edge_id.in_(list(edge_ids)))
-        with self._engine.connect() as conn:
+        with self._reads.connect() as conn:
             return {entry.partition("#")[0] for (stack,) in conn.execute(query) for entry in stack}
 
     def mark_paused(self, sandbox_id: str, at: float) -> None:
@@ -632,7 +638,7 @@ class StateStore:
             and_(sandboxes.c.state == SandboxState.PAUSED.value, sandboxes.c.ttl_counts_paused.is_(True)),
         )
         query = select(sandboxes.c.id).where(counting, sandboxes.c.expires_at <= now)
-        with self._engine.connect() as conn:
+        with self._reads.connect() as conn:
             return [r[0] for r in conn.execute(query)]
 
     def close(self) -> None:

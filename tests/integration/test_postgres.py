@@ -7,6 +7,9 @@ import json
 import threading
 import time
 from pathlib import Path
+from typing import Any
+
+from sqlalchemy import event
 
 import corral
 from corral.embedded import EmbeddedServer
@@ -113,6 +116,33 @@ def test_batched_writes_store_what_single_writes_store_on_postgres(postgres_url:
     finally:
         with store.engine.begin() as conn:
             conn.exec_driver_sql("DELETE FROM sandboxes WHERE id LIKE 'sb-e0-pg-%%'")
+        store.close()
+
+
+def test_reads_run_without_a_transaction_and_writes_within_one_on_postgres(postgres_url: str) -> None:
+    """A read is one statement in autocommit (no BEGIN, no ROLLBACK on the pool's return: two round trips of its
+    three); a write still commits as a whole, and a connection back in the pool is transactional again."""
+    store = StateStore(postgres_url)
+    seen: list[tuple[str, bool]] = []
+
+    def note(conn: Any, _cursor: Any, statement: str, *_: Any) -> None:  # noqa: ANN401 - SQLAlchemy's event
+        seen.append((statement.split()[0].upper(), conn.connection.driver_connection.autocommit))
+
+    event.listen(store.engine, "before_cursor_execute", note)
+    record = sandbox_record("sb-e0-pg-reads", state="creating", cpu=0.25, memory_mb=256, cwd="/", env={},
+                            layers=[], labels={"job": "pg-reads"}, created_at=time.time())  # fmt: skip
+    try:
+        store.insert(record)
+        assert store.get(record.id) is not None and record.id in store.active_ids("e0")
+        assert store.mark_running_many({record.id: None}) == {record.id}
+        assert [mode for verb, mode in seen if verb == "SELECT"] == [True, True]  # the two reads
+        assert {mode for verb, mode in seen if verb in ("INSERT", "UPDATE")} == {False}  # the writes' transactions
+        with store.engine.connect() as conn:  # the pool hands out its connections transactional again
+            assert conn.connection.driver_connection.autocommit is False
+    finally:
+        event.remove(store.engine, "before_cursor_execute", note)
+        with store.engine.begin() as conn:
+            conn.exec_driver_sql("DELETE FROM sandboxes WHERE id = 'sb-e0-pg-reads'")
         store.close()
 
 
