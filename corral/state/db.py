@@ -365,9 +365,9 @@ class StateStore:
         if self._engine.dialect.name == "sqlite":
             event.listen(self._engine, "connect", _sqlite_pragmas)
         self._postgres = self._engine.dialect.name == "postgresql"
-        # Reads (one statement each) need no transaction: on PostgreSQL one costs a BEGIN and the pool's ROLLBACK
-        # on return, two round trips of a record's read (0.69 vs 0.51 ms by hand). Its default READ COMMITTED
-        # gives each statement its own snapshot in a transaction too, so what a read sees is the same.
+        # Reads need no transaction: on PostgreSQL one costs a BEGIN and the pool's ROLLBACK on return, two round
+        # trips of a record's read (0.71-0.74 vs 0.52-0.56 ms, docs/spec.md). Its default READ COMMITTED gives
+        # each statement its own snapshot in a transaction too, so what a read sees is the same.
         self._reads: Engine = (
             self._engine.execution_options(isolation_level="AUTOCOMMIT") if self._postgres else self._engine
         )

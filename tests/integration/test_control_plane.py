@@ -130,7 +130,7 @@ def _app_counting(tmp_path: Path, method: str) -> Iterator[tuple[TestClient, lis
 
 
 def test_a_job_tokens_hold_on_a_sandbox_is_read_once(tmp_path: Path) -> None:
-    """A job token's requests on its sandbox read the record once (it was once per request: +1.2-1.7 ms an exec on
+    """A job token's requests on its sandbox read the record once (it was once per request: +1.0 ms an exec on
     PostgreSQL); another job's sandbox is refused every time, and a revoke forgets what was found."""
     admin = {"Authorization": "Bearer ck_test"}
     shape = {"image": control_plane.IMAGE, "cpu": 0.25, "memory_mb": 256}
