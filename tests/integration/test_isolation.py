@@ -80,7 +80,46 @@ def test_masked_directories_are_empty_read_only_and_no_superblock_of_their_own(s
         fields = line.split()
         fstype[fields[4]] = fields[fields.index("-") + 1]
     assert all(fstype.get(path) not in (None, "tmpfs") for path in directories), fstype  # binds: the host's fs
-    assert {point for point, kind in fstype.items() if kind == "tmpfs"} == {"/dev", "/dev/shm"}, fstype
+    assert {point for point, kind in fstype.items() if kind == "tmpfs"} == {"/dev"}, fstype
+
+
+def _superblocks(sandbox: corral.Sandbox) -> dict[str, tuple[str, str]]:
+    """The sandbox's mounts by superblock (mountinfo's major:minor): (filesystem type, first mount point)."""
+    found: dict[str, tuple[str, str]] = {}
+    for line in sandbox.exec("cat /proc/self/mountinfo").stdout.splitlines():
+        fields = line.split()
+        found.setdefault(fields[2], (fields[fields.index("-") + 1], fields[4]))
+    return found
+
+
+def test_a_sandbox_has_five_superblocks_of_its_own(client: corral.Client) -> None:
+    """Every superblock costs every memory cgroup of the node a shrinker slot, a term that grows with the square
+    of the sandbox count (oci.py): a sandbox's own are its overlay root, its PID namespace's proc, its /dev tmpfs,
+    its devpts and its IPC namespace's mqueue. /sys is a bind of the node's one sysfs and /dev/shm a directory of
+    /dev, where each was one more (seven)."""
+    with client.create("busybox") as first, client.create("busybox") as second:
+        mine, theirs = _superblocks(first), _superblocks(second)
+        own = sorted(kind for device, (kind, _) in mine.items() if device not in theirs)
+        assert own == ["devpts", "mqueue", "overlay", "proc", "tmpfs"], mine
+        shared = {point: kind for device, (kind, point) in mine.items() if device in theirs}
+        assert shared.get("/sys") == "sysfs", shared
+
+
+def test_dev_shm_and_sys_work_as_their_own_mounts_did(sandbox: corral.Sandbox) -> None:
+    """/dev/shm, a directory of /dev: sticky and world-writable, so any user's shared memory works, and up to
+    /dev's 64 MiB. /sys, the node's sysfs: readable, read-only, and its network interfaces are a loopback's, as
+    the sandbox's own (none of the host's: the node's sysfs has a network namespace of its own)."""
+    shm = sandbox.exec("stat -c %a /dev/shm; echo x > /dev/shm/root-file && echo root-wrote")
+    assert shm.stdout.split() == ["1777", "root-wrote"], shm
+    assert sandbox.exec("echo y > /dev/shm/nobody-file && cat /dev/shm/nobody-file", user="nobody").stdout == "y\n"
+    full = sandbox.exec("dd if=/dev/zero of=/dev/shm/big bs=1M count=80 2>&1; echo rc=$?").stdout
+    assert "No space left" in full and "rc=0" not in full, full
+    assert sandbox.exec("cat /sys/kernel/mm/transparent_hugepage/enabled").stdout.strip().count("[") == 1
+    assert sandbox.exec("ls /sys/devices/system/cpu").stdout.count("cpu0") == 1
+    assert sandbox.exec("touch /sys/x 2>&1; echo rc=$?").stdout.strip().endswith("rc=1")
+    host_interfaces = set(os.listdir("/sys/class/net")) - {"lo"}
+    assert host_interfaces, "the host has no interface but lo: nothing to check"
+    assert sandbox.exec("ls /sys/class/net").stdout.split() == ["lo"]  # as its own netns has: loopback only
 
 
 def test_cgroup_limits_applied(client: corral.Client) -> None:

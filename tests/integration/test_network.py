@@ -45,6 +45,10 @@ def test_allowlist_lets_through_only_what_it_names(client: corral.Client, mirror
     with client.create("busybox", network=allowed) as open_box, client.create("busybox", network={"allow": []}) as shut:
         assert open_box.exec(FETCH).stdout == "ok from mirror\n"
         assert open_box.network().address is not None and open_box.network().address.startswith("10.88.")
+        # a sandbox made with a network lists its interface in /sys as ip does (its own sysfs, not the node's)
+        listed = open_box.exec("ls /sys/class/net").stdout.split()
+        links = open_box.exec("ip -o link | cut -d: -f2 | cut -d@ -f1").stdout.split()
+        assert len(listed) == 2 and sorted(listed) == sorted(links), (listed, links)
         assert shut.exec(FETCH, timeout_s=10).stdout == ""
         assert shut.network().denied_egress_packets > 0  # denied attempts are counted
         wrong_port = {"allow": [{"cidr": mirror, "ports": [9999]}]}

@@ -33,6 +33,7 @@ __all__ = [
     "enter_private_mount_namespace",
     "RUN_ROOT",
     "ensure_run_tmpfs",
+    "NodeSysfs",
     "fs_type_at",
     "run_dir_of",
     "runtime_dirs_of",
@@ -134,6 +135,49 @@ def ensure_run_tmpfs(root: Path = RUN_ROOT) -> bool:
             return False
         _mount("tmpfs", str(root), "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, _RUN_TMPFS_OPTIONS)
         return True
+
+
+class NodeSysfs:
+    """One read-only sysfs for the node's loopback-only container sandboxes, which each bind at /sys.
+
+    A sysfs mount in a sandbox's own network namespace is a superblock of its own, and every superblock costs
+    every memory cgroup of the node a shrinker slot (oci.py: the term that grows with the square of the sandbox
+    count). This one is mounted from a network namespace made for it, with only a loopback, as a sandbox without
+    a network has: what it shows is what that sandbox's own sysfs showed. The namespace is kept by a bind of it
+    (``unshare --net=FILE``); both are mounted in the server's private mount namespace
+    (``enter_private_mount_namespace``), so they go with the server, and a sandbox keeps its bind."""
+
+    def __init__(self, directory: Path) -> None:
+        self._target = directory / "sysfs"
+        self._netns = directory / "sysfs-netns"
+        self._device: int | None = None  # the mount's st_dev, once mounted: a stat says it is still there
+
+    def path(self) -> Path:
+        """The mount, made on first use (and again if something unmounted it)."""
+        if self._device is None or os.stat(self._target).st_dev != self._device:
+            self._target.mkdir(parents=True, exist_ok=True)
+            # Kept by an earlier edge in this namespace (a restarted Ray edge's process did not close it): used
+            # as it is. A half of one (an interrupted start) is undone first.
+            if fs_type_at(self._target) != "sysfs":
+                self._unmount()
+                self._netns.touch()  # a plain file again: the nsfs bind over it refuses any change (EPERM)
+                mount = ["mount", "-t", "sysfs", "-o", "ro,nosuid,nodev,noexec", "sysfs", str(self._target)]
+                done = subprocess.run(["unshare", f"--net={self._netns}", "--", *mount],
+                                      capture_output=True, text=True, check=False)  # fmt: skip
+                if done.returncode != 0:
+                    self._unmount()
+                    raise OSError(f"cannot mount the node's sysfs on {self._target}: {done.stderr.strip()}")
+            self._device = os.stat(self._target).st_dev
+        return self._target
+
+    def close(self) -> None:
+        if self._device is not None:
+            self._unmount()
+            self._device = None
+
+    def _unmount(self) -> None:
+        for target in (self._target, self._netns):
+            _libc.umount2(str(target).encode(), _MNT_DETACH)
 
 
 def run_dir_of(data_dir: Path, root: Path = RUN_ROOT) -> Path:

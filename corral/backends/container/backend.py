@@ -43,6 +43,7 @@ from corral.backends.common.host import (
     CgroupLayout,
     LayerMounts,
     NativeHelpers,
+    NodeSysfs,
     orphans,
     run_dir_of,
     runtime_dirs_of,
@@ -84,6 +85,9 @@ _RUNTIMES = ("crun", "runc", RUNSC)
 # Runtimes that take masked directories as binds of the node's empty one (oci.py says why). runc refuses any
 # mount inside /proc ("cannot be mounted because it is inside /proc"): its sandboxes keep the tmpfs masks.
 _BIND_MASK_RUNTIMES = frozenset({"crun", RUNSC})
+# Runtimes whose sandboxes bind the node's one sysfs and keep /dev/shm in /dev (oci.py): gVisor's sentry serves
+# /sys and /dev itself; runc is left as it was (its masks are tmpfs anyway).
+_NODE_SYSFS_RUNTIMES = frozenset({"crun"})
 _TIER_NAMES = frozenset(tier.strip("/") for tier in qos.TIERS.values())  # top-level cgroups sandboxes live under
 
 
@@ -188,6 +192,13 @@ def _empty_directory(path: Path) -> Path:
     return path
 
 
+def _binds_node_sysfs(runtime: str, spec: SandboxSpec) -> bool:
+    """Whether a sandbox binds the node's sysfs (``NodeSysfs``), whose /sys/class/net lists a loopback only: a
+    sandbox created with a network has a sysfs of its own, which lists its interface. (One given a network later
+    goes on listing the loopback there; ``ip`` asks the kernel and lists both.)"""
+    return runtime in _NODE_SYSFS_RUNTIMES and spec.network is None
+
+
 def _weighed_pool_member(spec: SandboxSpec) -> bool:
     """A warm pool's crun sandbox, which starts at the pool's weight until its claim. Not gVisor's: runsc makes its
     cgroups its own way (the backend never writes their weight)."""
@@ -233,6 +244,7 @@ class ContainerBackend:
         # On disk, not the run dir's tmpfs: a bind of it shows the host's disk filesystem in the sandbox.
         self._mask_dir = _empty_directory(data_dir / "run" / "mask")
         self._masked_dirs = masked_directories()
+        self._sysfs = NodeSysfs(data_dir / "run")
         self._mounts = LayerMounts(data_dir / "mnt" / "layers", verify=check_layer)
         self._containers: dict[str, Container] = {}
         self.agent_start_timeout_s = agent_start_timeout_s
@@ -356,6 +368,7 @@ class ContainerBackend:
                 setuid_allowed=spec.setuid_allowed,
                 mask_dir=self._mask_dir if runtime.name in _BIND_MASK_RUNTIMES else None,
                 masked_dirs=self._masked_dirs,
+                node_sysfs=self._sysfs.path() if _binds_node_sysfs(runtime.name, spec) else None,
             )
             (bundle / "config.json").write_text(json.dumps(isolation.config(config, spec.sandbox_id)))
             undo.push_async_callback(runtime.kill_and_delete, spec.sandbox_id)
@@ -796,6 +809,7 @@ class ContainerBackend:
         self._denials.close()
         self._reads.close()
         self._mounts.unmount_all()
+        self._sysfs.close()
         await asyncio.to_thread(self._pool.close)
         if self._fabric_started:
             await asyncio.to_thread(self._fabric.close)

@@ -17,7 +17,11 @@ had since boot). With a cgroup and ~10 superblocks per sandbox that grows with
 the square of the sandbox count: 17.9 GiB of unreclaimable slab at 9,509 idle
 sandboxes (``corral bench density``), 1.5 MiB for each new cgroup after that
 until a reboot. Three of the ten were these masks. (runc refuses mounts inside
-/proc: its sandboxes keep the tmpfs masks.)
+/proc: its sandboxes keep the tmpfs masks.) For the same reason a crun sandbox's
+/sys is a read-only bind of the node's one sysfs (``NodeSysfs``) and its
+/dev/shm a directory of its /dev tmpfs, which the agent makes (``--shm``): five
+superblocks of its own (overlay root, proc, /dev, devpts, the IPC namespace's
+mqueue), where a sysfs and a tmpfs of their own made seven.
 
 A sandbox that allows setuid programs (``SandboxSpec.setuid_allowed``: E2B's
 templates, whose ``user`` has sudo) runs without no_new_privs, as Docker's
@@ -38,6 +42,7 @@ from typing import Any
 __all__ = [
     "AGENT_PATH",
     "AGENT_NEW_PRIVS_ARGS",
+    "AGENT_SHM_ARGS",
     "CAPABILITIES",
     "CLONE_NAMESPACE_FLAGS",
     "DENIED_IOCTLS",
@@ -49,6 +54,7 @@ __all__ = [
 
 AGENT_PATH = "/.corral/agent"
 AGENT_NEW_PRIVS_ARGS = ("--new-privs", "allowed")  # the agent leaves no_new_privs off for its commands (agent.c)
+AGENT_SHM_ARGS = ("--shm", "/dev/shm")  # the agent makes this directory (mode 1777) where no mount put one
 CFS_PERIOD_US = 100_000
 
 # Docker's default set minus NET_RAW and MKNOD: enough to switch users and
@@ -223,8 +229,17 @@ def _mask_binds(mask_dir: Path, directories: Sequence[str]) -> list[dict[str, An
              "options": ["bind", "ro", "nosuid", "noexec", "nodev"]} for path in directories]  # fmt: skip
 
 
-def _mounts(agent_binary: Path) -> list[dict[str, Any]]:
+def _mounts(agent_binary: Path, node_sysfs: Path | None) -> list[dict[str, Any]]:
+    """With ``node_sysfs``: /sys a bind of it and no /dev/shm mount (the agent makes the directory in /dev)."""
     nosuid_noexec = ["nosuid", "noexec", "nodev"]
+    if node_sysfs is None:
+        shm = [{"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+                "options": [*nosuid_noexec, "mode=1777", "size=65536k"]}]  # fmt: skip
+        sysfs = {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": [*nosuid_noexec, "ro"]}
+    else:
+        shm = []
+        sysfs = {"destination": "/sys", "type": "bind", "source": str(node_sysfs),
+                 "options": ["bind", "ro", *nosuid_noexec]}  # fmt: skip
     return [
         {"destination": "/proc", "type": "proc", "source": "proc", "options": nosuid_noexec},
         {
@@ -239,14 +254,9 @@ def _mounts(agent_binary: Path) -> list[dict[str, Any]]:
             "source": "devpts",
             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"],
         },
-        {
-            "destination": "/dev/shm",
-            "type": "tmpfs",
-            "source": "shm",
-            "options": [*nosuid_noexec, "mode=1777", "size=65536k"],
-        },
+        *shm,
         {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": nosuid_noexec},
-        {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": [*nosuid_noexec, "ro"]},
+        sysfs,
         {
             "destination": AGENT_PATH,
             "type": "bind",
@@ -266,10 +276,13 @@ def build_config(
     setuid_allowed: bool = False,
     mask_dir: Path | None = None,
     masked_dirs: Sequence[str] = (),
+    node_sysfs: Path | None = None,
 ) -> dict[str, Any]:
     """The config.json for one sandbox; ``root.path`` is ``rootfs`` in the bundle. ``setuid_allowed``: without
     no_new_privs (see the module's docstring). ``mask_dir``: an empty directory that masks ``masked_dirs``
-    (``masked_directories()``) as read-only binds; the runtime masks the others, and all without it, with tmpfs."""
+    (``masked_directories()``) as read-only binds; the runtime masks the others, and all without it, with tmpfs.
+    ``node_sysfs``: the node's sysfs, bound at /sys, and /dev/shm made by the agent (the module's docstring);
+    without it a sysfs and a /dev/shm tmpfs of the sandbox's own."""
     binds = _mask_binds(mask_dir, masked_dirs) if mask_dir else []
     bound = {bind["destination"] for bind in binds}
     capabilities = {key: list(CAPABILITIES) for key in ("bounding", "effective", "permitted")}
@@ -278,7 +291,11 @@ def build_config(
         "process": {
             "terminal": False,
             "user": {"uid": 0, "gid": 0},
-            "args": [AGENT_PATH, *(AGENT_NEW_PRIVS_ARGS if setuid_allowed else ())],
+            "args": [
+                AGENT_PATH,
+                *(AGENT_NEW_PRIVS_ARGS if setuid_allowed else ()),
+                *(AGENT_SHM_ARGS if node_sysfs is not None else ()),
+            ],
             "env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
             "cwd": "/",
             "capabilities": capabilities,
@@ -287,7 +304,7 @@ def build_config(
         },
         "root": {"path": "rootfs", "readonly": False},
         "hostname": hostname,
-        "mounts": _mounts(agent_binary) + binds,
+        "mounts": _mounts(agent_binary, node_sysfs) + binds,
         "linux": {
             "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
             "cgroupsPath": cgroup_path,

@@ -26,6 +26,8 @@
  *                for sandboxes that allow them; otherwise every command runs
  *                with it set. The seccomp filter and capability bounding set
  *                apply either way.
+ *   --shm DIR    make DIR (mode 1777) before anything runs, unless it is
+ *                there: a crun sandbox's /dev/shm, a directory of its /dev.
  *
  * Wire format (little endian), both directions:
  *   u32 length (of what follows) | u8 type | u32 job id | payload
@@ -809,7 +811,7 @@ static void reconnect_path(void) {
 }
 
 int main(int argc, char **argv) {
-    const char *tool = NULL;
+    const char *tool = NULL, *shm_dir = NULL;
     int new_privs_allowed = 0;
     ctl = 3;
     for (int i = 1; i + 1 < argc; i += 2) {
@@ -819,7 +821,11 @@ int main(int argc, char **argv) {
         else if (strcmp(argv[i], "--connect") == 0) ctl_path = argv[i + 1];
         else if (strcmp(argv[i], "--root") == 0) sandbox_root = argv[i + 1];
         else if (strcmp(argv[i], "--tool") == 0) tool = argv[i + 1];
+        else if (strcmp(argv[i], "--shm") == 0) shm_dir = argv[i + 1];
     }
+    /* A crun sandbox's /dev/shm is a directory of its /dev tmpfs, not a tmpfs of its own: every superblock costs
+       every memory cgroup of the node (oci.py). Made here, as init, before any command runs. */
+    if (shm_dir && mkdir(shm_dir, 01777) == 0) chmod(shm_dir, 01777);  /* mkdir's mode went through the umask */
     if (tool) tool_fd = open(tool, O_RDONLY | O_CLOEXEC);
     if (ctl_dev || ctl_path) ctl = -1;
     prctl(PR_SET_DUMPABLE, 0);
