@@ -9,6 +9,9 @@ at 0 and after every batch this records:
 - exec("true") round trip on 20 random live sandboxes, sequential: the node still answers when full.
   cpu 0.01 is a CFS quota of 1 ms per 100 ms, so the p95 shows throttling and the p50 the node;
 - create latency of the batch just made;
+- the kernel's 1 KiB slab (``kmalloc-1k`` in /proc/slabinfo), where it keeps every memory cgroup's slots for
+  every superblock's shrinker: the term that grows with the square of the count (docs/spec.md, Density), shown
+  beside the superblocks a sandbox has of its own (mounts of the first sandbox that the second does not share);
 - the mount count of the server process: overlays live in each container's own mount namespace, so this
   stays flat as containers pile up (overlays piling up in one shared namespace slow every later create);
   with quotas on, one more: the node's btrfs of writable layers.
@@ -75,6 +78,27 @@ def _used_mib() -> float:
     return info["MemTotal"] - info["MemAvailable"]
 
 
+def _one_kib_slab_mib() -> float | None:
+    """MiB of objects in use in the kernel's ``kmalloc-1k`` cache (not its free ones, which a teardown leaves by
+    the hundreds of MiB); None where /proc/slabinfo cannot be read (not root)."""
+    try:
+        lines = Path("/proc/slabinfo").read_text().splitlines()
+    except OSError:
+        return None
+    fields = next((line.split() for line in lines if line.startswith("kmalloc-1k ")), None)
+    return int(fields[1]) * int(fields[3]) / (1 << 20) if fields else None  # active objects × object size
+
+
+def _superblocks_of_its_own(client: Client, ids: list[str]) -> list[str]:
+    """The filesystem types of the superblocks the first sandbox has and the second does not (mountinfo's
+    major:minor): what each sandbox adds to the node's shrinkers."""
+    devices = []
+    for sandbox_id in ids[:2]:
+        mounts = client.get(sandbox_id).exec("cat /proc/self/mountinfo").stdout.splitlines()
+        devices.append({fields[2]: fields[fields.index("-") + 1] for fields in map(str.split, mounts)})
+    return sorted(kind for device, kind in devices[0].items() if device not in devices[1]) if len(devices) == 2 else []
+
+
 def _rss_mib(pid: int) -> float:
     return next(int(line.split()[1]) / 1024 for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                 if line.startswith("VmRSS:"))  # fmt: skip
@@ -139,7 +163,7 @@ def _sample(
             "mib_per_sandbox": (used - baseline_mib) / len(ids) if ids else None, "exec": _exec_probe(client, ids),
             "create": create, "server_mounts": len(Path(f"/proc/{server_pid}/mounts").read_text().splitlines()),
             "server_rss_mib": _rss_mib(server_pid), "available_mib": meminfo["MemAvailable"],
-            "slab_unreclaimable_mib": meminfo["SUnreclaim"]}  # fmt: skip
+            "slab_unreclaimable_mib": meminfo["SUnreclaim"], "one_kib_slab_mib": _one_kib_slab_mib()}  # fmt: skip
 
 
 def _measure(data_dir: Path, count: int, step: int, progress: Progress, *, disk_quota: bool) -> dict[str, Any]:
@@ -150,6 +174,7 @@ def _measure(data_dir: Path, count: int, step: int, progress: Progress, *, disk_
     steps: list[dict[str, Any]] = []
     stopped: str | None = None
     kill: dict[str, Any] | None = None
+    own: list[str] = []
     try:
         server.start()
         assert server.process is not None
@@ -169,6 +194,8 @@ def _measure(data_dir: Path, count: int, step: int, progress: Progress, *, disk_
                 create = {**summarize(latencies), "batch_s": batch_s} if latencies else None
                 if new_ids:
                     steps.append(_sample(client, server.process.pid, ids, baseline_mib, create))
+                if len(ids) >= 2 and not own:
+                    own = _superblocks_of_its_own(client, ids)
                 stopped = stopped or _memory_low()
             task = progress.add_task(f"bulk kill of {len(ids)} sandboxes, stopping the server", total=1)
     finally:
@@ -184,7 +211,7 @@ def _measure(data_dir: Path, count: int, step: int, progress: Progress, *, disk_
         host.orphans.reap()
     progress.update(task, completed=1)
     return {"disk_quota": disk_quota, "baseline_used_mib": baseline_mib, "steps": steps, "stopped": stopped,
-            "kill": kill, "leftovers": leftovers,
+            "kill": kill, "leftovers": leftovers, "superblocks_of_its_own": own,
             "create_ms": summarize(all_latencies) if all_latencies else None}  # fmt: skip
 
 
@@ -215,23 +242,25 @@ def _table(report: dict[str, Any]) -> Table:
                f"{EXEC_PROBES} random sandboxes. Bulk kill: {killed}. "
                f"Left behind: {left['containers']} containers, {left['processes']} processes, {left['cgroups']} "
                f"cgroups, {left['mounts']} mounts, {left['veths']} veths, {left['loop_devices']} loop devices, "
-               f"{left['sandbox_dirs']} sandbox dirs. "
+               f"{left['sandbox_dirs']} sandbox dirs. Superblocks of a sandbox's own: "
+               f"{len(report['superblocks_of_its_own'])} ({', '.join(report['superblocks_of_its_own'])}). "
                f"Kernel {info['kernel']}, {info['cpu_count']} cpus, {info['mem_total_mib']:.0f} MiB RAM.")  # fmt: skip
     title = f"corral bench density (disk quota {'on' if report['disk_quota'] else 'off'})"
-    table = Table("sandboxes", "host MiB used", "MiB / sandbox", "exec p50 / p95", "create p50 (rate)", "server mounts",
-                  title=title, caption=caption)  # fmt: skip
+    table = Table("sandboxes", "host MiB used", "MiB / sandbox", "1 KiB slab MiB (shrinker slots)", "exec p50 / p95",
+                  "create p50 (rate)", "server mounts", title=title, caption=caption)  # fmt: skip
     for row in report["steps"]:
         per_sandbox = f"{row['mib_per_sandbox']:.2f}" if row["mib_per_sandbox"] is not None else "-"
         probe = f"{row['exec']['p50']:.1f} / {row['exec']['p95']:.1f} ms" if row["exec"] else "-"
         batch = row["create"]
         create = f"{batch['p50']:.0f} ms ({batch['n'] / batch['batch_s']:.0f}/s)" if batch else "-"
-        table.add_row(str(row["sandboxes"]), f"{row['used_mib']:.0f} (+{row['delta_mib']:.0f})", per_sandbox, probe,
-                      create, str(row["server_mounts"]))  # fmt: skip
+        slab = f"{row['one_kib_slab_mib']:.0f}" if row.get("one_kib_slab_mib") is not None else "-"
+        table.add_row(str(row["sandboxes"]), f"{row['used_mib']:.0f} (+{row['delta_mib']:.0f})", per_sandbox, slab,
+                      probe, create, str(row["server_mounts"]))  # fmt: skip
     verdicts = [f"{check['target']}: " + ("[green]ok[/green]" if check["ok"] else "[red]missed[/red]")
                 for check in report["checks"]]  # fmt: skip
     stopped = f"[yellow]stopped early: {report['stopped']}[/yellow]" if report["stopped"] else "ran to the end"
     table.add_section()
-    table.add_row("verdict", stopped, verdicts[0], verdicts[1], "-", "-")
+    table.add_row("verdict", stopped, verdicts[0], "-", verdicts[1], "-", "-")
     return table
 
 

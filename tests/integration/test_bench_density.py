@@ -1,0 +1,25 @@
+"""`corral bench density` at a tiny size (4 sandboxes in 2 steps), so that the benchmark cannot rot: it runs as its
+own process, as users run it, with its own server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+
+def test_bench_density_reports_memory_the_shrinker_slab_and_a_sandboxs_superblocks() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "corral.cli.main", "bench", "density", "--count", "4", "--step", "2", "--json"],
+        cwd=REPO, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    (report,) = json.loads(run.stdout)["runs"]
+    assert [step["sandboxes"] for step in report["steps"]] == [0, 2, 4]
+    assert all(step["one_kib_slab_mib"] > 0 and step["exec"] for step in report["steps"][1:])
+    # What each sandbox adds to the node's shrinkers (docs/spec.md, Density): five, the sysfs and /dev/shm shared.
+    assert report["superblocks_of_its_own"] == ["devpts", "mqueue", "overlay", "proc", "tmpfs"]
+    assert report["kill"]["killed"] == 4 and not report["kill"]["failed"]
+    assert not any(report["leftovers"].values()), report["leftovers"]
