@@ -137,6 +137,31 @@ def test_cgroup_limits_applied(client: corral.Client) -> None:
             assert (unified / "cpu.max").read_text().split()[0] == "50000"
 
 
+def test_a_sandboxs_cpuset_starts_as_its_tiers_so_the_runtime_writes_none(client: corral.Client) -> None:
+    """On cgroup v1 the tiers' cpusets clone their CPUs and memory nodes into each new sandbox's: the runtime's own
+    writes each walked every sibling and rebuilt the scheduler's domains over every cpuset, a cost that grew with
+    the node's sandbox count (corral/backends/container/backend.py, ``_clone_cpusets_in_tiers``)."""
+    root = Path("/sys/fs/cgroup/cpuset")
+    assert (root / "cgroup.clone_children").exists(), "this host has no v1 cpuset hierarchy: nothing to check"
+    with client.create("busybox") as sandbox, client.create("busybox", qos="batch") as batch:
+        for tier, member in (("corral", sandbox), ("corral-batch", batch)):
+            assert (root / tier / "cgroup.clone_children").read_text().strip() == "1"
+            for name in ("cpuset.cpus", "cpuset.mems"):
+                assert (root / tier / member.id / name).read_text() == (root / name).read_text() != "\n"
+        allowed = sandbox.exec("grep Cpus_allowed_list /proc/self/status").stdout.split()[-1]
+        root_cpus = (root / "cpuset.cpus").read_text().strip()
+        assert allowed == root_cpus, (allowed, root_cpus)  # every CPU of the node, as before
+
+
+def test_sandboxes_make_no_session_keyring_each(client: corral.Client) -> None:
+    """The runtime keeps the server's session keyring (``--no-new-keyring``): a keyring per container cost every
+    create a name search among all of them (runtime.py), and no sandbox can use one (keyctl is refused)."""
+    before = len(Path("/proc/keys").read_text().splitlines())
+    with client.create("busybox"), client.create("busybox"), client.create("busybox"):
+        during = len(Path("/proc/keys").read_text().splitlines())  # the keys root can see, one a line
+    assert during - before < 3, (before, during)  # not one per sandbox (other tests' sandboxes may run meanwhile)
+
+
 def test_open_files_are_bounded_and_cannot_be_raised(sandbox: corral.Sandbox) -> None:
     """RLIMIT_NOFILE is the node's setting, soft and hard; without CAP_SYS_RESOURCE no command raises it, and
     a command opening files past its limit gets EMFILE instead of filling the host's file table."""
