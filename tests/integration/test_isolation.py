@@ -130,6 +130,7 @@ def test_cgroup_limits_applied(client: corral.Client) -> None:
             assert int(memory_v1.read_text()) == 96 << 20
             assert int((Path("/sys/fs/cgroup/pids") / cgroup / "pids.max").read_text()) == 40
             assert int((Path("/sys/fs/cgroup/cpu") / cgroup / "cpu.cfs_quota_us").read_text()) == 50_000
+            assert int((Path("/sys/fs/cgroup/cpu") / cgroup / "cpu.cfs_period_us").read_text()) == 100_000
         else:
             unified = Path("/sys/fs/cgroup") / cgroup
             assert int((unified / "memory.max").read_text()) == 96 << 20

@@ -192,17 +192,17 @@ def _empty_directory(path: Path) -> Path:
     return path
 
 
-def _clone_cpusets_in_tiers(layout: CgroupLayout) -> bool:
+def _clone_cpusets_in_tiers(layout: CgroupLayout) -> None:
     """On cgroup v1, the sandboxes' tiers (``qos.TIERS``) in the cpuset hierarchy made by hand, with the root's CPUs
     and memory nodes, and ``cgroup.clone_children`` set: a sandbox's cpuset then starts with its tier's, and the
     runtime writes neither. Each of its writes walked every sibling (``validate_change``) and rebuilt the
     scheduler's domains over every cpuset (``dl_rebuild_rd_accounting``, ``update_domain_attr_tree``): 8-9% of the
     host's CPU samples while creates ran at 3,000-4,000 idle sandboxes, against 3.6% for the clone's own walk of
     the siblings (``cpuset_css_online``; perf, docs/spec.md, Density). Corral never pins CPUs, so every sandbox has
-    the root's anyway. True once done (or nothing to do: v2, no cpuset)."""
+    the root's anyway. Nothing to do on v2 or without a cpuset hierarchy; a failure is logged, not retried."""
     root = Path("/sys/fs/cgroup/cpuset")
     if layout is CgroupLayout.UNIFIED or not (root / "cgroup.clone_children").exists():
-        return True
+        return
     try:
         for tier in qos.TIERS.values():
             directory = root / tier.strip("/")
@@ -214,7 +214,6 @@ def _clone_cpusets_in_tiers(layout: CgroupLayout) -> bool:
                 (directory / "cgroup.clone_children").write_text("1")
     except OSError as exc:  # the runtime initialises each sandbox's cpuset itself, as before
         log.warning("cannot prepare the sandboxes' cpuset tiers (%s): creates cost more as the node fills", exc)
-    return True
 
 
 def _binds_node_sysfs(runtime: str, spec: SandboxSpec) -> bool:
@@ -365,7 +364,8 @@ class ContainerBackend:
 
     async def create(self, spec: SandboxSpec) -> str | None:
         if not self._cpuset_tiers_ready:
-            self._cpuset_tiers_ready = await asyncio.to_thread(_clone_cpusets_in_tiers, self._layout)
+            await asyncio.to_thread(_clone_cpusets_in_tiers, self._layout)
+            self._cpuset_tiers_ready = True
         runtime = self.runtime(spec.runtime)
         isolation = self._isolations[runtime.name]
         isolation.refuse(spec)

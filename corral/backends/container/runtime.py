@@ -25,8 +25,9 @@ __all__ = ["RUNSC", "RUNSC_FLAGS", "OciRuntime", "OciRuntimeFailed", "ContainerS
 RUNSC = "runsc"
 # crun and runc make each container a session keyring of its own unless told not to, and the kernel finds a new
 # one's name among every keyring of the user: a strcmp per live sandbox on every create (perf at 3,000-4,000 idle
-# sandboxes: `find_keyring_by_name`, 1.4% of the host's samples). A sandbox cannot reach any keyring (keyctl,
-# add_key and request_key are refused by its seccomp profile, /proc/keys is masked), so it keeps the server's.
+# sandboxes: `find_keyring_by_name` and its strcmp, 1.7% of the host's samples). A sandbox cannot reach any
+# keyring (keyctl, add_key and request_key are refused by its seccomp profile, /proc/keys is masked), so it keeps
+# the server's.
 _NO_NEW_KEYRING = ("--no-new-keyring",)
 # gVisor's global flags, the same on every call (see gvisor.py): systrap (its kvm platform hangs on nested-PVM
 # hosts), the writable layer on the host overlay (the default medium leaves .gvisor.filestore.* files in the
