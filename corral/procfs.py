@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["mount_field", "read_small", "running", "stat_fields"]
+__all__ = ["host_cpu_s", "mount_field", "read_small", "running", "stat_fields", "superblocks"]
 
 _OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
 
@@ -16,6 +16,25 @@ def mount_field(text: str) -> str:
     in a mount's source or mount point as an octal escape (``\\040``), so a path holding one never equals its
     field as written."""
     return _OCTAL_ESCAPE.sub(lambda match: chr(int(match.group(1), 8)), text) if "\\" in text else text
+
+
+def superblocks(mountinfo: str) -> dict[str, tuple[str, str]]:
+    """The superblocks of a mountinfo text by device (``major:minor``): its filesystem type and the first mount
+    point that shows it. Two mounts of one device (a bind) share one superblock."""
+    found: dict[str, tuple[str, str]] = {}
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        found.setdefault(fields[2], (fields[fields.index("-") + 1], mount_field(fields[4])))
+    return found
+
+
+def host_cpu_s() -> dict[str, float]:
+    """CPU seconds this host's cores have spent since boot (/proc/stat's cpu line): ``user`` (with nice),
+    ``system`` (with interrupts) and ``steal`` (taken by the hypervisor); idle and iowait left out."""
+    fields = [int(value) for value in read_small("/proc/stat").split("\n", 1)[0].split()[1:]]
+    tick = os.sysconf("SC_CLK_TCK")
+    return {"user": (fields[0] + fields[1]) / tick, "system": (fields[2] + fields[5] + fields[6]) / tick,
+            "steal": fields[7] / tick}  # fmt: skip
 
 
 def read_small(path: str) -> str:

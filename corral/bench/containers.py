@@ -48,6 +48,7 @@ from corral.backends.container import oci
 from corral.config import Settings
 from corral.embedded import EmbeddedServer
 from corral.images.store import LayerStore
+from corral.procfs import host_cpu_s
 from corral.sdk import AsyncClient, AsyncSandbox, Client, ExecResult, InvalidRequest
 
 __all__ = ["percentile", "run_benchmark", "summarize"]
@@ -250,11 +251,8 @@ def _crun_create_sample(crun: _Crun, bundle: _Bundle, container_id: str) -> floa
 
 
 def _host_busy_s() -> float:
-    """CPU seconds this host's cores have spent busy since boot (every process and the kernel: /proc/stat's cpu
-    line less idle and iowait)."""
-    fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + fields[4]
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds this host's cores have spent busy since boot (every process and the kernel)."""
+    return sum(host_cpu_s().values())
 
 
 async def _concurrent_create(url: str, api_key: str, count: int, on_created: Callable[[], None]) -> dict[str, Any]:

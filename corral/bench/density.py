@@ -12,6 +12,8 @@ at 0 and after every batch this records:
 - the kernel's 1 KiB slab (``kmalloc-1k`` in /proc/slabinfo), where it keeps every memory cgroup's slots for
   every superblock's shrinker: the term that grows with the square of the count (docs/spec.md, Density), shown
   beside the superblocks a sandbox has of its own (mounts of the first sandbox that the second does not share);
+- the host's CPU per create of the batch, user and system apart (/proc/stat): the system share is the kernel's
+  work, the part that grows with the count (docs/spec.md, Density: why creates slow down as the node fills);
 - the mount count of the server process: overlays live in each container's own mount namespace, so this
   stays flat as containers pile up (overlays piling up in one shared namespace slow every later create);
   with quotas on, one more: the node's btrfs of writable layers.
@@ -49,6 +51,7 @@ from corral.backends.common import host
 from corral.bench.containers import summarize
 from corral.bench.harness import bench_session, emit
 from corral.embedded import EmbeddedServer
+from corral.procfs import host_cpu_s, superblocks
 from corral.sdk import AsyncClient, Client, CorralError, InvalidRequest
 from corral.testing.leftovers import find_leftovers
 
@@ -90,13 +93,12 @@ def _one_kib_slab_mib() -> float | None:
 
 
 def _superblocks_of_its_own(client: Client, ids: list[str]) -> list[str]:
-    """The filesystem types of the superblocks the first sandbox has and the second does not (mountinfo's
-    major:minor): what each sandbox adds to the node's shrinkers."""
-    devices = []
-    for sandbox_id in ids[:2]:
-        mounts = client.get(sandbox_id).exec("cat /proc/self/mountinfo").stdout.splitlines()
-        devices.append({fields[2]: fields[fields.index("-") + 1] for fields in map(str.split, mounts)})
-    return sorted(kind for device, kind in devices[0].items() if device not in devices[1]) if len(devices) == 2 else []
+    """The filesystem types of the superblocks the first sandbox has and the second does not: what each sandbox
+    adds to the node's shrinkers."""
+    first, second = (
+        superblocks(client.get(sandbox_id).exec("cat /proc/self/mountinfo").stdout) for sandbox_id in ids[:2]
+    )
+    return sorted(kind for device, (kind, _) in first.items() if device not in second)
 
 
 def _rss_mib(pid: int) -> float:
@@ -184,14 +186,18 @@ def _measure(data_dir: Path, count: int, step: int, progress: Progress, *, disk_
             steps.append(_sample(client, server.process.pid, ids, baseline_mib, None))
             task = progress.add_task(f"idle {IMAGE} sandboxes, {step} per step", total=count)
             while len(ids) < count and stopped is None:
-                started = time.perf_counter()
+                started, cpu_before = time.perf_counter(), host_cpu_s()
                 batch = min(step, count - len(ids))
                 new_ids, latencies, stopped = asyncio.run(_create_batch(server.url, server.api_key, batch))
-                batch_s = time.perf_counter() - started
+                batch_s, cpu_after = time.perf_counter() - started, host_cpu_s()
                 ids.extend(new_ids)
                 all_latencies.extend(latencies)
                 progress.update(task, completed=len(ids))
-                create = {**summarize(latencies), "batch_s": batch_s} if latencies else None
+                create = None
+                if latencies:
+                    cpu_ms = {f"host_{kind}_ms_per_create": (cpu_after[kind] - cpu_before[kind]) * 1000 / len(new_ids)
+                              for kind in ("user", "system")}  # fmt: skip
+                    create = {**summarize(latencies), "batch_s": batch_s, **cpu_ms}
                 if new_ids:
                     steps.append(_sample(client, server.process.pid, ids, baseline_mib, create))
                 if len(ids) >= 2 and not own:
@@ -247,20 +253,22 @@ def _table(report: dict[str, Any]) -> Table:
                f"Kernel {info['kernel']}, {info['cpu_count']} cpus, {info['mem_total_mib']:.0f} MiB RAM.")  # fmt: skip
     title = f"corral bench density (disk quota {'on' if report['disk_quota'] else 'off'})"
     table = Table("sandboxes", "host MiB used", "MiB / sandbox", "1 KiB slab MiB (shrinker slots)", "exec p50 / p95",
-                  "create p50 (rate)", "server mounts", title=title, caption=caption)  # fmt: skip
+                  "create p50 (rate)", "host CPU per create, user / system", "server mounts", title=title,
+                  caption=caption)  # fmt: skip
     for row in report["steps"]:
         per_sandbox = f"{row['mib_per_sandbox']:.2f}" if row["mib_per_sandbox"] is not None else "-"
         probe = f"{row['exec']['p50']:.1f} / {row['exec']['p95']:.1f} ms" if row["exec"] else "-"
         batch = row["create"]
         create = f"{batch['p50']:.0f} ms ({batch['n'] / batch['batch_s']:.0f}/s)" if batch else "-"
+        cpu = f"{batch['host_user_ms_per_create']:.1f} / {batch['host_system_ms_per_create']:.1f} ms" if batch else "-"
         slab = f"{row['one_kib_slab_mib']:.0f}" if row.get("one_kib_slab_mib") is not None else "-"
         table.add_row(str(row["sandboxes"]), f"{row['used_mib']:.0f} (+{row['delta_mib']:.0f})", per_sandbox, slab,
-                      probe, create, str(row["server_mounts"]))  # fmt: skip
+                      probe, create, cpu, str(row["server_mounts"]))  # fmt: skip
     verdicts = [f"{check['target']}: " + ("[green]ok[/green]" if check["ok"] else "[red]missed[/red]")
                 for check in report["checks"]]  # fmt: skip
     stopped = f"[yellow]stopped early: {report['stopped']}[/yellow]" if report["stopped"] else "ran to the end"
     table.add_section()
-    table.add_row("verdict", stopped, verdicts[0], "-", verdicts[1], "-", "-")
+    table.add_row("verdict", stopped, verdicts[0], "-", verdicts[1], "-", "-", "-")
     return table
 
 

@@ -7,8 +7,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import corral
+from corral.backends.common.host import CgroupLayout, NodeSysfs
+from corral.backends.container.backend import _clone_cpusets_in_tiers
 from corral.backends.container.oci import masked_directories
 from corral.embedded import EmbeddedServer
+from corral.procfs import superblocks
 
 
 def _status(sandbox: corral.Sandbox) -> dict[str, str]:
@@ -84,12 +87,7 @@ def test_masked_directories_are_empty_read_only_and_no_superblock_of_their_own(s
 
 
 def _superblocks(sandbox: corral.Sandbox) -> dict[str, tuple[str, str]]:
-    """The sandbox's mounts by superblock (mountinfo's major:minor): (filesystem type, first mount point)."""
-    found: dict[str, tuple[str, str]] = {}
-    for line in sandbox.exec("cat /proc/self/mountinfo").stdout.splitlines():
-        fields = line.split()
-        found.setdefault(fields[2], (fields[fields.index("-") + 1], fields[4]))
-    return found
+    return superblocks(sandbox.exec("cat /proc/self/mountinfo").stdout)
 
 
 def test_a_sandbox_has_five_superblocks_of_its_own(client: corral.Client) -> None:
@@ -152,6 +150,34 @@ def test_a_sandboxs_cpuset_starts_as_its_tiers_so_the_runtime_writes_none(client
         allowed = sandbox.exec("grep Cpus_allowed_list /proc/self/status").stdout.split()[-1]
         root_cpus = (root / "cpuset.cpus").read_text().strip()
         assert allowed == root_cpus, (allowed, root_cpus)  # every CPU of the node, as before
+
+
+def test_a_fresh_tier_is_made_to_clone_the_roots_cpuset_into_its_children() -> None:
+    """The kernel keeps a tier's flag from run to run, so the test above alone would pass on a host where an earlier
+    version set it: here the backend's step makes a tier that did not exist, and a child made in it has the root's
+    CPUs and memory nodes without a write."""
+    root = Path("/sys/fs/cgroup/cpuset")
+    tier = root / f"corral-test-{os.getpid()}"
+    try:
+        _clone_cpusets_in_tiers(CgroupLayout.LEGACY, root, [f"/{tier.name}"])
+        assert (tier / "cgroup.clone_children").read_text().strip() == "1"
+        (tier / "child").mkdir()
+        for name in ("cpuset.cpus", "cpuset.mems"):
+            assert (tier / name).read_text() == (tier / "child" / name).read_text() == (root / name).read_text()
+    finally:
+        for directory in (tier / "child", tier):
+            if directory.exists():
+                directory.rmdir()
+
+
+def test_a_node_sysfs_that_cannot_be_mounted_leaves_each_sandbox_its_own(tmp_path: Path) -> None:
+    """Where the shared sysfs cannot be made, creates go on with a sysfs of each sandbox's own (as before it
+    existed), said once, and nothing of the attempt is left mounted."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    node_sysfs = NodeSysfs(blocker)  # its mount point would be inside a file
+    assert node_sysfs.path() is None and node_sysfs.path() is None
+    assert str(blocker) not in Path("/proc/self/mounts").read_text()
 
 
 def test_sandboxes_make_no_session_keyring_each(client: corral.Client) -> None:

@@ -16,6 +16,7 @@ import enum
 import errno
 import fcntl
 import hashlib
+import logging
 import os
 import resource
 import shutil
@@ -47,6 +48,8 @@ __all__ = [
     "OrphanReaper",
     "orphans",
 ]
+
+log = logging.getLogger(__name__)
 
 _CLONE_NEWNS = 0x00020000
 _MS_REC = 0x4000
@@ -151,10 +154,16 @@ class NodeSysfs:
         self._target = directory / "sysfs"
         self._netns = directory / "sysfs-netns"
         self._device: int | None = None  # the mount's st_dev, once mounted: a stat says it is still there
+        self._failed = False
 
-    def path(self) -> Path:
-        """The mount, made on first use (and again if something unmounted it)."""
-        if self._device is None or os.stat(self._target).st_dev != self._device:
+    def path(self) -> Path | None:
+        """The mount, made on first use (and again if something unmounted it); None, with one warning, where it
+        cannot be made: sandboxes then mount a sysfs of their own, as they did before."""
+        if self._failed:
+            return None
+        if self._device is not None and os.stat(self._target).st_dev == self._device:
+            return self._target
+        try:
             self._target.mkdir(parents=True, exist_ok=True)
             # Kept by an earlier edge in this namespace (a restarted Ray edge's process did not close it): used
             # as it is. A half of one (an interrupted start) is undone first.
@@ -165,9 +174,13 @@ class NodeSysfs:
                 done = subprocess.run(["unshare", f"--net={self._netns}", "--", *mount],
                                       capture_output=True, text=True, check=False)  # fmt: skip
                 if done.returncode != 0:
-                    self._unmount()
-                    raise OSError(f"cannot mount the node's sysfs on {self._target}: {done.stderr.strip()}")
+                    raise OSError(done.stderr.strip() or f"unshare exited {done.returncode}")
             self._device = os.stat(self._target).st_dev
+        except OSError as exc:
+            self._unmount()
+            self._failed = True
+            log.warning("cannot mount the node's sysfs on %s (%s): each sandbox mounts its own", self._target, exc)
+            return None
         return self._target
 
     def close(self) -> None:

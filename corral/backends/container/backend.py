@@ -21,6 +21,7 @@ import resource
 import shutil
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -192,7 +193,9 @@ def _empty_directory(path: Path) -> Path:
     return path
 
 
-def _clone_cpusets_in_tiers(layout: CgroupLayout) -> None:
+def _clone_cpusets_in_tiers(
+    layout: CgroupLayout, root: Path = Path("/sys/fs/cgroup/cpuset"), tiers: Iterable[str] = qos.TIERS.values()
+) -> None:
     """On cgroup v1, the sandboxes' tiers (``qos.TIERS``) in the cpuset hierarchy made by hand, with the root's CPUs
     and memory nodes, and ``cgroup.clone_children`` set: a sandbox's cpuset then starts with its tier's, and the
     runtime writes neither. Each of its writes walked every sibling (``validate_change``) and rebuilt the
@@ -200,11 +203,10 @@ def _clone_cpusets_in_tiers(layout: CgroupLayout) -> None:
     host's CPU samples while creates ran at 3,000-4,000 idle sandboxes, against 3.6% for the clone's own walk of
     the siblings (``cpuset_css_online``; perf, docs/spec.md, Density). Corral never pins CPUs, so every sandbox has
     the root's anyway. Nothing to do on v2 or without a cpuset hierarchy; a failure is logged, not retried."""
-    root = Path("/sys/fs/cgroup/cpuset")
     if layout is CgroupLayout.UNIFIED or not (root / "cgroup.clone_children").exists():
         return
     try:
-        for tier in qos.TIERS.values():
+        for tier in tiers:
             directory = root / tier.strip("/")
             directory.mkdir(exist_ok=True)
             for name in ("cpuset.cpus", "cpuset.mems"):
@@ -269,7 +271,7 @@ class ContainerBackend:
         self._mask_dir = _empty_directory(data_dir / "run" / "mask")
         self._masked_dirs = masked_directories()
         self._sysfs = NodeSysfs(data_dir / "run")
-        self._cpuset_tiers_ready = False
+        self._node_prepared = False
         self._mounts = LayerMounts(data_dir / "mnt" / "layers", verify=check_layer)
         self._containers: dict[str, Container] = {}
         self.agent_start_timeout_s = agent_start_timeout_s
@@ -296,6 +298,11 @@ class ContainerBackend:
         self._own_session = session_of(os.getpid())
         plain = PlainOci(self)
         self._isolations: dict[str, Isolation] = {"crun": plain, "runc": plain, RUNSC: Gvisor(self)}
+
+    def _prepare_node(self) -> None:
+        """What this node's container sandboxes share, made before the first of them: the cpuset tiers, the sysfs."""
+        _clone_cpusets_in_tiers(self._layout)
+        self._sysfs.path()
 
     def runtime(self, name: str | None) -> OciRuntime:
         name = name or self._default_runtime
@@ -363,9 +370,9 @@ class ContainerBackend:
         return CgroupMemory(self._layout, qos.cgroup_path(spec.sandbox_id, spec.qos))
 
     async def create(self, spec: SandboxSpec) -> str | None:
-        if not self._cpuset_tiers_ready:
-            await asyncio.to_thread(_clone_cpusets_in_tiers, self._layout)
-            self._cpuset_tiers_ready = True
+        if not self._node_prepared:  # once, off the event loop: from then on a stat a create
+            await asyncio.to_thread(self._prepare_node)
+            self._node_prepared = True
         runtime = self.runtime(spec.runtime)
         isolation = self._isolations[runtime.name]
         isolation.refuse(spec)
