@@ -20,6 +20,7 @@ from sqlalchemy.exc import DBAPIError
 from corral.api.errors import CorralError, InvalidRequest
 from corral.gateway.e2b import include_e2b
 from corral.gateway.e2b.network import InternetEgress
+from corral.gateway.hot_routes import HotRoutes, hot_route
 from corral.gateway.request_timing import RequestTiming
 from corral.gateway.routes import admin, commands, events, files, fncall, images, sandboxes, system, trajectory
 from corral.gateway.sandbox_fusion import include_sandbox_fusion
@@ -61,11 +62,14 @@ def create_app(  # type: ignore[no-untyped-def]
             yield
 
     app = FastAPI(title="Corral", version="0.1.0", lifespan=lifespan, responses=_ERROR_RESPONSES)  # type: ignore[arg-type]
-    app.add_middleware(RequestTiming)
     app.state.max_file_bytes = max_file_bytes  # routes/deps.py: uploads within the limit
     app.state.upload_dir = upload_dir
     for module in ROUTERS:
         app.include_router(module.router)
+    # Added first, so inside RequestTiming (the later added is the outer): a hot route's request is timed too.
+    hot = [hot_route(commands.router.routes, commands.exec_command), hot_route(fncall.router.routes, fncall.fncall)]
+    app.add_middleware(HotRoutes, routes=hot)
+    app.add_middleware(RequestTiming)
 
     @app.exception_handler(CorralError)
     async def corral_error(_request: Request, exc: CorralError) -> JSONResponse:

@@ -47,7 +47,8 @@ class SignalRequest(BaseModel):
 )
 async def exec_command(sandbox_id: str, request: Request) -> Response:
     """Run a command and wait; with ``step_id``, a step sent again is answered from the trajectory log."""
-    # The hottest route of all: body and result through pydantic's core, the operations layer without a dependency.
+    # The hottest route of all (gateway/hot_routes.py): body and result through pydantic's core, the operations
+    # layer taken from the app's state, not a dependency.
     ops: Operations = request.app.state.service.operations
     result = await ops.exec(sandbox_id, await parsed_body(request, ExecRequest))
     return Response(result.model_dump_json(), media_type="application/json")

@@ -14,6 +14,7 @@ from corral.api.models import (
     RunCodeRequest,
     RunCodeResult,
 )
+from corral.gateway.fncall import FnCallService
 from corral.gateway.routes.deps import (
     Auth,
     FnCalls,
@@ -27,11 +28,12 @@ router = APIRouter()
 
 
 @router.post("/v1/fncall", dependencies=[Auth], response_model=FnCallResult, openapi_extra=json_body(FnCallRequest))
-async def fncall(request: Request, fncalls: FnCalls) -> Response:
+async def fncall(request: Request) -> Response:
     """One short call in a pre-warmed, isolated sandbox: a command, or Python whose main() returns JSON."""
-    # A hot route: the body is parsed and the result serialized by pydantic's core (same document, same errors).
-    body = await parsed_body(request, FnCallRequest)
-    result = await fncalls.call(body)
+    # A hot route (gateway/hot_routes.py): the body is parsed and the result serialized by pydantic's core (same
+    # document, same errors), the service taken from the app's state, not a dependency.
+    fncalls: FnCallService = request.app.state.service.fncall
+    result = await fncalls.call(await parsed_body(request, FnCallRequest))
     return Response(result.model_dump_json(), media_type="application/json")
 
 

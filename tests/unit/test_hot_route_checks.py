@@ -1,0 +1,52 @@
+"""hot_route takes only endpoints the hot dispatch serves as FastAPI would: the request and its path parameters,
+a route that depends on Auth alone; the app's own two are such."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi import APIRouter, Depends, Request, Response
+
+from corral.gateway.hot_routes import hot_route
+from corral.gateway.routes import commands, fncall
+from corral.gateway.routes.deps import Auth, Ops
+
+
+def test_the_apps_hot_endpoints_are_accepted() -> None:
+    exec_route = hot_route(commands.router.routes, commands.exec_command)
+    assert exec_route.route.path == "/v1/sandboxes/{sandbox_id}/exec" and exec_route.methods == {"POST"}
+    assert exec_route.route.path_regex.match("/v1/sandboxes/sb-e0-1/exec").groupdict() == {"sandbox_id": "sb-e0-1"}
+    assert exec_route.route.path_regex.match("/v1/sandboxes/sb-e0-1/exec/stream") is None
+    assert hot_route(fncall.router.routes, fncall.fncall).route.path == "/v1/fncall"
+
+
+def test_an_endpoint_that_needs_more_than_the_request_is_refused() -> None:
+    router = APIRouter()
+
+    @router.post("/things/{thing_id}", dependencies=[Auth])
+    async def with_a_dependency(thing_id: str, request: Request, ops: Ops) -> Response:
+        return Response()
+
+    with pytest.raises(ValueError, match="takes only"):
+        hot_route(router.routes, with_a_dependency)
+
+
+def test_a_route_with_other_dependencies_is_refused() -> None:
+    router = APIRouter()
+
+    async def other() -> None:
+        return None
+
+    @router.post("/things/{thing_id}", dependencies=[Auth, Depends(other)])
+    async def poke(thing_id: str, request: Request) -> Response:
+        return Response()
+
+    @router.post("/open/{thing_id}")
+    async def unauthenticated(thing_id: str, request: Request) -> Response:
+        return Response()
+
+    with pytest.raises(ValueError, match="Auth alone"):
+        hot_route(router.routes, poke)
+    with pytest.raises(ValueError, match="Auth alone"):
+        hot_route(router.routes, unauthenticated)
+    with pytest.raises(ValueError, match="0 routes"):
+        hot_route(router.routes, commands.exec_command)
