@@ -165,3 +165,27 @@ def test_background_output_is_bounded_per_sandbox(tmp_path: Path, test_env: dict
             third = sandbox.start("head -c 3000000 /dev/zero", output_cap_bytes=4 << 20)
             cut = sandbox.command(third.command_id, wait_s=30).result
             assert (cut.exit_code, len(cut.stdout), cut.stdout_truncated) == (0, 1 << 20, True)
+
+
+def test_commands_leave_the_agents_memory_as_it_was(sandbox: corral.Sandbox) -> None:
+    """A command's child runs in the agent's memory until its exec (agent.c, child_stack): whatever it does there,
+    failing included (an unknown user, a missing directory or binary), leaves the agent's heap as it was."""
+    kinds = [
+        lambda: sandbox.exec("true"),
+        lambda: sandbox.exec(["/no/such/binary"]),
+        lambda: sandbox.exec("true", user="nosuchuser"),
+        lambda: sandbox.exec("true", cwd="/does/not/exist"),
+        lambda: sandbox.exec("id -u", user="user", env={"A": "x" * 2000}),
+    ]
+
+    def agent_data_kib() -> int:
+        status = sandbox.exec("cat /proc/1/status").stdout
+        assert "Name:\tagent" in status  # the agent is the sandbox's init
+        return int(next(line for line in status.splitlines() if line.startswith("VmData:")).split()[1])
+
+    for run in kinds * 4:
+        run()
+    before = agent_data_kib()
+    results = [run() for run in kinds * 60]
+    assert [r.exit_code for r in results[:5]] == [0, 127, 126, 126, 0]
+    assert agent_data_kib() == before
