@@ -74,7 +74,7 @@ from corral.backends.container.writable import QuotaPool
 from corral.guard.audit import PACKAGE_PREFIXES, PROTECTED_PREFIXES, EventThrottle, denied_syscall_severity
 from corral.images.erofs import build_erofs
 from corral.images.lazy import check_layer
-from corral.procfs import read_small
+from corral.procfs import held_files, read_small
 
 __all__ = ["ContainerBackend"]
 
@@ -530,6 +530,7 @@ class ContainerBackend:
         and its pipes each, and ran out of the node's open files (EMFILE for half of them), for no more speed."""
         container = self._containers.pop(sandbox_id, None)
         self._forget_kernel(sandbox_id)
+        held_files.forget(f"/{sandbox_id}/")  # its cgroups' files, closed before the runtime removes them
         async with self._destroy_slots:
             await self._tear_down(sandbox_id, container)
 
@@ -642,7 +643,7 @@ class ContainerBackend:
         if container.spec.sensitive_paths:  # files written or directories replaced since get marks too
             await asyncio.to_thread(self._reads.mark, sandbox_id, self._root(container), container.spec.sensitive_paths)
         try:
-            events = read_small(paths.pids_events).split()
+            events = held_files.read(paths.pids_events).split()
             pid_limit_hits = int(events[events.index("max") + 1]) if "max" in events else 0
         except OSError:
             pid_limit_hits = 0

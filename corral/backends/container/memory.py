@@ -19,7 +19,7 @@ from pathlib import Path
 
 from corral.backends.base import ReclaimResult
 from corral.backends.common.host import CgroupLayout
-from corral.procfs import read_small
+from corral.procfs import held_files, read_small
 
 __all__ = ["CgroupMemory", "ensure_zram_swap", "prefetch_swapped", "swap_total_bytes"]
 
@@ -92,7 +92,7 @@ class CgroupMemory:
             else ("memory.oom_control", "oom_kill")
         )
         try:
-            for line in self._read(name).splitlines():
+            for line in held_files.read(f"{self._dir}/{name}").splitlines():  # before and after every command
                 field, _, value = line.partition(" ")
                 if field == key:
                     return int(value)

@@ -38,7 +38,7 @@ import threading
 from pathlib import Path
 
 from corral.api.errors import InternalError
-from corral.procfs import read_small
+from corral.procfs import held_files
 
 __all__ = ["QuotaPool"]
 
@@ -191,7 +191,9 @@ class QuotaPool:
 
     def remove(self, sandbox_id: str) -> None:
         """Its subvolume, contents and all (the kernel frees the space and the qgroup in the background)."""
-        self._qgroups.pop(sandbox_id, None)
+        qgroup = self._qgroups.pop(sandbox_id, None)
+        if qgroup is not None:
+            held_files.forget(qgroup)
         if not self.has(sandbox_id):
             return
         try:
@@ -215,8 +217,8 @@ class QuotaPool:
                 return None
             qgroup = self._qgroup(sandbox_id)
             # Written back (referenced) plus reserved for what is still dirty: what counts against the limit.
-            used = sum(int(read_small(qgroup + name)) for name in _COUNTED)
-            return used, int(read_small(qgroup + "max_referenced"))
+            used = sum(int(held_files.read(qgroup + name)) for name in _COUNTED)
+            return used, int(held_files.read(qgroup + "max_referenced"))
         except (OSError, ValueError):
             return None
 
