@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+import uvloop
 from rich.console import Console
 from rich.table import Table
 from sqlalchemy import create_engine, select
@@ -259,7 +260,7 @@ async def _http_burst(nodes: int, store: StateStore, scratch: Path, count: int) 
     app = create_app(lambda: simulated_services(nodes, store, scratch, api_key), 1 << 20, scratch / "uploads")
     keepalive_s = Settings.model_fields["http_keepalive_s"].default
     config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, loop="asyncio", log_level="warning", timeout_keep_alive=keepalive_s
+        app, host="127.0.0.1", port=port, loop="none", log_level="warning", timeout_keep_alive=keepalive_s
     )
     server = uvicorn.Server(config)
     async with asyncio.TaskGroup() as group:
@@ -437,7 +438,8 @@ def run(*, nodes: list[int], creates: int, burst: int, live: int, postgres: bool
     tune_gc()  # as the server does
     with contextlib.ExitStack() as stack:
         database_url = stack.enter_context(throwaway_postgres()) if postgres else ""
-        report = asyncio.run(_measure(nodes, creates, burst, live, database_url, scratch, log, http))
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:  # the gateway's loop (corral/server.py)
+            report = runner.run(_measure(nodes, creates, burst, live, database_url, scratch, log, http))
     report["database"] = "postgresql" if postgres else "sqlite"
     report["checks"] = checks(report)
     return report

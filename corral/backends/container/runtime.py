@@ -7,18 +7,18 @@ of its own and hands the agent's socket to the runtime as fd 3.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import fcntl
 import json
 import os
 import shutil
 import socket
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 from corral.api.errors import InternalError, InvalidRequest
 from corral.backends.common.host import orphans
+from corral.backends.common.spawn import run_to_end
 
 __all__ = ["RUNSC", "RUNSC_FLAGS", "OciRuntime", "OciRuntimeFailed", "ContainerState", "Overlay"]
 
@@ -124,20 +124,13 @@ class OciRuntime:
         log = open(log_file, "ab+") if log_file is not None else None  # noqa: SIM115
         try:
             with orphans.spawned() as track:
-                proc = await asyncio.create_subprocess_exec(
-                    *args,
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=asyncio.subprocess.DEVNULL if log is not None else asyncio.subprocess.PIPE,
-                    stderr=log if log is not None else asyncio.subprocess.PIPE,
-                    pass_fds=(*pass_fds, self._sealed_fd) if self._sealed_fd is not None else pass_fds,
-                )
-                track(proc.pid)
                 try:
-                    stdout, stderr = await asyncio.wait_for(proc.communicate(), _RUNTIME_TIMEOUT_S)
+                    code, stdout, stderr = await run_to_end(
+                        args, timeout_s=_RUNTIME_TIMEOUT_S, on_start=track,
+                        stdout=subprocess.DEVNULL if log is not None else None, stderr=log,
+                        pass_fds=(*pass_fds, self._sealed_fd) if self._sealed_fd is not None else pass_fds,
+                    )  # fmt: skip
                 except TimeoutError:
-                    with contextlib.suppress(ProcessLookupError):
-                        proc.kill()
-                    await proc.wait()
                     raise OciRuntimeFailed(
                         f"{self.name} timed out after {_RUNTIME_TIMEOUT_S:.0f}s: {args[-3:]}"
                     ) from None
@@ -147,11 +140,11 @@ class OciRuntime:
         finally:
             if log is not None:
                 log.close()
-        message = (stderr or b"").decode(errors="replace").strip()
-        if check and proc.returncode != 0:
-            last = message.splitlines()[-1] if message else f"exit status {proc.returncode}"
+        message = stderr.decode(errors="replace").strip()
+        if check and code != 0:
+            last = message.splitlines()[-1] if message else f"exit status {code}"
             raise OciRuntimeFailed(f"{self.name} failed: {last}")
-        return proc.returncode or 0, stdout or b"", message
+        return code, stdout, message
 
     def _launch_args(self, overlay: Overlay, bundle: Path, ctl: socket.socket | None) -> list[str]:
         """corral-launch: the overlay mounted at bundle/rootfs in a mount namespace of its own (and the agent's

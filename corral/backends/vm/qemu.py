@@ -14,13 +14,14 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from qemu.qmp import QMPClient
 
 from corral.api.errors import InternalError
+from corral.backends.common.host import orphans
+from corral.backends.common.spawn import run_to_end
 from corral.backends.vm.network import GUEST_ADDRESS, GUEST_GATEWAY
 from corral.procfs import running
 
@@ -174,6 +175,7 @@ def console_tail(directory: Path, lines: int = 15) -> str:
 
 
 _UNIX_PATH_MAX = 107  # sun_path holds 108 bytes, the last a NUL
+_LAUNCH_TIMEOUT_S = 300.0  # QEMU daemonizes once its machine is set up: a launcher still there after this is stuck
 
 
 class Machine:
@@ -206,15 +208,14 @@ class Machine:
         argv = machine_argv(self.config, self.directory, self.sockets, incoming=incoming)
         if self.config.netns:
             argv = ["ip", "netns", "exec", self.config.netns, *argv]
-        with (self.directory / "qemu.log").open("ab") as log:
-            proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
-            )
-            exited = asyncio.ensure_future(proc.wait())
+        with (self.directory / "qemu.log").open("ab") as log, orphans.spawned() as track:
+            launched = asyncio.ensure_future(run_to_end(
+                argv, timeout_s=_LAUNCH_TIMEOUT_S, on_start=track, stdout=log, stderr=log, new_session=True,
+            ))  # fmt: skip
             try:
-                code = await asyncio.shield(exited)
+                code, _, _ = await asyncio.shield(launched)
             except asyncio.CancelledError:  # let the launcher daemonize and write its pid file: the cleanup kills by it
-                if await exited == 0:
+                if (await launched)[0] == 0:
                     self.adopt()
                 raise
         if code != 0:
