@@ -16,7 +16,7 @@ import subprocess
 from collections.abc import Callable
 from typing import IO
 
-__all__ = ["Output", "run_to_end"]
+__all__ = ["Output", "process_ended", "run_to_end"]
 
 Output = int | IO[bytes] | None
 
@@ -48,10 +48,10 @@ async def run_to_end(
         )  # fmt: skip
         on_start(process.pid)
         try:
-            await _ended(process.pid, timeout_s)
+            await process_ended(process.pid, timeout_s)
         except TimeoutError:
             process.kill()
-            await _ended(process.pid, _KILLED_WAIT_S)
+            await process_ended(process.pid, _KILLED_WAIT_S)
             process.wait()
             raise
         return process.wait(), _contents(out), _contents(err)  # it has ended: wait only reaps it
@@ -61,8 +61,9 @@ async def run_to_end(
                 os.close(fd)
 
 
-async def _ended(pid: int, timeout_s: float) -> None:
-    """Wait until process ``pid`` (a child not yet reaped) has ended: its pidfd turns readable."""
+async def process_ended(pid: int, timeout_s: float | None = None) -> None:
+    """Wait until process ``pid`` has ended: its pidfd turns readable (a child not yet reaped, or any other process:
+    a daemonized QEMU). ProcessLookupError if there is no such process already."""
     pidfd = os.pidfd_open(pid)
     loop = asyncio.get_running_loop()
     ended: asyncio.Future[None] = loop.create_future()

@@ -11,6 +11,7 @@ daemonized: it outlives an edge restart and is re-adopted by its pid file.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -21,7 +22,7 @@ from qemu.qmp import QMPClient
 
 from corral.api.errors import InternalError
 from corral.backends.common.host import orphans
-from corral.backends.common.spawn import run_to_end
+from corral.backends.common.spawn import process_ended, run_to_end
 from corral.backends.vm.network import GUEST_ADDRESS, GUEST_GATEWAY
 from corral.procfs import running
 
@@ -264,23 +265,8 @@ class Machine:
         """Return once the QEMU process has gone (it is not our child after -daemonize)."""
         if self.pid is None:
             return
-        try:
-            fd = os.pidfd_open(self.pid)
-        except ProcessLookupError:
-            return
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
-
-        def exited() -> None:
-            if not done.done():
-                done.set_result(None)
-
-        loop.add_reader(fd, exited)
-        try:
-            await done
-        finally:
-            loop.remove_reader(fd)
-            os.close(fd)
+        with contextlib.suppress(ProcessLookupError):
+            await process_ended(self.pid)
 
     async def kill(self) -> None:
         """Forced stop: SIGKILL, then wait for the process to go."""
