@@ -260,8 +260,8 @@ def serve(settings: Settings) -> None:
         service_factory, settings.max_file_bytes, upload_dir, internet_egress=settings.internet_egress,
         sandbox_fusion_open=settings.sandbox_fusion_open, sandbox_fusion_image=settings.sandbox_fusion_image,
     )  # fmt: skip
-    # uvloop: its HTTP handling and loop cost less (an exec round trip ~0.2 ms less, docs/spec.md); it starts processes
-    # with libuv's fork of the whole server, so the runtime's are started by backends/common/spawn.py instead.
+    # uvloop: its HTTP handling and loop cost less (docs/spec.md, Load); it starts processes with libuv's fork of the
+    # whole server, so the runtime's and QEMU's are started by backends/common/spawn.py instead.
     uvicorn.run(
         app,
         host=settings.host,

@@ -1,8 +1,8 @@
 """A program run to its end from the event loop, without asyncio's subprocess machinery.
 
-Why: the server runs on uvloop (HTTP and the event loop's own work cost less there: an exec round trip ~0.2 ms
-less, a control-plane burst ~10-15%), but uvloop starts a process with libuv's fork of the whole server, which
-cost a container create twice the host's CPU (a burst of 100 at 39-50/s against 68-86/s). ``subprocess.Popen``
+Why: the server runs on uvloop (its HTTP handling and loop cost less: the server's CPU per exec 0.78 against 0.81
+ms, docs/spec.md, Load), but uvloop starts a process with libuv's fork of the whole server, which cost a container
+create nearly twice the host's CPU (a burst of 100 at 39-50/s against 68-86/s). ``subprocess.Popen``
 starts it with vfork, as asyncio's own subprocesses do, and the end is a pidfd turning readable in the loop
 (no child watcher, no thread per process). Its output goes to memfds, read once it has ended: no pipe to drain
 while it runs and no size limit.
