@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -178,6 +179,22 @@ def test_a_node_sysfs_that_cannot_be_mounted_leaves_each_sandbox_its_own(tmp_pat
     node_sysfs = NodeSysfs(blocker)  # its mount point would be inside a file
     assert node_sysfs.path() is None and node_sysfs.path() is None
     assert str(blocker) not in Path("/proc/self/mounts").read_text()
+
+
+async def test_creates_that_start_a_server_together_mount_its_sysfs_once(fresh_server: EmbeddedServer) -> None:
+    """The node's sysfs is made by the first create; creates that arrive with it wait for that one, not each mount
+    a sysfs of their own over the last (``ContainerBackend.create``, ``_node_preparing``)."""
+    assert fresh_server.process is not None
+    async with corral.AsyncClient(fresh_server.url, fresh_server.api_key) as client:
+        sandboxes = await asyncio.gather(*(client.create("busybox") for _ in range(6)))
+        try:
+            mountinfo = Path(f"/proc/{fresh_server.process.pid}/mountinfo").read_text()
+            node_sysfs = [line for line in mountinfo.splitlines() if line.split()[4].endswith("/run/sysfs")]
+            assert len(node_sysfs) == 1, node_sysfs
+            for sandbox in sandboxes:
+                assert (await sandbox.exec("cat /sys/class/net/lo/operstate")).exit_code == 0
+        finally:
+            await asyncio.gather(*(sandbox.kill() for sandbox in sandboxes))
 
 
 def test_sandboxes_make_no_session_keyring_each(client: corral.Client) -> None:

@@ -51,7 +51,12 @@ def test_keystrokes_are_echoed_and_ctrl_c_interrupts_the_foreground_program(debi
         debian, command.command_id, r"echo \$\(\(6\*7\)\)\r\n.*\r42\r\n"
     )  # the typed line echoed, then the answer
     debian.send_stdin(command.command_id, "sleep 100\r")
-    time.sleep(0.3)
+    # ^C must find sleep in the foreground, not bash still starting it (bash's child takes the terminal before its
+    # exec, so once a process is named sleep it has it); a fixed wait missed under load.
+    deadline = time.monotonic() + 10
+    while "sleep" not in debian.exec("cat /proc/[0-9]*/comm").stdout.split():
+        assert time.monotonic() < deadline, "sleep 100 did not start"
+        time.sleep(0.05)
     debian.send_stdin(command.command_id, "\x03")  # the terminal turns ^C into SIGINT for its foreground group
     debian.send_stdin(command.command_id, "echo after:$?\r")
     _wait_output(debian, command.command_id, r"after:130")

@@ -198,7 +198,8 @@ def test_claims_never_share_a_sandbox_nor_what_a_client_left(pooled: EmbeddedSer
     assert first.info.status_message == second.info.status_message == CLAIMED_NOTE
     first.files.write("/tmp/secret", "first's answer")
     first.exec("sleep 600 >/dev/null 2>&1 &")
-    assert "sleep 600" in first.exec("ps -o args").stdout
+    # The shell answers once it has forked; its child may still be in its exec of sleep (ps shows "[sh]").
+    _wait_for(lambda: "sleep 600" in first.exec("ps -o args").stdout)
     seen = {first.id, second.id}
     first.kill()
     assert "sleep 600" not in second.exec("ps -o args").stdout

@@ -3,10 +3,14 @@ a route that depends on Auth alone; the app's own two are such."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from fastapi import APIRouter, Depends, Request, Response
 
-from corral.gateway.hot_routes import hot_route
+from corral.gateway.app import create_app
+from corral.gateway.hot_routes import HotRoutes, hot_route
+from corral.gateway.request_timing import RequestTiming
 from corral.gateway.routes import commands, fncall
 from corral.gateway.routes.deps import Auth, Ops
 
@@ -17,6 +21,16 @@ def test_the_apps_hot_endpoints_are_accepted() -> None:
     assert exec_route.route.path_regex.match("/v1/sandboxes/sb-e0-1/exec").groupdict() == {"sandbox_id": "sb-e0-1"}
     assert exec_route.route.path_regex.match("/v1/sandboxes/sb-e0-1/exec/stream") is None
     assert hot_route(fncall.router.routes, fncall.fncall).route.path == "/v1/fncall"
+
+
+def test_the_app_serves_exec_and_fncall_through_the_hot_dispatch(tmp_path: Path) -> None:
+    app = create_app(None, 1 << 20, tmp_path)
+    hot = [middleware for middleware in app.user_middleware if middleware.cls is HotRoutes]
+    assert len(hot) == 1
+    served = {(route.route.path, *route.methods) for route in hot[0].kwargs["routes"]}
+    assert served == {("/v1/sandboxes/{sandbox_id}/exec", "POST"), ("/v1/fncall", "POST")}
+    timed = [middleware.cls for middleware in app.user_middleware]
+    assert timed.index(RequestTiming) < timed.index(HotRoutes)  # outside it: hot requests are timed too
 
 
 def test_an_endpoint_that_needs_more_than_the_request_is_refused() -> None:

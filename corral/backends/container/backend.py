@@ -272,6 +272,7 @@ class ContainerBackend:
         self._masked_dirs = masked_directories()
         self._sysfs = NodeSysfs(data_dir / "run")
         self._node_prepared = False
+        self._node_preparing = asyncio.Lock()  # creates that arrive together at the start prepare it once
         self._mounts = LayerMounts(data_dir / "mnt" / "layers", verify=check_layer)
         self._containers: dict[str, Container] = {}
         self.agent_start_timeout_s = agent_start_timeout_s
@@ -371,8 +372,10 @@ class ContainerBackend:
 
     async def create(self, spec: SandboxSpec) -> str | None:
         if not self._node_prepared:  # once, off the event loop: from then on a stat a create
-            await asyncio.to_thread(self._prepare_node)
-            self._node_prepared = True
+            async with self._node_preparing:
+                if not self._node_prepared:
+                    await asyncio.to_thread(self._prepare_node)
+                    self._node_prepared = True
         runtime = self.runtime(spec.runtime)
         isolation = self._isolations[runtime.name]
         isolation.refuse(spec)
@@ -530,7 +533,6 @@ class ContainerBackend:
         and its pipes each, and ran out of the node's open files (EMFILE for half of them), for no more speed."""
         container = self._containers.pop(sandbox_id, None)
         self._forget_kernel(sandbox_id)
-        held_files.forget(f"/{sandbox_id}/")  # its cgroups' files, closed before the runtime removes them
         async with self._destroy_slots:
             await self._tear_down(sandbox_id, container)
 
@@ -805,6 +807,7 @@ class ContainerBackend:
             del self._sandbox_of_session[session]
         self._reads.forget(sandbox_id)
         self._kernel_events.forget(sandbox_id)
+        held_files.forget(f"/{sandbox_id}/")  # its cgroups' files, closed before the runtime removes them
 
     def _sandbox_of_pid(self, session: int | None, pid: int) -> str | None:
         """By the audit session (works after the process exited), else by a live process's cgroup."""
