@@ -83,7 +83,8 @@ def test_every_pool_of_both_clients_shares_one_tls_context() -> None:
     contexts = {id(shard._pool._ssl_context) for shard in [*first.shards, *second.shards]}
     sync = SyncTransport("https://127.0.0.1:1", "ck_test", 1.0)
     try:
-        contexts.add(id(sync._pool.conn_kw["ssl_context"]))
+        assert sync._pool._tls is not None
+        contexts.add(id(sync._pool._tls()))
     finally:
         sync.close()
     assert len(contexts) == 1

@@ -1,18 +1,23 @@
-"""The sync SDK's HTTP transport (urllib3) against a real HTTP/1.1 server on loopback: what it sends, how it
-streams, what it does with a stream left half read, and its errors."""
+"""The sync SDK's HTTP transport (corral/sdk/_http1.py) against a real HTTP/1.1 server on loopback (http.server,
+and with TLS): what it sends, how it streams, which connections it keeps, answers cut short or not HTTP, timeouts,
+threads sharing it, and its errors."""
 
 from __future__ import annotations
 
 import json
+import ssl
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
+import trustme
 
 from corral.api.errors import NotFound, ServerUnavailable
 from corral.embedded import free_port
+from corral.sdk._http1 import AnswerParser, ConnectionPool, Origin, request_bytes
 from corral.sdk._transport import SyncTransport
 
 
@@ -52,6 +57,25 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(payload)
             return
+        if url.path.endswith("/slow"):
+            self.server.released.wait(10)
+        if url.path.endswith("/garbage"):
+            self.wfile.write(b"SPDY/9 nonsense\r\n\r\n")
+            self.close_connection = True
+            return
+        if url.path.endswith("/cut"):  # 100 bytes promised, 10 sent, then the connection's end
+            self.send_response(200)
+            self.send_header("Content-Length", "100")
+            self.end_headers()
+            self.wfile.write(b"0123456789")
+            self.close_connection = True
+            return
+        if url.path.endswith("/unframed"):  # neither a length nor chunks: the body runs to the connection's end
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"unframed": true}')
+            self.close_connection = True
+            return
         if url.path.endswith("/lines") or url.path.endswith("/forever"):
             self.send_response(200)
             self.send_header("Transfer-Encoding", "chunked")
@@ -65,12 +89,16 @@ class _Handler(BaseHTTPRequestHandler):
             self._chunk(b'{"n": 3}')
             self.wfile.write(b"0\r\n\r\n")
             return
-        payload = json.dumps({"ok": True}).encode()
+        payload = json.dumps({"ok": True, "query": url.query}).encode() if url.query else b'{"ok": true}'
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(payload)))
+        if url.path.endswith("/close"):
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(payload)
+        if url.path.endswith("/then-hang-up"):  # kept alive by the headers, closed by the server once idle
+            self.close_connection = True
 
     do_GET = do_POST = do_PUT = do_DELETE = _answer
 
@@ -100,7 +128,7 @@ def test_a_request_carries_the_key_its_query_as_httpx_writes_it_and_a_compact_js
             "POST", "/v1/thing", params={"flag": True, "off": False, "none": None, "label": ["a=1", "b=2"], "n": 3},
             json={"cmd": ["echo", "é"]},
         )  # fmt: skip
-        assert (response.status_code, response.json()) == (200, {"ok": True})
+        assert response.status_code == 200 and response.json()["ok"] is True
         transport.request("PUT", "/v1/raw", content=b"\x00bytes")
     finally:
         transport.close()
@@ -157,3 +185,115 @@ def test_error_answers_and_an_unreachable_server_become_corral_errors(server: _S
         nowhere.request("GET", "/v1/sandboxes")
     with pytest.raises(ServerUnavailable, match="cannot reach"):
         next(nowhere.stream_lines("GET", "/v1/events", timeout_s=1))
+
+
+def test_connections_the_server_closed_or_asked_to_close_are_not_used_again(server: _Server) -> None:
+    transport = _transport(server)
+    try:
+        assert transport.request("GET", "/v1/then-hang-up").json() == {"ok": True}
+        time.sleep(0.2)  # the server's FIN has arrived: the idle connection reads EOF
+        assert transport.request("GET", "/v1/close").json() == {"ok": True}  # on a new connection
+        assert transport.request("GET", "/v1/a").json() == {"ok": True}  # and another: the last one said close
+        assert transport.request("GET", "/v1/b").json() == {"ok": True}  # kept alive: the same as /v1/a's
+    finally:
+        transport.close()
+    assert len(server.peers) == 4 and len(set(server.peers)) == 3
+
+
+def test_an_idle_connection_past_its_expiry_is_closed_not_used(server: _Server) -> None:
+    """The client closes first (60 s, the server keeps 620 s): a request sent as the server closes would be lost."""
+    origin = Origin(f"http://127.0.0.1:{server.server_address[1]}")
+    pool = ConnectionPool(origin, max_idle=4, idle_expiry_s=0.3, tls=None)
+    head = f"Host: {origin.host_header}\r\n".encode()
+    try:
+        for pause_s in (0.0, 0.0, 0.5):
+            time.sleep(pause_s)
+            connection = pool.take(5.0)
+            parser = AnswerParser()
+            connection.send(request_bytes("GET", "/v1/x", head, None), 5.0)
+            connection.read_answer(parser)
+            assert (parser.status, b"".join(parser.body)) == (200, b'{"ok": true}')
+            pool.give_back(connection, parser)
+    finally:
+        pool.close()
+    assert len(server.peers) == 3 and len(set(server.peers)) == 2  # the third request after 0.5 s: a new one
+
+
+def test_answers_cut_short_or_not_http_are_errors_and_an_unframed_one_runs_to_the_end(server: _Server) -> None:
+    transport = _transport(server)
+    try:
+        with pytest.raises(ServerUnavailable, match="before its answer ended"):
+            transport.request("GET", "/v1/cut")
+        with pytest.raises(ServerUnavailable, match="not HTTP"):
+            transport.request("GET", "/v1/garbage")
+        assert transport.request("GET", "/v1/unframed").json() == {"unframed": True}
+        assert transport.request("GET", "/v1/after").json() == {"ok": True}
+    finally:
+        transport.close()
+    assert len(set(server.peers)) == 4  # none of the three could carry another request
+
+
+def test_a_server_that_does_not_answer_in_time_is_a_timeout(server: _Server) -> None:
+    transport = _transport(server, timeout_s=0.5)
+    try:
+        started = time.monotonic()
+        with pytest.raises(ServerUnavailable, match="timed out"):
+            transport.request("GET", "/v1/slow")
+        assert 0.4 < time.monotonic() - started < 3
+        server.released.set()
+        assert transport.request("GET", "/v1/after").json() == {"ok": True}  # not the slow one's late answer
+    finally:
+        transport.close()
+
+
+def test_threads_sharing_a_transport_each_get_their_own_answers(server: _Server) -> None:
+    transport = _transport(server)
+    wrong: list[tuple[int, object]] = []
+
+    def ask(thread: int) -> None:
+        for n in range(40):
+            answer = transport.request("POST", "/v1/echo", params={"t": thread, "n": n}, json={}).json()
+            if answer != {"ok": True, "query": f"t={thread}&n={n}"}:
+                wrong.append((thread, answer))
+
+    threads = [threading.Thread(target=ask, args=(thread,)) for thread in range(8)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+    finally:
+        transport.close()
+    assert wrong == [] and len(server.seen) == 8 * 40
+    assert len(set(server.peers)) <= 8  # connections were kept and shared, not one per request
+
+
+def test_https_with_the_trusted_authority_and_refused_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    authority = trustme.CA()
+    server = _Server()
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    authority.issue_cert("127.0.0.1").configure_cert(tls)
+    server.socket = tls.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"https://127.0.0.1:{server.server_address[1]}"
+    try:
+        untrusting = SyncTransport(url, "ck_test", 5.0)
+        with pytest.raises(ServerUnavailable, match="CERTIFICATE_VERIFY_FAILED"):
+            untrusting.request("GET", "/v1/x")
+        untrusting.close()
+        trusting = ssl.create_default_context()
+        authority.configure_trust(trusting)
+        monkeypatch.setattr("corral.sdk._transport._tls_context", lambda: trusting)
+        transport = SyncTransport(url, "ck_test", 5.0)
+        try:
+            assert transport.request("POST", "/v1/x", json={"a": 1}).json() == {"ok": True}
+            assert transport.request("GET", "/v1/y").json() == {"ok": True}
+        finally:
+            transport.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+    assert [seen["body"] for seen in server.seen] == [b'{"a":1}', b""]
+    assert len(set(server.peers)) == 1  # one connection kept alive for both (the refused one sent nothing)
