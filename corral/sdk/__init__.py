@@ -2,7 +2,7 @@
 
 ``Client``/``Sandbox`` are synchronous, ``AsyncClient``/``AsyncSandbox`` the
 same API awaited. Models and errors are corral.api's (the wire contract the server
-shares). Installing the SDK alone needs only httpx and pydantic.
+shares). Installing the SDK alone needs only httptools, httpx (its TLS defaults) and pydantic.
 """
 
 from corral.api.errors import *  # noqa: F401,F403

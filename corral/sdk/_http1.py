@@ -1,30 +1,33 @@
 """HTTP/1.1 for the SDK: requests written out whole, answers parsed by httptools (llhttp, Node.js's parser).
 
-Why not urllib3 (the sync client's transport until 2026-12): on a back-to-back exec of ``true`` the calling process
-spent 0.47-0.56 ms of CPU a request there, most of it in ``http.client`` (a request built header by header, an
-answer's headers parsed by the ``email`` package) against 0.13-0.15 ms for the same request written in one piece and
-its answer parsed by httptools; the round trip's p50 went 1.78-2.26 -> 1.41-1.72 ms (same run, alternating).
+Why (corral/sdk/_transport.py has the figures): urllib3's and httpx's clients spent three to eight times this CPU
+a request, and httpcore's pool walks all its connections for every request.
 
-The parts that do no I/O (``request_bytes``, ``AnswerParser``) are the protocol; ``Connection`` and ``ConnectionPool``
-move them over blocking sockets. What is left out, on purpose: proxies, redirects, retries, HEAD, request bodies
-of unknown length, 1xx answers (the SDK sends none of what would bring them); answers compressed (it asks for
-``identity``).
+The parts that do no I/O (``request_bytes``, ``AnswerParser``) are the protocol, written once; ``Connection`` and
+``ConnectionPool`` move them over blocking sockets, ``AsyncConnection`` and ``AsyncConnectionPool`` over asyncio's
+transports (a protocol whose ``data_received`` feeds the parser: no stream reader between). Left out on purpose:
+proxies, redirects, retries, HEAD, request bodies of unknown length, 1xx answers (the SDK sends none of what
+would bring them), compressed answers (it asks for ``identity``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import select
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["AnswerParser", "BrokenAnswer", "Connection", "ConnectionPool", "Origin", "request_bytes"]
+__all__ = [
+    "AnswerParser", "AsyncConnection", "AsyncConnectionPool", "BrokenAnswer", "Connection", "ConnectionPool", "Origin",
+    "request_bytes",
+]  # fmt: skip
 
 _READ_BYTES = 1 << 16
 
@@ -215,5 +218,226 @@ class ConnectionPool:
         with self._lock:
             self._closed = True
             idle, self._idle = list(self._idle), collections.deque()
+        for connection in idle:
+            connection.close()
+
+
+class _AnswerReader(asyncio.Protocol):
+    """An async connection's protocol: bytes in go to the current answer's parser, and the one waiting for the
+    answer is woken on progress (or its failure). Bytes nobody asked for, an EOF or an error mark it broken."""
+
+    def __init__(self) -> None:
+        self.parser: AnswerParser | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.broken = False
+        self._writable: asyncio.Future[None] | None = None  # set while the transport's buffer is over its mark
+
+    def data_received(self, data: bytes) -> None:
+        if self.parser is None:
+            self.broken = True  # nothing was asked
+            return
+        try:
+            self.parser.feed(data)
+        except BrokenAnswer as exc:
+            self.broken = True
+            self._wake(exc)
+            return
+        self._wake(None)
+
+    def eof_received(self) -> bool:
+        self._ended(None)
+        return False  # close the transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._ended(exc)
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_exception(ConnectionResetError("the connection was lost while sending"))
+
+    def _ended(self, exc: Exception | None) -> None:
+        self.broken = True
+        parser = self.parser
+        if parser is None or parser.complete:
+            return
+        try:
+            parser.feed(b"")  # an answer without a length ends here; any other is cut short
+        except BrokenAnswer as broken:
+            if exc is not None:
+                broken.__cause__ = exc
+            self._wake(broken)
+            return
+        self._wake(None)
+
+    def _wake(self, error: Exception | None) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            if error is None:
+                waiter.set_result(None)
+            else:
+                waiter.set_exception(error)
+
+    def pause_writing(self) -> None:
+        if self._writable is None or self._writable.done():
+            self._writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+
+    def writable(self) -> asyncio.Future[None] | None:
+        """A future done when a paused transport takes writes again; None when it is not paused."""
+        return self._writable if self._writable is not None and not self._writable.done() else None
+
+
+def _time_out(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError("timed out"))
+
+
+class AsyncConnection:
+    """One kept-alive connection on the running event loop; one request at a time."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, transport: asyncio.Transport, reader: _AnswerReader) -> None:
+        self.loop = loop
+        self._transport = transport
+        self._reader = reader
+        self.idle_since = time.monotonic()
+
+    @classmethod
+    async def open(cls, origin: Origin, timeout_s: float, tls: ssl.SSLContext | None) -> AsyncConnection:
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(timeout_s):
+            transport, reader = await loop.create_connection(
+                _AnswerReader, origin.host, origin.port, ssl=tls, server_hostname=origin.host if tls else None
+            )
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return cls(loop, transport, reader)
+
+    def usable(self, loop: asyncio.AbstractEventLoop, now: float, expiry_s: float) -> bool:
+        """Open, nothing unasked came, idle for less than ``expiry_s``, on this loop (a client outlives loops)."""
+        return (
+            not self._reader.broken
+            and loop is self.loop
+            and now - self.idle_since < expiry_s
+            and not self._transport.is_closing()
+        )
+
+    async def send(self, data: bytes, parser: AnswerParser, timeout_s: float) -> None:
+        """Write the request; its answer goes to ``parser``. Waits (at most ``timeout_s``) while the transport's
+        buffer is full."""
+        self._reader.parser = parser
+        self._transport.write(data)
+        writable = self._reader.writable()
+        if writable is not None:
+            timer = self.loop.call_later(timeout_s, _time_out, writable)
+            try:
+                await writable
+            finally:
+                timer.cancel()
+
+    async def _progress(self, timeout_s: float) -> None:
+        waiter = self._reader.waiter = self.loop.create_future()
+        timer = self.loop.call_later(timeout_s, _time_out, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._reader.waiter = None
+
+    async def read_answer(self, parser: AnswerParser, timeout_s: float) -> None:
+        """Until the answer is whole; ``timeout_s`` bounds each wait for more of it."""
+        while not parser.complete:
+            await self._progress(timeout_s)
+
+    async def read_head(self, parser: AnswerParser, timeout_s: float) -> None:
+        while not parser.headers_done:
+            await self._progress(timeout_s)
+
+    async def answer_pieces(self, parser: AnswerParser, timeout_s: float) -> AsyncIterator[bytes]:
+        """The answer's body as it arrives (after its headers), until it is complete."""
+        while True:
+            if parser.body:
+                pieces, parser.body = parser.body, []
+                for piece in pieces:
+                    yield piece
+            if parser.complete:
+                return
+            await self._progress(timeout_s)
+
+    def finished(self) -> None:
+        """The answer was read: bytes from now on are unasked."""
+        self._reader.parser = None
+
+    def close(self) -> None:
+        self._reader.parser = None
+        if self.loop.is_closed():
+            return  # its loop ended (asyncio.run returned): the transport's finalizer closes the socket
+        self._transport.close()
+
+
+class AsyncConnectionPool:
+    """Connections to one origin for the tasks of an event loop: at most ``max_connections`` in use (a request
+    beyond waits for one, within its timeout), ``max_idle`` kept, none used after ``idle_expiry_s`` idle. Taking
+    and giving back are O(1) whatever the number of connections (httpcore's pool walks them all, see
+    corral/sdk/_transport.py)."""
+
+    def __init__(
+        self,
+        origin: Origin,
+        *,
+        max_connections: int,
+        max_idle: int,
+        idle_expiry_s: float,
+        tls: Callable[[], ssl.SSLContext] | None,
+    ) -> None:
+        self.origin = origin
+        self._max_idle = max_idle
+        self._idle_expiry_s = idle_expiry_s
+        self._tls = tls
+        self._idle: collections.deque[AsyncConnection] = collections.deque()
+        self._slots = asyncio.Semaphore(max_connections)
+        self._closed = False
+
+    async def take(self, timeout_s: float) -> AsyncConnection:
+        """An idle connection still good, else a new one; the caller gives it back (or discards it)."""
+        if self._slots.locked():
+            async with asyncio.timeout(timeout_s):
+                await self._slots.acquire()
+        else:
+            await self._slots.acquire()  # a free slot: returns without suspending
+        try:
+            loop, now = asyncio.get_running_loop(), time.monotonic()
+            while self._idle:
+                connection = self._idle.pop()  # the most recently used: least likely to have expired
+                if connection.usable(loop, now, self._idle_expiry_s):
+                    return connection
+                connection.close()
+            tls = None
+            if self.origin.tls:
+                tls = self._tls() if self._tls is not None else ssl.create_default_context()
+            return await AsyncConnection.open(self.origin, timeout_s, tls)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def give_back(self, connection: AsyncConnection, parser: AnswerParser) -> None:
+        """Keep ``connection`` for the next request if ``parser``'s answer left it reusable; else close it."""
+        self._slots.release()
+        connection.finished()
+        if parser.reusable() and not self._closed and len(self._idle) < self._max_idle:
+            connection.idle_since = time.monotonic()
+            self._idle.append(connection)
+        else:
+            connection.close()
+
+    def discard(self, connection: AsyncConnection) -> None:
+        """Close ``connection`` (a request on it failed or was cancelled) and free its slot."""
+        self._slots.release()
+        connection.close()
+
+    async def aclose(self) -> None:
+        self._closed = True
+        idle, self._idle = list(self._idle), collections.deque()
         for connection in idle:
             connection.close()

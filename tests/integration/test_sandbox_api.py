@@ -200,9 +200,9 @@ def test_idle_connection_outlives_clients_keepalive(server: EmbeddedServer) -> N
     import http.client
     from urllib.parse import urlsplit
 
-    from corral.sdk._transport import POOL_LIMITS
+    from corral.sdk._transport import IDLE_EXPIRY_S
 
-    assert POOL_LIMITS.keepalive_expiry is not None and POOL_LIMITS.keepalive_expiry < 620
+    assert IDLE_EXPIRY_S < 620
     address = urlsplit(server.url)
     connection = http.client.HTTPConnection(address.hostname or "127.0.0.1", address.port, timeout=10)
     try:

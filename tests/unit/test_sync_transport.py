@@ -4,124 +4,30 @@ threads sharing it, and its errors."""
 
 from __future__ import annotations
 
-import json
-import ssl
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlsplit
 
 import pytest
-import trustme
 
 from corral.api.errors import NotFound, ServerUnavailable
 from corral.embedded import free_port
 from corral.sdk._http1 import AnswerParser, ConnectionPool, Origin, request_bytes
 from corral.sdk._transport import SyncTransport
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.seen: list[dict[str, object]] = []
-        self.peers: list[tuple[str, int]] = []
-        self.first_line_read = threading.Event()
-        self.released = threading.Event()
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server: _Server
-
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
-        pass
-
-    def _chunk(self, data: bytes) -> None:
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-        self.wfile.flush()
-
-    def _answer(self) -> None:
-        self.server.peers.append(self.client_address)
-        url = urlsplit(self.path)
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        self.server.seen.append({"method": self.command, "path": url.path, "query": parse_qs(url.query,
-                                 keep_blank_values=True), "body": body, "headers": dict(self.headers)})  # fmt: skip
-        if url.path.endswith("/missing"):
-            payload = json.dumps({"error": {"code": "not_found", "message": "no such thing"}}).encode()
-            self.send_response(404)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
-            return
-        if url.path.endswith("/slow"):
-            self.server.released.wait(10)
-        if url.path.endswith("/garbage"):
-            self.wfile.write(b"SPDY/9 nonsense\r\n\r\n")
-            self.close_connection = True
-            return
-        if url.path.endswith("/cut"):  # 100 bytes promised, 10 sent, then the connection's end
-            self.send_response(200)
-            self.send_header("Content-Length", "100")
-            self.end_headers()
-            self.wfile.write(b"0123456789")
-            self.close_connection = True
-            return
-        if url.path.endswith("/unframed"):  # neither a length nor chunks: the body runs to the connection's end
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(b'{"unframed": true}')
-            self.close_connection = True
-            return
-        if url.path.endswith("/lines") or url.path.endswith("/forever"):
-            self.send_response(200)
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
-            self._chunk(b'{"n": 1}\n\n{"n"')  # a blank line, and a line cut across chunks
-            if url.path.endswith("/forever"):  # then nothing more for a while, the answer still open
-                self.server.released.wait(10)
-                return
-            self.server.first_line_read.wait(10)  # the client has the first line before the rest is sent
-            self._chunk(b": 2}\r\n")
-            self._chunk(b'{"n": 3}')
-            self.wfile.write(b"0\r\n\r\n")
-            return
-        payload = json.dumps({"ok": True, "query": url.query}).encode() if url.query else b'{"ok": true}'
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        if url.path.endswith("/close"):
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(payload)
-        if url.path.endswith("/then-hang-up"):  # kept alive by the headers, closed by the server once idle
-            self.close_connection = True
-
-    do_GET = do_POST = do_PUT = do_DELETE = _answer
+from tests.http_answers import AnswerServer, serving, tls_contexts
 
 
 @pytest.fixture
-def server() -> Iterator[_Server]:
-    server = _Server()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+def server() -> Iterator[AnswerServer]:
+    with serving() as server:
         yield server
-    finally:
-        server.released.set()
-        server.shutdown()
-        server.server_close()
-        thread.join(10)
 
 
-def _transport(server: _Server, prefix: str = "", timeout_s: float = 10.0) -> SyncTransport:
+def _transport(server: AnswerServer, prefix: str = "", timeout_s: float = 10.0) -> SyncTransport:
     return SyncTransport(f"http://127.0.0.1:{server.server_address[1]}{prefix}", "ck_test", timeout_s)
 
 
-def test_a_request_carries_the_key_its_query_as_httpx_writes_it_and_a_compact_json_body(server: _Server) -> None:
+def test_a_request_carries_the_key_its_query_as_httpx_writes_it_and_a_compact_json_body(server: AnswerServer) -> None:
     transport = _transport(server, "/behind/a/proxy/")
     try:
         response = transport.request(
@@ -143,7 +49,7 @@ def test_a_request_carries_the_key_its_query_as_httpx_writes_it_and_a_compact_js
     assert len(set(server.peers)) == 1  # one kept-alive connection for both
 
 
-def test_stream_lines_yields_each_line_as_it_arrives_skipping_blank_ones(server: _Server) -> None:
+def test_stream_lines_yields_each_line_as_it_arrives_skipping_blank_ones(server: AnswerServer) -> None:
     transport = _transport(server)
     try:
         lines = transport.stream_lines("GET", "/v1/lines", timeout_s=5)
@@ -156,7 +62,7 @@ def test_stream_lines_yields_each_line_as_it_arrives_skipping_blank_ones(server:
     assert len(set(server.peers)) == 1  # a stream read to its end gives its connection back
 
 
-def test_a_stream_left_half_read_does_not_hand_its_connection_to_the_next_request(server: _Server) -> None:
+def test_a_stream_left_half_read_does_not_hand_its_connection_to_the_next_request(server: AnswerServer) -> None:
     """Nothing more of the stream is waiting on its socket, so urllib3's own check before reuse (EOF or data
     waiting) does not catch it: the connection must be closed, or the next request would wait behind the
     stream for its timeout. (urllib3 also closes it when the stream's reader is dropped mid-read.)"""
@@ -171,7 +77,7 @@ def test_a_stream_left_half_read_does_not_hand_its_connection_to_the_next_reques
     assert len(set(server.peers)) == 2
 
 
-def test_error_answers_and_an_unreachable_server_become_corral_errors(server: _Server) -> None:
+def test_error_answers_and_an_unreachable_server_become_corral_errors(server: AnswerServer) -> None:
     transport = _transport(server)
     try:
         with pytest.raises(NotFound, match="no such thing"):
@@ -187,7 +93,7 @@ def test_error_answers_and_an_unreachable_server_become_corral_errors(server: _S
         next(nowhere.stream_lines("GET", "/v1/events", timeout_s=1))
 
 
-def test_connections_the_server_closed_or_asked_to_close_are_not_used_again(server: _Server) -> None:
+def test_connections_the_server_closed_or_asked_to_close_are_not_used_again(server: AnswerServer) -> None:
     transport = _transport(server)
     try:
         assert transport.request("GET", "/v1/then-hang-up").json() == {"ok": True}
@@ -200,7 +106,7 @@ def test_connections_the_server_closed_or_asked_to_close_are_not_used_again(serv
     assert len(server.peers) == 4 and len(set(server.peers)) == 3
 
 
-def test_an_idle_connection_past_its_expiry_is_closed_not_used(server: _Server) -> None:
+def test_an_idle_connection_past_its_expiry_is_closed_not_used(server: AnswerServer) -> None:
     """The client closes first (60 s, the server keeps 620 s): a request sent as the server closes would be lost."""
     origin = Origin(f"http://127.0.0.1:{server.server_address[1]}")
     pool = ConnectionPool(origin, max_idle=4, idle_expiry_s=0.3, tls=None)
@@ -219,7 +125,7 @@ def test_an_idle_connection_past_its_expiry_is_closed_not_used(server: _Server) 
     assert len(server.peers) == 3 and len(set(server.peers)) == 2  # the third request after 0.5 s: a new one
 
 
-def test_answers_cut_short_or_not_http_are_errors_and_an_unframed_one_runs_to_the_end(server: _Server) -> None:
+def test_answers_cut_short_or_not_http_are_errors_and_an_unframed_one_runs_to_the_end(server: AnswerServer) -> None:
     transport = _transport(server)
     try:
         with pytest.raises(ServerUnavailable, match="before its answer ended"):
@@ -233,7 +139,7 @@ def test_answers_cut_short_or_not_http_are_errors_and_an_unframed_one_runs_to_th
     assert len(set(server.peers)) == 4  # none of the three could carry another request
 
 
-def test_a_server_that_does_not_answer_in_time_is_a_timeout(server: _Server) -> None:
+def test_a_server_that_does_not_answer_in_time_is_a_timeout(server: AnswerServer) -> None:
     transport = _transport(server, timeout_s=0.5)
     try:
         started = time.monotonic()
@@ -246,7 +152,7 @@ def test_a_server_that_does_not_answer_in_time_is_a_timeout(server: _Server) -> 
         transport.close()
 
 
-def test_threads_sharing_a_transport_each_get_their_own_answers(server: _Server) -> None:
+def test_threads_sharing_a_transport_each_get_their_own_answers(server: AnswerServer) -> None:
     transport = _transport(server)
     wrong: list[tuple[int, object]] = []
 
@@ -269,21 +175,13 @@ def test_threads_sharing_a_transport_each_get_their_own_answers(server: _Server)
 
 
 def test_https_with_the_trusted_authority_and_refused_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    authority = trustme.CA()
-    server = _Server()
-    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    authority.issue_cert("127.0.0.1").configure_cert(tls)
-    server.socket = tls.wrap_socket(server.socket, server_side=True)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    url = f"https://127.0.0.1:{server.server_address[1]}"
-    try:
+    server_tls, trusting = tls_contexts()
+    with serving(server_tls) as server:
+        url = f"https://127.0.0.1:{server.server_address[1]}"
         untrusting = SyncTransport(url, "ck_test", 5.0)
         with pytest.raises(ServerUnavailable, match="CERTIFICATE_VERIFY_FAILED"):
             untrusting.request("GET", "/v1/x")
         untrusting.close()
-        trusting = ssl.create_default_context()
-        authority.configure_trust(trusting)
         monkeypatch.setattr("corral.sdk._transport._tls_context", lambda: trusting)
         transport = SyncTransport(url, "ck_test", 5.0)
         try:
@@ -291,9 +189,5 @@ def test_https_with_the_trusted_authority_and_refused_without_it(monkeypatch: py
             assert transport.request("GET", "/v1/y").json() == {"ok": True}
         finally:
             transport.close()
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(10)
     assert [seen["body"] for seen in server.seen] == [b'{"a":1}', b""]
     assert len(set(server.peers)) == 1  # one connection kept alive for both (the refused one sent nothing)
