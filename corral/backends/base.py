@@ -106,6 +106,7 @@ class CommandSpec:
     output_cap_bytes: int
     stdin: bytes | None  # None: no stdin; b"": stdin stays open for write_stdin
     terminal: tuple[int, int] | None = None  # (rows, cols): run on a pseudo-terminal (output comes as stdout)
+    announce_start: bool = True  # False: events() may skip CommandStarted (a waited exec, which only wants the exit)
 
 
 @dataclass(frozen=True)

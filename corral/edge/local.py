@@ -533,7 +533,9 @@ class LocalEdge:
         ]  # fmt: skip
         await self._pause_all(idle, lambda sandbox: f"after {now - sandbox.last_active:.0f}s idle")
 
-    def _start(self, sandbox: _Sandbox, request: ExecRequest, keep_stdin_open: bool = False) -> _Command:
+    def _start(
+        self, sandbox: _Sandbox, request: ExecRequest, keep_stdin_open: bool = False, *, announce_start: bool = True
+    ) -> _Command:
         spec = sandbox.spec
         argv = ["/bin/sh", "-c", request.cmd] if isinstance(request.cmd, str) else list(request.cmd)
         if not argv or not argv[0]:
@@ -557,6 +559,7 @@ class LocalEdge:
             output_cap_bytes=request.output_cap_bytes,
             stdin=stdin,
             terminal=terminal,
+            announce_start=announce_start,
         )
         command_id = f"c{sandbox.next_command}"
         sandbox.next_command += 1
@@ -579,7 +582,7 @@ class LocalEdge:
         with tracing.span("corral.edge.exec", sandbox_id=sandbox_id, edge_id=self.edge_id) as span:
             sandbox = await self._active(sandbox_id)
             span.set("backend", sandbox.spec.backend)
-            command = self._start(sandbox, request)
+            command = self._start(sandbox, request, announce_start=False)  # only its exit is read
             try:
                 with tracing.span("corral.agent.command", sandbox_id=sandbox_id) as agent:  # to the agent and back
                     async for event in self._events_or_end(sandbox, command):

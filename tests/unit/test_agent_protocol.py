@@ -10,6 +10,7 @@ import stat
 import struct
 import subprocess
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,16 @@ async def collect(agent: AgentConnection, o: ExecOrder, stdin: bytes | None = No
 async def test_output_and_exit_code(agent: AgentConnection) -> None:
     out, err, end = await collect(agent, order(["/bin/sh", "-c", "echo o; echo e >&2; exit 7"]))
     assert (out, err, end.exit_code) == (b"o\n", b"e\n", 7)
+
+
+async def test_a_quiet_start_sends_the_output_and_exit_and_no_started_frame(agent: AgentConnection) -> None:
+    """A waited exec reads only the output and the exit: the agent leaves out STARTED (one frame less each)."""
+    loud = [type(event) async for event in agent.run(agent.new_job_id(), order(["/bin/echo", "hi"]))]
+    quiet_order = replace(order(["/bin/sh", "-c", "echo hi; exit 3"]), announce_start=False)
+    quiet = [event async for event in agent.run(agent.new_job_id(), quiet_order)]
+    assert loud == [AgentStarted, AgentOutput, AgentExit]
+    assert [type(event) for event in quiet] == [AgentOutput, AgentExit]
+    assert quiet[0] == AgentOutput("stdout", b"hi\n") and isinstance(quiet[1], AgentExit) and quiet[1].exit_code == 3
 
 
 async def test_stdin_and_cap(agent: AgentConnection) -> None:

@@ -26,6 +26,7 @@ F_TIMED_OUT, F_OUT_TRUNC, F_ERR_TRUNC, F_WALK_CUT, F_WALKED = 1, 2, 4, 8, 16
 _TOOL_FLAGS = {"": 0, "sandbox": 2, "guest": 2 | 4}  # EXEC flags: run the tool binary by fd; skip the chroot
 _X_TERMINAL = 8  # EXEC flag: a pseudo-terminal for the command; u16 rows, u16 cols follow the strings
 _X_WALK_AFTER = 16  # EXEC flag: a walk (FIND's payload) once the command exited; after the terminal's size
+_X_QUIET_START = 32  # EXEC flag: no STARTED frame (an agent before it sends one anyway: events() then yields it)
 AGENT_VERSION = 3  # 2: terminals; 3: IDENTIFY
 _AGENT_VERSIONS = frozenset({1, 2, 3})  # agents an edge still talks to (one started by an older build keeps running)
 _TERMINAL_SIZE = struct.Struct("<HH")
@@ -64,6 +65,7 @@ class ExecOrder:
     tool: str = ""  # guest agents: "sandbox" runs the project's busybox in the sandbox's root, "guest" outside it
     terminal: tuple[int, int] | None = None  # (rows, cols): the command runs on a pseudo-terminal
     walk_after: TreeWalk | None = None  # the agent walks this once the command exited (AgentExit.walked)
+    announce_start: bool = True  # False: no AgentStarted (one frame, and a wakeup of the edge, fewer per command)
 
     def encode(self) -> bytes:
         strings = [self.user, self.cwd, *self.argv, *(f"{k}={v}" for k, v in self.env.items())]
@@ -72,7 +74,7 @@ class ExecOrder:
                 raise ValueError("NUL byte in command, environment, cwd or user")
         flags = (1 if self.has_stdin else 0) | _TOOL_FLAGS[self.tool] | (_X_TERMINAL if self.terminal else 0)
         fixed = _EXEC_FIXED.pack(
-            flags | (_X_WALK_AFTER if self.walk_after else 0),
+            flags | (_X_WALK_AFTER if self.walk_after else 0) | (0 if self.announce_start else _X_QUIET_START),
             self.timeout_ms,
             self.output_cap_bytes,
             len(self.argv),

@@ -89,7 +89,7 @@ enum {
     T_IPC_QUERY = 31, T_IPC_COUNTS = 32, T_FIND = 33, T_FOUND = 34, T_IDENTIFY = 35,
 };
 enum { F_TIMED_OUT = 1, F_OUT_TRUNC = 2, F_ERR_TRUNC = 4, F_WALK_CUT = 8, F_WALKED = 16 };
-enum { X_STDIN = 1, X_TOOL = 2, X_NO_CHROOT = 4, X_TERMINAL = 8, X_WALK_AFTER = 16 };
+enum { X_STDIN = 1, X_TOOL = 2, X_NO_CHROOT = 4, X_TERMINAL = 8, X_WALK_AFTER = 16, X_QUIET_START = 32 };
 #define AGENT_VERSION 3 /* 2: terminals (EXEC flag 8, RESIZE); 3: IDENTIFY */
 #define MAX_FRAME (16u << 20)
 #define MAX_JOBS 1024
@@ -484,7 +484,7 @@ static void start_job(uint32_t id, const char *p, size_t len) {
     if (j->in_fd >= 0) fcntl(j->in_fd, F_SETFL, O_NONBLOCK);
     jobs[njobs++] = j;
     uint32_t upid = (uint32_t)pid;
-    send_frame(T_STARTED, id, &upid, 4);
+    if (!(flags & X_QUIET_START)) send_frame(T_STARTED, id, &upid, 4);  /* a waited exec: the exit is all it reads */
 }
 
 static void close_stdin(struct job *j) {
