@@ -380,7 +380,8 @@ class AsyncConnectionPool:
     """Connections to one origin for the tasks of an event loop: at most ``max_connections`` in use (a request
     beyond waits for one, within its timeout), ``max_idle`` kept, none used after ``idle_expiry_s`` idle. Taking
     and giving back are O(1) whatever the number of connections (httpcore's pool walks them all, see
-    corral/sdk/_transport.py)."""
+    corral/sdk/_transport.py). A client may outlive its event loop (``asyncio.run`` twice): the count of
+    connections in use starts anew on each loop, as their connections do."""
 
     def __init__(
         self,
@@ -396,18 +397,23 @@ class AsyncConnectionPool:
         self._idle_expiry_s = idle_expiry_s
         self._tls = tls
         self._idle: collections.deque[AsyncConnection] = collections.deque()
-        self._slots = asyncio.Semaphore(max_connections)
+        self._max_connections = max_connections
+        self._slots = asyncio.Semaphore(max_connections)  # bound to the loop of the first request that waits on it
+        self._slots_loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
 
     async def take(self, timeout_s: float) -> AsyncConnection:
         """An idle connection still good, else a new one; the caller gives it back (or discards it)."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._slots_loop:  # a new loop: the last one's requests all ended with it
+            self._slots, self._slots_loop = asyncio.Semaphore(self._max_connections), loop
         if self._slots.locked():
             async with asyncio.timeout(timeout_s):
                 await self._slots.acquire()
         else:
             await self._slots.acquire()  # a free slot: returns without suspending
         try:
-            loop, now = asyncio.get_running_loop(), time.monotonic()
+            now = time.monotonic()
             while self._idle:
                 connection = self._idle.pop()  # the most recently used: least likely to have expired
                 if connection.usable(loop, now, self._idle_expiry_s):
@@ -423,7 +429,7 @@ class AsyncConnectionPool:
 
     def give_back(self, connection: AsyncConnection, parser: AnswerParser) -> None:
         """Keep ``connection`` for the next request if ``parser``'s answer left it reusable; else close it."""
-        self._slots.release()
+        self._release(connection)
         connection.finished()
         if parser.reusable() and not self._closed and len(self._idle) < self._max_idle:
             connection.idle_since = time.monotonic()
@@ -433,8 +439,12 @@ class AsyncConnectionPool:
 
     def discard(self, connection: AsyncConnection) -> None:
         """Close ``connection`` (a request on it failed or was cancelled) and free its slot."""
-        self._slots.release()
+        self._release(connection)
         connection.close()
+
+    def _release(self, connection: AsyncConnection) -> None:
+        if connection.loop is self._slots_loop:
+            self._slots.release()
 
     async def aclose(self) -> None:
         self._closed = True

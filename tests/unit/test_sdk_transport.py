@@ -156,14 +156,23 @@ def test_on_uvloop_as_on_asyncio(server: AnswerServer) -> None:
         runner.run(scenario())
 
 
-def test_a_transport_outlives_the_event_loop_it_was_first_used_on(server: AnswerServer) -> None:
-    """A client kept across ``asyncio.run`` calls: a connection of an ended loop is not used on the next one."""
+def test_a_transport_outlives_the_event_loop_it_was_first_used_on(
+    server: AnswerServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client kept across ``asyncio.run`` calls: a connection of an ended loop is not used on the next one, and
+    requests that wait for a free connection wait on the loop they run on (an asyncio.Semaphore that one loop waited
+    on raises on another)."""
+    monkeypatch.setattr("corral.sdk._transport.MAX_CONNECTIONS", 1)
     transport = _transport(server)
+
+    async def three(n: int) -> list[object]:
+        answers = await asyncio.gather(*(transport.request("GET", "/v1/x", params={"n": n, "i": i}) for i in range(3)))
+        return [answer.json() for answer in answers]
+
     for n in range(2):
-        answer = asyncio.run(transport.request("GET", "/v1/x", params={"n": n}))
-        assert answer.json() == {"ok": True, "query": f"n={n}"}
+        assert asyncio.run(three(n)) == [{"ok": True, "query": f"n={n}&i={i}"} for i in range(3)]
     asyncio.run(transport.aclose())
-    assert len(set(server.peers)) == 2
+    assert len(set(server.peers)) == 2  # one connection a loop: the limit held, and none crossed loops
 
 
 async def test_error_answers_and_an_unreachable_server_become_corral_errors(server: AnswerServer) -> None:
