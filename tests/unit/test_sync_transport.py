@@ -63,9 +63,9 @@ def test_stream_lines_yields_each_line_as_it_arrives_skipping_blank_ones(server:
 
 
 def test_a_stream_left_half_read_does_not_hand_its_connection_to_the_next_request(server: AnswerServer) -> None:
-    """Nothing more of the stream is waiting on its socket, so urllib3's own check before reuse (EOF or data
-    waiting) does not catch it: the connection must be closed, or the next request would wait behind the
-    stream for its timeout. (urllib3 also closes it when the stream's reader is dropped mid-read.)"""
+    """Nothing more of the stream is waiting on its socket, so the pool's check before reuse (EOF or data waiting)
+    does not catch it: the connection must be closed, or the next request would wait behind the stream for its
+    timeout."""
     transport = _transport(server, timeout_s=3.0)
     try:
         lines = transport.stream_lines("GET", "/v1/forever", timeout_s=5)
