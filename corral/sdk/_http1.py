@@ -25,8 +25,8 @@ from urllib.parse import urlsplit
 import httptools
 
 __all__ = [
-    "AnswerParser", "AsyncConnection", "AsyncConnectionPool", "BrokenAnswer", "Connection", "ConnectionPool", "Origin",
-    "request_bytes",
+    "AnswerParser", "AsyncConnection", "AsyncConnectionPool", "BrokenAnswer", "Connection", "ConnectionPool",
+    "LineSplitter", "Origin", "request_bytes",
 ]  # fmt: skip
 
 _READ_BYTES = 1 << 16
@@ -119,6 +119,31 @@ class AnswerParser:
         return self.complete and self._delimited and self.messages == 1 and self._keep_alive
 
 
+def _tls_of(origin: Origin, tls: Callable[[], ssl.SSLContext] | None) -> ssl.SSLContext | None:
+    """The TLS context a new connection to ``origin`` uses: None for http, the pool's (else the system's) for https."""
+    if not origin.tls:
+        return None
+    return tls() if tls is not None else ssl.create_default_context()
+
+
+class LineSplitter:
+    """An answer's body pieces as the lines they carry, a line cut across pieces joined; blank lines skipped."""
+
+    __slots__ = ("_pending",)
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    def lines(self, piece: bytes) -> list[str]:
+        *whole, self._pending = (self._pending + piece).split(b"\n")
+        return [line.rstrip(b"\r").decode() for line in whole if line.strip(b"\r")]
+
+    def rest(self) -> list[str]:
+        """The last line, when the body did not end with a newline."""
+        last, self._pending = self._pending, b""
+        return [last.rstrip(b"\r").decode()] if last.strip(b"\r") else []
+
+
 class Connection:
     """One kept-alive connection on a blocking socket; one request at a time."""
 
@@ -132,6 +157,7 @@ class Connection:
             sock.close()
             raise
         self.sock: socket.socket = sock
+        self._timeout_s: float | None = timeout_s
         self.idle_since = time.monotonic()
 
     def dropped(self) -> bool:
@@ -144,7 +170,9 @@ class Connection:
         return bool(poller.poll(0))
 
     def send(self, data: bytes, timeout_s: float) -> None:
-        self.sock.settimeout(timeout_s)
+        if timeout_s != self._timeout_s:  # settimeout is two fcntl calls: most requests keep the last one's
+            self.sock.settimeout(timeout_s)
+            self._timeout_s = timeout_s
         self.sock.sendall(data)
 
     def answer_pieces(self, parser: AnswerParser) -> Iterator[bytes]:
@@ -197,10 +225,7 @@ class ConnectionPool:
             if now - connection.idle_since < self._idle_expiry_s and not connection.dropped():
                 return connection
             connection.close()
-        tls = self._tls() if self.origin.tls and self._tls is not None else None
-        if self.origin.tls and tls is None:
-            tls = ssl.create_default_context()
-        return Connection(self.origin, timeout_s, tls)
+        return Connection(self.origin, timeout_s, _tls_of(self.origin, self._tls))
 
     def give_back(self, connection: Connection, parser: AnswerParser) -> None:
         """Keep ``connection`` for the next request if ``parser``'s answer left it reusable; else close it."""
@@ -309,9 +334,13 @@ class AsyncConnection:
             transport, reader = await loop.create_connection(
                 _AnswerReader, origin.host, origin.port, ssl=tls, server_hostname=origin.host if tls else None
             )
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except BaseException:
+            transport.close()
+            raise
         return cls(loop, transport, reader)
 
     def usable(self, loop: asyncio.AbstractEventLoop, now: float, expiry_s: float) -> bool:
@@ -419,10 +448,7 @@ class AsyncConnectionPool:
                 if connection.usable(loop, now, self._idle_expiry_s):
                     return connection
                 connection.close()
-            tls = None
-            if self.origin.tls:
-                tls = self._tls() if self._tls is not None else ssl.create_default_context()
-            return await AsyncConnection.open(self.origin, timeout_s, tls)
+            return await AsyncConnection.open(self.origin, timeout_s, _tls_of(self.origin, self._tls))
         except BaseException:
             self._slots.release()
             raise

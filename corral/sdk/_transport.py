@@ -32,6 +32,7 @@ from corral.sdk._http1 import (
     AsyncConnectionPool,
     Connection,
     ConnectionPool,
+    LineSplitter,
     Origin,
     request_bytes,
 )
@@ -87,6 +88,13 @@ class Response:
         return self.content.decode()
 
 
+def _answered(parser: AnswerParser) -> Response:
+    """The whole answer ``parser`` read; an error answer raised as its CorralError."""
+    response = Response(parser.status, b"".join(parser.body))
+    _raise_for(response)
+    return response
+
+
 _TRANSPORT_ERRORS = (OSError,)  # BrokenAnswer, timeouts, refused and reset connections, TLS failures
 
 
@@ -118,6 +126,10 @@ class _Requests:
         if content is None and method in ("POST", "PUT", "PATCH"):
             content = b""  # a length, as urllib3 and httpx send for these methods
         return request_bytes(method, target, head, content)
+
+    def _timeout(self, timeout_s: float | None) -> float:
+        """A call's own ``timeout_s`` on top of the client's."""
+        return self.timeout_s if timeout_s is None else timeout_s + self.timeout_s
 
     def _unreachable(self, exc: BaseException) -> ServerUnavailable:
         return ServerUnavailable(f"cannot reach the Corral server at {self.url}: {exc!r}")
@@ -163,32 +175,26 @@ class SyncTransport(_Requests):
         content: bytes | None = None,
     ) -> Response:
         """``timeout_s``: the call's own time, on top of the client's (each wait for the server bounded by it)."""
-        timeout = self.timeout_s if timeout_s is None else timeout_s + self.timeout_s
-        connection, parser = self._ask(self._request_bytes(method, path, params, json, content), timeout, whole=True)
+        request = self._request_bytes(method, path, params, json, content)
+        connection, parser = self._ask(request, self._timeout(timeout_s), whole=True)
         self._pool.give_back(connection, parser)
-        response = Response(parser.status, b"".join(parser.body))
-        _raise_for(response)
-        return response
+        return _answered(parser)
 
     def stream_lines(
         self, method: str, path: str, *, timeout_s: float, params: dict[str, Any] | None = None, json: Any = None
     ) -> Iterator[str]:
         """The answer's non-empty lines as they arrive (each chunk as it comes); ``timeout_s`` bounds each wait."""
         request = self._request_bytes(method, path, params, json, None)
-        connection, parser = self._ask(request, timeout_s + self.timeout_s, whole=False)
+        connection, parser = self._ask(request, self._timeout(timeout_s), whole=False)
         read_to_end = False
         try:
             if parser.status >= 400:
                 connection.read_answer(parser)
-                _raise_for(Response(parser.status, b"".join(parser.body)))
-            pending = b""
-            for chunk in connection.answer_pieces(parser):
-                *lines, pending = (pending + chunk).split(b"\n")
-                for line in lines:
-                    if line.strip(b"\r"):
-                        yield line.rstrip(b"\r").decode()
-            if pending.strip(b"\r"):
-                yield pending.rstrip(b"\r").decode()
+                _answered(parser)
+            splitter = LineSplitter()
+            for piece in connection.answer_pieces(parser):
+                yield from splitter.lines(piece)
+            yield from splitter.rest()
             read_to_end = True
         except _TRANSPORT_ERRORS as exc:
             raise self._lost(exc) from exc
@@ -243,39 +249,33 @@ class AsyncTransport(_Requests):
         content: bytes | None = None,
     ) -> Response:
         """``timeout_s``: the call's own time, on top of the client's (each wait for the server bounded by it)."""
-        timeout = self.timeout_s if timeout_s is None else timeout_s + self.timeout_s
-        connection, parser = await self._ask(
-            self._request_bytes(method, path, params, json, content), timeout, whole=True
-        )
+        request = self._request_bytes(method, path, params, json, content)
+        connection, parser = await self._ask(request, self._timeout(timeout_s), whole=True)
         self._pool.give_back(connection, parser)
-        response = Response(parser.status, b"".join(parser.body))
-        _raise_for(response)
-        return response
+        return _answered(parser)
 
     async def stream_lines(
         self, method: str, path: str, *, timeout_s: float, params: dict[str, Any] | None = None, json: Any = None
     ) -> AsyncIterator[str]:
         """The answer's non-empty lines as they arrive; ``timeout_s`` bounds each wait for more."""
-        timeout = timeout_s + self.timeout_s
-        connection, parser = await self._ask(self._request_bytes(method, path, params, json, None), timeout,
-                                             whole=False)  # fmt: skip
+        timeout = self._timeout(timeout_s)
+        request = self._request_bytes(method, path, params, json, None)
+        connection, parser = await self._ask(request, timeout, whole=False)
         given_back = False
         try:
             if parser.status >= 400:
                 await connection.read_answer(parser, timeout)
                 self._pool.give_back(connection, parser)
                 given_back = True
-                _raise_for(Response(parser.status, b"".join(parser.body)))
-            pending = b""
-            async for chunk in connection.answer_pieces(parser, timeout):
-                *lines, pending = (pending + chunk).split(b"\n")
-                for line in lines:
-                    if line.strip(b"\r"):
-                        yield line.rstrip(b"\r").decode()
+                _answered(parser)
+            splitter = LineSplitter()
+            async for piece in connection.answer_pieces(parser, timeout):
+                for line in splitter.lines(piece):
+                    yield line
             self._pool.give_back(connection, parser)
             given_back = True
-            if pending.strip(b"\r"):
-                yield pending.rstrip(b"\r").decode()
+            for line in splitter.rest():
+                yield line
         except _TRANSPORT_ERRORS as exc:
             raise self._lost(exc) from exc
         finally:
