@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from corral.api.errors import Conflict
+from corral.api.errors import Conflict, ServerUnavailable
 from corral.backends.common.agent_protocol import (
     _HEADER,
     T_EXEC,
@@ -26,6 +26,7 @@ from corral.backends.common.agent_protocol import (
     T_PING,
     T_PONG,
     T_STARTED,
+    T_STDOUT,
     AgentConnection,
     AgentExit,
     AgentOutput,
@@ -33,6 +34,7 @@ from corral.backends.common.agent_protocol import (
     ExecOrder,
     IpcCounts,
     TreeWalk,
+    _FrameReader,
 )
 from corral.backends.common.host import build_native_helpers
 from corral.backends.vm.backend import ExitWalk, walk_still_current
@@ -312,3 +314,83 @@ async def test_identify_tells_when_an_older_agent_ignored_it() -> None:
     async with older_agent(answer) as agent:
         assert await asyncio.wait_for(agent.identify("sb-restored-2", b"x" * 16), 5) is False
     assert seen == [T_IDENTIFY, T_PING]
+
+
+def test_frames_come_out_whole_however_the_stream_is_cut() -> None:
+    """The reader hands on each frame once it is whole, in order, whether it arrived in one read, a byte at a
+    time, or cut at any point (a large frame arrives over many reads)."""
+    frames = [(T_STDOUT, 1, b"x" * 70_000), (T_EXIT, 1, struct.pack("<iB", 0, 0)), (T_PONG, 2, b""),
+              (T_STDOUT, 3, bytes(range(256)) * 3)]  # fmt: skip
+    stream = b"".join(_HEADER.pack(5 + len(payload), kind, job) + payload for kind, job, payload in frames)
+
+    def read(pieces: list[bytes]) -> list[tuple[int, int, bytes]]:
+        seen: list[tuple[int, int, bytes]] = []
+        lost: list[Exception | None] = []
+        reader = _FrameReader(lambda kind, job, payload: seen.append((kind, job, bytes(payload))), lost.append)
+        for piece in pieces:
+            reader.data_received(piece)
+        assert lost == []
+        return seen
+
+    assert read([stream]) == frames
+    assert read([stream[i : i + 1] for i in range(len(stream))]) == frames
+    for cut in (1, 4, 8, 9, 10, 9 + 69_999, 9 + 70_000, 9 + 70_000 + 1, len(stream) - 1):
+        assert read([stream[:cut], stream[cut:]]) == frames, cut
+    assert read([stream[i : i + 4096] for i in range(0, len(stream), 4096)]) == frames
+
+
+async def test_large_output_and_stdin_pass_whole(agent: AgentConnection) -> None:
+    """8 MiB of stdin (more than the socket holds: the writer waits for room) and 6 MiB of output (frames that
+    span many reads) arrive whole."""
+    data = os.urandom(8 << 20)
+    out, _, end = await collect(agent, order(["/bin/sh", "-c", "wc -c; head -c 6291456 /dev/zero"], cap=16 << 20,
+                                             stdin=True), data)  # fmt: skip
+    assert end.exit_code == 0 and not end.stdout_truncated
+    count, _, zeros = out.partition(b"\n")
+    assert int(count) == len(data) and zeros == bytes(6 << 20)
+
+
+async def test_a_bad_frame_fails_the_running_commands_and_closes_the_channel() -> None:
+    """A frame length no agent sends (a corrupt stream) ends the channel: the waiting command gets an error,
+    not a hang, and nothing more can be sent."""
+
+    def answer(kind: int, job_id: int) -> bytes:
+        return _HEADER.pack(3, T_STDOUT, job_id) if kind == T_EXEC else b""
+
+    async with older_agent(answer) as agent:
+        with pytest.raises(ServerUnavailable, match="lost the connection"):
+            await asyncio.wait_for(collect(agent, order(["true"])), 5)
+        assert agent.closed.is_set()
+        with pytest.raises(ServerUnavailable, match="closed"):
+            await agent.kill_all()
+
+
+async def test_an_agent_that_hangs_up_fails_the_running_commands() -> None:
+    """The agent's end closing mid-command (the sandbox died) fails the commands waiting on it."""
+    edge_end, peer_end = socket.socketpair()
+    peer_end.sendall(_HEADER.pack(13, T_HELLO, 0) + struct.pack("<II", 3, os.getpid()))
+    agent = AgentConnection(edge_end)
+    try:
+        await agent.start(hello_timeout_s=5)
+        running = asyncio.ensure_future(collect(agent, order(["sleep", "5"])))
+        await asyncio.sleep(0.1)
+        assert not running.done()
+        peer_end.close()
+        with pytest.raises(ServerUnavailable, match="lost the connection"):
+            await asyncio.wait_for(running, 5)
+        assert agent.closed.is_set()
+    finally:
+        agent.close()
+        peer_end.close()
+
+
+async def test_no_greeting_is_a_clear_error(tmp_path: Path) -> None:
+    """A peer that never says hello (an agent that did not start) is told apart within the timeout."""
+    edge_end, peer_end = socket.socketpair()
+    agent = AgentConnection(edge_end)
+    try:
+        with pytest.raises(ServerUnavailable, match="did not start within"):
+            await agent.start(hello_timeout_s=0.3)
+        assert agent.closed.is_set()
+    finally:
+        peer_end.close()

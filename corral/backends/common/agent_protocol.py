@@ -12,7 +12,7 @@ import asyncio
 import itertools
 import socket
 import struct
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from corral.api.errors import Conflict, ServerUnavailable
@@ -130,16 +130,86 @@ class _Job:
     queue: asyncio.Queue[_Answer | Exception] = field(default_factory=asyncio.Queue)
 
 
+class _FrameReader(asyncio.Protocol):
+    """Cuts the agent's byte stream into frames as it arrives and hands each to ``on_frame`` in the same loop
+    iteration: no reader task between the socket and a command's queue (one wake-up a frame fewer than a
+    StreamReader's). Also the writing side's flow control (``drained``)."""
+
+    def __init__(
+        self, on_frame: Callable[[int, int, bytes], None], on_lost: Callable[[Exception | None], None]
+    ) -> None:
+        self._on_frame = on_frame
+        self._on_lost = on_lost
+        self._pending = bytearray()  # the start of a frame whose rest has not arrived
+        self._needed = 0  # bytes ``_pending`` must hold before a frame in it can be whole
+        self._transport: asyncio.Transport | None = None
+        self._write_paused = False
+        self._drain_waiters: list[asyncio.Future[None]] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]  # uvloop's transports are not asyncio.Transport
+
+    def data_received(self, data: bytes) -> None:
+        pending = self._pending
+        if pending:
+            pending += data
+            if len(pending) < self._needed:
+                return  # a large frame arriving piece by piece: copied once, when whole
+            data = bytes(pending)
+            pending.clear()
+        offset, end = 0, len(data)
+        while end - offset >= _HEADER.size:
+            total, kind, job_id = _HEADER.unpack_from(data, offset)
+            if total < 5 or total > _MAX_FRAME:
+                self._on_lost(ConnectionError(f"bad frame length {total} from agent"))
+                if self._transport is not None:
+                    self._transport.abort()
+                return
+            if end - offset < 4 + total:
+                self._needed = 4 + total
+                break
+            self._on_frame(kind, job_id, data[offset + _HEADER.size : offset + 4 + total])
+            offset += 4 + total
+        else:
+            self._needed = _HEADER.size
+        if offset < end:
+            pending += memoryview(data)[offset:]
+
+    def eof_received(self) -> bool:
+        return False  # the agent closed its end: so do we (connection_lost follows)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._on_lost(exc)
+        self.resume_writing()
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        for waiter in self._drain_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._drain_waiters.clear()
+
+    async def drained(self) -> None:
+        """Returns once the transport's write buffer is below its high-water mark (or the connection is gone)."""
+        if self._write_paused:
+            waiter = asyncio.get_running_loop().create_future()
+            self._drain_waiters.append(waiter)
+            await waiter
+
+
 class AgentConnection:
     """An open channel to one agent; many commands may run at once over it."""
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
+        self._reader = _FrameReader(self._on_frame, self._on_lost)
+        self._transport: asyncio.Transport | None = None
+        self._greeting: asyncio.Future[tuple[int, int, bytes]] | None = None
         self._jobs: dict[int, _Job] = {}
         self._ids = itertools.count(1)
-        self._read_task: asyncio.Task[None] | None = None
         self.agent_pid: int | None = None
         self.agent_version = AGENT_VERSION  # what the agent said in its hello
         self._finds: bool | None = None  # does the agent walk trees itself (FIND)? Learned on first use
@@ -152,17 +222,18 @@ class AgentConnection:
         ``ping``: also send a ping and take its pong as the greeting. A guest
         agent greets each time it sees the host connect, but a quick reconnect
         can pass unseen; the ping always gets an answer."""
+        loop = asyncio.get_running_loop()
+        self._greeting = loop.create_future()
         self._sock.setblocking(False)
-        self._reader, self._writer = await asyncio.open_unix_connection(sock=self._sock, limit=_MAX_FRAME)
+        self._transport, _ = await loop.create_unix_connection(lambda: self._reader, sock=self._sock)
         if ping:
-            self._writer.write(_HEADER.pack(5, T_PING, 0))
+            self._transport.write(_HEADER.pack(5, T_PING, 0))
         try:
-            kind, _job_id, payload = await asyncio.wait_for(self._read_frame(), hello_timeout_s)
-        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
+            kind, _job_id, payload = await asyncio.wait_for(self._greeting, hello_timeout_s)
+        except (TimeoutError, ConnectionError) as exc:
             self.close()
             raise ServerUnavailable(f"sandbox agent did not start within {hello_timeout_s:.0f}s") from exc
         if ping and kind == T_PONG:
-            self._read_task = asyncio.get_running_loop().create_task(self._read_loop())
             return
         if kind != T_HELLO or len(payload) < 8:
             self.close()
@@ -174,31 +245,24 @@ class AgentConnection:
                 f"sandbox agent speaks version {version}, edge expects one of {sorted(_AGENT_VERSIONS)}"
             )
         self.agent_version = version
-        self._read_task = asyncio.get_running_loop().create_task(self._read_loop())
 
-    async def _read_frame(self) -> tuple[int, int, bytes]:
-        assert self._reader is not None
-        header = await self._reader.readexactly(_HEADER.size)
-        total, kind, job_id = _HEADER.unpack(header)
-        if total < 5 or total > _MAX_FRAME:
-            raise ConnectionError(f"bad frame length {total} from agent")
-        payload = await self._reader.readexactly(total - 5) if total > 5 else b""
-        return kind, job_id, payload
+    def _on_frame(self, kind: int, job_id: int, payload: bytes) -> None:
+        greeting = self._greeting
+        if greeting is not None and not greeting.done():
+            greeting.set_result((kind, job_id, payload))  # the first frame: a hello, or the pong of start's ping
+            return
+        job = self._jobs.get(job_id)
+        if job is None:
+            return
+        job.queue.put_nowait(self._decode(kind, payload))
+        if kind in (T_EXIT, T_ERROR, T_PONG, T_IPC_COUNTS):
+            self._jobs.pop(job_id, None)
 
-    async def _read_loop(self) -> None:
-        try:
-            while True:
-                kind, job_id, payload = await self._read_frame()
-                job = self._jobs.get(job_id)
-                if job is None:
-                    continue
-                job.queue.put_nowait(self._decode(kind, payload))
-                if kind in (T_EXIT, T_ERROR, T_PONG, T_IPC_COUNTS):
-                    self._jobs.pop(job_id, None)
-        except (asyncio.IncompleteReadError, ConnectionError, OSError):
-            pass
-        finally:
-            self._fail_all(ServerUnavailable("lost the connection to the sandbox agent (the sandbox stopped?)"))
+    def _on_lost(self, exc: Exception | None) -> None:
+        greeting = self._greeting
+        if greeting is not None and not greeting.done():
+            greeting.set_exception(exc if isinstance(exc, ConnectionError) else ConnectionError("agent closed"))
+        self._fail_all(ServerUnavailable("lost the connection to the sandbox agent (the sandbox stopped?)"))
 
     @staticmethod
     def _decode(kind: int, payload: bytes) -> _Answer | Exception:
@@ -230,9 +294,9 @@ class AgentConnection:
         self.closed.set()
 
     def _send(self, kind: int, job_id: int, payload: bytes = b"") -> None:
-        if self._writer is None or self.closed.is_set():
+        if self._transport is None or self.closed.is_set():
             raise ServerUnavailable("the connection to the sandbox agent is closed")
-        self._writer.write(_HEADER.pack(5 + len(payload), kind, job_id) + payload)
+        self._transport.write(_HEADER.pack(5 + len(payload), kind, job_id) + payload)
 
     def new_job_id(self) -> int:
         return next(self._ids)
@@ -252,8 +316,7 @@ class AgentConnection:
                     self._send(T_STDIN, job_id, (stdin or b"")[offset : offset + (1 << 20)])
                 if stdin is not None:
                     self._send(T_STDIN, job_id)
-            assert self._writer is not None
-            await self._writer.drain()
+            await self._reader.drained()
             while True:
                 event = await job.queue.get()
                 if isinstance(event, Exception):
@@ -369,18 +432,16 @@ class AgentConnection:
     async def let_go(self, timeout_s: float) -> None:
         """Close our sending side and wait until the agent has closed its end (gVisor: before a checkpoint, which
         must hold no host socket)."""
-        if self._writer is not None:
-            self._writer.write_eof()
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.write_eof()
         try:
             await asyncio.wait_for(self.closed.wait(), timeout_s)
         except TimeoutError:
             raise ServerUnavailable(f"the sandbox agent did not let go of its socket within {timeout_s:.0f}s") from None
 
     def close(self) -> None:
-        if self._read_task is not None:
-            self._read_task.cancel()
-        if self._writer is not None:
-            self._writer.close()
+        if self._transport is not None:
+            self._transport.close()
         else:
             self._sock.close()
-        self.closed.set()
+        self._on_lost(None)
