@@ -8,7 +8,8 @@ take turns:
 - creating and joining threads for one second (glibc tries clone3 first; launch's unlogged filter answers it,
   so this should cost nothing);
 and exec round trips (`true`) in a sandbox with sensitive paths (marks refreshed after each command) beside
-one without.
+one without. In the bench's own process, with no sandbox: the command detectors the server runs on every
+exec, on three commands, against the same patterns scanned without their literals first.
 """
 
 from __future__ import annotations
@@ -27,15 +28,25 @@ from corral.backends.common import host
 from corral.bench.containers import summarize
 from corral.bench.harness import ResultTable, bench_session, emit
 from corral.embedded import EmbeddedServer
+from corral.guard.audit import COMMAND_DETECTORS, detect_in_command
 from corral.sdk import Client, InvalidRequest, Sandbox
 
-__all__ = ["run_guard_benchmark"]
+__all__ = ["detector_costs", "run_guard_benchmark"]
 
 IMAGE = "debian-12"
 LOOP_S = 1.0
 REPEAT_WINDOW_S = 1.0
 EXEC_SAMPLES_PER_RUN = 20
 SENSITIVE_PATHS = ["/work/hidden/"]
+DETECTOR_COMMANDS = {
+    "`true`": "true",
+    "a test run": "cd /work/repo && git status --short && python -m pytest -q tests/test_parser.py -x 2>&1 | tail -20",
+    "a heredoc of 100 lines": "cat > /work/repo/src/parser.py <<'EOF'\n"
+    + "def parse(text):\n    return [line.split() for line in text.splitlines()]  # one record a line\n" * 100
+    + "EOF\n",
+}  # how agents send commands: short ones, and files written through a heredoc
+DETECTOR_ROUNDS = 30
+DETECTOR_CALLS = 100  # per round and side
 FLOOD_EVENTS_TARGET = 2  # per repeat window of flooding, at most: the first occurrence, then one summary
 
 REFUSALS = f"""
@@ -116,6 +127,32 @@ def _measure(client: Client, runs: int, progress: Progress) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def detector_costs(rounds: int = DETECTOR_ROUNDS) -> dict[str, dict[str, Any]]:
+    """Microseconds per command through ``detect_in_command`` (each pattern behind its literals) and through the
+    same patterns scanned alone (the baseline: what the server ran before the literals), in alternating rounds."""
+    costs: dict[str, dict[str, Any]] = {}
+    for label, command in DETECTOR_COMMANDS.items():
+
+        def scanned_alone(command: str = command) -> None:
+            for detector in COMMAND_DETECTORS:
+                detector.pattern.search(command)
+
+        samples: dict[str, list[float]] = {"detectors": [], "patterns_alone": []}
+        for i in range(rounds):
+            sides = (
+                ("detectors", lambda command=command: detect_in_command(command)),
+                ("patterns_alone", scanned_alone),
+            )
+            for side, call in sides if i % 2 == 0 else sides[::-1]:
+                started = time.perf_counter()
+                for _ in range(DETECTOR_CALLS):
+                    call()
+                samples[side].append((time.perf_counter() - started) / DETECTOR_CALLS * 1e6)
+        costs[label] = {"bytes": len(command), "found": [kind for kind, _ in detect_in_command(command)],
+                        **{side: summarize(values) for side, values in samples.items()}}  # fmt: skip
+    return costs
+
+
 def _checks(results: dict[str, Any]) -> list[dict[str, Any]]:
     flood = results["flood"]
     limit = FLOOD_EVENTS_TARGET * (flood["windows"] + 1)
@@ -142,6 +179,11 @@ def _table(report: dict[str, Any]) -> Table:
                   rows.target("flood_events"), rows.verdict("flood_events"))  # fmt: skip
     rows.timing("exec `true`, sensitive paths", report["exec_ms"]["sensitive"], "without",
                 report["exec_ms"]["plain"])  # fmt: skip
+    for label, cost in report["detectors_us"].items():
+        ours, alone = cost["detectors"], cost["patterns_alone"]
+        table.add_row(f"command detectors, {label} ({cost['bytes']:,} B)", f"{ours['p50']:,.1f} µs",
+                      f"{ours['p95']:,.1f} µs", f"patterns alone {alone['p50']:,.1f} µs",
+                      f"{ours['p50'] / alone['p50']:.2f}×", "-", "-")  # fmt: skip
     return table
 
 
@@ -151,6 +193,7 @@ def run_guard_benchmark(*, runs: int, as_json: bool, console: Console) -> None:
         raise InvalidRequest("--runs must be at least 1")
     layout = host.detect_cgroup_layout()
     with bench_session("bench-guard", as_json=as_json, console=console) as (scratch, progress):
+        detectors = detector_costs()
         task = progress.add_task("starting corral serve", total=1)
         server = EmbeddedServer(scratch / "server", env={"CORRAL_AUDIT_REPEAT_WINDOW_S": str(REPEAT_WINDOW_S)})
         try:
@@ -165,6 +208,7 @@ def run_guard_benchmark(*, runs: int, as_json: bool, console: Console) -> None:
         "params": {"runs": runs, "image": IMAGE, "loop_s": LOOP_S, "repeat_window_s": REPEAT_WINDOW_S},
         "host": {"kernel": platform.release(), "cpu_count": os.cpu_count(), "cgroup_layout": layout.value},
         **results,
+        "detectors_us": detectors,
     }  # fmt: skip
     report["checks"] = _checks(report)
     emit(report, _table, as_json=as_json, console=console)

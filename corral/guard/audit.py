@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import JSON, Column, Float, Integer, MetaData, String, Table, insert, select
@@ -20,7 +21,9 @@ from sqlalchemy.engine import Engine
 from corral.state.db import sandboxes, write_events
 
 __all__ = [
+    "COMMAND_DETECTORS",
     "AuditLog",
+    "CommandDetector",
     "EventThrottle",
     "PACKAGE_PREFIXES",
     "PROTECTED_PREFIXES",
@@ -64,35 +67,58 @@ _CRITICAL_SYSCALLS = frozenset({
     "io_uring_setup", "keyctl", "add_key", "request_key", "swapon", "swapoff", "iopl", "ioperm", "clone",
 })  # fmt: skip
 
+
+@dataclass(frozen=True)
+class CommandDetector:
+    """A pattern of a known escape or reward hack, and the literals one of which any match contains.
+
+    The substring test (``in``) skips the pattern's scan of a command with none of them: Python's ``re`` walks
+    a long command slowly (a 5 KiB heredoc took ~1.4 ms through the nine patterns, 25 us a 120-byte command;
+    the server runs them on every exec). ``tests/unit/test_guard_audit.py`` checks with strings generated from
+    each pattern that no match lacks its literals."""
+
+    pattern: re.Pattern[str]
+    kind: str
+    severity: str
+    needles: tuple[str, ...]
+
+    def matches(self, command: str) -> bool:
+        for needle in self.needles:  # a loop, not any(): its generator would cost more than a short command's scan
+            if needle in command:
+                return self.pattern.search(command) is not None
+        return False
+
+
 # Commands that try known escapes or reward hacks. A match is evidence to look at, not proof.
-_SUSPICIOUS = [
-    (re.compile(r"/proc/kpage(cgroup|count|flags)|/proc/kcore|sysrq-trigger"), "probe_kernel_memory", "critical"),
-    (re.compile(r"\b(insmod|modprobe|kexec|swapon|mount)\b"), "privileged_tool", "warning"),
-    (re.compile(r"\bpip3?\s+install\b[^|;&]*(==|>=|--upgrade|-U\b)"), "package_pin_or_upgrade", "warning"),
-    (
+COMMAND_DETECTORS = (
+    CommandDetector(re.compile(r"/proc/kpage(cgroup|count|flags)|/proc/kcore|sysrq-trigger"), "probe_kernel_memory",
+                    "critical", ("/proc/kpage", "/proc/kcore", "sysrq-trigger")),
+    CommandDetector(re.compile(r"\b(insmod|modprobe|kexec|swapon|mount)\b"), "privileged_tool", "warning",
+                    ("insmod", "modprobe", "kexec", "swapon", "mount")),
+    CommandDetector(re.compile(r"\bpip3?\s+install\b[^|;&]*(==|>=|--upgrade|-U\b)"), "package_pin_or_upgrade",
+                    "warning", ("pip",)),
+    CommandDetector(
         re.compile(r"\bapt(-get)?\s+install\b[^|;&]*=\S|\bdpkg\s+(-i|--install)\b|\bnpm\s+(install|i)\b[^|;&]*@\d"),
-        "package_pin_or_upgrade",
-        "warning",
+        "package_pin_or_upgrade", "warning", ("apt", "dpkg", "npm"),
     ),
-    (re.compile(r"\b(nmap|masscan)\b|/dev/tcp/"), "network_probe", "warning"),
-    (
-        re.compile(r"\b(reward|verifier|grader|expected_output|answers?)\b[^|;&]*>"),
-        "writes_reward_like_file",
-        "warning",
-    ),
-    (re.compile(r"\brm\b[^|;&]*\btests?\b|>\s*\S*tests?/"), "modifies_tests", "warning"),
-    (
+    CommandDetector(re.compile(r"\b(nmap|masscan)\b|/dev/tcp/"), "network_probe", "warning",
+                    ("nmap", "masscan", "/dev/tcp/")),
+    CommandDetector(re.compile(r"\b(reward|verifier|grader|expected_output|answers?)\b[^|;&]*>"),
+                    "writes_reward_like_file", "warning",
+                    ("reward", "verifier", "grader", "expected_output", "answer")),
+    CommandDetector(re.compile(r"\brm\b[^|;&]*\btests?\b|>\s*\S*tests?/"), "modifies_tests", "warning", ("test",)),
+    CommandDetector(
         re.compile(r"(\b(grep|ls|cp|chmod)\b[^|;&]*\s-\w*[rR]\w*\b|\b(find|du|tar)\b)[^|;&]*\s/proc/?(\s|$|[|;&])"),
-        "walks_proc",
-        "warning",
+        "walks_proc", "warning", ("/proc",),
     ),
-    (re.compile(r"/proc/1/(fd|fdinfo|mem|environ|root|map_files)\b|/\.corral/"), "probes_agent_channel", "warning"),
-]
+    CommandDetector(re.compile(r"/proc/1/(fd|fdinfo|mem|environ|root|map_files)\b|/\.corral/"), "probes_agent_channel",
+                    "warning", ("/proc/1/", "/.corral/")),
+)  # fmt: skip
 
 
 def detect_in_command(command: str) -> list[tuple[str, str]]:
     """(kind, severity) of every suspicious pattern in a command."""
-    return [(kind, severity) for pattern, kind, severity in _SUSPICIOUS if pattern.search(command)]
+    return [(detector.kind, detector.severity) for detector in COMMAND_DETECTORS if detector.matches(command)]
 
 
 def under(path: str, prefixes: tuple[str, ...] | list[str]) -> bool:

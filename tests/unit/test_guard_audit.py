@@ -3,9 +3,22 @@ parsing of the kernel's seccomp audit records (the record text is what this kern
 
 from __future__ import annotations
 
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from corral.backends.container import oci
 from corral.backends.container.kernel_watch import SeccompDenials
-from corral.guard.audit import EventThrottle, classify_changes, denied_syscall_severity, detect_in_command, under
+from corral.bench.guard import DETECTOR_COMMANDS, detector_costs
+from corral.guard.audit import (
+    COMMAND_DETECTORS,
+    CommandDetector,
+    EventThrottle,
+    classify_changes,
+    denied_syscall_severity,
+    detect_in_command,
+    under,
+)
 
 RECORD = (
     'audit(1796032368.494:4): auid=0 uid=0 gid=0 ses=7 pid=30223 comm="unshare" exe="/bin/busybox" sig=0 '
@@ -81,6 +94,26 @@ def test_detectors_for_package_pins() -> None:
     assert detect_in_command("apt-get install -y python3-numpy") == []
 
 
+@pytest.mark.parametrize("detector", COMMAND_DETECTORS, ids=lambda detector: detector.kind)
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_command_a_detector_matches_holds_one_of_its_literals(detector: CommandDetector, data: st.DataObject) -> None:
+    """The literals are a filter in front of each pattern (a scan of a long command costs ~1 ms): a command
+    with a match in it (drawn from the pattern, with any text around it) must hold one of them, and be found."""
+    command = data.draw(st.from_regex(detector.pattern))
+    assert any(needle in command for needle in detector.needles), (detector.kind, command)
+    assert (detector.kind, detector.severity) in detect_in_command(command)
+
+
+def test_a_long_command_without_the_literals_is_not_scanned() -> None:
+    """What the filter is for: a heredoc of a few KiB (how agents write files) with none of the literals finds
+    nothing, and a literal in it with no match around it finds nothing either."""
+    body = "def f(x):\n    return x + 1  # some code here with words\n" * 100
+    assert detect_in_command(f"cat > /work/repo/src/mod.py <<'EOF'\n{body}EOF\n") == []
+    assert detect_in_command(f"cat > /work/repo/src/test_mod.py <<'EOF'\n{body}EOF\n") == []
+    assert detect_in_command(f"cat > /work/repo/tests/mod.py <<'EOF'\n{body}EOF\n") == [("modifies_tests", "warning")]
+
+
 def test_seccomp_record_is_parsed_and_named() -> None:
     watch = SeccompDenials()
     try:
@@ -107,3 +140,13 @@ def test_profile_logs_refusals_and_refuses_extent_swaps_on_32_bits() -> None:
         (flag, flag) for flag in oci.CLONE_NAMESPACE_FLAGS.values()
     }  # any one namespace bit set is refused
     assert not any("clone3" in rule["names"] for rule in oci._seccomp(log_denials=True)["syscalls"])  # launch's
+
+
+def test_the_guard_bench_times_the_detectors_against_the_patterns_alone() -> None:
+    """`corral bench guard`'s detector rows: each command's size and findings, both sides timed (no server)."""
+    costs = detector_costs(rounds=2)
+    assert list(costs) == list(DETECTOR_COMMANDS)
+    for label, cost in costs.items():
+        assert cost["bytes"] == len(DETECTOR_COMMANDS[label]) and cost["found"] == []
+        assert cost["detectors"]["n"] == cost["patterns_alone"]["n"] == 2
+        assert cost["detectors"]["p50"] > 0 and cost["patterns_alone"]["p50"] > 0
