@@ -4,7 +4,7 @@ parsing of the kernel's seccomp audit records (the record text is what this kern
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from corral.backends.container import oci
@@ -95,7 +95,7 @@ def test_detectors_for_package_pins() -> None:
 
 
 @pytest.mark.parametrize("detector", COMMAND_DETECTORS, ids=lambda detector: detector.kind)
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=400, deadline=None)
 @given(data=st.data())
 def test_a_command_a_detector_matches_holds_one_of_its_literals(detector: CommandDetector, data: st.DataObject) -> None:
     """The literals are a filter in front of each pattern (a scan of a long command costs ~1 ms): a command
