@@ -127,15 +127,11 @@ def _measure(client: Client, runs: int, progress: Progress) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def detector_costs(rounds: int = DETECTOR_ROUNDS, progress: Progress | None = None) -> dict[str, dict[str, Any]]:
+def detector_costs(progress: Progress, rounds: int = DETECTOR_ROUNDS) -> dict[str, dict[str, Any]]:
     """Microseconds per command through ``detect_in_command`` (each pattern behind its literals) and through the
     same patterns scanned alone (the baseline: what the server ran before the literals), in alternating rounds."""
     costs: dict[str, dict[str, Any]] = {}
-    task = (
-        progress.add_task("command detectors (vs the patterns alone)", total=len(DETECTOR_COMMANDS))
-        if progress
-        else None
-    )
+    task = progress.add_task("command detectors (vs the patterns alone)", total=len(DETECTOR_COMMANDS))
     for label, command in DETECTOR_COMMANDS.items():
 
         def scanned_alone(command: str = command) -> None:
@@ -155,8 +151,7 @@ def detector_costs(rounds: int = DETECTOR_ROUNDS, progress: Progress | None = No
                 samples[side].append((time.perf_counter() - started) / DETECTOR_CALLS * 1e6)
         costs[label] = {"bytes": len(command), "found": [kind for kind, _ in detect_in_command(command)],
                         **{side: summarize(values) for side, values in samples.items()}}  # fmt: skip
-        if progress is not None and task is not None:
-            progress.advance(task)
+        progress.advance(task)
     return costs
 
 
@@ -200,7 +195,7 @@ def run_guard_benchmark(*, runs: int, as_json: bool, console: Console) -> None:
         raise InvalidRequest("--runs must be at least 1")
     layout = host.detect_cgroup_layout()
     with bench_session("bench-guard", as_json=as_json, console=console) as (scratch, progress):
-        detectors = detector_costs(progress=progress)
+        detectors = detector_costs(progress)
         task = progress.add_task("starting corral serve", total=1)
         server = EmbeddedServer(scratch / "server", env={"CORRAL_AUDIT_REPEAT_WINDOW_S": str(REPEAT_WINDOW_S)})
         try:

@@ -73,9 +73,9 @@ class CommandDetector:
     """A pattern of a known escape or reward hack, and the literals one of which any match contains.
 
     The substring test (``in``) skips the pattern's scan of a command with none of them: Python's ``re`` walks
-    a long command slowly (a 5 KiB heredoc took ~1.4 ms through the nine patterns, 25 us a 120-byte command;
-    the server runs them on every exec). ``tests/unit/test_guard_audit.py`` checks with strings generated from
-    each pattern that no match lacks its literals."""
+    a long command slowly (a 9 KiB heredoc took 1.8 ms through the nine patterns, a 98-byte command 20 us:
+    `corral bench guard`; the server runs them on every exec). ``tests/unit/test_guard_audit.py`` checks with
+    strings generated from each pattern that no match lacks its literals."""
 
     pattern: re.Pattern[str]
     kind: str

@@ -342,9 +342,11 @@ def _containers(data_dir: Path) -> set[str]:
 
 def _warm_guests(server: EmbeddedServer) -> set[str]:
     """The server's VM sandboxes that no client holds (a VM sandbox's directory is under the data dir's vms/)."""
-    vms = server.data_dir / "vms"  # made by the server's first VM: none when only containers ran
+    vms = server.data_dir / "vms"
+    if not vms.is_dir():  # made by the server's first VM: none when only containers ran
+        return set()
     with server.client() as c:
-        return {d.name for d in vms.iterdir() if d.is_dir()} - {s.id for s in c.list()} if vms.is_dir() else set()
+        return {d.name for d in vms.iterdir() if d.is_dir()} - {s.id for s in c.list()}
 
 
 def _memory_limit_mb(tier: str, sandbox_id: str) -> int | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rich.progress import Progress
 
 from corral.backends.container import oci
 from corral.backends.container.kernel_watch import SeccompDenials
@@ -144,7 +145,7 @@ def test_profile_logs_refusals_and_refuses_extent_swaps_on_32_bits() -> None:
 
 def test_the_guard_bench_times_the_detectors_against_the_patterns_alone() -> None:
     """`corral bench guard`'s detector rows: each command's size and findings, both sides timed (no server)."""
-    costs = detector_costs(rounds=2)
+    costs = detector_costs(Progress(), rounds=2)
     assert list(costs) == list(DETECTOR_COMMANDS)
     for label, cost in costs.items():
         assert cost["bytes"] == len(DETECTOR_COMMANDS[label]) and cost["found"] == []
