@@ -22,6 +22,7 @@ from corral.gateway.e2b import include_e2b
 from corral.gateway.e2b.network import InternetEgress
 from corral.gateway.hot_routes import HotRoutes, hot_route
 from corral.gateway.request_timing import RequestTiming
+from corral.gateway.route_table import install_route_table
 from corral.gateway.routes import admin, commands, events, files, fncall, images, sandboxes, system, trajectory
 from corral.gateway.sandbox_fusion import include_sandbox_fusion
 from corral.images.bases import TOOLCHAIN_IMAGE
@@ -101,4 +102,5 @@ def create_app(  # type: ignore[no-untyped-def]
     )  # E2B's API and envd protocol on the same port (corral/gateway/e2b)
     # SandboxFusion's /run_code and /run_jupyter (corral/gateway/sandbox_fusion.py)
     include_sandbox_fusion(app, open_access=sandbox_fusion_open, toolchain_image=sandbox_fusion_image)
+    install_route_table(app)  # every route found with one regex each (corral/gateway/route_table.py)
     return app
