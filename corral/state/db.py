@@ -171,6 +171,9 @@ EVENT_KINDS = (
 
 # A record's columns in its fields' order: rows construct records positionally.
 _RECORD_SELECT = select(*(sandboxes.c[name] for name in SandboxRecord.field_names()))
+# Built once: SQLAlchemy builds a statement made per call anew and walks it for its cache key, more than half of a
+# record's read (240 vs 105 us on SQLite); every E2B data-plane request and GET of a sandbox reads one.
+_RECORD_BY_ID = _RECORD_SELECT.where(sandboxes.c.id == bindparam("sandbox_id"))
 _IN_CHUNK = 500  # ids per IN (...) list: SQLite caps the parameters of one statement
 _ACTIVE = (SandboxState.CREATING.value, SandboxState.RUNNING.value, SandboxState.PAUSED.value)
 
@@ -563,7 +566,7 @@ class StateStore:
 
     def get(self, sandbox_id: str) -> SandboxRecord | None:
         with self._reads.connect() as conn:
-            row = conn.execute(_RECORD_SELECT.where(sandboxes.c.id == sandbox_id)).first()
+            row = conn.execute(_RECORD_BY_ID, {"sandbox_id": sandbox_id}).first()
             return SandboxRecord(*row) if row else None
 
     def list(
