@@ -112,6 +112,10 @@ def test_a_prefixed_router_a_mount_before_a_route_and_dependency_overrides_are_l
 
     app.mount("/things/files", files)  # declared before plain's /things/{thing_id}: it wins /things/files/...
 
+    @plain.get("/{kind}/count")
+    async def count(kind: str) -> dict[str, str]:  # its first segment a parameter: a candidate for any path
+        return {"count": kind}
+
     @plain.get("/things/{thing_id:path}")
     async def thing(thing_id: str) -> dict[str, str]:  # /things/files/a too, were it not for the mount
         return {"thing": thing_id}
@@ -127,5 +131,9 @@ def test_a_prefixed_router_a_mount_before_a_route_and_dependency_overrides_are_l
     assert table.route_for(_scope(app, "GET", "/things/files/a")) is None  # the mount matches first
     found = table.route_for(_scope(app, "GET", "/things/7"))
     assert found is not None and found[0].endpoint is thing and found[1]["path_params"] == {"thing_id": "7"}
+    counted = table.route_for(_scope(app, "GET", "/boxes/count"))
+    assert counted is not None and counted[0].endpoint is count  # no literal route begins with /boxes
+    counted = table.route_for(_scope(app, "GET", "/things/count"))
+    assert counted is not None and counted[0].endpoint is count  # declared before /things/{thing_id:path}
     app.dependency_overrides[thing] = lambda: None
     assert table.route_for(_scope(app, "GET", "/things/7")) is None
