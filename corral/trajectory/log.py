@@ -19,6 +19,7 @@ so that ``{"timeout_s": 60}`` and ``{"timeout_s": 60.0}`` are not two requests.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import posixpath
@@ -103,11 +104,6 @@ trajectory_steps = Table(
 )
 # Built once: the appends are on every command's path, and SQLAlchemy's statement cache still has to key them.
 _INSERT = insert(trajectory_steps)
-_LAST_SEQS = (
-    select(trajectory_steps.c.sandbox_id, func.max(trajectory_steps.c.seq))
-    .where(trajectory_steps.c.sandbox_id.in_(bindparam("ids", expanding=True)))
-    .group_by(trajectory_steps.c.sandbox_id)
-)
 _LAST_SEQ = select(func.max(trajectory_steps.c.seq)).where(trajectory_steps.c.sandbox_id == bindparam("b_sandbox"))
 _BY_STEP_ID = select(trajectory_steps).where(
     trajectory_steps.c.sandbox_id == bindparam("b_sandbox"), trajectory_steps.c.step_id == bindparam("b_step")
@@ -120,6 +116,31 @@ _THE_STEP = (
 _STATE_OF = select(trajectory_steps.c.state).where(*_THE_STEP)
 # The columns set are the parameters' other keys (state, result, result_truncated, output_cap_bytes, ...).
 _FINISH = update(trajectory_steps).where(*_THE_STEP, trajectory_steps.c.state == StepState.STARTED)
+
+
+@functools.cache
+def _last_seqs(count: int) -> Any:  # noqa: ANN401 - a SQL statement
+    """The last seq of each of ``count`` sandboxes (parameters ``id0``...), one scalar subquery each: both SQLite
+    and PostgreSQL answer ``max(seq) WHERE sandbox_id = ?`` with one seek down the primary key's index. A
+    ``GROUP BY sandbox_id`` over an ``IN`` list read every step of those sandboxes instead, so an append cost
+    what the trajectory already held (SQLite, 12 sandboxes: 85 us empty, 225 us at 1,000 steps, 2.7 ms at
+    20,000, against 64-74 us at each)."""
+    column = trajectory_steps.c.seq
+    return select(
+        *(
+            select(func.max(column)).where(trajectory_steps.c.sandbox_id == bindparam(f"id{i}")).scalar_subquery()
+            for i in range(count)
+        )
+    )
+
+
+def _last_seqs_of(conn: Connection, sandbox_ids: list[str]) -> dict[str, int]:
+    """Each sandbox's last seq (none yet: absent). The ids go in a statement for the next power of two of their
+    count, padded with the last id: a few statements to build and cache, not one per count."""
+    size = 1 << (len(sandbox_ids) - 1).bit_length()
+    padded = sandbox_ids + sandbox_ids[-1:] * (size - len(sandbox_ids))
+    row = conn.execute(_last_seqs(size), {f"id{i}": sandbox_id for i, sandbox_id in enumerate(padded)}).one()
+    return {sandbox_id: seq for sandbox_id, seq in zip(sandbox_ids, row, strict=False) if seq is not None}
 
 
 @dataclass(frozen=True)
@@ -229,9 +250,7 @@ class TrajectoryLog:
             try:
                 with self._write_transaction() as conn:
                     ids = sorted({entry[0] for entry in entries})
-                    last: dict[str, int] = {
-                        sandbox_id: seq for sandbox_id, seq in conn.execute(_LAST_SEQS, {"ids": ids})
-                    }
+                    last = _last_seqs_of(conn, ids)
                     steps = []
                     for sandbox_id, step_id, kind, request, result in entries:
                         logged, truncated = _cap_output(result, self._output_cap_bytes)
