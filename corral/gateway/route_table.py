@@ -8,9 +8,10 @@ an included router is one row, and a request is tried, in the router's order, ag
 segment can match, each with the route's own path regex (8 and 4 us for those two); the route found is handled by
 FastAPI itself (``route.handle``: its dependencies, validation and response), inside the app's exception
 middleware, as the router would. A request the table cannot answer the same way goes on to FastAPI's router: no
-route matched both path and method (a 404, 405 or slash redirect), a mount or other route matched first, the app
-is served under a root path, FastAPI's telemetry is on, or the app has dependency overrides (a test's), which only
-the router's copies of the routes apply.
+route matched both path and method (a 404, 405 or slash redirect), a mount, a router included with a prefix,
+dependencies or a response class of its own, or any other route matched first, the app is served under a root
+path, FastAPI's telemetry is on, or the app has dependency overrides (a test's), which only the router's copies of
+the routes apply.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fastapi import FastAPI
+from fastapi.datastructures import DefaultPlaceholder
+from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -50,14 +53,22 @@ def _rows(routes: Sequence[BaseRoute]) -> list[_Row]:
 
 
 def _plainly_included(route: BaseRoute) -> list[APIRoute] | None:
-    """The routes of an included router whose routes the router serves as they were declared (no prefix, no
-    dependencies added at the include, no router inside), or None: that router stays one opaque row."""
+    """The routes of an included router whose routes the router serves as they were declared (nothing set at the
+    include that changes how a request is handled: no prefix, no dependencies, the default response class and
+    content-type check; no router inside), or None: that router stays one opaque row."""
     router = getattr(route, "original_router", None)
     context = getattr(route, "include_context", None)
     if router is None or context is None or context.prefix or context.dependencies:
         return None
+    if not _default(context.default_response_class, JSONResponse) or not _default(context.strict_content_type, True):
+        return None
     routes = list(router.routes)
     return routes if all(isinstance(each, APIRoute) for each in routes) else None
+
+
+def _default(value: object, default: object) -> bool:
+    """``value`` is FastAPI's default: left unset (a placeholder holding it) or set to it."""
+    return (value.value if isinstance(value, DefaultPlaceholder) else value) == default
 
 
 def _first_segment(route: BaseRoute) -> str | None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from fastapi import APIRouter, FastAPI
+from fastapi.responses import PlainTextResponse
 from fastapi.routing import APIRoute
 from starlette.types import Message, Receive, Scope, Send
 
@@ -103,7 +104,7 @@ def test_the_table_answers_the_hot_paths_with_their_declared_routes(tmp_path: Pa
     assert table.route_for(_scope(app, "GET", "/ui/index.html")) is None  # the dashboard's mount: the router's
 
 
-def test_a_prefixed_router_a_mount_before_a_route_and_dependency_overrides_are_left_to_the_router() -> None:
+def test_what_an_include_or_the_app_changes_about_handling_is_left_to_the_router() -> None:
     app = FastAPI()
     plain, prefixed = APIRouter(), APIRouter()
 
@@ -124,10 +125,18 @@ def test_a_prefixed_router_a_mount_before_a_route_and_dependency_overrides_are_l
     async def shadowed(thing_id: str) -> dict[str, str]:
         return {"shadowed": thing_id}
 
+    plain_text = APIRouter()
+
+    @plain_text.get("/notes/{note_id}")
+    async def note(note_id: str) -> str:
+        return note_id
+
     app.include_router(prefixed, prefix="/v2")
+    app.include_router(plain_text, default_response_class=PlainTextResponse)
     app.include_router(plain)
     table = install_route_table(app)
     assert table.route_for(_scope(app, "GET", "/v2/things/7")) is None  # the prefixed router: one opaque row
+    assert table.route_for(_scope(app, "GET", "/notes/7")) is None  # its response class set at the include
     assert table.route_for(_scope(app, "GET", "/things/files/a")) is None  # the mount matches first
     found = table.route_for(_scope(app, "GET", "/things/7"))
     assert found is not None and found[0].endpoint is thing and found[1]["path_params"] == {"thing_id": "7"}
