@@ -91,6 +91,7 @@ TARGET_RATE, TARGET_BURST_S, TARGET_LIVE = 5_000.0, 5.0, 400_000
 NEXT_RATE = 20_000.0  # issue 22's sustained creations per second for one gateway
 LIVE_BATCH = 4_000  # sandboxes per job while filling to the live count
 LOOKUPS = 200
+LONG_TRAJECTORY = 20_000  # steps a long-lived sandbox's log holds when one more is appended (vs an empty log)
 SHARED_READING_MAX_AGE_S = 0.5
 
 
@@ -316,7 +317,9 @@ def _db_write_baseline(database_url: str, records: int) -> dict[str, float]:
 
 def _trajectory_appends(store: StateStore, steps: int) -> dict[str, float]:
     """Milliseconds per trajectory step without a client id (what every exec logs): one transaction each (a
-    flush that found one step pending) vs the batch a flush writes under load (50 steps over 10 sandboxes)."""
+    flush that found one step pending) vs the batch a flush writes under load (50 steps over 10 sandboxes); and
+    one step onto a log of ``LONG_TRAJECTORY`` steps vs onto an empty one (medians), which should cost the same:
+    the append's seq lookup once read every step logged."""
     log = TrajectoryLog(store.engine)
     request = ExecRequest(cmd="true").model_dump(mode="json")
     result = {"command_id": "c", "exit_code": 0, "stdout": "", "stderr": "", "duration_ms": 1.0}
@@ -330,7 +333,20 @@ def _trajectory_appends(store: StateStore, steps: int) -> dict[str, float]:
     for start in range(0, len(rest), 50):
         log.append_many(rest[start : start + 50])
     in_batches = (time.perf_counter() - started) / len(rest)
-    return {"step_each_ms": one_each * 1000, "step_batched_ms": in_batches * 1000}
+    filler = [("sb-log-long", f"fill-{k}", "exec", request, result) for k in range(LONG_TRAJECTORY)]
+    log.append_many(filler)
+    appends: dict[str, list[float]] = {"long": [], "empty": []}
+    for k in range(LOOKUPS):  # alternating: one step onto the long log, one onto a log of its own
+        for which, sandbox_id in (("long", "sb-log-long"), ("empty", f"sb-log-new-{k}")):
+            started = time.perf_counter()
+            log.append_many([(sandbox_id, f"next-{k}", "exec", request, result)])
+            appends[which].append(time.perf_counter() - started)
+    return {
+        "step_each_ms": one_each * 1000,
+        "step_batched_ms": in_batches * 1000,
+        "step_on_long_ms": statistics.median(appends["long"]) * 1000,
+        "step_on_empty_ms": statistics.median(appends["empty"]) * 1000,
+    }
 
 
 def _pre_ping_cost(database_url: str, reads: int) -> dict[str, float]:
@@ -491,6 +507,8 @@ def _table(report: dict[str, Any]) -> Table:
                   f"batched {db['batched_ms']:.3f} ms vs {db['one_transaction_each_ms']:.3f} ms", "-", "-")  # fmt: skip
     table.add_row("trajectory steps without a client id (baseline: a transaction each)",
                   f"batched {db['step_batched_ms']:.3f} ms vs {db['step_each_ms']:.3f} ms", "-", "-")  # fmt: skip
+    table.add_row(f"a step appended to a {LONG_TRAJECTORY:,}-step trajectory (baseline: to an empty one)",
+                  f"p50 {db['step_on_long_ms']:.3f} ms vs {db['step_on_empty_ms']:.3f} ms", "-", "-")  # fmt: skip
     if "pre_ping" in report:
         ping = report["pre_ping"]
         table.add_row("a read of one record with pool_pre_ping (baseline: without)",

@@ -262,4 +262,5 @@ def test_control_plane_bench_runs(tmp_path: Path) -> None:
     assert all(us > 0 for us in floor["per_sandbox_us"].values())
     assert floor["gateway_us"] < sum(floor["per_sandbox_us"].values())  # the edge's create is not the gateway's
     assert report["db_write"]["batched_ms"] > 0 and report["db_write"]["one_transaction_each_ms"] > 0
+    assert report["db_write"]["step_on_long_ms"] > 0 and report["db_write"]["step_on_empty_ms"] > 0
     assert {check["metric"] for check in report["checks"]} == {"sustained", "burst", "live"}
