@@ -32,11 +32,10 @@ __all__ = ["RouteTable", "install_route_table"]
 
 @dataclass(frozen=True, slots=True)
 class _Row:
-    """An included route the table hands requests to (an APIRoute) or any other route, which stops the table's
-    search when it matches (``handled`` False)."""
+    """A route the table hands requests to (an APIRoute) or any other route, which stops the table's search when
+    it matches."""
 
     route: BaseRoute
-    handled: bool
     path_regex: re.Pattern[str] | None  # a route's own, to pass over the rows a path cannot match at no more cost
 
 
@@ -46,9 +45,9 @@ def _rows(routes: Sequence[BaseRoute]) -> list[_Row]:
     for route in routes:
         included = _plainly_included(route)
         if included is not None:
-            rows.extend(_Row(each, True, each.path_regex) for each in included)
+            rows.extend(_Row(each, each.path_regex) for each in included)
         else:
-            rows.append(_Row(route, isinstance(route, APIRoute), getattr(route, "path_regex", None)))
+            rows.append(_Row(route, getattr(route, "path_regex", None)))
     return rows
 
 
@@ -126,10 +125,9 @@ class RouteTable:
             match, child_scope = row.route.matches(scope)
             if match is Match.NONE:
                 continue
-            if not row.handled:
+            if not isinstance(row.route, APIRoute):
                 return None
             if match is Match.FULL:
-                assert isinstance(row.route, APIRoute)
                 return row.route, child_scope
         return None
 
