@@ -68,7 +68,11 @@ def create_app(  # type: ignore[no-untyped-def]
     for module in ROUTERS:
         app.include_router(module.router)
     # Added first, so inside RequestTiming (the later added is the outer): a hot route's request is timed too.
-    hot = [hot_route(commands.router.routes, commands.exec_command), hot_route(fncall.router.routes, fncall.fncall)]
+    hot = [
+        hot_route(commands.router.routes, commands.exec_command),
+        hot_route(fncall.router.routes, fncall.fncall),
+        hot_route(sandboxes.router.routes, sandboxes.create_sandbox),
+    ]
     app.add_middleware(HotRoutes, routes=hot)
     app.add_middleware(RequestTiming)
 

@@ -1,8 +1,10 @@
-"""The hot routes (exec, fncall: gateway/hot_routes.py) answer every kind of request as their declared FastAPI
+"""The hot routes (exec, fncall, create: gateway/hot_routes.py) answer every kind of request as their declared FastAPI
 routes did: each branch of the dispatch (the caller refused, a job token on another job's sandbox, a body that does
 not parse or match, an error of the operation, success) and a method the route does not declare."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 
@@ -64,3 +66,62 @@ def test_a_job_token_reaches_its_own_sandbox_through_the_hot_route(
             assert trainer.fncall("echo call").stdout == "call\n"
     finally:
         client.revoke_job_tokens("hot-routes-own")
+
+
+def test_create_answers_every_kind_of_request_as_the_api_does(server: EmbeddedServer, client: corral.Client) -> None:
+    """A create reads its body as FastAPI reads a body model: JSON only under a JSON media type, an empty body
+    missing; the caller's labels checked; the record written with the route's status code, 201."""
+    key = {"Authorization": f"Bearer {server.api_key}"}
+    token = client.issue_job_token("hot-create")
+    as_job = {"Authorization": f"Bearer {token}"}
+    body = {"image": "busybox", "labels": {"case": "hot-create"}}
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            cases = {
+                "no key": http.post("/v1/sandboxes", json=body),
+                "wrong key": http.post("/v1/sandboxes", json=body, headers={"Authorization": "Bearer ck_wrong"}),
+                "another job's label": http.post(
+                    "/v1/sandboxes", json={**body, "labels": {"job": "other"}}, headers=as_job
+                ),
+                "not json": http.post("/v1/sandboxes", content=b"{not json", headers=key),
+                "empty": http.post("/v1/sandboxes", content=b"", headers=key),
+                "json as text/plain": http.post(
+                    "/v1/sandboxes", content=json.dumps(body), headers={**key, "content-type": "text/plain"}
+                ),
+                "memory of a wrong type": http.post("/v1/sandboxes", json={**body, "memory_mb": "lots"}, headers=key),
+                "unknown field": http.post("/v1/sandboxes", json={**body, "colour": "red"}, headers=key),
+                "unknown image": http.post("/v1/sandboxes", json={"image": "no-such-image:1"}, headers=key),
+            }
+            answers = {name: (r.status_code, r.json()["error"]["code"]) for name, r in cases.items()}
+            assert answers == {
+                "no key": (401, "unauthenticated"),
+                "wrong key": (401, "unauthenticated"),
+                "another job's label": (403, "permission_denied"),
+                "not json": (400, "invalid_request"),
+                "empty": (400, "invalid_request"),
+                "json as text/plain": (400, "invalid_request"),
+                "memory of a wrong type": (400, "invalid_request"),
+                "unknown field": (400, "invalid_request"),
+                "unknown image": (404, "not_found"),
+            }
+            assert cases["empty"].json()["error"]["message"] == "invalid request: body: Field required"
+            assert cases["memory of a wrong type"].json()["error"]["message"].startswith("invalid request: memory_mb")
+            assert "valid dictionary" in cases["json as text/plain"].json()["error"]["message"]
+            assert http.put("/v1/sandboxes", json=body, headers=key).status_code == 405  # FastAPI's router answers
+
+            made = http.post(
+                "/v1/sandboxes",
+                content=json.dumps(body),
+                headers={**key, "content-type": "application/json; charset=utf-8"},
+            )
+            assert (made.status_code, made.headers["content-type"]) == (201, "application/json")
+            info = made.json()
+            assert info == http.get(f"/v1/sandboxes/{info['id']}", headers=key).json()
+            assert (info["state"], info["labels"]) == ("running", {"case": "hot-create"})
+
+            mine = http.post("/v1/sandboxes", json=body, headers=as_job)  # a job token's job label is forced
+            assert (mine.status_code, mine.json()["labels"]) == (201, {"case": "hot-create", "job": "hot-create"})
+            for made_id in (info["id"], mine.json()["id"]):
+                assert http.delete(f"/v1/sandboxes/{made_id}", headers=key).status_code == 200
+    finally:
+        client.revoke_job_tokens("hot-create")

@@ -35,6 +35,7 @@ from corral.gateway.routes.deps import (
     label_pairs,
     ndjson_grouped,
 )
+from corral.gateway.service import SandboxService
 
 __all__ = ["router"]
 
@@ -52,7 +53,10 @@ async def snapshot_sandbox(
 
 
 @router.post("/v1/sandboxes", status_code=201)
-async def create_sandbox(body: CreateSandboxRequest, svc: Service, caller: CallerDep) -> SandboxInfo:
+async def create_sandbox(request: Request, body: CreateSandboxRequest, caller: CallerDep) -> SandboxInfo:
+    # A hot route (gateway/hot_routes.py; a warm pool's claim is one): the service taken from the app's state, not
+    # a dependency.
+    svc: SandboxService = request.app.state.service.sandboxes
     return await svc.create(body.model_copy(update={"labels": caller.check_labels(body.labels)}))
 
 
