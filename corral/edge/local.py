@@ -354,16 +354,16 @@ class LocalEdge:
             raise InvalidRequest(
                 f"memory_mb={spec.memory_mb} is more than this node has ({self._capacity.memory_mb} MiB)"
             )
-        load = await self.load()
-        if load.cpu_committed + spec.cpu > load.cpu_capacity or (
-            load.memory_committed_mb + spec.memory_mb > load.memory_capacity_mb
-        ):
+        # The committed resources against capacity, as load() reports them; not load() itself, whose offers look
+        # each runtime up on PATH (shutil.which for each, on every create).
+        cap, committed = self._capacity, self._committed
+        cpu_capacity, memory_capacity_mb = cap.cpu * cap.cpu_overcommit, int(cap.memory_mb * cap.memory_overcommit)
+        if committed.cpu + spec.cpu > cpu_capacity or committed.memory_mb + spec.memory_mb > memory_capacity_mb:
             raise CapacityExhausted(
-                f"node {self.edge_id} is full ({load.sandboxes} sandboxes, "
-                f"{load.cpu_committed:g}/{load.cpu_capacity:g} cpu, "
-                f"{load.memory_committed_mb}/{load.memory_capacity_mb} MiB committed): retry later or kill sandboxes"
+                f"node {self.edge_id} is full ({len(committed)} sandboxes, {committed.cpu:g}/{cpu_capacity:g} cpu, "
+                f"{committed.memory_mb}/{memory_capacity_mb} MiB committed): retry later or kill sandboxes"
             )
-        self._committed.add(spec)
+        committed.add(spec)
 
     def _recent_host_reading(self) -> HostReadings:
         now = time.monotonic()

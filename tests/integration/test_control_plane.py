@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -215,10 +216,8 @@ async def test_large_batch_on_simulated_nodes_postgres(tmp_path: Path, postgres_
         store.close()
 
 
-async def test_a_refusing_node_is_skipped_and_ended_sandboxes_give_back_room(tmp_path: Path) -> None:
-    """n0 refuses everything (its memory reserve is more than any host has): every create lands on n1,
-    each refusal is recorded, and killing sandboxes frees their room in the scheduler's view."""
-    settings = Settings()
+def _store_with_the_image(tmp_path: Path) -> tuple[StateStore, Catalogue]:
+    """A SQLite store whose catalogue holds the bench's image (one layer), for a service over simulated nodes."""
     store = StateStore(f"sqlite:///{tmp_path / 'state.db'}")
     catalogue = Catalogue(store.engine, LayerStore(tmp_path / "layers"))
     layer_file = tmp_path / "layer"
@@ -226,6 +225,14 @@ async def test_a_refusing_node_is_skipped_and_ended_sandboxes_give_back_room(tmp
     record = catalogue.store.import_layer(layer_file, kind="base")
     catalogue.add_layer(record, parents=(), source={})
     catalogue.tag(control_plane.IMAGE, [record.digest])
+    return store, catalogue
+
+
+async def test_a_refusing_node_is_skipped_and_ended_sandboxes_give_back_room(tmp_path: Path) -> None:
+    """n0 refuses everything (its memory reserve is more than any host has): every create lands on n1,
+    each refusal is recorded, and killing sandboxes frees their room in the scheduler's view."""
+    settings = Settings()
+    store, catalogue = _store_with_the_image(tmp_path)
     edges: dict[str, Any] = {}
     service = SandboxService(store=store, catalogue=catalogue, edges=edges, default_runtime="crun",
                              ttl_check_interval_s=3600)  # fmt: skip
@@ -245,6 +252,33 @@ async def test_a_refusing_node_is_skipped_and_ended_sandboxes_give_back_room(tmp
             await service.kill(info.id)
         node = service.scheduler.nodes["n1"]
         assert (node.sandboxes, node.cpu_committed, node.memory_committed_mb) == (0, 0, 0)
+    finally:
+        await service.close()
+        store.close()
+
+
+async def test_a_node_refuses_what_its_commitments_leave_no_room_for(tmp_path: Path) -> None:
+    """The edge's own admission (the last check: a scheduler's view may be stale, another gateway may place on the
+    same node) counts what it committed against capacity × overcommit and names both when it refuses."""
+    settings = Settings()
+    store, catalogue = _store_with_the_image(tmp_path)
+    edge_capacity = NodeCapacity(4, 4096, 1, 1, settings.max_file_bytes, memory_reserve_mb=0)
+    edges: dict[str, Any] = {}
+    service = SandboxService(store=store, catalogue=catalogue, edges=edges, default_runtime="crun",
+                             ttl_check_interval_s=3600)  # fmt: skip
+    edge = edges["n0"] = LocalEdge("n0", BackendRouter([SimulatedBackend()]), edge_capacity, service)
+    await service.start()
+    try:
+        request = CreateSandboxRequest(image=control_plane.IMAGE, cpu=3, memory_mb=1024)
+        first = await service.create(request)
+        spec = edge._sandboxes[first.id].spec  # what the gateway sent: sent again under another id
+        with pytest.raises(corral.CapacityExhausted) as refused:
+            await edge.create(dataclasses.replace(spec, sandbox_id=f"sb-n0-{uuid.uuid4().hex[:16]}"))
+        assert "node n0 is full (1 sandboxes, 3/4 cpu, 1024/4096 MiB committed)" in refused.value.message
+        small = dataclasses.replace(spec, sandbox_id=f"sb-n0-{uuid.uuid4().hex[:16]}", cpu=1, memory_mb=3072)
+        await edge.create(small)  # fits exactly: 4/4 cpu, 4096/4096 MiB
+        load = await edge.load()
+        assert (load.sandboxes, load.cpu_committed, load.memory_committed_mb) == (2, 4, 4096)
     finally:
         await service.close()
         store.close()
