@@ -175,9 +175,10 @@ class _Sandbox:
 
 
 def _handover_settings(spec: SandboxSpec) -> dict[str, Any]:
-    """The settings a warm sandbox takes from its claim (the edge applies them per command, not at start)."""
+    """The settings a warm sandbox takes from its claim (the edge applies them per command, not at start; a
+    network's allowlist replaces the closed one it started with)."""
     return {"image": spec.image, "env": spec.env, "cwd": spec.cwd, "user": spec.user, "idle_pause_s": spec.idle_pause_s,
-            "pool_member": spec.pool_member}  # fmt: skip
+            "pool_member": spec.pool_member, "network": spec.network}  # fmt: skip
 
 
 def _lookup_owner(tree: FileTree, user: str) -> tuple[int, int]:
@@ -453,12 +454,16 @@ class LocalEdge:
 
     async def claim(self, sandbox_id: str, spec: SandboxSpec) -> None:
         sandbox = self._get(sandbox_id)
-        if dataclasses.replace(spec, **_handover_settings(sandbox.spec)) != sandbox.spec:
+        started = sandbox.spec
+        if (spec.network is None) != (started.network is None) or (
+            dataclasses.replace(spec, **_handover_settings(started)) != started
+        ):
             raise InvalidRequest(f"sandbox {sandbox_id} was started with other settings than the claim's")
-        was_pool_member = sandbox.spec.pool_member
         sandbox.spec, sandbox.owner, sandbox.last_active = spec, None, time.monotonic()
-        if was_pool_member and not spec.pool_member:
+        if started.pool_member and not spec.pool_member:
             await self._backend.claimed(spec)
+        if spec.network is not None and spec.network != started.network:  # started closed: the client's allowlist
+            await self._backend.set_network(sandbox_id, spec.network)
 
     async def sandbox_ids(self) -> set[str]:
         """The sandboxes this edge runs (started; not those still starting)."""

@@ -89,8 +89,9 @@ class Edge(Protocol):
         """Take back sandboxes that outlived a restart: "running", "paused", or None when gone."""
 
     async def claim(self, sandbox_id: str, spec: SandboxSpec) -> None:
-        """A warm pool's sandbox becomes a client's: ``spec`` (the client's env, cwd, user, idle pause) replaces the
-        pool's; what was fixed when it started (layers, runtime, limits, CPU class, disk, guard paths) must match."""
+        """A warm pool's sandbox becomes a client's: ``spec`` (the client's env, cwd, user, idle pause, egress
+        allowlist) replaces the pool's; what was fixed when it started (layers, runtime, limits, CPU class, disk,
+        guard paths, whether it has a network) must match."""
 
     async def destroy(self, sandbox_id: str) -> None: ...
 

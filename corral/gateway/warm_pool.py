@@ -8,7 +8,10 @@ shape takes one: its record becomes the client's (labels, env, cwd, user, TTL, i
 excepted: see ``poolable``) and its edge applies the per-command settings (``Edge.claim``), so it is exactly the
 sandbox a cold create would have made, only started earlier. A claimed sandbox is the client's; nothing goes
 back to a pool (its end destroys it as any other). A create whose shape has no warm sandbox starts one cold, as
-without pools; a network policy, a node selector or a restore always does.
+without pools; a node selector or a restore always does. A container create with a network policy (E2B's default:
+internet on) has a shape of its own, whose sandboxes start plugged into the node's network with nothing allowed, as
+a create with ``network={"allow": []}`` would; the claim sets the client's allowlist (``Edge.claim``), the change a
+running sandbox takes from ``set_network``. A VM's pools serve loopback-only creates (not yet networked ones).
 
 Sizing: a pool's target is how many creates of its shape came in the last ``window_s`` (demand), and all
 pools' warm sandboxes together stay within ``memory_budget_mb``, counted at their memory limit (what admission
@@ -42,7 +45,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from corral.api.errors import CorralError
-from corral.api.models import CreateSandboxRequest, ExecRequest, SandboxInfo, SandboxState
+from corral.api.models import CreateSandboxRequest, ExecRequest, NetworkPolicy, SandboxInfo, SandboxState
 from corral.backends.base import SETUID_LABEL, LayerRef, setuid_allowed
 from corral.gateway.fncall import POOL_LABEL as FNCALL_LABEL
 from corral.gateway.service import WARM_LABEL, SandboxService
@@ -60,7 +63,10 @@ _RETRY_AFTER_FAILURE_S = 5.0  # a pool whose refill failed (the node is full, sa
 _CLAIM_TRIES = 4  # warm sandboxes tried per create before it starts cold (one that ended meanwhile is skipped)
 # Record fields a claim gives the client's values (the rest was fixed when the sandbox started).
 _CLAIMED_FIELDS = ("image", "user", "cwd", "env", "labels", "created_at", "expires_at", "ttl_counts_paused",
-                   "idle_pause_s", "node_selector")  # fmt: skip
+                   "idle_pause_s", "node_selector", "network")  # fmt: skip
+# The creates with a network policy a pool serves: a container started with a closed network takes its allowlist
+# while it runs (runsc sandboxes have loopback only; a VM's network card is pooled once its pools serve them).
+_NETWORKED_POOLS = frozenset({("container", "crun"), ("container", "runc")})
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,7 @@ class Shape:
     setuid_allowed: bool
     protected_paths: tuple[str, ...]
     sensitive_paths: tuple[str, ...]
+    networked: bool  # started plugged into the node's network, nothing allowed (its own sysfs, an address)
 
     @classmethod
     def of_record(cls, record: SandboxRecord) -> Shape:
@@ -85,7 +92,7 @@ class Shape:
             layers=tuple(record.layers), backend=record.backend, runtime=record.runtime, cpu=record.cpu,
             memory_mb=record.memory_mb, pids_max=record.pids_max, qos=record.qos, disk_mb=record.disk_mb,
             setuid_allowed=setuid_allowed(record.labels), protected_paths=tuple(record.protected_paths or ()),
-            sensitive_paths=tuple(record.sensitive_paths or ()),
+            sensitive_paths=tuple(record.sensitive_paths or ()), networked=record.network is not None,
         )  # fmt: skip
 
     def label(self) -> str:
@@ -100,11 +107,12 @@ operating system's memory kept idle, so its pools are what the budget and the de
 nothing is started for a shape nobody asked for, and a vm's creates restore its boot template meanwhile."""
 
 
-def poolable(request: CreateSandboxRequest) -> bool:
-    """Creates a pool may serve: container, microvm and vm sandboxes on loopback only, placed by the scheduler (a
-    network policy and a node selector are set up at start and always start cold), and not the pools' own (nor
-    the fncall pools', which recycle theirs)."""
-    return (request.backend in POOLED_BACKENDS and request.network is None and not request.node_selector
+def poolable(request: CreateSandboxRequest, runtime: str) -> bool:
+    """Creates a pool may serve: container, microvm and vm sandboxes placed by the scheduler (a node selector is
+    set up at start and always starts cold), on loopback only or, for a crun or runc container, with a network
+    policy; not the pools' own (nor the fncall pools', which recycle theirs)."""
+    return (request.backend in POOLED_BACKENDS and not request.node_selector
+            and (request.network is None or (request.backend, runtime) in _NETWORKED_POOLS)
             and WARM_LABEL not in request.labels and FNCALL_LABEL not in request.labels)  # fmt: skip
 
 
@@ -198,7 +206,10 @@ class WarmPools:
         pool = self._pools.get(shape)
         if pool is None:
             labels = {WARM_LABEL: shape.label(), **({SETUID_LABEL: "allowed"} if shape.setuid_allowed else {})}
-            template = request.model_copy(update={"labels": labels, "ttl_s": None, "idle_pause_s": None})
+            closed = NetworkPolicy(allow=[]) if shape.networked else None  # the claim sets the client's allowlist
+            template = request.model_copy(
+                update={"labels": labels, "ttl_s": None, "idle_pause_s": None, "network": closed}
+            )
             pool = self._pools[shape] = _Pool(shape, template, image_name, layers)
         return pool
 
@@ -208,14 +219,15 @@ class WarmPools:
         self, request: CreateSandboxRequest, image_name: str, layers: tuple[LayerRef, ...]
     ) -> SandboxInfo | None:
         """A warm sandbox of the create's shape made the client's, or None (the create starts one cold)."""
-        if not self.enabled or not poolable(request):
-            return None
         runtime = request.runtime or self._sandboxes.default_runtime
+        if not self.enabled or not poolable(request, runtime):
+            return None
         shape = Shape(
             layers=tuple(layer.mount_key for layer in layers), backend=request.backend, runtime=runtime,
             cpu=request.cpu, memory_mb=request.memory_mb, pids_max=request.pids_max, qos=request.qos,
             disk_mb=request.disk_mb, setuid_allowed=setuid_allowed(request.labels),
             protected_paths=tuple(request.protected_paths), sensitive_paths=tuple(request.sensitive_paths),
+            networked=request.network is not None,
         )  # fmt: skip
         pool = self._pool(shape, request, image_name, layers)
         now = self._last_create = time.monotonic()

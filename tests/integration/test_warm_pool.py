@@ -11,6 +11,7 @@ import contextlib
 import io
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,11 +26,14 @@ from corral.backends.common.host import runtime_dirs_of, runtime_state_root
 from corral.embedded import EmbeddedServer
 from corral.gateway.warm_pool import CLAIMED_NOTE
 from corral.testing.leftovers import find_leftovers
+from tests.tcp_mirror import SERVER as MIRROR_SERVER
 
 # The budget holds every pool of this module at its demand, with room (each test has a shape of its own; at 3 GB
 # the last test's pool, of the eleventh shape, did not fill).
 WARM_ENV = {"CORRAL_WARM_POOL_MEMORY_MB": "4096", "CORRAL_WARM_POOL_WINDOW_S": "600"}
 TEARDOWN_SHAPE_MB = 34  # no test's: the fixture's own pool when a test run alone left none
+MIRROR = "10.88.200.3"  # a "package mirror" in a network namespace of the test's own, plugged into the server's
+FETCH = f"echo hi | nc -w 2 {MIRROR} 8080"
 
 
 @pytest.fixture(scope="module")
@@ -291,8 +295,64 @@ def test_unpoolable_creates_start_cold(pooled: EmbeddedServer, client: corral.Cl
     selected.kill()
     _wait_for(lambda: _warm(pooled, 52) >= 1)
     networked = client.create("busybox", memory_mb=52, ttl_s=300, network={"allow": []})
-    assert networked.info.status_message != CLAIMED_NOTE
+    assert networked.info.status_message != CLAIMED_NOTE  # a networked create's shape is another pool's
     networked.kill()
+
+
+def test_a_network_create_claims_a_sandbox_started_closed_and_gets_its_allowlist(
+    pooled: EmbeddedServer, client: corral.Client
+) -> None:
+    """A container create with a network policy has pools of its own, whose sandboxes start plugged in with nothing
+    allowed; the claim sets the client's allowlist: the sandbox reaches what it names and nothing else, lists its
+    interface in its own /sys as a cold network create does, and reports the client's policy. A loopback-only
+    create of the same size never gets one of them, nor a networked create a loopback-only one."""
+    mirror = subprocess.Popen(["unshare", "--net", sys.executable, "-c", MIRROR_SERVER])
+    try:
+        time.sleep(0.3)
+        client.attach_network_peer("wmirror", f"/proc/{mirror.pid}/ns/net", MIRROR)
+        allowed = {"allow": [{"cidr": MIRROR, "ports": [8080], "protocol": "tcp"}]}
+        first = client.create("busybox", memory_mb=62, ttl_s=300, network=allowed)
+        assert first.info.status_message != CLAIMED_NOTE  # its shape's first create: nothing warm yet
+        first.kill()
+        _wait_for(lambda: _warm(pooled, 62) >= 1)
+        plain = client.create("busybox", memory_mb=62, ttl_s=300)
+        assert plain.info.status_message != CLAIMED_NOTE  # the only warm sandbox of that size is a networked one
+        plain.kill()
+
+        sandbox = client.create("busybox", memory_mb=62, ttl_s=300, network=allowed)
+        try:
+            assert sandbox.info.status_message == CLAIMED_NOTE
+            assert sandbox.exec(FETCH).stdout == "ok from mirror\n"
+            assert sandbox.exec(FETCH.replace("8080", "8081"), timeout_s=10).stdout == ""
+            status = sandbox.network()
+            assert status.address is not None and status.address.startswith("10.88.")
+            assert [rule.model_dump(exclude_none=True) for rule in status.allow or []] == [
+                {"cidr": MIRROR, "ports": [8080], "protocol": "tcp", "action": "allow"}
+            ]
+            assert status.denied_egress_packets > 0  # the port it was not given
+            listed = sandbox.exec("ls /sys/class/net").stdout.split()
+            links = sandbox.exec("ip -o link | cut -d: -f2 | cut -d@ -f1").stdout.split()
+            assert len(listed) == 2 and sorted(listed) == sorted(links), (listed, links)
+            assert client.get(sandbox.id).info.network == sandbox.info.network is not None
+        finally:
+            sandbox.kill()
+
+        # Both pools filled (the networked one's demand is 2, the loopback one's 1): each create gets its own kind.
+        _wait_for(lambda: _warm(pooled, 62) >= 3)
+        claims = [client.create("busybox", memory_mb=62, ttl_s=300, network=allowed) for _ in range(2)]
+        claims.append(client.create("busybox", memory_mb=62, ttl_s=300))
+        try:
+            assert [made.info.status_message for made in claims] == [CLAIMED_NOTE] * 3
+            fetched = [made.exec(FETCH, timeout_s=10).stdout for made in claims]
+            assert fetched == ["ok from mirror\n", "ok from mirror\n", ""]
+            assert claims[2].exec("ip -o link | cut -d: -f2").stdout.split() == ["lo"]
+            assert claims[2].network().address is None
+        finally:
+            for made in claims:
+                made.kill()
+    finally:
+        mirror.kill()
+        mirror.wait()
 
 
 def test_a_restart_takes_warm_sandboxes_back_or_destroys_them(pooled: EmbeddedServer, client: corral.Client) -> None:
