@@ -105,12 +105,15 @@ def _route_public_via_peer(netns: str) -> None:
 
 
 def _output_rules(netns: str) -> list[str]:
-    """The sandbox's egress chain, one nft rule a line."""
-    listing = subprocess.run(
-        ["nsenter", f"--net={netns}", "nft", "list", "chain", "inet", "corral", "output"],
-        check=True, capture_output=True, text=True,
-    ).stdout  # fmt: skip
-    return [line.strip() for line in listing.splitlines() if "daddr" in line or line.strip().startswith("oif")]
+    """The sandbox's egress rules, one nft rule a line: the output hook's and those of the allow chain it jumps to."""
+    lines = []
+    for chain in ("output", "allowed_out"):
+        listing = subprocess.run(
+            ["nsenter", f"--net={netns}", "nft", "list", "chain", "inet", "corral", chain],
+            check=True, capture_output=True, text=True,
+        ).stdout  # fmt: skip
+        lines += [line.strip() for line in listing.splitlines() if "daddr" in line or line.strip().startswith("oif")]
+    return lines
 
 
 def _denied(server: EmbeddedServer, sandbox: Sandbox) -> int:

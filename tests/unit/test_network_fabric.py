@@ -26,6 +26,8 @@ from corral.backends.common.network import (
     HostResolver,
     NetworkFabric,
     _existing_netns,
+    _policy_matches,
+    _render_additions,
     _render_policy,
     internet_rules,
 )
@@ -210,15 +212,21 @@ def test_host_and_deny_rules_render_in_order(tmp_path) -> None:  # type: ignore[
     assert resolver.resolve("no-such-name.invalid") == ()
     rules = [AllowRule(host="mirror.test", ports=(8080,)), AllowRule("10.0.0.0/8", protocol="any", action="deny"),
              AllowRule(host="no-such-name.invalid")]  # fmt: skip
-    output = [
-        line for line in _render_policy(rules, resolver).splitlines() if line.startswith("add rule inet corral output")
+    text = _render_policy(rules, resolver)
+    allowed = [line for line in text.splitlines() if line.startswith("add rule inet corral allowed_out")]
+    assert allowed == [
+        "add rule inet corral allowed_out ip daddr 10.88.200.2/32 tcp dport { 8080 } accept",
+        "add rule inet corral allowed_out ip daddr 10.88.200.3/32 tcp dport { 8080 } accept",
+        'add rule inet corral allowed_out ip daddr 10.0.0.0/8 counter name "egress_denied" drop',
+    ]  # and the name that resolves to nothing gives no line
+    output = [line for line in text.splitlines() if line.startswith("add rule inet corral output")]
+    assert output == [  # the hook: loopback, then the sandbox's rules in their order, then the counted drop
+        "add rule inet corral output oif lo accept",
+        "add rule inet corral output jump allowed_out",
+        'add rule inet corral output counter name "egress_denied" drop',
     ]
-    assert output[1:4] == [
-        "add rule inet corral output ip daddr 10.88.200.2/32 tcp dport { 8080 } accept",
-        "add rule inet corral output ip daddr 10.88.200.3/32 tcp dport { 8080 } accept",
-        'add rule inet corral output ip daddr 10.0.0.0/8 counter name "egress_denied" drop',
-    ]  # and the name that resolves to nothing gives no line: the final drop follows
-    assert output[4] == 'add rule inet corral output counter name "egress_denied" drop'
+    additions = _render_additions(_policy_matches(rules, resolver)).splitlines()  # onto a closed policy
+    assert additions == [*allowed, *(line.replace("allowed_out", "allowed_forward") for line in allowed)]
     refused = [({"host": "not a name"}, "not a DNS name"), ({"cidr": "10.0.0.1", "host": "a.b"}, "exactly one"),
                ({"cidr": "10.0.0.1", "action": "reject"}, "action")]  # fmt: skip
     for spec, fragment in refused:
@@ -274,6 +282,36 @@ def test_set_policy_grants_and_revokes(fabric: NetworkFabric, lab: dict[str, str
     assert connect(lab["a"], MIRROR, 8080) in BLOCKED
     after = fabric.denied(path(lab["a"]))
     assert after.egress_packets > before.egress_packets and after.egress_bytes > before.egress_bytes
+
+
+@needs_netns
+def test_a_closed_policy_takes_its_first_list_by_additions_and_the_next_replaces_it(
+    fabric: NetworkFabric, lab: dict[str, str]
+) -> None:
+    """B was attached closed: its first list is added to the empty chains (a warm pool's claim), the same rules as a
+    sandbox attached with them gets; the next list replaces that one, it does not add to it."""
+    fabric.set_policy(path(lab["b"]), [AllowRule(f"{MIRROR}/32", (8080,))])
+    assert connect(lab["b"], MIRROR, 8080) == "ok"
+    listed = _nft_list(lab["b"])
+    assert _rules_of(listed, "allowed_out") == _rules_of(_nft_list(lab["a"]), "allowed_out")  # as if made with it
+    fabric.set_policy(path(lab["b"]), [AllowRule(f"{MIRROR}/32", (9090,))])
+    assert connect(lab["b"], MIRROR, 8080) in BLOCKED
+    assert len(_rules_of(_nft_list(lab["b"]), "allowed_out")) == 1
+    fabric.set_policy(path(lab["b"]), [])
+    assert _rules_of(_nft_list(lab["b"]), "allowed_out") == []
+
+
+def _nft_list(ns: str) -> str:
+    return subprocess.run(
+        ["nsenter", f"--net={path(ns)}", "nft", "list", "table", "inet", "corral"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+
+
+def _rules_of(listing: str, chain: str) -> list[str]:
+    """The rules of one chain of an ``nft list table`` listing."""
+    lines = listing.split(f"chain {chain} {{", 1)[1].split("}", 1)[0].splitlines()
+    return [line.strip() for line in lines if line.strip()]
 
 
 @needs_netns
