@@ -8,10 +8,11 @@ shape takes one: its record becomes the client's (labels, env, cwd, user, TTL, i
 excepted: see ``poolable``) and its edge applies the per-command settings (``Edge.claim``), so it is exactly the
 sandbox a cold create would have made, only started earlier. A claimed sandbox is the client's; nothing goes
 back to a pool (its end destroys it as any other). A create whose shape has no warm sandbox starts one cold, as
-without pools; a node selector or a restore always does. A container create with a network policy (E2B's default:
+without pools; a node selector or a restore always does. A create with a network policy (E2B's default:
 internet on) has a shape of its own, whose sandboxes start plugged into the node's network with nothing allowed, as
 a create with ``network={"allow": []}`` would; the claim sets the client's allowlist (``Edge.claim``), the change a
-running sandbox takes from ``set_network``. A VM's pools serve loopback-only creates (not yet networked ones).
+running sandbox takes from ``set_network``. The same for a microvm or vm (its network card and namespace from its
+start, closed until the claim).
 
 Sizing: a pool's target is how many creates of its shape came in the last ``window_s`` (demand), and all
 pools' warm sandboxes together stay within ``memory_budget_mb``, counted at their memory limit (what admission
@@ -64,9 +65,9 @@ _CLAIM_TRIES = 4  # warm sandboxes tried per create before it starts cold (one t
 # Record fields a claim gives the client's values (the rest was fixed when the sandbox started).
 _CLAIMED_FIELDS = ("image", "user", "cwd", "env", "labels", "created_at", "expires_at", "ttl_counts_paused",
                    "idle_pause_s", "node_selector", "network")  # fmt: skip
-# The creates with a network policy a pool serves: a container started with a closed network takes its allowlist
-# while it runs (runsc sandboxes have loopback only; a VM's network card is pooled once its pools serve them).
-_NETWORKED_POOLS = frozenset({("container", "crun"), ("container", "runc")})
+# The creates with a network policy a pool serves: a sandbox started with a closed network takes its allowlist while
+# it runs (a VM has its network card from its start; runsc sandboxes have loopback only).
+_NETWORKED_CONTAINER_RUNTIMES = frozenset({"crun", "runc"})
 
 
 @dataclass(frozen=True)
@@ -109,10 +110,11 @@ nothing is started for a shape nobody asked for, and a vm's creates restore its 
 
 def poolable(request: CreateSandboxRequest, runtime: str) -> bool:
     """Creates a pool may serve: container, microvm and vm sandboxes placed by the scheduler (a node selector is
-    set up at start and always starts cold), on loopback only or, for a crun or runc container, with a network
-    policy; not the pools' own (nor the fncall pools', which recycle theirs)."""
+    set up at start and always starts cold), on loopback only or with a network policy (not a runsc container's,
+    which has loopback only); not the pools' own (nor the fncall pools', which recycle theirs)."""
+    networkable = request.backend != "container" or runtime in _NETWORKED_CONTAINER_RUNTIMES
     return (request.backend in POOLED_BACKENDS and not request.node_selector
-            and (request.network is None or (request.backend, runtime) in _NETWORKED_POOLS)
+            and (request.network is None or networkable)
             and WARM_LABEL not in request.labels and FNCALL_LABEL not in request.labels)  # fmt: skip
 
 

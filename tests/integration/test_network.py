@@ -6,15 +6,12 @@ namespace, plugged into the server's own sandbox network (10.88.0.0/16).
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 
 import pytest
 
 import corral
-from tests.tcp_mirror import SERVER as MIRROR_SERVER
+from tests.tcp_mirror import plugged_mirror
 
 MIRROR = "10.88.200.2"
 FETCH = f"echo hi | nc -w 2 {MIRROR} 8080"
@@ -23,15 +20,8 @@ FETCH = f"echo hi | nc -w 2 {MIRROR} 8080"
 @pytest.fixture(scope="module")
 def mirror(server) -> Iterator[str]:  # type: ignore[no-untyped-def]
     """A TCP service in a network namespace of its own, plugged into the sandbox network."""
-    process = subprocess.Popen(["unshare", "--net", sys.executable, "-c", MIRROR_SERVER])
-    try:
-        time.sleep(0.3)
-        with server.client() as client:
-            client.attach_network_peer("mirror", f"/proc/{process.pid}/ns/net", MIRROR)
-        yield MIRROR
-    finally:
-        process.kill()
-        process.wait()
+    with plugged_mirror(server, "mirror", MIRROR) as address:
+        yield address
 
 
 def test_no_network_by_default(client: corral.Client) -> None:

@@ -11,7 +11,6 @@ import contextlib
 import io
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,14 +25,13 @@ from corral.backends.common.host import runtime_dirs_of, runtime_state_root
 from corral.embedded import EmbeddedServer
 from corral.gateway.warm_pool import CLAIMED_NOTE
 from corral.testing.leftovers import find_leftovers
-from tests.tcp_mirror import SERVER as MIRROR_SERVER
+from tests.tcp_mirror import plugged_mirror
 
 # The budget holds every pool of this module at its demand, with room (each test has a shape of its own; at 3 GB
 # the last test's pool, of the eleventh shape, did not fill).
 WARM_ENV = {"CORRAL_WARM_POOL_MEMORY_MB": "4096", "CORRAL_WARM_POOL_WINDOW_S": "600"}
 TEARDOWN_SHAPE_MB = 34  # no test's: the fixture's own pool when a test run alone left none
-MIRROR = "10.88.200.3"  # a "package mirror" in a network namespace of the test's own, plugged into the server's
-FETCH = f"echo hi | nc -w 2 {MIRROR} 8080"
+MIRROR = "10.88.200.3"  # a "package mirror" in a network namespace of this module's own, plugged into the server's
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +64,13 @@ def pooled(tmp_path_factory: pytest.TempPathFactory, test_env: dict[str, str]) -
 def client(pooled: EmbeddedServer) -> Iterator[corral.Client]:
     with pooled.client() as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def mirror(pooled: EmbeddedServer) -> Iterator[str]:
+    """A TCP service in a network namespace of this module's own, plugged into the pooled server's network."""
+    with plugged_mirror(pooled, "wmirror", MIRROR) as address:
+        yield address
 
 
 def _metric(server: EmbeddedServer, name: str, **labels: str) -> float:
@@ -300,59 +305,80 @@ def test_unpoolable_creates_start_cold(pooled: EmbeddedServer, client: corral.Cl
 
 
 def test_a_network_create_claims_a_sandbox_started_closed_and_gets_its_allowlist(
-    pooled: EmbeddedServer, client: corral.Client
+    pooled: EmbeddedServer, client: corral.Client, mirror: str
 ) -> None:
     """A container create with a network policy has pools of its own, whose sandboxes start plugged in with nothing
     allowed; the claim sets the client's allowlist: the sandbox reaches what it names and nothing else, lists its
     interface in its own /sys as a cold network create does, and reports the client's policy. A loopback-only
     create of the same size never gets one of them, nor a networked create a loopback-only one."""
-    mirror = subprocess.Popen(["unshare", "--net", sys.executable, "-c", MIRROR_SERVER])
+    allowed = {"allow": [{"cidr": mirror, "ports": [8080], "protocol": "tcp"}]}
+    first = client.create("busybox", memory_mb=62, ttl_s=300, network=allowed)
+    assert first.info.status_message != CLAIMED_NOTE  # its shape's first create: nothing warm yet
+    first.kill()
+    _wait_for(lambda: _warm(pooled, 62) >= 1)
+    plain = client.create("busybox", memory_mb=62, ttl_s=300)
+    assert plain.info.status_message != CLAIMED_NOTE  # the only warm sandbox of that size is a networked one
+    plain.kill()
+
+    sandbox = client.create("busybox", memory_mb=62, ttl_s=300, network=allowed)
     try:
-        time.sleep(0.3)
-        client.attach_network_peer("wmirror", f"/proc/{mirror.pid}/ns/net", MIRROR)
-        allowed = {"allow": [{"cidr": MIRROR, "ports": [8080], "protocol": "tcp"}]}
-        first = client.create("busybox", memory_mb=62, ttl_s=300, network=allowed)
-        assert first.info.status_message != CLAIMED_NOTE  # its shape's first create: nothing warm yet
-        first.kill()
-        _wait_for(lambda: _warm(pooled, 62) >= 1)
-        plain = client.create("busybox", memory_mb=62, ttl_s=300)
-        assert plain.info.status_message != CLAIMED_NOTE  # the only warm sandbox of that size is a networked one
-        plain.kill()
-
-        sandbox = client.create("busybox", memory_mb=62, ttl_s=300, network=allowed)
-        try:
-            assert sandbox.info.status_message == CLAIMED_NOTE
-            assert sandbox.exec(FETCH).stdout == "ok from mirror\n"
-            assert sandbox.exec(FETCH.replace("8080", "8081"), timeout_s=10).stdout == ""
-            status = sandbox.network()
-            assert status.address is not None and status.address.startswith("10.88.")
-            assert [rule.model_dump(exclude_none=True) for rule in status.allow or []] == [
-                {"cidr": MIRROR, "ports": [8080], "protocol": "tcp", "action": "allow"}
-            ]
-            assert status.denied_egress_packets > 0  # the port it was not given
-            listed = sandbox.exec("ls /sys/class/net").stdout.split()
-            links = sandbox.exec("ip -o link | cut -d: -f2 | cut -d@ -f1").stdout.split()
-            assert len(listed) == 2 and sorted(listed) == sorted(links), (listed, links)
-            assert client.get(sandbox.id).info.network == sandbox.info.network is not None
-        finally:
-            sandbox.kill()
-
-        # Both pools filled (the networked one's demand is 2, the loopback one's 1): each create gets its own kind.
-        _wait_for(lambda: _warm(pooled, 62) >= 3)
-        claims = [client.create("busybox", memory_mb=62, ttl_s=300, network=allowed) for _ in range(2)]
-        claims.append(client.create("busybox", memory_mb=62, ttl_s=300))
-        try:
-            assert [made.info.status_message for made in claims] == [CLAIMED_NOTE] * 3
-            fetched = [made.exec(FETCH, timeout_s=10).stdout for made in claims]
-            assert fetched == ["ok from mirror\n", "ok from mirror\n", ""]
-            assert claims[2].exec("ip -o link | cut -d: -f2").stdout.split() == ["lo"]
-            assert claims[2].network().address is None
-        finally:
-            for made in claims:
-                made.kill()
+        _assert_claimed_with_the_allowlist(client, sandbox, mirror)
+        listed = sandbox.exec("ls /sys/class/net").stdout.split()
+        links = sandbox.exec("ip -o link | cut -d: -f2 | cut -d@ -f1").stdout.split()
+        assert len(listed) == 2 and sorted(listed) == sorted(links), (listed, links)
     finally:
-        mirror.kill()
-        mirror.wait()
+        sandbox.kill()
+
+    # Both pools filled (the networked one's demand is 2, the loopback one's 1): each create gets its own kind.
+    _wait_for(lambda: _warm(pooled, 62) >= 3)
+    claims = [client.create("busybox", memory_mb=62, ttl_s=300, network=allowed) for _ in range(2)]
+    claims.append(client.create("busybox", memory_mb=62, ttl_s=300))
+    try:
+        assert [made.info.status_message for made in claims] == [CLAIMED_NOTE] * 3
+        fetched = [made.exec(_fetch(mirror), timeout_s=10).stdout for made in claims]
+        assert fetched == ["ok from mirror\n", "ok from mirror\n", ""]
+        assert claims[2].exec("ip -o link | cut -d: -f2").stdout.split() == ["lo"]
+        assert claims[2].network().address is None
+    finally:
+        for made in claims:
+            made.kill()
+
+
+def test_a_networked_microvm_create_claims_a_booted_guest_and_gets_its_allowlist(
+    pooled: EmbeddedServer, client: corral.Client, mirror: str
+) -> None:
+    """A microvm's network card and namespace come with its start: a networked shape's guests boot closed, and the
+    claim sets the client's allowlist as for a container."""
+    allowed = {"allow": [{"cidr": mirror, "ports": [8080], "protocol": "tcp"}]}
+    first = client.create("busybox", backend="microvm", memory_mb=240, ttl_s=300, network=allowed)
+    assert first.info.status_message != CLAIMED_NOTE
+    first.kill()
+    _wait_for(lambda: _warm(pooled, 240) >= 1, timeout_s=180)
+    sandbox = client.create("busybox", backend="microvm", memory_mb=240, ttl_s=300, network=allowed)
+    try:
+        _assert_claimed_with_the_allowlist(client, sandbox, mirror, timeout_s=15)
+    finally:
+        sandbox.kill()
+
+
+def _fetch(mirror: str, port: int = 8080) -> str:
+    return f"echo hi | nc -w 3 {mirror} {port}"
+
+
+def _assert_claimed_with_the_allowlist(
+    client: corral.Client, sandbox: corral.Sandbox, mirror: str, timeout_s: float = 10
+) -> None:
+    """Claimed; reaches the mirror's allowed port, not another (denied and counted); reports the client's policy."""
+    assert sandbox.info.status_message == CLAIMED_NOTE
+    assert sandbox.exec(_fetch(mirror), timeout_s=timeout_s).stdout == "ok from mirror\n"
+    assert sandbox.exec(_fetch(mirror, 8081), timeout_s=timeout_s).stdout == ""
+    status = sandbox.network()
+    assert status.address is not None and status.address.startswith("10.88.")
+    assert [rule.model_dump(exclude_none=True) for rule in status.allow or []] == [
+        {"cidr": mirror, "ports": [8080], "protocol": "tcp", "action": "allow"}
+    ]
+    assert status.denied_egress_packets > 0  # the port it was not given
+    assert client.get(sandbox.id).info.network == sandbox.info.network is not None
 
 
 def test_a_restart_takes_warm_sandboxes_back_or_destroys_them(pooled: EmbeddedServer, client: corral.Client) -> None:
