@@ -19,12 +19,13 @@ def test_bench_density_reports_memory_the_shrinker_slab_and_a_sandboxs_superbloc
     (report,) = json.loads(run.stdout)["runs"]
     assert [step["sandboxes"] for step in report["steps"]] == [0, 2, 4]
     assert all(step["one_kib_slab_mib"] > 0 and step["exec"] for step in report["steps"][1:])
-    # Starting a container is work for the kernel and for user space. /proc/stat counts in ticks of 10 ms, sampled:
-    # a step of two creates on a busy machine once counted no system tick (user 60 ms), so the kernel's share is
-    # asserted over the whole run, user space's at each step.
+    # Starting a container is work for the kernel and for user space. /proc/stat counts in ticks of 10 ms, sampled
+    # (a tick the hypervisor took counts as steal): a step of two creates on a busy machine counted no system tick
+    # once, no user tick another time, so each step reports both and the run as a whole must have counted some.
     creates = [step["create"] for step in report["steps"][1:]]
-    assert all(create["host_user_ms_per_create"] > 0 for create in creates)
-    assert sum(create["host_system_ms_per_create"] for create in creates) > 0
+    kinds = ("host_user_ms_per_create", "host_system_ms_per_create")
+    assert all(create[kind] >= 0 for create in creates for kind in kinds)
+    assert sum(create[kind] for create in creates for kind in kinds) > 0
     # What each sandbox adds to the node's shrinkers (docs/spec.md, Density): five, the sysfs and /dev/shm shared.
     assert report["superblocks_of_its_own"] == ["devpts", "mqueue", "overlay", "proc", "tmpfs"]
     assert report["kill"]["killed"] == 4 and not report["kill"]["failed"]
