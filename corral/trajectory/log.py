@@ -104,7 +104,6 @@ trajectory_steps = Table(
 )
 # Built once: the appends are on every command's path, and SQLAlchemy's statement cache still has to key them.
 _INSERT = insert(trajectory_steps)
-_LAST_SEQ = select(func.max(trajectory_steps.c.seq)).where(trajectory_steps.c.sandbox_id == bindparam("b_sandbox"))
 _BY_STEP_ID = select(trajectory_steps).where(
     trajectory_steps.c.sandbox_id == bindparam("b_sandbox"), trajectory_steps.c.step_id == bindparam("b_step")
 )
@@ -283,8 +282,7 @@ class TrajectoryLog:
                         logged = _logged_step(conn, sandbox_id, step_id)
                         if logged is not None:
                             return already_logged(logged)
-                    last_seq = conn.execute(_LAST_SEQ, {"b_sandbox": sandbox_id}).scalar()
-                    step = make((last_seq or 0) + 1)
+                    step = make(_last_seqs_of(conn, [sandbox_id]).get(sandbox_id, 0) + 1)
                     conn.execute(_INSERT, _row(step, self._output_cap_bytes))
                     return step
             except IntegrityError:

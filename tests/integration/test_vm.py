@@ -27,7 +27,7 @@ from corral.backends.vm.guest import ensure_guest_kit
 from corral.backends.vm.network import namespace_name
 from corral.embedded import EmbeddedServer
 from corral.sdk import NotFound
-from tests.tcp_mirror import SERVER as MIRROR_SERVER
+from tests.tcp_mirror import plugged_mirror
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -294,15 +294,9 @@ VM_MIRROR = "10.88.200.3"
 
 def test_microvm_network_goes_through_its_own_namespace_and_allowlist(server: EmbeddedServer) -> None:
     """The guest's NIC is a tap in a namespace made for it; the allowlist applies there, outside the guest."""
-    import subprocess
-    import sys
-
-    mirror = subprocess.Popen(["unshare", "--net", sys.executable, "-c", MIRROR_SERVER])
     fetch = f"echo hi | nc -w 3 {VM_MIRROR} 8080"
-    try:
-        time.sleep(0.3)
+    with plugged_mirror(server, "vm-mirror", VM_MIRROR):
         with server.client() as client:
-            client.attach_network_peer("vm-mirror", f"/proc/{mirror.pid}/ns/net", VM_MIRROR)
             with client.create("busybox", backend="microvm", network={"allow": []}, ttl_s=300) as vm:
                 assert vm.exec(fetch, timeout_s=15).stdout == ""
                 assert vm.network().denied_egress_packets > 0
@@ -316,9 +310,6 @@ def test_microvm_network_goes_through_its_own_namespace_and_allowlist(server: Em
                 assert [line.split(":")[1].strip() for line in closed.exec("ip -o link").stdout.splitlines()] == ["lo"]
                 with pytest.raises(corral.InvalidRequest, match="network card at create"):
                     closed.set_network([{"cidr": VM_MIRROR, "ports": [8080]}])
-    finally:
-        mirror.kill()
-        mirror.wait()
 
 
 def test_clean_shutdown_powers_the_guest_off(server: EmbeddedServer, client: corral.Client) -> None:

@@ -289,12 +289,16 @@ def test_a_closed_policy_takes_its_first_list_by_additions_and_the_next_replaces
     fabric: NetworkFabric, lab: dict[str, str]
 ) -> None:
     """B was attached closed: its first list is added to the empty chains (a warm pool's claim), the same rules as a
-    sandbox attached with them gets; the next list replaces that one, it does not add to it."""
+    sandbox attached with them gets; the next list replaces that one, it does not add to it. Seen in the hook's
+    rules' handles: additions leave them as they were, a replacement flushes and adds them anew."""
+    hook_rules = _handles(lab["b"], "output")
     fabric.set_policy(path(lab["b"]), [AllowRule(f"{MIRROR}/32", (8080,))])
+    assert _handles(lab["b"], "output") == hook_rules  # added to the allow chain, nothing deleted
     assert connect(lab["b"], MIRROR, 8080) == "ok"
     listed = _nft_list(lab["b"])
     assert _rules_of(listed, "allowed_out") == _rules_of(_nft_list(lab["a"]), "allowed_out")  # as if made with it
     fabric.set_policy(path(lab["b"]), [AllowRule(f"{MIRROR}/32", (9090,))])
+    assert _handles(lab["b"], "output") != hook_rules  # replaced: the chains flushed and their rules added again
     assert connect(lab["b"], MIRROR, 8080) in BLOCKED
     assert len(_rules_of(_nft_list(lab["b"]), "allowed_out")) == 1
     fabric.set_policy(path(lab["b"]), [])
@@ -306,6 +310,17 @@ def _nft_list(ns: str) -> str:
         ["nsenter", f"--net={path(ns)}", "nft", "list", "table", "inet", "corral"],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
+
+
+def _handles(ns: str, chain: str) -> list[str]:
+    """The handles of a chain's rules, in order (``nft -a``)."""
+    listing = subprocess.run(
+        ["nsenter", f"--net={path(ns)}", "nft", "-a", "list", "chain", "inet", "corral", chain],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return [
+        line.rsplit("# handle ", 1)[1] for line in listing.splitlines() if "# handle " in line and "chain " not in line
+    ]
 
 
 def _rules_of(listing: str, chain: str) -> list[str]:

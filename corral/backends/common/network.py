@@ -447,6 +447,7 @@ class NetworkFabric:
                     entry.rules, entry.text = tuple(rules), text
 
     def _policy_lock(self, netns: str) -> threading.Lock:
+        """The lock held while ``netns``'s policy changes (detach drops it)."""
         with self._lock:
             return self._policy_locks.setdefault(netns, threading.Lock())
 
