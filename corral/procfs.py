@@ -9,7 +9,8 @@ import threading
 from collections import OrderedDict
 
 __all__ = [
-    "HeldFiles", "held_files", "host_cpu_s", "mount_field", "read_small", "running", "stat_fields", "superblocks",
+    "HeldFiles", "held_files", "host_cpu_s", "mount_field", "process_cpu_s", "read_small", "running", "stat_fields",
+    "superblocks",
 ]  # fmt: skip
 
 _OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
@@ -112,6 +113,15 @@ def stat_fields(pid: int) -> list[str] | None:
     except OSError:
         return None
     return stat[stat.rindex(")") + 2 :].split()
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds the process has spent, user and system, with those of its children it has reaped (the
+    commands it ran and waited for); None when there is no such process."""
+    fields = stat_fields(pid)
+    if fields is None:
+        return None
+    return sum(int(value) for value in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime stime cutime cstime
 
 
 def running(pid: int) -> bool:

@@ -14,6 +14,10 @@ at 0 and after every batch this records:
   beside the superblocks a sandbox has of its own (mounts of the first sandbox that the second does not share);
 - the host's CPU per create of the batch, user and system apart (/proc/stat): the system share is the kernel's
   work, the part that grows with the count (docs/spec.md, Density: why creates slow down as the node fills);
+- the server's CPU while the sandboxes sit idle (its own and its commands', over ``idle_window_s``): what each
+  idle sandbox costs the node's housekeeping, against the same window at 0 sandboxes. With ``--network`` every
+  sandbox has an egress allowlist (its own veth and address), so the edge also lists its denied-packet counters
+  every few seconds (docs/spec.md, Density: networked sandboxes);
 - the mount count of the server process: overlays live in each container's own mount namespace, so this
   stays flat as containers pile up (overlays piling up in one shared namespace slow every later create);
   with quotas on, one more: the node's btrfs of writable layers.
@@ -51,7 +55,7 @@ from corral.backends.common import host
 from corral.bench.containers import summarize
 from corral.bench.harness import bench_session, emit
 from corral.embedded import EmbeddedServer
-from corral.procfs import host_cpu_s, superblocks
+from corral.procfs import host_cpu_s, process_cpu_s, superblocks
 from corral.sdk import AsyncClient, Client, CorralError, InvalidRequest
 from corral.testing.leftovers import find_leftovers
 
@@ -59,6 +63,10 @@ __all__ = ["run_density_benchmark"]
 
 IMAGE, CPU, MEMORY_MB = "busybox", 0.1, 64
 LABELS = {"bench": "density"}
+# Allowed to a port of an address in the sandbox network where nothing listens: idle sandboxes send nothing anyway.
+NETWORK = {"allow": [{"cidr": "10.88.200.9/32", "ports": [8080], "protocol": "tcp"}]}
+IDLE_WINDOW_S = 10.0  # the edge looks at each networked sandbox's denied-packet counters every 5 s
+IDLE_SETTLE_S = 3.0  # before the window: the creates' own aftermath (their events, the first housekeeping rounds)
 CREATE_CONCURRENCY = 16
 EXEC_PROBES = 20
 MIN_AVAILABLE_MIB = 2048
@@ -112,7 +120,9 @@ def _memory_low() -> str | None:
     return f"MemAvailable {available:.0f} MiB < {MIN_AVAILABLE_MIB} MiB" if available < MIN_AVAILABLE_MIB else None
 
 
-async def _create_batch(url: str, api_key: str, count: int) -> tuple[list[str], list[float], str | None]:
+async def _create_batch(
+    url: str, api_key: str, count: int, *, network: bool
+) -> tuple[list[str], list[float], str | None]:
     """Create `count` sandboxes, CREATE_CONCURRENCY at a time; stop starting new ones at the first failure."""
     ids: list[str] = []
     latencies: list[float] = []
@@ -129,7 +139,8 @@ async def _create_batch(url: str, api_key: str, count: int) -> tuple[list[str], 
                     return
                 started = time.perf_counter()
                 try:
-                    sandbox = await client.create(IMAGE, cpu=CPU, memory_mb=MEMORY_MB, ttl_s=None, labels=LABELS)
+                    sandbox = await client.create(IMAGE, cpu=CPU, memory_mb=MEMORY_MB, ttl_s=None, labels=LABELS,
+                                                  network=NETWORK if network else None)  # fmt: skip
                 except CorralError as exc:
                     problems.append(f"create failed: {exc}")
                     return
@@ -157,18 +168,41 @@ def _exec_probe(client: Client, ids: list[str]) -> dict[str, float] | None:
     return summarize(latencies)
 
 
+def _idle_cpu_percent(server_pid: int, window_s: float) -> float | None:
+    """The server's CPU (with the commands it ran) over ``window_s`` of nobody asking it anything, in % of a core,
+    from IDLE_SETTLE_S after the last request."""
+    if window_s <= 0:
+        return None
+    time.sleep(IDLE_SETTLE_S)
+    before, started = process_cpu_s(server_pid), time.monotonic()
+    time.sleep(window_s)
+    after = process_cpu_s(server_pid)
+    if before is None or after is None:
+        return None
+    return (after - before) * 100 / (time.monotonic() - started)
+
+
 def _sample(
-    client: Client, server_pid: int, ids: list[str], baseline_mib: float, create: dict[str, Any] | None
+    client: Client,
+    server_pid: int,
+    ids: list[str],
+    baseline_mib: float,
+    create: dict[str, Any] | None,
+    idle_window_s: float,
 ) -> dict[str, Any]:
+    idle_cpu = _idle_cpu_percent(server_pid, idle_window_s)  # first: the exec probes below are not idle
     used, meminfo = _used_mib(), _meminfo_mib()
-    return {"sandboxes": len(ids), "used_mib": used, "delta_mib": used - baseline_mib,
+    return {"server_idle_cpu_percent": idle_cpu, "sandboxes": len(ids), "used_mib": used,
+            "delta_mib": used - baseline_mib,
             "mib_per_sandbox": (used - baseline_mib) / len(ids) if ids else None, "exec": _exec_probe(client, ids),
             "create": create, "server_mounts": len(Path(f"/proc/{server_pid}/mounts").read_text().splitlines()),
             "server_rss_mib": _rss_mib(server_pid), "available_mib": meminfo["MemAvailable"],
             "slab_unreclaimable_mib": meminfo["SUnreclaim"], "one_kib_slab_mib": _one_kib_slab_mib()}  # fmt: skip
 
 
-def _measure(data_dir: Path, count: int, step: int, progress: Progress, *, disk_quota: bool) -> dict[str, Any]:
+def _measure(
+    data_dir: Path, count: int, step: int, progress: Progress, *, disk_quota: bool, network: bool, idle_window_s: float
+) -> dict[str, Any]:
     task = progress.add_task(f"starting corral serve (disk quota {'on' if disk_quota else 'off'})", total=1)
     server = EmbeddedServer(data_dir, env=SERVER_ENV if disk_quota else {**SERVER_ENV, "CORRAL_SANDBOX_DISK_MB": "0"})
     ids: list[str] = []
@@ -183,12 +217,15 @@ def _measure(data_dir: Path, count: int, step: int, progress: Progress, *, disk_
         progress.update(task, completed=1)
         with server.client() as client:
             baseline_mib = _used_mib()
-            steps.append(_sample(client, server.process.pid, ids, baseline_mib, None))
-            task = progress.add_task(f"idle {IMAGE} sandboxes, {step} per step", total=count)
+            steps.append(_sample(client, server.process.pid, ids, baseline_mib, None, idle_window_s))
+            kind = "networked " if network else ""
+            task = progress.add_task(f"idle {kind}{IMAGE} sandboxes, {step} per step", total=count)
             while len(ids) < count and stopped is None:
                 started, cpu_before = time.perf_counter(), host_cpu_s()
                 batch = min(step, count - len(ids))
-                new_ids, latencies, stopped = asyncio.run(_create_batch(server.url, server.api_key, batch))
+                new_ids, latencies, stopped = asyncio.run(
+                    _create_batch(server.url, server.api_key, batch, network=network)
+                )
                 batch_s, cpu_after = time.perf_counter() - started, host_cpu_s()
                 ids.extend(new_ids)
                 all_latencies.extend(latencies)
@@ -199,7 +236,7 @@ def _measure(data_dir: Path, count: int, step: int, progress: Progress, *, disk_
                               for kind in ("user", "system")}  # fmt: skip
                     create = {**summarize(latencies), "batch_s": batch_s, **cpu_ms}
                 if new_ids:
-                    steps.append(_sample(client, server.process.pid, ids, baseline_mib, create))
+                    steps.append(_sample(client, server.process.pid, ids, baseline_mib, create, idle_window_s))
                 if len(ids) >= 2 and not own:
                     own = _superblocks_of_its_own(client, ids)
                 stopped = stopped or _memory_low()
@@ -216,7 +253,8 @@ def _measure(data_dir: Path, count: int, step: int, progress: Progress, *, disk_
         leftovers = find_leftovers(data_dir, ids).counts()
         host.orphans.reap()
     progress.update(task, completed=1)
-    return {"disk_quota": disk_quota, "baseline_used_mib": baseline_mib, "steps": steps, "stopped": stopped,
+    return {"disk_quota": disk_quota, "network": network, "baseline_used_mib": baseline_mib, "steps": steps,
+            "stopped": stopped,
             "kill": kill, "leftovers": leftovers, "superblocks_of_its_own": own,
             "create_ms": summarize(all_latencies) if all_latencies else None}  # fmt: skip
 
@@ -251,10 +289,13 @@ def _table(report: dict[str, Any]) -> Table:
                f"{left['sandbox_dirs']} sandbox dirs. Superblocks of a sandbox's own: "
                f"{len(report['superblocks_of_its_own'])} ({', '.join(report['superblocks_of_its_own'])}). "
                f"Kernel {info['kernel']}, {info['cpu_count']} cpus, {info['mem_total_mib']:.0f} MiB RAM.")  # fmt: skip
-    title = f"corral bench density (disk quota {'on' if report['disk_quota'] else 'off'})"
+    kind = ", networked sandboxes" if report["network"] else ""
+    title = f"corral bench density (disk quota {'on' if report['disk_quota'] else 'off'}{kind})"
     table = Table("sandboxes", "host MiB used", "MiB / sandbox", "1 KiB slab MiB (shrinker slots)", "exec p50 / p95",
-                  "create p50 (rate)", "host CPU per create, user / system", "server mounts", title=title,
+                  "create p50 (rate)", "host CPU per create, user / system",
+                  "server CPU idle, % of a core (+ per 1,000 over 0)", "server mounts", title=title,
                   caption=caption)  # fmt: skip
+    idle_at_zero = report["steps"][0]["server_idle_cpu_percent"]
     for row in report["steps"]:
         per_sandbox = f"{row['mib_per_sandbox']:.2f}" if row["mib_per_sandbox"] is not None else "-"
         probe = f"{row['exec']['p50']:.1f} / {row['exec']['p95']:.1f} ms" if row["exec"] else "-"
@@ -262,13 +303,17 @@ def _table(report: dict[str, Any]) -> Table:
         create = f"{batch['p50']:.0f} ms ({batch['n'] / batch['batch_s']:.0f}/s)" if batch else "-"
         cpu = f"{batch['host_user_ms_per_create']:.1f} / {batch['host_system_ms_per_create']:.1f} ms" if batch else "-"
         slab = f"{row['one_kib_slab_mib']:.0f}" if row.get("one_kib_slab_mib") is not None else "-"
+        idle = row["server_idle_cpu_percent"]
+        idle_text = "-" if idle is None else f"{idle:.1f}"
+        if idle is not None and idle_at_zero is not None and row["sandboxes"]:
+            idle_text += f" (+{(idle - idle_at_zero) * 1000 / row['sandboxes']:.1f})"
         table.add_row(str(row["sandboxes"]), f"{row['used_mib']:.0f} (+{row['delta_mib']:.0f})", per_sandbox, slab,
-                      probe, create, cpu, str(row["server_mounts"]))  # fmt: skip
+                      probe, create, cpu, idle_text, str(row["server_mounts"]))  # fmt: skip
     verdicts = [f"{check['target']}: " + ("[green]ok[/green]" if check["ok"] else "[red]missed[/red]")
                 for check in report["checks"]]  # fmt: skip
     stopped = f"[yellow]stopped early: {report['stopped']}[/yellow]" if report["stopped"] else "ran to the end"
     table.add_section()
-    table.add_row("verdict", stopped, verdicts[0], "-", verdicts[1], "-", "-", "-")
+    table.add_row("verdict", stopped, verdicts[0], "-", verdicts[1], "-", "-", "-", "-")
     return table
 
 
@@ -318,23 +363,35 @@ def _tables(report: dict[str, Any]) -> Group:
     return Group(*parts)
 
 
-def run_density_benchmark(*, count: int, step: int, disk_quota: str, as_json: bool, console: Console) -> None:
+def run_density_benchmark(
+    *,
+    count: int,
+    step: int,
+    disk_quota: str,
+    as_json: bool,
+    console: Console,
+    network: bool = False,
+    idle_window_s: float = IDLE_WINDOW_S,
+) -> None:
     """Fill the node with idle sandboxes, measuring host memory and responsiveness per step, then print a table
     (one per run: with ``disk_quota="compare"``, without and with writable-layer quotas)."""
     if count < 1 or step < 1:
         raise InvalidRequest("--count and --step must be at least 1")
+    if idle_window_s < 0:
+        raise InvalidRequest("--idle-window-s must be 0 (not measured) or more")
     if disk_quota not in QUOTA_MODES:
         raise InvalidRequest(f"--disk-quota must be one of {', '.join(QUOTA_MODES)}")
     quotas = {"on": [True], "off": [False], "compare": [False, True, True, False]}[disk_quota]
     host_info = {"kernel": platform.release(), "cpu_count": os.cpu_count(), "mem_total_mib": _meminfo_mib()["MemTotal"]}
     params = {"count": count, "step": step, "image": IMAGE, "cpu": CPU, "memory_mb": MEMORY_MB,
               "create_concurrency": CREATE_CONCURRENCY, "exec_probes": EXEC_PROBES, "server_env": SERVER_ENV,
-              "disk_quota": disk_quota}  # fmt: skip
+              "disk_quota": disk_quota, "network": network, "idle_window_s": idle_window_s}  # fmt: skip
     runs: list[dict[str, Any]] = []
     with bench_session("bench-density", as_json=as_json, console=console) as (scratch, progress):
         for number, quota in enumerate(quotas):
             run = {"host": host_info, **_measure(scratch / f"server-{number}", count, step, progress,
-                                                 disk_quota=quota)}  # fmt: skip
+                                                 disk_quota=quota, network=network,
+                                                 idle_window_s=idle_window_s)}  # fmt: skip
             run["checks"] = _checks(run)
             runs.append(run)
     report: dict[str, Any] = {"unit": "MiB, ms", "params": params, "host": host_info, "runs": runs}

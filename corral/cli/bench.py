@@ -304,9 +304,17 @@ def bench_density(
         str,
         typer.Option(help="Writable-layer quotas: on (as shipped), off, or compare (off, then on, and the ratios)."),
     ] = "on",
+    network: Annotated[
+        bool, typer.Option("--network", help="Give every sandbox an egress allowlist (its own veth and address).")
+    ] = False,
+    idle_window_s: Annotated[
+        float, typer.Option(help="Seconds of the server's idle CPU measured at each step (0: not measured).")
+    ] = 10.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
-    """Measure host memory per idle sandbox and exec round trip as the node fills, against a same-run baseline."""
+    """Measure host memory per idle sandbox, exec round trip and the server's idle CPU as the node fills, against
+    a same-run baseline."""
     from corral.bench.density import run_density_benchmark
 
-    run_density_benchmark(count=count, step=step, disk_quota=disk_quota, as_json=as_json, console=console)
+    run_density_benchmark(count=count, step=step, disk_quota=disk_quota, as_json=as_json, console=console,
+                          network=network, idle_window_s=idle_window_s)  # fmt: skip

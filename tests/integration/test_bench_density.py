@@ -12,7 +12,8 @@ from tests.conftest import REPO
 
 def test_bench_density_reports_memory_the_shrinker_slab_and_a_sandboxs_superblocks() -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "corral.cli.main", "bench", "density", "--count", "4", "--step", "2", "--json"],
+        [sys.executable, "-m", "corral.cli.main", "bench", "density", "--count", "4", "--step", "2", "--json",
+         "--idle-window-s", "1"],
         cwd=REPO, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
@@ -30,3 +31,20 @@ def test_bench_density_reports_memory_the_shrinker_slab_and_a_sandboxs_superbloc
     assert report["superblocks_of_its_own"] == ["devpts", "mqueue", "overlay", "proc", "tmpfs"]
     assert report["kill"]["killed"] == 4 and not report["kill"]["failed"]
     assert not any(report["leftovers"].values()), report["leftovers"]
+    assert all(step["server_idle_cpu_percent"] >= 0 for step in report["steps"])
+
+
+def test_bench_density_with_networked_sandboxes_reports_the_servers_idle_cpu() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "corral.cli.main", "bench", "density", "--count", "2", "--step", "2", "--network",
+         "--idle-window-s", "6", "--json"],
+        cwd=REPO, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    (report,) = json.loads(run.stdout)["runs"]
+    assert report["network"] is True and [step["sandboxes"] for step in report["steps"]] == [0, 2]
+    # A networked sandbox mounts a sysfs of its own (its interface's); a loopback-only one shares the node's.
+    assert "sysfs" in report["superblocks_of_its_own"]
+    # Over 6 s the server ran its housekeeping (a round a second) and, at 2, listed each sandbox's counters.
+    assert all(step["server_idle_cpu_percent"] > 0 for step in report["steps"])
+    assert report["kill"]["killed"] == 2 and not report["leftovers"]["veths"] and not any(report["leftovers"].values())

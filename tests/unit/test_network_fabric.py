@@ -7,19 +7,24 @@ loopback and those namespaces, and the host's own namespace is never changed.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import multiprocessing
 import os
 import secrets
 import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from itertools import count
 
 import pytest
 
-from corral.api.errors import Conflict, InvalidRequest, NotFound
+from corral.api.errors import Conflict, InternalError, InvalidRequest, NotFound
+from corral.backends.common import nftables
 from corral.backends.common.network import (
     AllowRule,
     DeniedCounts,
@@ -441,3 +446,85 @@ def test_attach_time(fabric: NetworkFabric, make_netns: Callable[[str], str]) ->
     median_ms = statistics.median(timings_ms)
     print(f"attach: median {median_ms:.1f} ms of 10, range {min(timings_ms):.1f}-{max(timings_ms):.1f} ms")
     assert median_ms < 100  # the target is well under 20 ms; this ceiling only catches a regression by multiples
+
+
+# -- nftables.run: libnftables on one thread of this process ---------------------------------------------
+
+
+def _nft_cli(ns: str, *args: str) -> str:
+    """What the nft program itself lists in ``ns``: the check does not go through the code under test."""
+    return subprocess.run(["ip", "netns", "exec", ns, "nft", *args], check=True, capture_output=True, text=True).stdout
+
+
+def _runner_thread_netns() -> int:
+    (thread,) = [t for t in threading.enumerate() if t.name == "corral-nftables"]
+    return os.stat(f"/proc/self/task/{thread.native_id}/ns/net").st_ino
+
+
+def _sockets_open() -> int:
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    return count
+
+
+@needs_netns
+def test_nftables_runs_a_transaction_in_the_given_namespace_and_goes_back(make_netns: Callable[[str], str]) -> None:
+    ns = make_netns("nft")
+    host_before = subprocess.run(["nft", "list", "ruleset"], check=True, capture_output=True, text=True).stdout
+    nftables.run(
+        path(ns), "table inet probe {\n  counter seen { }\n  chain out { type filter hook output priority 0; }\n}\n"
+    )
+    listed = _nft_cli(ns, "list", "table", "inet", "probe")
+    assert "counter seen" in listed and "hook output" in listed
+    assert subprocess.run(["nft", "list", "ruleset"], check=True, capture_output=True, text=True).stdout == host_before
+    assert _runner_thread_netns() == os.stat("/proc/self/ns/net").st_ino  # not left in the sandbox's namespace
+    counters = json.loads(nftables.run(path(ns), "list counters table inet probe", json_output=True))["nftables"]
+    assert [(c["counter"]["name"], c["counter"]["packets"]) for c in counters if "counter" in c] == [("seen", 0)]
+
+
+@needs_netns
+def test_nftables_refusals_say_why_and_the_runner_goes_on(make_netns: Callable[[str], str], tmp_path) -> None:  # type: ignore[no-untyped-def]
+    ns = make_netns("nft")
+    with pytest.raises(nftables.NftError) as refused:
+        nftables.run(path(ns), "add rule inet nosuch out accept\n")
+    assert "No such file or directory" in refused.value.detail and "add rule inet nosuch" in str(refused.value)
+    with pytest.raises(InternalError, match="cannot enter the namespace"):
+        nftables.run(f"/run/netns/{PREFIX}never-made", "list ruleset\n")
+    (tmp_path / "plain").write_text("not a namespace")
+    with pytest.raises(InternalError, match="cannot enter the namespace"):
+        nftables.run(str(tmp_path / "plain"), "list ruleset\n")
+    nftables.run(path(ns), "table inet after { }\n")
+    assert "table inet after" in _nft_cli(ns, "list", "tables")
+    assert _runner_thread_netns() == os.stat("/proc/self/ns/net").st_ino
+
+
+@needs_netns
+def test_nftables_contexts_are_freed_after_their_commands(make_netns: Callable[[str], str]) -> None:
+    """Each command's netlink socket is closed a little later (so a replacement's release does not hold up the
+    next command), never kept."""
+    nss = [path(make_netns("nft")) for _ in range(3)]
+    nftables.run(nss[0], "table inet warm { }\n")
+    time.sleep(0.3)
+    before = _sockets_open()
+    for n in range(30):  # replacements: each flushes the rules the one before added
+        replace = "table inet corral {\n  chain c {\n  }\n}\nflush chain inet corral c\n"
+        replace += f"add rule inet corral c tcp dport {n + 1} accept\n"
+        nftables.run(nss[n % 3], replace)
+    deadline = time.monotonic() + 5
+    while _sockets_open() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _sockets_open() == before
+    assert "dport 30 accept" in _nft_cli(nss[29 % 3].rsplit("/", 1)[1], "list", "chain", "inet", "corral", "c")
+
+
+@needs_netns
+def test_nftables_works_in_a_child_forked_after_it_started(make_netns: Callable[[str], str]) -> None:
+    ns = make_netns("nft")
+    nftables.run(path(ns), "table inet parent { }\n")  # the runner's thread exists here; a fork does not copy it
+    child = multiprocessing.get_context("fork").Process(target=nftables.run, args=(path(ns), "table inet child { }\n"))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    assert "table inet child" in _nft_cli(ns, "list", "tables")

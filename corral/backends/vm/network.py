@@ -14,6 +14,7 @@ import os
 import subprocess
 
 from corral.api.errors import InternalError
+from corral.backends.common import nftables
 from corral.backends.common.network import GUEST_LINK_IFNAME
 
 __all__ = ["GUEST_ADDRESS", "GUEST_GATEWAY", "namespace_name", "create_guest_link", "delete_namespace"]
@@ -48,7 +49,7 @@ def create_guest_link(name: str) -> str:
         "table ip corral_nat {\n  chain postrouting {\n    type nat hook postrouting priority 100; policy accept;\n"
         '    oifname "eth0" masquerade\n  }\n}\n'
     )
-    _run(["nsenter", f"--net={path}", "nft", "-f", "-"], nat)
+    nftables.run(path, nat)
     return path
 
 
