@@ -28,6 +28,7 @@ still runs with ``adopt(sandbox_id, address)`` from its own records.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import heapq
 import ipaddress
@@ -148,10 +149,17 @@ class AllowRule:
 
 
 def to_allow_rules(allow: Sequence[NetworkRule]) -> tuple[AllowRule, ...]:
-    """API rules to the fabric's (validated there: InvalidRequest on a bad one)."""
-    return tuple(
-        AllowRule(cidr=r.cidr, ports=tuple(r.ports), protocol=r.protocol, host=r.host, action=r.action) for r in allow
-    )
+    """API rules to the fabric's (validated there: InvalidRequest on a bad one). A rule is parsed once: an E2B
+    create's internet grant is the same 20 rules every time (their CIDRs' parse, ~15 us each, came to ~0.3 ms a
+    create and again at each spec made of its record)."""
+    return tuple(_allow_rule(r.cidr, tuple(r.ports), r.protocol, r.host, r.action) for r in allow)
+
+
+@functools.lru_cache(maxsize=4096)
+def _allow_rule(
+    cidr: str | None, ports: tuple[int, ...], protocol: IpProtocol, host: str | None, action: RuleAction
+) -> AllowRule:
+    return AllowRule(cidr=cidr, ports=ports, protocol=protocol, host=host, action=action)  # frozen: safe to share
 
 
 # Destinations an internet grant never reaches: "this network", RFC 1918, CGNAT (RFC 6598), loopback, link-local
@@ -167,9 +175,11 @@ NON_PUBLIC_NETWORKS = (
 )  # fmt: skip
 
 
+@functools.cache
 def internet_rules() -> tuple[AllowRule, ...]:
     """Public addresses only: every non-public range denied (and counted), then everything else allowed.
-    Put after a sandbox's own rules, so an explicit allow (a mirror on the sandbox network) still wins."""
+    Put after a sandbox's own rules, so an explicit allow (a mirror on the sandbox network) still wins.
+    Made once: the rules are frozen."""
     denied = tuple(AllowRule(cidr, protocol="any", action="deny") for cidr in NON_PUBLIC_NETWORKS)
     return (*denied, AllowRule("0.0.0.0/0", protocol="any"), AllowRule("::/0", protocol="any"))
 
