@@ -25,7 +25,14 @@ from typing import Any, NoReturn, TypeVar
 from prometheus_client.core import Metric
 
 from corral import tracing
-from corral.api.errors import CapacityExhausted, InvalidRequest, NotFound, SandboxGone, ServerUnavailable
+from corral.api.errors import (
+    CapacityExhausted,
+    InternalError,
+    InvalidRequest,
+    NotFound,
+    SandboxGone,
+    ServerUnavailable,
+)
 from corral.api.models import (
     CommandInfo,
     EdgeLoad,
@@ -752,6 +759,10 @@ class LocalEdge:
                 address, egress, ingress = await self.network_status(sandbox_id)
             except (NotFound, SandboxGone):
                 continue  # ended meanwhile
+            except InternalError as exc:  # one sandbox's listing failing must not hold up the others' every round
+                log.warning("edge %s: denied packets of %s not read: %s", self.edge_id, sandbox_id, exc)
+                listed += 1  # it was tried: it counts toward the round's listings
+                continue
             listed += address is not None
             if egress + ingress > sandbox.denied_packets:
                 detail = {"packets": egress + ingress - sandbox.denied_packets, "egress_total": egress}
