@@ -194,6 +194,32 @@ def test_vm_sandboxes_are_readopted_after_a_server_restart(fresh_server: Embedde
     assert not _alive(pid)
 
 
+def test_a_networked_vm_keeps_its_network_across_a_server_restart(fresh_server: EmbeddedServer) -> None:
+    """The VM's namespace is named under /run/netns by a bind mount in the server's own mount namespace, which
+    ends with the server: the restarted server finds the VM's namespace through its QEMU process and plugs it in
+    again, and its allowlist and denied counters work as before."""
+    probe = "echo hi | nc -w 1 10.88.200.9 8080; true"  # nothing there, and not allowed: dropped and counted
+    with fresh_server.client() as client:
+        sb = client.create("busybox", backend="microvm", network={"allow": []}, ttl_s=300)
+        sb.exec(probe, timeout_s=15)
+        assert sb.network().denied_egress_packets > 0
+        pid = _qemu_pid(fresh_server, sb.id)
+    fresh_server.stop()
+    fresh_server.start()
+    with fresh_server.client() as client:
+        again = client.connect(sb)
+        assert again.refresh().state == "running" and _qemu_pid(fresh_server, sb.id) == pid
+        status = again.network()
+        assert (status.address or "").startswith("10.88.")
+        before = status.denied_egress_packets
+        again.exec(probe, timeout_s=15)
+        assert again.network().denied_egress_packets > before
+        again.set_network([{"cidr": "10.88.200.9", "ports": [8080]}])
+        assert [r.cidr for r in again.network().allow or []] == ["10.88.200.9"]
+        again.kill()
+    assert not _alive(pid)
+
+
 # -- the backend on its own: faults the API cannot provoke --------------------------------
 
 

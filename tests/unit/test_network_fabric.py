@@ -36,6 +36,7 @@ from corral.backends.common.network import (
     _render_additions,
     _render_policy,
     internet_rules,
+    is_namespace,
 )
 
 RUN = secrets.token_hex(3)
@@ -534,3 +535,23 @@ def test_nftables_works_in_a_child_forked_after_it_started(make_netns: Callable[
     child.join(30)
     assert child.exitcode == 0
     assert "table inet child" in _nft_cli(ns, "list", "tables")
+
+
+@needs_netns
+def test_a_name_left_by_an_ended_mount_namespace_is_made_again() -> None:
+    """A server's namespace names are mounts in its own mount namespace; a server that ended without deleting them
+    leaves their empty files under /run/netns. The next start with the same name must make the namespace again,
+    not try to enter the empty file."""
+    fab = NetworkFabric(f"test-{RUN}-{secrets.token_hex(2)}")
+    stale = fab.namespace_path
+    with open(stale, "x"):
+        pass
+    try:
+        assert not is_namespace(stale)
+        fab.start()
+        assert is_namespace(stale)
+        assert "br0" in _ip("-n", fab.namespace, "-o", "link", "show", "type", "bridge").stdout
+    finally:
+        fab.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(stale)

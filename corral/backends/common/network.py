@@ -51,7 +51,8 @@ from corral.backends.common import nftables
 
 __all__ = [
     "AllowRule", "DeniedCounts", "HostResolver", "NetworkFabric", "NON_PUBLIC_NETWORKS", "SUBNET", "GATEWAY",
-    "GUEST_LINK_IFNAME", "MAX_ALLOW_RULES", "internet_rules", "sandbox_veth_name", "to_allow_rules",
+    "GUEST_LINK_IFNAME", "MAX_ALLOW_RULES", "clear_stale_name", "internet_rules", "is_namespace", "sandbox_veth_name",
+    "to_allow_rules",
 ]  # fmt: skip
 
 IpProtocol = Literal["tcp", "udp", "icmp", "any"]
@@ -260,6 +261,24 @@ _ALLOWED_OUT = "allowed_out"  # the sandbox's own rules, in order: a regular cha
 _ALLOWED_FORWARD = "allowed_forward"  # the same rules for a VM's guest, jumped to from the forward hook
 
 
+def is_namespace(path: str) -> bool:
+    """Whether ``path`` names a network namespace in this process's mount namespace. A name under /run/netns is a
+    bind mount of the namespace onto an empty file; a server's names live in its own mount namespace and end with
+    it, leaving the empty file: a restarted server must not take that for the namespace (it would fail to enter
+    it) nor fail to make the name again (``ip netns add`` refuses a file that exists)."""
+    try:
+        return os.stat(path).st_dev == os.stat("/proc/self/ns/net").st_dev  # nsfs: one device for every namespace
+    except OSError:
+        return False
+
+
+def clear_stale_name(path: str) -> None:
+    """Remove a name's empty file left by a mount namespace that ended (see ``is_namespace``)."""
+    if not is_namespace(path):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 def _policy_matches(rules: Sequence[AllowRule], resolve: HostResolver | None = None) -> list[tuple[str, str]]:
     """Each rule as (nft match, verdict), in the rules' order; host rules become one per address ``resolve`` gives
     now (none without it). Validates the rules."""
@@ -406,7 +425,8 @@ class NetworkFabric:
 
     def start(self) -> None:
         """Create the router namespace and bridge, or reuse them if they exist."""
-        if not os.path.exists(self.namespace_path):
+        if not is_namespace(self.namespace_path):
+            clear_stale_name(self.namespace_path)
             _run(["ip", "netns", "add", self.namespace])
         if _run(["ip", "-n", self.namespace, "link", "show", _BRIDGE], ok_if="does not exist").returncode != 0:
             # A fixed MAC: otherwise the bridge takes its lowest port's, and sandboxes' ARP entries go stale.

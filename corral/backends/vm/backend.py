@@ -56,7 +56,7 @@ from corral.backends.common.network import GUEST_LINK_IFNAME, AllowRule, DeniedC
 from corral.backends.vm.accel import choose_accelerator
 from corral.backends.vm.cgroup import VmCgroup
 from corral.backends.vm.guest import GuestKit, ensure_guest_kit
-from corral.backends.vm.network import create_guest_link, delete_namespace, namespace_name
+from corral.backends.vm.network import create_guest_link, delete_namespace, name_again, namespace_name
 from corral.backends.vm.qemu import (
     QMP_SOCKET,
     SHM_DIR,
@@ -598,10 +598,13 @@ class VmBackend:
             if paused:
                 await machine.execute("stop")
             if spec.network is not None and self._network_fabric is not None:
-                # The router namespace went with the old server: plug the VM's namespace in again.
+                # The router namespace went with the old server, and so did the VM's namespace's name (a mount in
+                # the old server's mount namespace): name it again by its QEMU, then plug it in again.
+                if machine.config.netns is None or machine.pid is None:
+                    raise InternalError(f"VM sandbox {spec.sandbox_id} has a network but its machine no namespace")
+                path = await asyncio.to_thread(name_again, machine.config.netns, machine.pid)
                 fabric = await self._network_fabric()
-                await asyncio.to_thread(fabric.attach, spec.sandbox_id, f"/run/netns/{machine.config.netns}",
-                                        spec.network)  # fmt: skip
+                await asyncio.to_thread(fabric.attach, spec.sandbox_id, path, spec.network)
         except Exception:
             log.exception("could not re-attach to VM sandbox %s", spec.sandbox_id)
             await machine.kill()

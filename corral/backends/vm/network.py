@@ -15,9 +15,9 @@ import subprocess
 
 from corral.api.errors import InternalError
 from corral.backends.common import nftables
-from corral.backends.common.network import GUEST_LINK_IFNAME
+from corral.backends.common.network import GUEST_LINK_IFNAME, clear_stale_name, is_namespace
 
-__all__ = ["GUEST_ADDRESS", "GUEST_GATEWAY", "namespace_name", "create_guest_link", "delete_namespace"]
+__all__ = ["GUEST_ADDRESS", "GUEST_GATEWAY", "namespace_name", "create_guest_link", "delete_namespace", "name_again"]
 
 GUEST_GATEWAY = "192.168.127.1"
 GUEST_ADDRESS = "192.168.127.2"
@@ -37,7 +37,8 @@ def _run(argv: list[str], stdin: str | None = None) -> None:
 def create_guest_link(name: str) -> str:
     """The namespace (created if missing) with a tap device for QEMU and NAT towards ``eth0``; its path."""
     path = f"/run/netns/{name}"
-    if not os.path.exists(path):
+    if not is_namespace(path):
+        clear_stale_name(path)
         _run(["ip", "netns", "add", name])
     _run(
         ["ip", "-n", name, "-batch", "-"],
@@ -50,6 +51,23 @@ def create_guest_link(name: str) -> str:
         '    oifname "eth0" masquerade\n  }\n}\n'
     )
     nftables.run(path, nat)
+    return path
+
+
+def name_again(name: str, pid: int) -> str:
+    """After a server restart: ``/run/netns/<name>`` names the namespace QEMU (``pid``) runs in again, in this
+    server's mount namespace (the name was a bind mount in the old server's, which ended with it); its path."""
+    path, running_in = f"/run/netns/{name}", f"/proc/{pid}/ns/net"
+    target = os.stat(running_in)
+    if is_namespace(path):
+        named = os.stat(path)
+        if (named.st_ino, named.st_dev) == (target.st_ino, target.st_dev):
+            return path
+        raise InternalError(f"{path} names another network namespace than the one its VM (pid {pid}) runs in")
+    clear_stale_name(path)
+    with open(path, "x"):  # the mount point: an empty file, as ip netns add makes it
+        pass
+    _run(["mount", "--bind", running_in, path])
     return path
 
 
