@@ -22,7 +22,9 @@ from types import TracebackType
 import httpx
 
 from corral.backends.common.host import detect_cgroup_layout, run_dir_of, runtime_state_root
+from corral.backends.common.network import clear_stale_name
 from corral.backends.vm.cgroup import VmCgroup
+from corral.backends.vm.network import namespace_name
 from corral.config import Settings
 from corral.sdk import Client, CorralError
 
@@ -87,8 +89,8 @@ def _tell(line: str) -> None:
 def _kill_leftover_vms(data_dir: Path) -> list[str]:
     """QEMU processes of the VM sandboxes that outlived their server (a create still booting when it
     stopped, a warm pool's guests): by their pid files, checked against the process's name, with their guest
-    memory files, their cgroups (which outlive the process: the kernel keeps an empty cgroup until removed) and
-    their directories."""
+    memory files, their cgroups (which outlive the process: the kernel keeps an empty cgroup until removed), their
+    namespaces' names and their directories."""
     layout = detect_cgroup_layout()
     killed = []
     for machine_dir in sorted(path for path in (data_dir / "vms").glob("*") if path.is_dir()):
@@ -104,6 +106,8 @@ def _kill_leftover_vms(data_dir: Path) -> list[str]:
         cgroup = VmCgroup(layout, sandbox_id)
         cgroup.wait_empty()
         cgroup.remove()
+        # Its namespace's name was a mount in the server's own mount namespace: here, only its empty file is left.
+        clear_stale_name(f"/run/netns/{namespace_name(sandbox_id)}")
         shutil.rmtree(machine_dir, ignore_errors=True)  # its disk: a full VM's holds a whole system
     return killed
 

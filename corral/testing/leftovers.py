@@ -2,7 +2,8 @@
 
 A container sandbox is a crun container (its state under ``runtime_state_root(data_dir, "crun")``), the processes in its
 cgroups, the overlay of its own mount namespace over erofs layers, cgroups under ``corral/`` or
-``corral-batch/`` of each controller, a veth in the node's router namespace when it had a network, and a
+``corral-batch/`` of each controller, a veth in the node's router namespace when it had a network (a VM sandbox's
+own network namespace has a name under /run/netns), and a
 subvolume of the node's btrfs pool (``<data_dir>/writable.img`` on one loop device), and its directories (on
 disk and in the node's run dir). After its sandboxes
 end, none of that may remain but the node's own shared parts: the router namespace and, while the server
@@ -13,6 +14,7 @@ mounts, which the mount tables show.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from collections.abc import Collection
@@ -21,6 +23,7 @@ from pathlib import Path
 
 from corral.backends.common.host import runtime_dirs_of, runtime_state_root, vm_sockets_of
 from corral.backends.common.network import sandbox_veth_name
+from corral.backends.vm.network import namespace_name
 from corral.procfs import mount_field
 
 __all__ = ["Leftovers", "find_leftovers"]
@@ -39,6 +42,7 @@ class Leftovers:
     cgroups: list[str]
     mounts: list[str]
     veths: list[str]
+    netns_names: list[str]
     loop_devices: list[str]
     sandbox_dirs: list[str]
 
@@ -108,6 +112,12 @@ def _veths(ids: set[str]) -> list[str]:
     return found
 
 
+def _netns_names(ids: set[str]) -> list[str]:
+    """Names of VM sandboxes' network namespaces under /run/netns: a server's are mounts in its own mount namespace,
+    so from here a name is its file, which its sandbox's end (or the cleanup after its server) removes."""
+    return sorted(path for path in (f"/run/netns/{namespace_name(i)}" for i in ids) if os.path.lexists(path))
+
+
 def _loop_devices(data_dir: Path, server_running: bool) -> list[str]:
     """Loop devices backed by files in ``data_dir``; the pool's own one only once the server is down."""
     listing = subprocess.run(["losetup", "--list", "--noheadings", "--output", "NAME,BACK-FILE"], capture_output=True,
@@ -142,6 +152,7 @@ def find_leftovers(data_dir: Path, sandbox_ids: Collection[str], *, server_pid: 
         cgroups=_cgroups(ids),
         mounts=_mounts(data_dir, ids, server_pid),
         veths=_veths(ids),
+        netns_names=_netns_names(ids),
         loop_devices=_loop_devices(data_dir, server_pid is not None),
         sandbox_dirs=_sandbox_dirs(data_dir, ids),
     )
