@@ -742,7 +742,7 @@ class LocalEdge:
         """Denied packets of networked sandboxes since the last look become audit events. A round looks at the
         next 1/_NETWORK_AUDIT_EVERY of the sandboxes, so each once every _NETWORK_AUDIT_EVERY rounds, and lists at
         most _NETWORK_AUDIT_LISTINGS networked ones' counters: past 500 networked sandboxes each is looked at less
-        often, and the listings' CPU stays ~6% of a core (10,000 every 5 s would take 1.2 cores)."""
+        often, and the listings' CPU stays ~6% of a core (by count: 10,000 every 5 s would take 1.2 cores)."""
         ids = list(self._sandboxes)
         if not ids:
             return

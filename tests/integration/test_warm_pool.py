@@ -351,16 +351,7 @@ def test_a_networked_microvm_create_claims_a_booted_guest_and_gets_its_allowlist
 ) -> None:
     """A microvm's network card and namespace come with its start: a networked shape's guests boot closed, and the
     claim sets the client's allowlist as for a container."""
-    allowed = {"allow": [{"cidr": mirror, "ports": [8080], "protocol": "tcp"}]}
-    first = client.create("busybox", backend="microvm", memory_mb=240, ttl_s=300, network=allowed)
-    assert first.info.status_message != CLAIMED_NOTE
-    first.kill()
-    _wait_for(lambda: _warm(pooled, 240) >= 1, timeout_s=180)
-    sandbox = client.create("busybox", backend="microvm", memory_mb=240, ttl_s=300, network=allowed)
-    try:
-        _assert_claimed_with_the_allowlist(client, sandbox, mirror, timeout_s=15)
-    finally:
-        sandbox.kill()
+    _claim_a_networked_guest(pooled, client, mirror, "busybox", "microvm", 240, warm_within_s=180, timeout_s=15)
 
 
 def test_a_networked_full_vm_create_claims_a_booted_system_and_gets_its_allowlist(
@@ -368,14 +359,32 @@ def test_a_networked_full_vm_create_claims_a_booted_system_and_gets_its_allowlis
 ) -> None:
     """A full vm's pool of a networked shape: its systems boot closed (their card up, nothing allowed), and the
     claim sets the client's allowlist, which the booted system's network then follows."""
+    _claim_a_networked_guest(pooled, client, mirror, "debian-12", "vm", 464, warm_within_s=240, timeout_s=20,
+                             fetch=_fetch_in_bash)  # fmt: skip
+
+
+def _claim_a_networked_guest(
+    pooled: EmbeddedServer,
+    client: corral.Client,
+    mirror: str,
+    image: str,
+    backend: str,
+    memory_mb: int,
+    *,
+    warm_within_s: float,
+    timeout_s: float,
+    fetch: Callable[..., str] | None = None,
+) -> None:
+    """The shape's first create starts cold and makes its pool; once a guest is warm, a create claims it with the
+    client's allowlist (``_assert_claimed_with_the_allowlist``)."""
     allowed = {"allow": [{"cidr": mirror, "ports": [8080], "protocol": "tcp"}]}
-    first = client.create("debian-12", backend="vm", memory_mb=464, ttl_s=300, network=allowed)
+    first = client.create(image, backend=backend, memory_mb=memory_mb, ttl_s=300, network=allowed)
     assert first.info.status_message != CLAIMED_NOTE
     first.kill()
-    _wait_for(lambda: _warm(pooled, 464) >= 1, timeout_s=240)
-    sandbox = client.create("debian-12", backend="vm", memory_mb=464, ttl_s=300, network=allowed)
+    _wait_for(lambda: _warm(pooled, memory_mb) >= 1, timeout_s=warm_within_s)
+    sandbox = client.create(image, backend=backend, memory_mb=memory_mb, ttl_s=300, network=allowed)
     try:
-        _assert_claimed_with_the_allowlist(client, sandbox, mirror, timeout_s=20, fetch=_fetch_in_bash)
+        _assert_claimed_with_the_allowlist(client, sandbox, mirror, timeout_s=timeout_s, fetch=fetch or _fetch)
     finally:
         sandbox.kill()
 

@@ -67,7 +67,11 @@ def name_again(name: str, pid: int) -> str:
     clear_stale_name(path)
     with open(path, "x"):  # the mount point: an empty file, as ip netns add makes it
         pass
-    _run(["mount", "--bind", running_in, path])
+    try:
+        _run(["mount", "--bind", running_in, path])
+    except BaseException:
+        os.unlink(path)  # not left as a stale name
+        raise
     return path
 
 
