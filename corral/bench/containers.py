@@ -64,6 +64,7 @@ BENCH_JOB = "bench-exec"  # the job label of the exec sandbox, reached by a job 
 CREATE_RATIO_TARGET = 1.5  # create -> first exec p50, as a multiple of plain crun's
 EXEC_P50_TARGET_MS = 5.0  # exec round trip p50, absolute, in turns with crun exec
 EXEC_BACK_TO_BACK_TARGET_MS = 1.5  # exec round trip p50, one exec right after another (issue 22)
+OUTPUT_BYTES = 64 << 10  # the output of the "back to back, with output" row: a test run's log, a long listing
 CRUN_TIMEOUT_S = 30.0
 BENCH_CGROUP = "corral-bench"
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -226,7 +227,13 @@ def _remove_bench_cgroups() -> None:
 
 def _require_success(result: ExecResult) -> None:
     if result.exit_code != 0:
-        raise RuntimeError(f"`true` in the sandbox exited {result.exit_code}: {result.stderr[-300:]}")
+        raise RuntimeError(f"the bench's command in the sandbox exited {result.exit_code}: {result.stderr[-300:]}")
+
+
+def _require_output(result: ExecResult, size: int) -> None:
+    _require_success(result)
+    if len(result.stdout) != size:
+        raise RuntimeError(f"bench exec printed {len(result.stdout)} bytes where {size} were expected")
 
 
 def _corral_create_sample(client: Client) -> float:
@@ -311,8 +318,8 @@ def _measure(work_dir: Path, layer_file: Path, runs: int, concurrency: int, prog
     bare = _Bundle(work_dir / "baseline" / "bare", rootfs, profile=False)
     samples: dict[str, list[float]] = {key: [] for key in ("corral_create", "crun_create", "crun_create_bare",
                                                            "corral_exec", "corral_exec_back_to_back", "corral_http",
-                                                           "corral_exec_job_token", "host_spawn", "crun_exec",
-                                                           "crun_exec_bare")}  # fmt: skip
+                                                           "corral_exec_job_token", "corral_exec_output",
+                                                           "host_spawn", "crun_exec", "crun_exec_bare")}  # fmt: skip
     with contextlib.ExitStack() as stack:
         task = progress.add_task("baseline rootfs (mount EROFS, cp -a)", total=1)
         _build_baseline_rootfs(rootfs, layer_file)
@@ -354,14 +361,17 @@ def _measure(work_dir: Path, layer_file: Path, runs: int, concurrency: int, prog
             # In turns with crun, each exec finds the CPUs just left by crun's processes; back to back is the path's
             # own cost, and a bare HTTP request through the same client is the floor under it.
             task = progress.add_task(
-                "exec round trip back to back (server key, job token), a bare HTTP round trip, a bare spawn",
-                total=4 * calls,
+                "exec round trip back to back (server key, job token, with output), a bare HTTP round trip, a bare "
+                "spawn",
+                total=5 * calls,
             )
             trainer = stack.enter_context(Client(url, client.issue_job_token(BENCH_JOB)))  # a training job's client
             as_job = trainer.get(sandbox.id)
+            _require_success(sandbox.exec(f"head -c {OUTPUT_BYTES} /dev/zero | tr '\\0' x > /tmp/bench-output"))
             for key, action in (
                 ("corral_exec_back_to_back", lambda: _require_success(sandbox.exec("true"))),
                 ("corral_exec_job_token", lambda: _require_success(as_job.exec("true"))),
+                ("corral_exec_output", lambda: _require_output(sandbox.exec("cat /tmp/bench-output"), OUTPUT_BYTES)),
                 ("corral_http", lambda: client._transport.request("GET", "/healthz")),  # noqa: SLF001
                 ("host_spawn", _spawn_true),  # and a process started and waited for, the other floor
             ):
@@ -384,6 +394,7 @@ def _measure(work_dir: Path, layer_file: Path, runs: int, concurrency: int, prog
                    "exec_roundtrip": summarize(samples["corral_exec"]),
                    "exec_back_to_back": summarize(samples["corral_exec_back_to_back"]),
                    "exec_job_token": summarize(samples["corral_exec_job_token"]),
+                   "exec_output": {**summarize(samples["corral_exec_output"]), "output_bytes": OUTPUT_BYTES},
                    "http_roundtrip": summarize(samples["corral_http"]), "concurrent_create": burst},
         "baseline": {"crun_create_start_exec": summarize(samples["crun_create"]),
                      "crun_exec": summarize(samples["crun_exec"]), "crun_concurrent_create": crun_burst,
@@ -420,7 +431,8 @@ def _table(report: dict[str, Any]) -> Table:
     caption = (f"baselines: crun run --detach + crun exec, and crun exec; {params['runs']} creates and "
                f"{params['exec_samples']} execs per side, interleaved; the burst's: as many crun run --detach, "
                f"{at_once} at once. Back to back: one exec right after another, the same by a job token's client "
-               "(a training job's: its hold on the sandbox is checked), then as many GET /healthz through the "
+               "(a training job's: its hold on the sandbox is checked), the same printing "
+               f"{OUTPUT_BYTES >> 10} KiB (cat of a file), then as many GET /healthz through the "
                "same client and posix_spawn + wait of /bin/true on the host (the floors under an exec). "
                "Profile cost: the same crun runs with "
                "Corral's profile vs without seccomp, masked/read-only paths and no_new_privs. "
@@ -442,12 +454,15 @@ def _table(report: dict[str, Any]) -> Table:
     for metric, label in (
         ("exec_back_to_back", "  back to back"),
         ("exec_job_token", "  back to back, by a job token's client"),
+        ("exec_output", f"  back to back, {OUTPUT_BYTES >> 10} KiB of output"),
         ("http_roundtrip", "  a bare HTTP round trip"),
         ("host_spawn", "  a bare spawn of true on the host"),
     ):
         ours = baseline[metric] if metric == "host_spawn" else corral[metric]
         target, ok = (checks[metric]["target"], verdict(metric)) if metric in checks else ("-", "-")
-        table.add_row(label, f"{ours['p50']:.2f}", f"{ours['p95']:.2f}", "-", "-", target, ok)
+        base = corral["exec_back_to_back"]["p50"] if metric == "exec_output" else None  # against `true`'s
+        table.add_row(label, f"{ours['p50']:.2f}", f"{ours['p95']:.2f}", "-" if base is None else f"{base:.2f}",
+                      "-" if base is None else f"{ours['p50'] / base:.2f}", target, ok)  # fmt: skip
     burst, crun_burst = corral["concurrent_create"], baseline["crun_concurrent_create"]
     table.add_row(f"concurrent creates ×{burst['requested']}", f"{burst['succeeded']}/{burst['requested']} ok",
                   f"{burst['wall_s']:.2f} s wall", f"crun: {crun_burst['creations_per_s']:.1f}/s",

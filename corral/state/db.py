@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import builtins
 import functools
-import json
 import time
 from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
@@ -45,6 +44,7 @@ from sqlalchemy.types import ARRAY
 
 from corral.api.errors import ServerUnavailable
 from corral.api.models import SandboxState
+from corral.state import json_text
 from corral.state.records import JOB_LABEL, SandboxRecord
 
 __all__ = [
@@ -305,7 +305,7 @@ def _row_layout(table: Table, rows: list[dict[str, Any]]) -> tuple[str, list[tup
 
 
 def _row_values(row: dict[str, Any], fields: list[tuple[str, Any, bool]]) -> list[Any]:
-    """A row's values as SQLAlchemy would bind them: JSON columns as ``json.dumps`` of the value (None as JSON
+    """A row's values as SQLAlchemy would bind them: JSON columns as ``json_text.dumps`` of the value (None as JSON
     null), a missing column as its Python-side default."""
     return [_json_text(row.get(name, default)) if is_json else row.get(name, default)
             for name, default, is_json in fields]  # fmt: skip
@@ -356,13 +356,13 @@ def write_events(conn: Connection, batch: list[dict[str, Any]], postgres: bool) 
 
 
 def _json_text(value: Any) -> str:  # noqa: ANN401 - any JSON value
-    """``json.dumps(value)``; the values most records hold (None, an empty list or dict) without the encoder,
+    """``json_text.dumps(value)``; the values most records hold (None, an empty list or dict) without the encoder,
     which costs a microsecond a call to set up (seven JSON columns a record)."""
     if value is None:
         return "null"
     if not value and type(value) in (list, dict):
         return "[]" if type(value) is list else "{}"
-    return json.dumps(value)
+    return json_text.dumps(value)
 
 
 def database_unreachable(exc: BaseException) -> bool:
@@ -406,7 +406,11 @@ class StateStore:
         libpq = parsed.get_driver_name() in ("psycopg", "psycopg2")
         timeouts = {key: value for key, value in POSTGRES_TCP_TIMEOUTS.items() if key not in parsed.query}
         self._engine: Engine = create_engine(
-            url, future=True, pool_pre_ping=not sqlite, connect_args=timeouts if libpq else {}
+            url,
+            future=True,
+            pool_pre_ping=not sqlite,
+            connect_args=timeouts if libpq else {},
+            json_serializer=json_text.dumps,
         )
         if self._engine.dialect.name == "sqlite":
             event.listen(self._engine, "connect", _sqlite_pragmas)

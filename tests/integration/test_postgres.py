@@ -38,6 +38,13 @@ def test_trajectory_log_on_postgres(postgres_url: str) -> None:
     for thread in threads:
         thread.join()
     assert sorted(seqs) == list(range(1, 9))
+    # The JSON columns' text (corral.state.json_text): non-ASCII as UTF-8, a NUL escaped, a lone surrogate by the
+    # standard library's escape; each reads back as given.
+    result = {"exit_code": 0, "stdout": "é✓ \x00 中", "stderr": "x" * 70_000}
+    surrogate = {"cmd": "printf '\udc80'"}
+    appended = log.append("sb-e0-00000000000000cc", "s1", "exec", surrogate, result)
+    assert log.steps("sb-e0-00000000000000cc")[0].result == appended.result == result
+    assert log.steps("sb-e0-00000000000000cc")[0].request == surrogate
 
 
 def test_server_on_postgres_survives_a_restart(postgres_url: str, tmp_path: Path, test_env: dict[str, str]) -> None:

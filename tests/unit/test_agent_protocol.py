@@ -21,11 +21,13 @@ from corral.backends.common.agent_protocol import (
     T_EXEC,
     T_EXIT,
     T_FIND,
+    T_FOUND,
     T_HELLO,
     T_IDENTIFY,
     T_PING,
     T_PONG,
     T_STARTED,
+    T_STDERR,
     T_STDOUT,
     AgentConnection,
     AgentExit,
@@ -337,6 +339,29 @@ def test_frames_come_out_whole_however_the_stream_is_cut() -> None:
     for cut in (1, 4, 8, 9, 10, 9 + 69_999, 9 + 70_000, 9 + 70_000 + 1, len(stream) - 1):
         assert read([stream[:cut], stream[cut:]]) == frames, cut
     assert read([stream[i : i + 4096] for i in range(0, len(stream), 4096)]) == frames
+
+
+def test_stream_frames_that_arrive_together_are_handed_on_as_one() -> None:
+    """Consecutive output (or walk) frames of one job and stream that one read holds become one frame with their
+    payloads in order; a frame of another stream, job or kind ends the run, so the order of everything else is
+    kept. Frames split across reads are joined only within each read."""
+    frames = [(T_STDOUT, 1, b"a1"), (T_STDOUT, 1, b"a2"), (T_STDOUT, 1, b"a3"), (T_STDERR, 1, b"e1"),
+              (T_STDOUT, 1, b"a4"), (T_STDOUT, 2, b"b1"), (T_STDOUT, 2, b"b2"), (T_FOUND, 2, b"n1\0"),
+              (T_FOUND, 2, b"n2\0"), (T_EXIT, 2, struct.pack("<iB", 0, 0)), (T_EXIT, 2, struct.pack("<iB", 1, 0)),
+              (T_STDOUT, 1, b"a5")]  # fmt: skip
+    stream = b"".join(_HEADER.pack(5 + len(payload), kind, job) + payload for kind, job, payload in frames)
+    seen: list[tuple[int, int, bytes]] = []
+    reader = _FrameReader(lambda kind, job, payload: seen.append((kind, job, bytes(payload))), pytest.fail)
+    reader.data_received(stream)
+    assert seen == [(T_STDOUT, 1, b"a1a2a3"), (T_STDERR, 1, b"e1"), (T_STDOUT, 1, b"a4"), (T_STDOUT, 2, b"b1b2"),
+                    (T_FOUND, 2, b"n1\0n2\0"), (T_EXIT, 2, struct.pack("<iB", 0, 0)),
+                    (T_EXIT, 2, struct.pack("<iB", 1, 0)), (T_STDOUT, 1, b"a5")]  # fmt: skip
+    seen.clear()
+    cut = stream.index(b"a3") + 1  # the third output frame arrives in two reads
+    reader.data_received(stream[:cut])
+    reader.data_received(stream[cut:])
+    assert seen[:2] == [(T_STDOUT, 1, b"a1a2"), (T_STDOUT, 1, b"a3")]
+    assert b"".join(payload for _, _, payload in seen) == b"".join(payload for _, _, payload in frames)
 
 
 async def test_large_output_and_stdin_pass_whole(agent: AgentConnection) -> None:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from sqlalchemy import create_engine, text
 
+from corral.state import json_text
 from corral.state.db import StateStore
 from corral.testing.records import sandbox_record
 
@@ -78,7 +78,7 @@ def test_batched_writes_store_what_single_writes_store_on_sqlite(tmp_path: Path)
                 row.pop("id")
             assert rows[0] == rows[1] == rows[2]
             assert rows[0]["sensitive_paths"] == "null" and rows[0]["protected_paths"] == "[]"
-            assert rows[0]["env"] == json.dumps({"A": "tab\there\nnew \\ é"})
+            assert rows[0]["env"] == json_text.dumps({"A": "tab\there\nnew \\ é"}) == '{"A":"tab\\there\\nnew \\\\ é"}'
             assert store.get(ids[1]) == dataclasses.replace(store.get(ids[0]), id=ids[1])
             assert store.mark_running_many({ids[0]: None}) == {ids[0]}  # one event
             assert store.mark_running_many({ids[1]: None, ids[2]: None}) == {ids[1], ids[2]}  # a batch of two
