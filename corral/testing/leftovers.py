@@ -98,13 +98,21 @@ def _mounts(data_dir: Path, ids: set[str], server_pid: int | None) -> list[str]:
     return found
 
 
-def _veths(ids: set[str]) -> list[str]:
-    """Sandbox ends of the router namespaces' veth pairs that belong to one of ``ids``."""
+def _veths(ids: set[str], server_pid: int | None) -> list[str]:
+    """Sandbox ends of the router namespaces' veth pairs that belong to one of ``ids``. A server names its router
+    namespace by a mount in its own mount namespace (from the host's its name is an empty file), so while it runs
+    the names are read through its root, ``/proc/<pid>/root/run/netns``; once it stopped, its router namespace
+    ended with it, and with it every veth inside."""
     wanted = {sandbox_veth_name(sandbox_id): sandbox_id for sandbox_id in ids}
+    names = Path(f"/proc/{server_pid}/root/run/netns") if server_pid is not None else Path("/run/netns")
+    try:
+        namespaces = sorted(names.glob("corral-*"))
+    except OSError:  # the server ended meanwhile
+        namespaces = []
     found = []
-    for namespace in Path("/run/netns").glob("corral-*") if Path("/run/netns").is_dir() else ():
-        links = subprocess.run(["ip", "-n", namespace.name, "-o", "link", "show"], capture_output=True, text=True,
-                               timeout=_TOOL_TIMEOUT_S).stdout  # fmt: skip
+    for namespace in namespaces:
+        links = subprocess.run(["nsenter", f"--net={namespace}", "ip", "-o", "link", "show"], capture_output=True,
+                               text=True, timeout=_TOOL_TIMEOUT_S).stdout  # fmt: skip
         for line in links.splitlines():
             name = line.split(":")[1].strip().split("@")[0] if line.count(":") >= 2 else ""
             if name in wanted:
@@ -143,15 +151,15 @@ def _sandbox_dirs(data_dir: Path, ids: set[str]) -> list[str]:
 def find_leftovers(data_dir: Path, sandbox_ids: Collection[str], *, server_pid: int | None = None) -> Leftovers:
     """What of ``sandbox_ids`` (all ended) and of the server with ``data_dir`` remains on the host.
 
-    ``server_pid``: the server's process while it still runs (its mount namespace is searched, and the
-    pool's loop device is its own); None once it stopped."""
+    ``server_pid``: the server's process while it still runs (its mount namespace is searched for mounts and its
+    router namespace for veths, and the pool's loop device is its own); None once it stopped."""
     ids = set(sandbox_ids)
     return Leftovers(
         containers=_containers(data_dir),
         processes=_processes(ids),
         cgroups=_cgroups(ids),
         mounts=_mounts(data_dir, ids, server_pid),
-        veths=_veths(ids),
+        veths=_veths(ids, server_pid),
         netns_names=_netns_names(ids),
         loop_devices=_loop_devices(data_dir, server_pid is not None),
         sandbox_dirs=_sandbox_dirs(data_dir, ids),

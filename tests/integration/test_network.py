@@ -11,6 +11,8 @@ from collections.abc import Iterator
 import pytest
 
 import corral
+from corral.embedded import EmbeddedServer
+from corral.testing.leftovers import find_leftovers
 from tests.tcp_mirror import plugged_mirror
 
 MIRROR = "10.88.200.2"
@@ -96,3 +98,14 @@ def test_builder_sandbox_can_reach_the_mirror(client: corral.Client, mirror: str
     )
     with client.create("from-mirror") as sandbox:
         assert sandbox.files.read_text("/fetched") == "ok from mirror\n"
+
+
+def test_the_leftovers_check_sees_a_networked_sandboxs_veth_until_it_ends(
+    client: corral.Client, server: EmbeddedServer
+) -> None:
+    """The veth is found in the server's router namespace, whose name only the server's mount namespace holds
+    (from the host's the check used to find no veth of any server, ended or not)."""
+    with client.create("busybox", network={"allow": []}) as sandbox:
+        live = find_leftovers(server.data_dir, [sandbox.id], server_pid=server.process.pid).veths
+        assert len(live) == 1 and live[0].endswith(f"({sandbox.id})"), live
+    assert find_leftovers(server.data_dir, [sandbox.id], server_pid=server.process.pid).veths == []
