@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from sqlalchemy import event
 
 import corral
@@ -45,6 +46,38 @@ def test_trajectory_log_on_postgres(postgres_url: str) -> None:
     appended = log.append("sb-e0-00000000000000cc", "s1", "exec", surrogate, result)
     assert log.steps("sb-e0-00000000000000cc")[0].result == appended.result == result
     assert log.steps("sb-e0-00000000000000cc")[0].request == surrogate
+
+
+def test_concurrent_begins_on_postgres_get_gap_free_seqs_and_one_step_per_id(postgres_url: str) -> None:
+    """A begin is one INSERT ... SELECT in autocommit there: writers that take the same seq meet the primary key
+    and retry, and of those that begin one new step id exactly one gets it (the others see it running or done)."""
+    log = TrajectoryLog(StateStore(postgres_url).engine)
+    sandbox_id = "sb-e0-00000000000000dd"
+    barrier = threading.Barrier(8)
+    outcomes: list[Any] = [None] * 16
+
+    def begin(index: int, step_id: str) -> None:
+        barrier.wait()
+        try:
+            outcome = log.begin(sandbox_id, step_id, "exec", {"cmd": "true"})
+            outcomes[index] = log.finish(outcome, {"exit_code": 0}) if isinstance(outcome, Step) else outcome
+        except corral.Conflict as exc:
+            outcomes[index] = exc
+
+    for offset, step_of in ((0, lambda i: f"distinct-{i}"), (8, lambda i: "same")):
+        threads = [threading.Thread(target=begin, args=(offset + i, step_of(i))) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    distinct, same = outcomes[:8], outcomes[8:]
+    assert all(isinstance(outcome, Step) for outcome in distinct), distinct
+    assert sum(isinstance(outcome, Step) for outcome in same) == 1, same
+    assert all(isinstance(outcome, Step | Replay | corral.Conflict) for outcome in same), same
+    assert [step.seq for step in log.steps(sandbox_id)] == list(range(1, 10))
+    assert isinstance(log.begin(sandbox_id, "same", "exec", {"cmd": "true"}), Replay)
+    with pytest.raises(corral.Conflict, match="diverges"):
+        log.begin(sandbox_id, "same", "exec", {"cmd": "false"})
 
 
 def test_server_on_postgres_survives_a_restart(postgres_url: str, tmp_path: Path, test_env: dict[str, str]) -> None:
