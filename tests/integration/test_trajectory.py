@@ -68,6 +68,18 @@ def test_provenance(client: corral.Client) -> None:
         assert [s.step_id for s in sandbox.provenance("/work/c")] == ["upload"]
 
 
+def test_provenance_in_a_writable_layer_of_thousands_of_files(client: corral.Client) -> None:
+    """A step's changes among 3,000 files it left alone: written, created, deleted from a lower layer (a whiteout),
+    a name with a space, and nothing else. A file made by an earlier step and removed leaves no entry to find."""
+    with client.create("busybox", ttl_s=300) as sandbox:
+        sandbox.exec("mkdir -p /work/many && cd /work/many && for d in $(seq 30); do mkdir $d; (cd $d && touch "
+                     "$(seq 100)); done && echo x > /work/edit && echo y > /work/gone", timeout_s=120)  # fmt: skip
+        sandbox.exec("echo changed > /work/edit; rm /work/gone; echo new > '/work/a b'; rm /bin/vi", step_id="big")
+        steps = {step.step_id: step for step in sandbox.trajectory()}
+        assert steps["big"].files == ["/bin/vi", "/work/a b", "/work/edit"]  # /work/gone was never in a lower layer
+        assert [s.step_id for s in sandbox.provenance("/work/many/7/7")] == []
+
+
 def test_failed_step_replays_its_error(client: corral.Client) -> None:
     with client.create("busybox") as sandbox:
         with pytest.raises(corral.InvalidRequest):
