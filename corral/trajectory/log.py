@@ -133,7 +133,7 @@ def _begin_statement(dialect: str) -> Any:  # noqa: ANN401 - a SQL statement
     with the COMMIT five round trips). The log alone, by hand: SQLite 0.24-0.26 ms of CPU a begin against 0.30-0.38,
     PostgreSQL 0.71-0.85 ms a begin against 1.25-1.91. A seq taken meanwhile by another writer is a primary-key
     violation, retried as before."""
-    upsert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    upsert = postgresql.insert if dialect == "postgresql" else sqlite.insert  # the two databases Corral runs on
     c = trajectory_steps.c
     values = select(
         bindparam("b_sandbox", type_=c.sandbox_id.type),
