@@ -18,6 +18,7 @@ from corral.gateway.service import WARM_LABEL
 from corral.state.db import POSTGRES_TCP_TIMEOUTS, StateStore, sandboxes
 from corral.testing.records import sandbox_record
 from corral.trajectory import Replay, Step, TrajectoryLog
+from tests.unit.test_trajectory_log import run_in_threads
 
 
 def test_trajectory_log_on_postgres(postgres_url: str) -> None:
@@ -53,24 +54,13 @@ def test_concurrent_begins_on_postgres_get_gap_free_seqs_and_one_step_per_id(pos
     and retry, and of those that begin one new step id exactly one gets it (the others see it running or done)."""
     log = TrajectoryLog(StateStore(postgres_url).engine)
     sandbox_id = "sb-e0-00000000000000dd"
-    barrier = threading.Barrier(8)
-    outcomes: list[Any] = [None] * 16
 
-    def begin(index: int, step_id: str) -> None:
-        barrier.wait()
-        try:
-            outcome = log.begin(sandbox_id, step_id, "exec", {"cmd": "true"})
-            outcomes[index] = log.finish(outcome, {"exit_code": 0}) if isinstance(outcome, Step) else outcome
-        except corral.Conflict as exc:
-            outcomes[index] = exc
+    def begin_and_finish(step_id: str) -> Step | Replay:
+        outcome = log.begin(sandbox_id, step_id, "exec", {"cmd": "true"})
+        return log.finish(outcome, {"exit_code": 0}) if isinstance(outcome, Step) else outcome
 
-    for offset, step_of in ((0, lambda i: f"distinct-{i}"), (8, lambda i: "same")):
-        threads = [threading.Thread(target=begin, args=(offset + i, step_of(i))) for i in range(8)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=60)
-    distinct, same = outcomes[:8], outcomes[8:]
+    distinct = run_in_threads(8, lambda i: begin_and_finish(f"distinct-{i}"))
+    same = run_in_threads(8, lambda _: begin_and_finish("same"))
     assert all(isinstance(outcome, Step) for outcome in distinct), distinct
     assert sum(isinstance(outcome, Step) for outcome in same) == 1, same
     assert all(isinstance(outcome, Step | Replay | corral.Conflict) for outcome in same), same

@@ -136,7 +136,8 @@ class _FrameReader(asyncio.Protocol):
     iteration: no reader task between the socket and a command's queue (one wake-up a frame fewer than a
     StreamReader's). Consecutive byte-stream frames of one kind and job that arrive together (a command's output,
     a walk's names) are handed on as one: the agent sends a frame per pipe read, a few KiB each, and every frame
-    costs the edge a decode, a queue hand-off and a record (a 512 KiB output: ~90 frames in ~5 reads of the socket).
+    costs the edge a decode, a queue hand-off and a record (execs printing 512 KiB, counted: one client, 8,325
+    frames read and 6,013 handed on; eight at once, 34,872 and 8,292).
     Also the writing side's flow control (``drained``)."""
 
     def __init__(
