@@ -49,7 +49,7 @@ from corral.config import Settings
 from corral.embedded import EmbeddedServer
 from corral.images.store import LayerStore
 from corral.procfs import host_cpu_s
-from corral.sdk import AsyncClient, AsyncSandbox, Client, ExecResult, InvalidRequest
+from corral.sdk import AsyncClient, AsyncSandbox, Client, ExecResult, InvalidRequest, Sandbox
 
 __all__ = ["percentile", "run_benchmark", "summarize"]
 
@@ -65,6 +65,9 @@ CREATE_RATIO_TARGET = 1.5  # create -> first exec p50, as a multiple of plain cr
 EXEC_P50_TARGET_MS = 5.0  # exec round trip p50, absolute, in turns with crun exec
 EXEC_BACK_TO_BACK_TARGET_MS = 1.5  # exec round trip p50, one exec right after another (issue 22)
 OUTPUT_BYTES = 64 << 10  # the output of the "back to back, with output" row: a test run's log, a long listing
+# The writable layer of the "a step among many files" row: a checkout and its virtualenv, say. A step with a client's
+# id records the files it changed: that must cost what it changed, not what the layer holds.
+STEP_LAYER_FILES = 20_000
 CRUN_TIMEOUT_S = 30.0
 BENCH_CGROUP = "corral-bench"
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -225,6 +228,16 @@ def _remove_bench_cgroups() -> None:
             parent.rmdir()
 
 
+def _make_files(count: int) -> str:
+    """A shell command that writes ``count`` empty files (100 a directory) under /work/many."""
+    return (f"mkdir -p /work/many && cd /work/many && for d in $(seq {count // 100}); do mkdir $d && "
+            "(cd $d && touch $(seq 100)) || exit 1; done && find /work/many -type f | wc -l")  # fmt: skip
+
+
+def _step_true(sandbox: Sandbox, step_id: str) -> None:
+    _require_success(sandbox.exec("true", step_id=step_id))
+
+
 def _require_success(result: ExecResult) -> None:
     if result.exit_code != 0:
         raise RuntimeError(f"the bench's command in the sandbox exited {result.exit_code}: {result.stderr[-300:]}")
@@ -319,6 +332,7 @@ def _measure(work_dir: Path, layer_file: Path, runs: int, concurrency: int, prog
     samples: dict[str, list[float]] = {key: [] for key in ("corral_create", "crun_create", "crun_create_bare",
                                                            "corral_exec", "corral_exec_back_to_back", "corral_http",
                                                            "corral_exec_job_token", "corral_exec_output",
+                                                           "corral_exec_step", "corral_exec_step_many_files",
                                                            "host_spawn", "crun_exec", "crun_exec_bare")}  # fmt: skip
     with contextlib.ExitStack() as stack:
         task = progress.add_task("baseline rootfs (mount EROFS, cp -a)", total=1)
@@ -380,6 +394,18 @@ def _measure(work_dir: Path, layer_file: Path, runs: int, concurrency: int, prog
                     if i >= EXEC_WARMUP_CALLS:
                         samples[key].append(elapsed_ms)
                     progress.advance(task)
+            task = progress.add_task(f"a step with a client's id, back to back: in that sandbox and in one with "
+                                     f"{STEP_LAYER_FILES:,} files in its layer", total=2 * calls + 1)  # fmt: skip
+            with client.create(IMAGE, cpu=LIMITS.cpu, memory_mb=LIMITS.memory_mb, ttl_s=SANDBOX_TTL_S) as full:
+                _require_success(full.exec(_make_files(STEP_LAYER_FILES), timeout_s=300))
+                progress.advance(task)
+                steps = {"corral_exec_step": sandbox, "corral_exec_step_many_files": full}
+                for i in range(calls):
+                    for key, in_sandbox in _in_turn(i, *steps.items()):
+                        elapsed_ms = _timed_ms(partial(_step_true, in_sandbox, f"bench-step-{i}"))
+                        if i >= EXEC_WARMUP_CALLS:
+                            samples[key].append(elapsed_ms)
+                        progress.advance(task)
 
         task = progress.add_task(f"concurrent create ×{concurrency} (corral)", total=concurrency)
         burst = asyncio.run(_concurrent_create(url, api_key, concurrency, lambda: progress.advance(task)))
@@ -395,6 +421,9 @@ def _measure(work_dir: Path, layer_file: Path, runs: int, concurrency: int, prog
                    "exec_back_to_back": summarize(samples["corral_exec_back_to_back"]),
                    "exec_job_token": summarize(samples["corral_exec_job_token"]),
                    "exec_output": {**summarize(samples["corral_exec_output"]), "output_bytes": OUTPUT_BYTES},
+                   "exec_step": summarize(samples["corral_exec_step"]),
+                   "exec_step_many_files": {**summarize(samples["corral_exec_step_many_files"]),
+                                            "layer_files": STEP_LAYER_FILES},
                    "http_roundtrip": summarize(samples["corral_http"]), "concurrent_create": burst},
         "baseline": {"crun_create_start_exec": summarize(samples["crun_create"]),
                      "crun_exec": summarize(samples["crun_exec"]), "crun_concurrent_create": crun_burst,
@@ -432,7 +461,9 @@ def _table(report: dict[str, Any]) -> Table:
                f"{params['exec_samples']} execs per side, interleaved; the burst's: as many crun run --detach, "
                f"{at_once} at once. Back to back: one exec right after another, the same by a job token's client "
                "(a training job's: its hold on the sandbox is checked), the same printing "
-               f"{OUTPUT_BYTES >> 10} KiB (cat of a file), then as many GET /healthz through the "
+               f"{OUTPUT_BYTES >> 10} KiB (cat of a file), the same as a step with a client's id (its changed "
+               f"files recorded) in turns with one in a sandbox holding {STEP_LAYER_FILES:,} files in its writable "
+               "layer, then as many GET /healthz through the "
                "same client and posix_spawn + wait of /bin/true on the host (the floors under an exec). "
                "Profile cost: the same crun runs with "
                "Corral's profile vs without seccomp, masked/read-only paths and no_new_privs. "
@@ -455,12 +486,18 @@ def _table(report: dict[str, Any]) -> Table:
         ("exec_back_to_back", "  back to back"),
         ("exec_job_token", "  back to back, by a job token's client"),
         ("exec_output", f"  back to back, {OUTPUT_BYTES >> 10} KiB of output"),
+        ("exec_step", "  back to back, a step with a client's id"),
+        ("exec_step_many_files", f"  the same step, {STEP_LAYER_FILES:,} files in the layer"),
         ("http_roundtrip", "  a bare HTTP round trip"),
         ("host_spawn", "  a bare spawn of true on the host"),
     ):
         ours = baseline[metric] if metric == "host_spawn" else corral[metric]
         target, ok = (checks[metric]["target"], verdict(metric)) if metric in checks else ("-", "-")
-        base = corral["exec_back_to_back"]["p50"] if metric == "exec_output" else None  # against `true`'s
+        base = {
+            "exec_output": corral["exec_back_to_back"]["p50"],
+            "exec_step": corral["exec_back_to_back"]["p50"],
+            "exec_step_many_files": corral["exec_step"]["p50"],
+        }.get(metric)  # against `true`'s, the step's
         table.add_row(label, f"{ours['p50']:.2f}", f"{ours['p95']:.2f}", "-" if base is None else f"{base:.2f}",
                       "-" if base is None else f"{ours['p50'] / base:.2f}", target, ok)  # fmt: skip
     burst, crun_burst = corral["concurrent_create"], baseline["crun_concurrent_create"]

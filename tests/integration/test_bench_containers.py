@@ -29,9 +29,11 @@ def test_bench_containers_measures_the_burst_against_plain_crun() -> None:
     assert baseline["at_once"] == 8  # the server's default create concurrency
     assert report["baseline"]["crun_create_start_exec"]["n"] == 2
     corral_runs = report["corral"]
-    for metric in ("exec_roundtrip", "exec_back_to_back", "exec_job_token", "exec_output", "http_roundtrip"):
+    for metric in ("exec_roundtrip", "exec_back_to_back", "exec_job_token", "exec_output", "exec_step",
+                   "exec_step_many_files", "http_roundtrip"):  # fmt: skip
         assert corral_runs[metric]["n"] == report["params"]["exec_samples"], metric
     assert corral_runs["exec_output"]["output_bytes"] == 64 << 10  # each sample checked that it got all of it
+    assert corral_runs["exec_step_many_files"]["layer_files"] == 20_000
     assert 0 < corral_runs["http_roundtrip"]["p50"] < corral_runs["exec_back_to_back"]["p50"]  # an exec is more
     assert 0 < corral_runs["http_roundtrip"]["p50"] < corral_runs["exec_job_token"]["p50"]  # an exec by a job token
     spawn = report["baseline"]["host_spawn"]

@@ -80,6 +80,18 @@ def test_provenance_in_a_writable_layer_of_thousands_of_files(client: corral.Cli
         assert [s.step_id for s in sandbox.provenance("/work/many/7/7")] == []
 
 
+def test_a_second_deletion_names_only_itself(client: corral.Client) -> None:
+    """A step's files come from the node's change journal (the sandbox's writable layer is in the quota pool):
+    overlayfs links every whiteout to one inode, so the second deletion touches the first whiteout's ctime too,
+    and the walk of the layer would name /bin/vi again."""
+    with client.create("busybox") as sandbox:
+        sandbox.exec("rm /bin/vi", step_id="first")
+        sandbox.exec("rm /bin/ls && echo x > /tmp/new", step_id="second")
+        steps = {step.step_id: step for step in sandbox.trajectory()}
+        assert steps["first"].files == ["/bin/vi"]
+        assert steps["second"].files == ["/bin/ls", "/tmp/new"]
+
+
 def test_failed_step_replays_its_error(client: corral.Client) -> None:
     with client.create("busybox") as sandbox:
         with pytest.raises(corral.InvalidRequest):

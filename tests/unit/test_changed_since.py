@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from corral.backends.container import backend
+from corral.backends.container import changes
 from corral.backends.container.oci import AGENT_PATH
 
 
@@ -28,15 +28,15 @@ def test_the_walk_names_what_changed_since_and_nothing_older(tmp_path: Path) -> 
     os.mknod(tmp_path / "gone", stat.S_IFCHR | 0o600, os.makedev(0, 0))  # overlayfs's whiteout
     (tmp_path / AGENT_PATH.lstrip("/")).write_text("the agent's mount point")
     (tmp_path / "new dir").mkdir()
-    assert backend._changed_since(tmp_path, since) == ["/deep/er/new file", "/gone", "/link"]
-    assert backend._changed_since(tmp_path, time.time() + 1) == []
+    assert changes.changed_since(tmp_path, since) == ["/deep/er/new file", "/gone", "/link"]
+    assert changes.changed_since(tmp_path, time.time() + 1) == []
 
 
 def test_the_walk_stops_at_its_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(backend, "_CHANGED_PATHS_MAX", 5)
+    monkeypatch.setattr(changes, "CHANGED_PATHS_MAX", 5)
     for index in range(3):
         (tmp_path / f"d{index}").mkdir()
         for name in range(4):
             (tmp_path / f"d{index}" / f"f{name}").write_text("x")
-    changed = backend._changed_since(tmp_path, 0.0)
+    changed = changes.changed_since(tmp_path, 0.0)
     assert 5 <= len(changed) < 12 and changed == sorted(changed)

@@ -58,6 +58,7 @@ from corral.backends.common.network import (
     HostResolver,
     NetworkFabric,
 )
+from corral.backends.container.changes import CHANGED_PATHS_MAX, ChangeJournal, changed_since
 from corral.backends.container.gvisor import RUNSC, Gvisor
 from corral.backends.container.isolation import CommandPaths, Container, Isolation, PlainOci
 from corral.backends.container.kernel_watch import SeccompDenials, SensitiveReads, session_of
@@ -81,7 +82,6 @@ __all__ = ["ContainerBackend"]
 log = logging.getLogger(__name__)
 
 
-_CHANGED_PATHS_MAX = 10_000
 _RUNTIMES = ("crun", "runc", RUNSC)
 # Runtimes that take masked directories as binds of the node's empty one (oci.py says why). runc refuses any
 # mount inside /proc ("cannot be mounted because it is inside /proc"): its sandboxes keep the tmpfs masks.
@@ -94,35 +94,6 @@ _TIER_NAMES = frozenset(tier.strip("/") for tier in qos.TIERS.values())  # top-l
 
 def _read_int(path: str) -> int:
     return int(read_small(path))
-
-
-def _changed_since(upper: Path, since: float) -> list[str]:
-    """Walk the upper dir (bounded) for entries whose inode changed at or after ``since``; whiteouts are deletions.
-
-    O(entries), a stat each, on every step with a client's id: strings and ``os.scandir`` only (Path objects and
-    ``os.path.relpath`` per entry made it 2-3x slower: 20,200 entries 78-115 vs 188-333 ms by hand)."""
-    changed: list[str] = []
-    since_ns = round(since * 1e9) - 1_000  # float seconds lose ~100 ns; clock ticks are ms apart
-    root = str(upper)
-    stack = [root]
-    while stack and len(changed) < _CHANGED_PATHS_MAX:
-        try:
-            entries = os.scandir(stack.pop())
-        except OSError:
-            continue
-        with entries:
-            for entry in entries:
-                if entry.is_dir(follow_symlinks=False):
-                    stack.append(entry.path)
-                    continue
-                try:
-                    ctime_ns = entry.stat(follow_symlinks=False).st_ctime_ns
-                except OSError:
-                    continue
-                relative = entry.path[len(root) :]
-                if ctime_ns >= since_ns and relative != AGENT_PATH:
-                    changed.append(relative)
-    return sorted(changed)
 
 
 _RECYCLE_POLLS = 50
@@ -153,7 +124,7 @@ def _changed_under(upper: Path, prefixes: tuple[str, ...]) -> list[str]:
         for entry in base.rglob("*"):
             if not entry.is_dir() or entry.is_symlink():
                 found.append("/" + str(entry.relative_to(upper)))
-            if len(found) >= _CHANGED_PATHS_MAX:
+            if len(found) >= CHANGED_PATHS_MAX:
                 return found
     return sorted(set(found))
 
@@ -289,6 +260,8 @@ class ContainerBackend:
         self._pool = QuotaPool(data_dir, disk_reserve_mb << 20)
         self._pool_lock = asyncio.Lock()
         self._pool_error: InternalError | None = None
+        self._journal = ChangeJournal(self._pool.mountpoint)  # opened by the first step with a client's id
+        self._journal_error: OSError | None = None
         # One router namespace per server (its data dir), created when the first sandbox needs a network.
         self._fabric = NetworkFabric(
             "n" + hashlib.sha256(str(data_dir).encode()).hexdigest()[:10],
@@ -556,7 +529,9 @@ class ContainerBackend:
 
     def _remove_dirs(self, sandbox_id: str) -> None:
         """Its bundle and its writable layer (with its quota, when it has one)."""
-        self._pool.remove(sandbox_id)
+        tree_id = self._pool.remove(sandbox_id)
+        if tree_id is not None:
+            self._journal.forget(tree_id)
         shutil.rmtree(self.runtime_dir(sandbox_id), ignore_errors=True)
         shutil.rmtree(self._dir / sandbox_id, ignore_errors=True)
 
@@ -592,19 +567,44 @@ class ContainerBackend:
         """The filesystem's own 'now', on the coarse clock the kernel stamps files with.
 
         It waits for that clock to tick once, so everything changed before the call is
-        strictly older than the returned time (at most one tick, a few ms)."""
+        strictly older than the returned time (at most one tick, a few ms). The change journal is told the
+        step begins before the clock is read, and given the clock after."""
         # In the run dir: never in the writable layer's subvolume, whose quota a full sandbox has used up. The
         # clock is the kernel's for every filesystem (multigrain timestamps keep coarse ones after fine ones).
         marker = self.runtime_dir(sandbox_id) / "clock"
         marker.parent.mkdir(parents=True, exist_ok=True)  # a sandbox an older server started has none yet
-        marker.write_bytes(b"")
-        before = marker.stat().st_ctime_ns
-        while True:
+        tree_id = self._journal_tree(sandbox_id)
+        position = self._journal.begin(tree_id, self.upper(sandbox_id)) if tree_id is not None else 0
+        try:
             marker.write_bytes(b"")
-            now = marker.stat().st_ctime_ns
-            if now > before:
-                return now / 1e9
-            await asyncio.sleep(0.0005)
+            before = marker.stat().st_ctime_ns
+            while True:
+                marker.write_bytes(b"")
+                now = marker.stat().st_ctime_ns
+                if now > before:
+                    break
+                await asyncio.sleep(0.0005)
+        except BaseException:
+            if tree_id is not None:
+                self._journal.abandon(tree_id, position)
+            raise
+        if tree_id is not None:
+            self._journal.started(tree_id, now / 1e9, position)
+        return now / 1e9
+
+    def _journal_tree(self, sandbox_id: str) -> int | None:
+        """The subvolume id of the sandbox's writable layer in the change journal (opened on first use); None
+        when it has no subvolume or this node cannot have a journal (its steps walk their layers)."""
+        if not self._pool.has(sandbox_id) or self._journal_error is not None:
+            return None
+        if not self._journal.is_open:
+            try:
+                self._journal.open()
+            except OSError as exc:
+                self._journal_error = exc
+                log.warning("%s: a step's changed files are found by walking its sandbox's writable layer", exc)
+                return None
+        return self._pool.tree_id(sandbox_id)
 
     def _netns(self, container: Container) -> str:
         return f"/proc/{container.init_pid}/ns/net"
@@ -735,9 +735,17 @@ class ContainerBackend:
 
     async def changed_paths(self, sandbox_id: str, since: float) -> list[str]:
         """Paths in the sandbox's writable layer changed (written, created or deleted) at or after ``since``."""
-        self.container(sandbox_id)
+        container = self.container(sandbox_id)
         upper = self.upper(sandbox_id)
-        return await asyncio.to_thread(_changed_since, upper, since)
+        tree_id = self._journal_tree(sandbox_id) if self._journal.is_open else None
+        # gVisor's sentry writes a mapping back through its gofer (events): its processes are not the sandbox's.
+        pids = container.memory.pids if container.spec.runtime != RUNSC else list
+
+        def changed() -> list[str]:
+            found = self._journal.changed(tree_id, since, pids()) if tree_id is not None else None
+            return changed_since(upper, since) if found is None else found
+
+        return await asyncio.to_thread(changed)
 
     async def shutdown(self, sandbox_id: str, timeout_s: float) -> bool:
         """SIGTERM to every process (the agents ignore it), then wait until only agents are left."""
@@ -854,6 +862,7 @@ class ContainerBackend:
         self._reads.close()
         self._mounts.unmount_all()
         self._sysfs.close()
+        await asyncio.to_thread(self._journal.close)
         await asyncio.to_thread(self._pool.close)
         if self._fabric_started:
             await asyncio.to_thread(self._fabric.close)

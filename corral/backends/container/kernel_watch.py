@@ -31,6 +31,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from corral.api.errors import CorralError
+from corral.backends.container import fanotify
+from corral.backends.container.fanotify import (
+    EVENT_METADATA,
+    FAN_CLASS_NOTIF,
+    FAN_CLOEXEC,
+    FAN_EVENT_ON_CHILD,
+    FAN_MARK_ADD,
+    FAN_MARK_DONT_FOLLOW,
+    FAN_NONBLOCK,
+    FAN_ONDIR,
+    FAN_OPEN,
+    FAN_Q_OVERFLOW,
+)
 from corral.backends.container.files import ConfinedTree
 from corral.guard.audit import under
 
@@ -174,16 +187,6 @@ class SeccompDenials:
             self._sock = None
 
 
-_FAN_CLASS_NOTIF = 0x0
-_FAN_CLOEXEC = 0x1
-_FAN_NONBLOCK = 0x2
-_FAN_MARK_ADD = 0x1
-_FAN_MARK_DONT_FOLLOW = 0x4
-_FAN_OPEN = 0x20
-_FAN_Q_OVERFLOW = 0x4000
-_FAN_EVENT_ON_CHILD = 0x08000000
-_FAN_ONDIR = 0x40000000
-_EVENT = struct.Struct("=IBBHQii")
 _EVENT_BUFFER_BYTES = 1 << 16
 _MAX_BUFFERS_PER_READ = 8  # about 20,000 events per housekeeping round; the kernel queues the rest
 _MAX_MARKS = 1024  # per sandbox and refresh; a sensitive tree bigger than this is marked in part
@@ -199,11 +202,10 @@ def _mount_id(fd: int) -> int:
 class _Group:
     """One fanotify notification group: each event comes with an fd on the opened file."""
 
-    def __init__(self, libc: ctypes.CDLL) -> None:
-        self._libc = libc
+    def __init__(self) -> None:
         self.overflows = 0
-        self.fd = libc.fanotify_init(
-            _FAN_CLASS_NOTIF | _FAN_CLOEXEC | _FAN_NONBLOCK, os.O_RDONLY | os.O_LARGEFILE | os.O_CLOEXEC
+        self.fd = fanotify.libc.fanotify_init(
+            FAN_CLASS_NOTIF | FAN_CLOEXEC | FAN_NONBLOCK, os.O_RDONLY | os.O_LARGEFILE | os.O_CLOEXEC
         )
         if self.fd < 0:
             log.warning("reads of sensitive paths will not be audit events: fanotify_init: %s",
@@ -212,7 +214,7 @@ class _Group:
     def mark(self, dir_fd: int, name: str | None, mask: int) -> bool:
         """Mark ``dir_fd`` itself, or its entry ``name`` (never following a symlink)."""
         encoded = os.fsencode(name) if name is not None else None
-        if self._libc.fanotify_mark(self.fd, _FAN_MARK_ADD | _FAN_MARK_DONT_FOLLOW, mask, dir_fd, encoded) == 0:
+        if fanotify.libc.fanotify_mark(self.fd, FAN_MARK_ADD | FAN_MARK_DONT_FOLLOW, mask, dir_fd, encoded) == 0:
             return True
         log.debug("fanotify_mark %s: %s", name, os.strerror(ctypes.get_errno()))
         return False
@@ -226,10 +228,10 @@ class _Group:
             except BlockingIOError:
                 break
             offset = 0
-            while offset + _EVENT.size <= len(data):
-                length, _, _, _, mask, fd, pid = _EVENT.unpack_from(data, offset)
-                offset += max(length, _EVENT.size)
-                if mask & _FAN_Q_OVERFLOW:
+            while offset + EVENT_METADATA.size <= len(data):
+                length, _, _, _, mask, fd, pid = EVENT_METADATA.unpack_from(data, offset)
+                offset += max(length, EVENT_METADATA.size)
+                if mask & FAN_Q_OVERFLOW:
                     self.overflows += 1
                 if fd >= 0:
                     found.append((fd, pid))
@@ -257,10 +259,8 @@ class SensitiveReads:
     there yet, and counts an open only when its path is sensitive."""
 
     def __init__(self) -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.fanotify_mark.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint64, ctypes.c_int, ctypes.c_char_p]
-        self._exact = _Group(libc)
-        self._near = _Group(libc)
+        self._exact = _Group()
+        self._near = _Group()
         self._sandbox_of_mount: dict[int, str] = {}
         self._paths: dict[str, tuple[str, ...]] = {}
 
@@ -308,9 +308,9 @@ class SensitiveReads:
             return
         try:
             self._sandbox_of_mount[_mount_id(parent)] = sandbox_id
-            self._near.mark(parent, None, _FAN_OPEN | _FAN_EVENT_ON_CHILD)
+            self._near.mark(parent, None, FAN_OPEN | FAN_EVENT_ON_CHILD)
             if fd >= 0:
-                self._exact.mark(parent, os.path.basename(path), _FAN_OPEN)
+                self._exact.mark(parent, os.path.basename(path), FAN_OPEN)
             budget[0] -= 2
         finally:
             os.close(parent)
@@ -324,14 +324,14 @@ class SensitiveReads:
                 continue
             try:
                 self._sandbox_of_mount[_mount_id(fd)] = sandbox_id
-                self._exact.mark(fd, None, _FAN_OPEN | _FAN_ONDIR)  # listing it
-                self._near.mark(fd, None, _FAN_OPEN | _FAN_EVENT_ON_CHILD)
+                self._exact.mark(fd, None, FAN_OPEN | FAN_ONDIR)  # listing it
+                self._near.mark(fd, None, FAN_OPEN | FAN_EVENT_ON_CHILD)
                 budget[0] -= 2
                 for entry in os.scandir(fd):
                     if entry.is_dir(follow_symlinks=False):
                         stack.append(f"{directory.rstrip('/')}/{entry.name}")
                     elif entry.is_file(follow_symlinks=False) and budget[0] > 0:
-                        self._exact.mark(fd, entry.name, _FAN_OPEN)
+                        self._exact.mark(fd, entry.name, FAN_OPEN)
                         budget[0] -= 1
             finally:
                 os.close(fd)

@@ -89,6 +89,7 @@ class QuotaPool:
         self._lock = threading.Lock()
         self._sysfs: Path | None = None  # /sys/fs/btrfs/<fsid>/qgroups once open
         self._qgroups: dict[str, str] = {}  # sandbox id -> its subvolume's (level 0) qgroup in sysfs (usage's reads)
+        self._tree_ids: dict[str, int] = {}  # sandbox id -> its subvolume's id, once looked up
 
     @property
     def is_open(self) -> bool:
@@ -189,24 +190,33 @@ class QuotaPool:
             raise
         return path
 
-    def remove(self, sandbox_id: str) -> None:
-        """Its subvolume, contents and all (the kernel frees the space and the qgroup in the background)."""
+    def remove(self, sandbox_id: str) -> int | None:
+        """Its subvolume, contents and all (the kernel frees the space and the qgroup in the background); the
+        subvolume's id if it was looked up (ids are never reused)."""
         qgroup = self._qgroups.pop(sandbox_id, None)
         if qgroup is not None:
             held_files.forget(qgroup)
+        tree_id = self._tree_ids.pop(sandbox_id, None)
         if not self.has(sandbox_id):
-            return
+            return tree_id
         try:
             self._ioctl(self.mountpoint, _SNAP_DESTROY, _vol_args(sandbox_id))
         except OSError as exc:
             if exc.errno != errno.ENOENT:
                 raise
+        return tree_id
+
+    def tree_id(self, sandbox_id: str) -> int:
+        """Its subvolume's id (its tree's, in file handles; its qgroup is 0/<id>)."""
+        if sandbox_id not in self._tree_ids:
+            args = bytearray(struct.pack("QQ4080s", 0, _FIRST_FREE_OBJECTID, b""))
+            found = self._ioctl(self.layer_dir(sandbox_id), _INO_LOOKUP, args)
+            self._tree_ids[sandbox_id] = struct.unpack_from("Q", found)[0]
+        return self._tree_ids[sandbox_id]
 
     def _qgroup(self, sandbox_id: str) -> str:
         if sandbox_id not in self._qgroups:
-            args = bytearray(struct.pack("QQ4080s", 0, _FIRST_FREE_OBJECTID, b""))
-            found = self._ioctl(self.layer_dir(sandbox_id), _INO_LOOKUP, args)
-            self._qgroups[sandbox_id] = f"{self._sysfs}/0_{struct.unpack_from('Q', found)[0]}/"  # its tree id
+            self._qgroups[sandbox_id] = f"{self._sysfs}/0_{self.tree_id(sandbox_id)}/"
         return self._qgroups[sandbox_id]
 
     def usage(self, sandbox_id: str) -> tuple[int, int] | None:
@@ -229,3 +239,4 @@ class QuotaPool:
                 _run(["umount", "-l", str(self.mountpoint)])
             self._sysfs = None
             self._qgroups.clear()
+            self._tree_ids.clear()
