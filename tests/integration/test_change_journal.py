@@ -178,6 +178,37 @@ def test_a_write_through_a_shared_mapping(journal: ChangeJournal, layer: Layer) 
     assert journal.changed(layer.tree_id, since) == changed_since(layer.upper, since) == ["/etc/mapped"]
 
 
+def _remove_and_make(path: Path) -> None:
+    """Removed, made again and removed: whether the name was there before the step cannot be told."""
+    path.unlink()
+    _make(path, remove=True)
+
+
+def _save_over(path: Path) -> None:
+    """An editor's save: a new file renamed over the old."""
+    path.with_name(path.name + ".swp").write_text("saved")
+    path.with_name(path.name + ".swp").rename(path)
+
+
+@pytest.mark.parametrize(
+    ("act", "expected", "walked"),
+    [
+        (lambda root: (root / "mine").unlink(), ["/mine"], []),
+        (lambda root: (root / "mine").rename(root / "yours"), ["/mine", "/yours"], ["/yours"]),
+        (lambda root: _remove_and_make(root / "mine"), [], []),
+        (lambda root: _save_over(root / "mine"), ["/mine"], ["/mine"]),
+    ],
+    ids=["removed", "moved away", "removed, made again and removed", "saved over"],
+)
+def test_a_file_an_earlier_step_made_and_this_one_took_away(journal: ChangeJournal, layer: Layer,
+                                                            act: Callable[[Path], object], expected: list[str],
+                                                            walked: list[str]) -> None:  # fmt: skip
+    """Only the writable layer held it, so nothing is left where it was (no whiteout) and the walk cannot name it;
+    the journal names it unless the step also made a file of that name."""
+    (layer.root / "mine").write_text("an earlier step's")
+    assert _step(journal, layer, act) == (expected, walked)
+
+
 def test_a_new_whiteout_names_only_itself(journal: ChangeJournal, layer: Layer) -> None:
     """Overlayfs links every whiteout to one inode, so a new one touches the old ones' ctime: the walk names
     them again, the journal does not."""

@@ -70,14 +70,16 @@ def test_provenance(client: corral.Client) -> None:
 
 def test_provenance_in_a_writable_layer_of_thousands_of_files(client: corral.Client) -> None:
     """A step's changes among 3,000 files it left alone: written, created, deleted from a lower layer (a whiteout),
-    a name with a space, and nothing else. A file made by an earlier step and removed leaves no entry to find."""
+    a name with a space, a file an earlier step made and this one removed (nothing is left of it in the layer: the
+    change journal's event names it), and nothing else."""
     with client.create("busybox", ttl_s=300) as sandbox:
         sandbox.exec("mkdir -p /work/many && cd /work/many && for d in $(seq 30); do mkdir $d; (cd $d && touch "
                      "$(seq 100)); done && echo x > /work/edit && echo y > /work/gone", timeout_s=120)  # fmt: skip
         sandbox.exec("echo changed > /work/edit; rm /work/gone; echo new > '/work/a b'; rm /bin/vi", step_id="big")
         steps = {step.step_id: step for step in sandbox.trajectory()}
-        assert steps["big"].files == ["/bin/vi", "/work/a b", "/work/edit"]  # /work/gone was never in a lower layer
+        assert steps["big"].files == ["/bin/vi", "/work/a b", "/work/edit", "/work/gone"]
         assert [s.step_id for s in sandbox.provenance("/work/many/7/7")] == []
+        assert [s.step_id for s in sandbox.provenance("/work/gone")] == ["big"]
 
 
 def test_a_second_deletion_names_only_itself(client: corral.Client) -> None:

@@ -4,14 +4,17 @@ A step with a client's id records the files it changed (the trajectory log's pro
 sandbox's overlay upper dir whose inode changed at or after the step's clock, whiteouts (deletions) included.
 The walk answers that with a stat per entry of the layer, on every such step: ~100 ms for 20,000 entries here.
 The journal answers it in O(changes): one fanotify group marks the btrfs pool that holds every sandbox's writable
-layer (a subvolume each) and hears each create, write, attribute change, rename and close after writing made
+layer (a subvolume each) and hears each create, delete, write, attribute change, rename and close after writing made
 through any sandbox's overlay, as (directory handle, name). Those names are candidates only: each is checked as
 the walk checks an entry (not a directory, changed at or after the clock), so the journal names what the walk
 would. Where it cannot be sure it says so and the walk answers: events lost to a full queue, a hard link's other
 names (a link count change names no path), a step it did not see begin (its clock came from before a restart).
 
-One difference, in the journal's favour: overlayfs makes every whiteout a hard link of one shared inode, so a new
+Two differences, in the journal's favour. Overlayfs makes every whiteout a hard link of one shared inode, so a new
 whiteout changes the ctime of all the old ones and the walk names them again; the journal names only the new one.
+And a file only the writable layer held (an earlier step made it) leaves nothing behind when a step removes it or
+moves it away, so the walk cannot name it; the journal names it from the event, unless the step also made a file
+of that name (then it cannot tell whether the name was there before the step).
 """
 
 from __future__ import annotations
@@ -78,10 +81,11 @@ def changed_since(upper: Path, since: float) -> list[str]:
 
 # What changes an entry's inode: a write, a new name (create, link, rename, and overlay's copy-ups and whiteouts),
 # an attribute (chmod, chown, utimes, xattrs; with no name: a link count), and a close after writing, which names
-# a file written through a shared mapping (no event of its own) once the last mapping is gone.
-_MASK = (
-    fanotify.FAN_MODIFY | fanotify.FAN_ATTRIB | fanotify.FAN_CLOSE_WRITE | fanotify.FAN_MOVED_TO | fanotify.FAN_CREATE
-)
+# a file written through a shared mapping (no event of its own) once the last mapping is gone. And a name taken away
+# (delete, rename): a file only the writable layer held (an earlier step's) leaves no whiteout when it goes.
+_MADE = fanotify.FAN_CREATE | fanotify.FAN_MOVED_TO
+_REMOVED = fanotify.FAN_DELETE | fanotify.FAN_MOVED_FROM
+_MASK = fanotify.FAN_MODIFY | fanotify.FAN_ATTRIB | fanotify.FAN_CLOSE_WRITE | _MADE | _REMOVED
 _INFO_FID, _INFO_DFID_NAME = 1, 2  # FAN_EVENT_INFO_TYPE_*
 _INFO_HEADER = struct.Struct("=BBH")  # info_type, pad, len; then a __kernel_fsid_t and a struct file_handle
 _FSID_BYTES = 8
@@ -121,7 +125,8 @@ def _queue_limit() -> int:
         return _QUEUE_DEFAULT
 
 
-_Event = tuple[int, bytes, str]  # (position, handle, name): a directory's handle and a name, or an inode's and ""
+# (position, handle, name, mask): a directory's handle and a name, or an inode's handle and "" (a link count)
+_Event = tuple[int, bytes, str, int]
 
 
 @dataclass
@@ -259,7 +264,8 @@ class ChangeJournal:
             self._unmark_when_idle()
 
     def changed(self, tree_id: int, since: float, pids: Iterable[int] = ()) -> list[str] | None:
-        """What the walk would name for the step whose clock is ``since``; None when only the walk can say.
+        """What the walk would name for the step whose clock is ``since``, and what it removed that the walk cannot
+        see (module docstring); None when only the walk can say.
 
         ``pids``: the sandbox's processes; a file they map shared and writable is a candidate (writes through a
         mapping send no event). Blocks on reading the queue: call it in a thread."""
@@ -364,7 +370,7 @@ class ChangeJournal:
             tree_id = _TREE_ID.unpack_from(data, info + _FIRST_TREE_ID_OFFSET)[0]
             if tree_id not in self._layers:  # a dict lookup is atomic; begin adds a layer before its position
                 continue
-            event = _parse(data, info, end, position)
+            event = _parse(data, info, end, position, mask)
             if event is not None:
                 filed.setdefault(tree_id, []).append(event)
         with self._lock:
@@ -384,8 +390,10 @@ class ChangeJournal:
         """The candidates' entries that the walk would name; _Unsure when a changed inode has a name no event gave."""
         directories: dict[bytes, str | None] = {}
         candidates: set[str] = set()
+        made: set[str] = set()  # names the step gave a file (created, linked, moved there)
+        removed: set[str] = set()  # names it took one from (deleted, moved away)
         relinked: list[tuple[int, int]] = []  # (inode, links) of files whose link count changed
-        for _, handle, name in events:
+        for _, handle, name, mask in events:
             if not name:
                 found = self._stat(handle)
                 if found is not None and found.st_nlink and not _is_directory_or_whiteout(found):
@@ -395,17 +403,26 @@ class ChangeJournal:
                 directories[handle] = self._directory(handle)
             directory = directories[handle]
             if directory == upper:
-                candidates.add("/" + name)
+                relative = "/" + name
             elif directory is not None and directory.startswith(upper) and directory[len(upper)] == "/":
-                candidates.add(f"{directory[len(upper) :]}/{name}")  # not overlay's work dir
+                relative = f"{directory[len(upper) :]}/{name}"
+            else:
+                continue  # gone, or overlay's work dir
+            candidates.add(relative)
+            if mask & _MADE:
+                made.add(relative)
+            if mask & _REMOVED:
+                removed.add(relative)
         candidates.update(_shared_writable_mappings(pids))
         changed: list[str] = []
         inodes: set[int] = set()
         for relative in candidates:
             try:
                 entry = os.lstat(upper + relative)
-            except OSError:
-                continue  # gone again, or a mapping of a file outside the layer
+            except OSError:  # gone, or a mapping of a file outside the layer
+                if relative in removed and relative not in made and relative != AGENT_PATH:
+                    changed.append(relative)  # a file from before the step (an earlier one's), removed: no whiteout
+                continue
             if stat.S_ISDIR(entry.st_mode):
                 continue
             inodes.add(entry.st_ino)
@@ -447,7 +464,7 @@ class ChangeJournal:
         return None if path.endswith(" (deleted)") else path
 
 
-def _parse(data: bytes, info: int, end: int, position: int) -> _Event | None:
+def _parse(data: bytes, info: int, end: int, position: int, mask: int) -> _Event | None:
     """An event's directory handle and name, or, for a link count (no name), the inode's own handle."""
     handle, name = b"", ""
     while info + _INFO_HEADER.size <= end:
@@ -463,7 +480,7 @@ def _parse(data: bytes, info: int, end: int, position: int) -> _Event | None:
                 name = os.fsdecode(data[name_start : data.index(b"\0", name_start)])
                 break
         info += max(info_len, _INFO_HEADER.size)
-    return (position, handle, name) if handle else None
+    return (position, handle, name, mask) if handle else None
 
 
 def _is_directory_or_whiteout(entry: os.stat_result) -> bool:
