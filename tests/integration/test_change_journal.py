@@ -308,3 +308,24 @@ def test_the_filesystem_is_marked_only_while_a_step_is_open(journal: ChangeJourn
     assert _filesystem_marks() == 0
     found, _ = _step(journal, layer, lambda root: (root / "b").write_text("x"))
     assert found == ["/b"] and _filesystem_marks() == 0
+
+
+def test_an_answer_on_the_event_loop_leaves_a_step_with_much_queued_to_a_thread(layer: Layer) -> None:
+    """``wait=False`` answers only when little is queued; otherwise it leaves the step as it was, and the answer
+    in a thread (which reads everything) is the walk's."""
+    journal = ChangeJournal(layer.pool.mountpoint, drain_interval_s=3600.0)  # only the steps read the queue
+    journal.open()
+    try:
+        since = _begin(journal, layer)
+        (layer.root / "a").write_text("x")
+        assert journal.is_small(layer.tree_id)
+        assert journal.changed(layer.tree_id, since, wait=False) == ["/a"]
+        since = _begin(journal, layer)
+        for index in range(500):  # ~60 KiB of events: more than an answer on the loop reads
+            (layer.root / f"f{index}").write_text("x")
+        assert journal.changed(layer.tree_id, since, wait=False) is None
+        walked = changed_since(layer.upper, since)
+        assert journal.changed(layer.tree_id, since) == walked and len(walked) == 500
+        assert not journal.is_small(layer.tree_id)  # no step open: nothing kept
+    finally:
+        journal.close()

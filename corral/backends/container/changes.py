@@ -100,7 +100,8 @@ _READ_BYTES = 1 << 16
 _EVENT_BYTES_MAX = 1 << 10  # both records: 24 + 2 x (4 + 8 + 8 + 128-byte handle) + a 255-byte name, rounded up
 _QUEUE_DEFAULT = 16_384  # fs.fanotify.max_queued_events when it cannot be read
 _DRAIN_INTERVAL_S = 0.25  # the queue is read this often, so a burst of writes rarely fills it
-_INLINE_DRAIN_BYTES = 16 << 10  # ~150 events: what a step's begin reads on the event loop (~0.3 ms at most)
+_INLINE_DRAIN_BYTES = 16 << 10  # ~150 events: what a step's begin or answer reads on the event loop (~0.3 ms)
+_INLINE_EVENTS = 32  # a step's answer on the event loop: a lookup of each event's directory, a stat of each name
 _STARTS_MAX = 64  # steps begun and not asked about, per sandbox; a step pushed out goes to the walk
 _START_MAX_AGE_S = 3600.0  # a step not asked about in this long (it failed: nothing asks) is let go
 _EVENTS_MAX = 20_000  # per sandbox for its open steps; past it they go to the walk (as fast, at that many changes)
@@ -263,15 +264,21 @@ class ChangeJournal:
             self._uppers.pop(tree_id, None)
             self._unmark_when_idle()
 
-    def changed(self, tree_id: int, since: float, pids: Iterable[int] = ()) -> list[str] | None:
+    def is_small(self, tree_id: int) -> bool:
+        """Whether the layer's open steps hold few events, so an answer is cheap enough for the event loop."""
+        layer = self._layers.get(tree_id)
+        return layer is not None and len(layer.events) <= _INLINE_EVENTS
+
+    def changed(self, tree_id: int, since: float, pids: Iterable[int] = (), *, wait: bool = True) -> list[str] | None:
         """What the walk would name for the step whose clock is ``since``, and what it removed that the walk cannot
         see (module docstring); None when only the walk can say.
 
         ``pids``: the sandbox's processes; a file they map shared and writable is a candidate (writes through a
-        mapping send no event). Blocks on reading the queue: call it in a thread."""
-        if self._fd < 0:
+        mapping send no event). Reads the queue first, in a thread; with ``wait=False`` (on the event loop, after
+        ``is_small``) only when little is queued and no other read is under way, else None with the step left as it
+        was, for a call in a thread."""
+        if self._fd < 0 or not self._drain(wait=wait, up_to_bytes=None if wait else _INLINE_DRAIN_BYTES):
             return None
-        self._drain()
         with self._lock:
             layer = self._layers.get(tree_id)
             if layer is None:
@@ -322,14 +329,17 @@ class ChangeJournal:
         fcntl.ioctl(self._fd, termios.FIONREAD, found)
         return int.from_bytes(found, sys.byteorder)
 
-    def _drain(self, *, wait: bool = True, up_to_bytes: int | None = None) -> None:
+    def _drain(self, *, wait: bool = True, up_to_bytes: int | None = None) -> bool:
         """Read the queue until it is empty as of this call (what comes meanwhile may wait for the next); with
-        ``wait=False`` only if no other drain is under way, with ``up_to_bytes`` only if it holds no more. A read
-        that fails loses its events: the steps open then go to the walk."""
+        ``wait=False`` only if no other drain is under way, with ``up_to_bytes`` only if it holds no more: whether
+        it read. A read that fails loses its events: the steps open then go to the walk."""
         if not self._draining.acquire(blocking=wait):
-            return
+            return False
         try:
-            if up_to_bytes is None or self._queued_bytes() <= up_to_bytes:
+            queued = self._queued_bytes()
+            if up_to_bytes is not None and queued > up_to_bytes:
+                return False
+            if queued:
                 self._read_queue()
         except OSError:
             log.exception("reading the writable layers' change events failed; the steps open go to the walk")
@@ -337,6 +347,7 @@ class ChangeJournal:
                 self._floor = self._next + 1
         finally:
             self._draining.release()
+        return True
 
     def _read_queue(self) -> None:
         read_events = 0

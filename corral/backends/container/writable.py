@@ -206,6 +206,10 @@ class QuotaPool:
                 raise
         return tree_id
 
+    def known_tree_id(self, sandbox_id: str) -> int | None:
+        """Its subvolume's id if ``tree_id`` found it before (and it was not removed since)."""
+        return self._tree_ids.get(sandbox_id)
+
     def tree_id(self, sandbox_id: str) -> int:
         """Its subvolume's id (its tree's, in file handles; its qgroup is 0/<id>)."""
         if sandbox_id not in self._tree_ids:
