@@ -151,7 +151,12 @@ with open(sys.argv[2], "r+b") as file, mmap.mmap(file.fileno(), 4096) as mapping
     def close(self) -> None:
         assert self.process.stdin is not None
         self.process.stdin.close()
-        assert self.process.wait(timeout=30) == 0
+        try:
+            assert self.process.wait(timeout=30) == 0
+        finally:
+            if self.process.poll() is None:  # hung: it holds the overlay the fixture unmounts
+                self.process.kill()
+                self.process.wait()
 
 
 def test_a_write_through_a_shared_mapping(journal: ChangeJournal, layer: Layer) -> None:

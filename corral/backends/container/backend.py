@@ -58,7 +58,7 @@ from corral.backends.common.network import (
     HostResolver,
     NetworkFabric,
 )
-from corral.backends.container.changes import CHANGED_PATHS_MAX, ChangeJournal, changed_since
+from corral.backends.container.changes import CHANGED_PATHS_MAX, StepFiles
 from corral.backends.container.gvisor import RUNSC, Gvisor
 from corral.backends.container.isolation import CommandPaths, Container, Isolation, PlainOci
 from corral.backends.container.kernel_watch import SeccompDenials, SensitiveReads, session_of
@@ -102,17 +102,6 @@ _TOO_MANY = "upper:too-many-entries"
 _VOLATILE_DIRS = ("dev", "dev/shm", "dev/mqueue")  # tmpfs mounts: writes there are not in the upper dir
 _AGENT_QUERY_TIMEOUT_S = 2.0
 _NO_IPC_OBJECTS = IpcCounts(0, 0, 0)
-
-
-def _touch(marker: Path) -> int:
-    """The marker's ctime once its times are set to now (one syscall; made first for a sandbox an older server
-    started, which has none)."""
-    try:
-        os.utime(marker)
-    except FileNotFoundError:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_bytes(b"")
-    return os.stat(marker).st_ctime_ns
 
 
 def _changed_under(upper: Path, prefixes: tuple[str, ...]) -> list[str]:
@@ -271,8 +260,7 @@ class ContainerBackend:
         self._pool = QuotaPool(data_dir, disk_reserve_mb << 20)
         self._pool_lock = asyncio.Lock()
         self._pool_error: InternalError | None = None
-        self._journal = ChangeJournal(self._pool.mountpoint)  # opened by the first step with a client's id
-        self._journal_error: OSError | None = None
+        self._step_files = StepFiles(self._pool)
         # One router namespace per server (its data dir), created when the first sandbox needs a network.
         self._fabric = NetworkFabric(
             "n" + hashlib.sha256(str(data_dir).encode()).hexdigest()[:10],
@@ -540,9 +528,7 @@ class ContainerBackend:
 
     def _remove_dirs(self, sandbox_id: str) -> None:
         """Its bundle and its writable layer (with its quota, when it has one)."""
-        tree_id = self._pool.remove(sandbox_id)
-        if tree_id is not None:
-            self._journal.forget(tree_id)
+        self._step_files.forget(self._pool.remove(sandbox_id))
         shutil.rmtree(self.runtime_dir(sandbox_id), ignore_errors=True)
         shutil.rmtree(self._dir / sandbox_id, ignore_errors=True)
 
@@ -578,40 +564,10 @@ class ContainerBackend:
         """The filesystem's own 'now', on the coarse clock the kernel stamps files with.
 
         It waits for that clock to tick once, so everything changed before the call is
-        strictly older than the returned time (at most one tick, a few ms). The change journal is told the
-        step begins before the clock is read, and given the clock after."""
+        strictly older than the returned time (at most one tick, a few ms)."""
         # In the run dir: never in the writable layer's subvolume, whose quota a full sandbox has used up. The
         # clock is the kernel's for every filesystem (multigrain timestamps keep coarse ones after fine ones).
-        marker = self.runtime_dir(sandbox_id) / "clock"
-        tree_id = self._journal_tree(sandbox_id)
-        position = self._journal.begin(tree_id, self.upper(sandbox_id)) if tree_id is not None else 0
-        try:
-            before = _touch(marker)
-            while (now := _touch(marker)) <= before:
-                await asyncio.sleep(0.0005)
-        except BaseException:
-            if tree_id is not None:
-                self._journal.abandon(tree_id, position)
-            raise
-        if tree_id is not None:
-            self._journal.started(tree_id, now / 1e9, position)
-        return now / 1e9
-
-    def _journal_tree(self, sandbox_id: str) -> int | None:
-        """The subvolume id of the sandbox's writable layer in the change journal (opened on first use); None
-        when it has no subvolume or this node cannot have a journal (its steps walk their layers)."""
-        if self._journal.is_open and (known := self._pool.known_tree_id(sandbox_id)) is not None:
-            return known  # every step after the sandbox's first: no stat
-        if not self._pool.has(sandbox_id) or self._journal_error is not None:
-            return None
-        if not self._journal.is_open:
-            try:
-                self._journal.open()
-            except OSError as exc:
-                self._journal_error = exc
-                log.warning("%s: a step's changed files are found by walking its sandbox's writable layer", exc)
-                return None
-        return self._pool.tree_id(sandbox_id)
+        return await self._step_files.clock(sandbox_id, self.runtime_dir(sandbox_id) / "clock", self.upper(sandbox_id))
 
     def _netns(self, container: Container) -> str:
         return f"/proc/{container.init_pid}/ns/net"
@@ -743,21 +699,9 @@ class ContainerBackend:
     async def changed_paths(self, sandbox_id: str, since: float) -> list[str]:
         """Paths in the sandbox's writable layer changed (written, created or deleted) at or after ``since``."""
         container = self.container(sandbox_id)
-        upper = self.upper(sandbox_id)
-        tree_id = self._journal_tree(sandbox_id) if self._journal.is_open else None
         # gVisor's sentry writes a mapping back through its gofer (events): its processes are not the sandbox's.
         pids = container.memory.pids if container.spec.runtime != RUNSC else list
-
-        if tree_id is not None and self._journal.is_small(tree_id):  # a few events to read: no thread's hand-off
-            found = self._journal.changed(tree_id, since, pids(), wait=False)
-            if found is not None:
-                return found
-
-        def changed() -> list[str]:
-            found = self._journal.changed(tree_id, since, pids()) if tree_id is not None else None
-            return changed_since(upper, since) if found is None else found
-
-        return await asyncio.to_thread(changed)
+        return await self._step_files.changed(sandbox_id, self.upper(sandbox_id), since, pids)
 
     async def shutdown(self, sandbox_id: str, timeout_s: float) -> bool:
         """SIGTERM to every process (the agents ignore it), then wait until only agents are left."""
@@ -874,7 +818,7 @@ class ContainerBackend:
         self._reads.close()
         self._mounts.unmount_all()
         self._sysfs.close()
-        await asyncio.to_thread(self._journal.close)
+        await asyncio.to_thread(self._step_files.close)
         await asyncio.to_thread(self._pool.close)
         if self._fabric_started:
             await asyncio.to_thread(self._fabric.close)
