@@ -397,7 +397,10 @@ def _measure(work_dir: Path, layer_file: Path, runs: int, concurrency: int, prog
             task = progress.add_task(f"a step with a client's id, back to back: in that sandbox and in one with "
                                      f"{STEP_LAYER_FILES:,} files in its layer", total=2 * calls + 1)  # fmt: skip
             with client.create(IMAGE, cpu=LIMITS.cpu, memory_mb=LIMITS.memory_mb, ttl_s=SANDBOX_TTL_S) as full:
-                _require_success(full.exec(_make_files(STEP_LAYER_FILES), timeout_s=300))
+                made = full.exec(_make_files(STEP_LAYER_FILES), timeout_s=300)
+                _require_success(made)
+                if made.stdout.strip() != str(STEP_LAYER_FILES):  # the row means nothing with fewer
+                    raise RuntimeError(f"the bench's layer holds {made.stdout.strip()} files, not {STEP_LAYER_FILES}")
                 progress.advance(task)
                 steps = {"corral_exec_step": sandbox, "corral_exec_step_many_files": full}
                 for i in range(calls):

@@ -1,6 +1,7 @@
 """The change journal against the walk it stands in for, on a real quota pool (btrfs on a loop device) with an
-overlay over a subvolume, as a container sandbox's root is: each step's answer is the walk's, or None (the walk's
-turn) where the journal cannot be sure."""
+overlay over a subvolume, as a container sandbox's root is: each step's answer is the walk's, better where the walk
+cannot see (a removed file only the layer held, old whiteouts it names again), or None (the walk's turn) where the
+journal cannot be sure."""
 
 from __future__ import annotations
 
