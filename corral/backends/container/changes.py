@@ -137,7 +137,6 @@ _Event = tuple[int, bytes, str, int]
 class _Layer:
     """A sandbox's writable layer while it has steps open: when they began, and the events since the first."""
 
-    upper: str
     pending: list[int] = field(default_factory=list)  # positions of steps between begin and started
     starts: list[tuple[float, int]] = field(default_factory=list)  # (clock, position), by clock
     events: list[_Event] = field(default_factory=list)
@@ -231,7 +230,7 @@ class ChangeJournal:
             if layer is None:
                 if tree_id not in self._uppers:  # as the kernel writes a directory's path (the events' are matched)
                     self._uppers[tree_id] = os.path.realpath(upper)
-                layer = self._layers[tree_id] = _Layer(self._uppers[tree_id])
+                layer = self._layers[tree_id] = _Layer()
             with self._reading:
                 position = self._next
             layer.pending.append(position)
@@ -292,7 +291,7 @@ class ChangeJournal:
             position = layer.starts.pop(index)[1]
             events = layer.events[bisect.bisect_left(layer.events, position, key=lambda event: event[0]) :]
             answerable = position >= max(layer.floor, self._floor)
-            upper = layer.upper
+            upper = self._uppers[tree_id]
             self._trim(tree_id, layer)
         if not answerable:
             return None
