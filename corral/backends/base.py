@@ -27,6 +27,7 @@ from corral.backends.common.network import AllowRule, DeniedCounts
 __all__ = [
     "Backend",
     "Capability",
+    "ChangedPaths",
     "Checkpointing",
     "FileTree",
     "LayerRef",
@@ -130,6 +131,17 @@ class CommandExit:
 
 
 CommandEvent = CommandStarted | CommandOutput | CommandExit
+
+
+@dataclass(frozen=True)
+class ChangedPaths:
+    """The files a step changed (``Backend.changed_paths``) and how they were found, which the edge counts: a
+    step that falls to a slow way (a walk of a large layer) shows in its metrics, not only in its latency."""
+
+    paths: list[str]
+    how: str
+    """``journal`` (a container's change journal), ``walk`` (its writable layer walked), ``guest`` (a walk inside a
+    microvm), ``none`` (no writable layer of its own to look in: full VMs), ``record`` (the simulated backend)."""
 
 
 @dataclass(frozen=True)
@@ -307,7 +319,7 @@ class Backend(Protocol):
     async def fs_clock(self, sandbox_id: str) -> float:
         """A timestamp on the clock the sandbox's filesystem stamps changes with."""
 
-    async def changed_paths(self, sandbox_id: str, since: float) -> list[str]:
+    async def changed_paths(self, sandbox_id: str, since: float) -> ChangedPaths:
         """Files changed at or after ``since`` (from fs_clock): where the sandbox's state came from."""
 
     async def shutdown(self, sandbox_id: str, timeout_s: float) -> bool:

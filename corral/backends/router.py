@@ -17,6 +17,7 @@ from corral.api.errors import InvalidRequest, NotFound
 from corral.backends.base import (
     Backend,
     Capability,
+    ChangedPaths,
     Checkpointing,
     CommandSpec,
     FileTree,
@@ -120,7 +121,7 @@ class BackendRouter:
     async def fs_clock(self, sandbox_id: str) -> float:
         return await self.owner(sandbox_id).fs_clock(sandbox_id)
 
-    async def changed_paths(self, sandbox_id: str, since: float) -> list[str]:
+    async def changed_paths(self, sandbox_id: str, since: float) -> ChangedPaths:
         return await self.owner(sandbox_id).changed_paths(sandbox_id, since)
 
     async def shutdown(self, sandbox_id: str, timeout_s: float) -> bool:

@@ -51,7 +51,7 @@ from corral.images.store import LayerStore
 from corral.procfs import host_cpu_s
 from corral.sdk import AsyncClient, AsyncSandbox, Client, ExecResult, InvalidRequest, Sandbox
 
-__all__ = ["percentile", "run_benchmark", "summarize"]
+__all__ = ["make_files_command", "percentile", "run_benchmark", "summarize"]
 
 IMAGE = "busybox"
 EXEC_WARMUP_CALLS = 5
@@ -228,7 +228,7 @@ def _remove_bench_cgroups() -> None:
             parent.rmdir()
 
 
-def _make_files(count: int) -> str:
+def make_files_command(count: int) -> str:
     """A shell command that writes ``count`` empty files (100 a directory) under /work/many."""
     return (f"mkdir -p /work/many && cd /work/many && for d in $(seq {count // 100}); do mkdir $d && "
             "(cd $d && touch $(seq 100)) || exit 1; done && find /work/many -type f | wc -l")  # fmt: skip
@@ -397,7 +397,7 @@ def _measure(work_dir: Path, layer_file: Path, runs: int, concurrency: int, prog
             task = progress.add_task(f"a step with a client's id, back to back: in that sandbox and in one with "
                                      f"{STEP_LAYER_FILES:,} files in its layer", total=2 * calls + 1)  # fmt: skip
             with client.create(IMAGE, cpu=LIMITS.cpu, memory_mb=LIMITS.memory_mb, ttl_s=SANDBOX_TTL_S) as full:
-                made = full.exec(_make_files(STEP_LAYER_FILES), timeout_s=300)
+                made = full.exec(make_files_command(STEP_LAYER_FILES), timeout_s=300)
                 _require_success(made)
                 if made.stdout.strip() != str(STEP_LAYER_FILES):  # the row means nothing with fewer
                     raise RuntimeError(f"the bench's layer holds {made.stdout.strip()} files, not {STEP_LAYER_FILES}")

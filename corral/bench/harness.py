@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console, RenderableType
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -23,7 +25,15 @@ from corral.backends.common import host
 from corral.embedded import EmbeddedServer
 from corral.sdk import ExecResult
 
-__all__ = ["bench_server", "bench_session", "emit", "ms_since", "require_success", "throwaway_postgres"]
+__all__ = [
+    "bench_server",
+    "bench_session",
+    "emit",
+    "metric_sum",
+    "ms_since",
+    "require_success",
+    "throwaway_postgres",
+]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,6 +48,19 @@ def require_success(result: ExecResult, what: str) -> ExecResult:
     if result.exit_code != 0:
         raise RuntimeError(f"`{what}` in the sandbox exited {result.exit_code}: {result.stderr[-300:]}")
     return result
+
+
+def metric_sum(server: EmbeddedServer, name: str, **labels: str) -> float:
+    """The sum of the server's samples called ``name`` (a counter's ``..._total``) that carry ``labels``, read
+    from its /metrics as Prometheus would."""
+    response = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {server.api_key}"}, timeout=30)
+    response.raise_for_status()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(key) == value for key, value in labels.items())
+    )
 
 
 @contextmanager

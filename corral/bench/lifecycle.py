@@ -14,6 +14,13 @@
    must hold exactly S lines), sequentially with the sync Client (a reconnecting
    trainer) and with 16 concurrent AsyncClient requests; baseline: plain
    `exec("true")` without step ids at the same concurrency.
+4. Sandboxes stepping at once, as an RL trainer drives them: N busybox sandboxes,
+   each with 1,000 files in its writable layer, each taking S steps one after
+   another (a write of one file, with a step id), all sandboxes at once through
+   one AsyncClient. Each step's logged files must be the one file it wrote, and
+   the node's metrics must say its change journal found every step's files (the
+   walk of a 1,000-file layer is what it replaces). Baseline: the same writes
+   without step ids on the same sandboxes, in alternating rounds.
 
 This machine is noisy and shared, so absolute numbers drift from run to run;
 each figure sits next to its baseline from the same run and is read as a ratio
@@ -29,6 +36,7 @@ import contextlib
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -40,10 +48,10 @@ from rich.table import Table
 
 from corral.backends.common import host
 from corral.backends.common.host import runtime_state_root
-from corral.bench.containers import summarize
-from corral.bench.harness import ResultTable, bench_session, emit, ms_since, require_success
+from corral.bench.containers import make_files_command, summarize
+from corral.bench.harness import ResultTable, bench_session, emit, metric_sum, ms_since, require_success
 from corral.embedded import EmbeddedServer
-from corral.sdk import AsyncClient, Client, CorralError, ExecResult, InvalidRequest, Sandbox
+from corral.sdk import AsyncClient, AsyncSandbox, Client, CorralError, ExecResult, InvalidRequest, Sandbox
 
 __all__ = ["run_lifecycle_benchmark"]
 
@@ -53,6 +61,8 @@ HOLD_MEMORY = (f"python3 -c 'import os,time; b=bytearray(os.urandom({HELD_MIB}<<
 HOLD_WAIT_S = 30.0
 FORK_IMAGE, FORK_FILES, FORK_BURST, FORK_BURST_SAMPLES = "busybox", 8, 4, 3
 REPLAY_STEPS, REPLAY_CONCURRENCY = 200, 16
+STEPPING_SANDBOXES, STEPPING_STEPS, STEPPING_ROUNDS, STEPPING_LAYER_FILES = 16, 30, 2, 1_000
+STEP_LOOKUPS = "corral_edge_step_files_lookups_total"
 SANDBOX_TTL_S = 600.0  # a sandbox leaked by a crashed bench still goes away
 PAUSE_TARGET_MS = RESUME_TARGET_MS = 50.0
 RECLAIMED_TARGET = 0.80
@@ -198,6 +208,66 @@ def _replay(client: Client, url: str, api_key: str, progress: Progress) -> dict[
     return out
 
 
+async def _stepping_passes(url: str, api_key: str, sandbox_ids: list[str]) -> dict[str, list[float]]:
+    """Rounds of a pass without step ids, then one with: every sandbox takes its steps in turn, all at once.
+    Per kind: each step's latency (ms) and each pass's rate (``<kind>_rate``, steps/s)."""
+    out: dict[str, list[float]] = {"plain": [], "steps": [], "plain_rate": [], "steps_rate": []}
+    async with AsyncClient(url, api_key) as client:
+        sandboxes = [await client.get(sandbox_id) for sandbox_id in sandbox_ids]
+        await asyncio.gather(*(sandbox.exec("true") for sandbox in sandboxes))  # connections open, untimed
+
+        async def trajectory(sandbox: AsyncSandbox, kind: str, round_no: int) -> None:
+            for k in range(STEPPING_STEPS):
+                name = f"{kind}-{round_no}-{k}"
+                started = time.perf_counter()
+                result = await sandbox.exec(f"echo {k} > /work/{name}", step_id=name if kind == "steps" else None)
+                out[kind].append(ms_since(started))
+                require_success(result, f"echo > /work/{name}")
+
+        for round_no in range(STEPPING_ROUNDS):
+            for kind in ("plain", "steps"):
+                started = time.perf_counter()
+                await asyncio.gather(*(trajectory(sandbox, kind, round_no) for sandbox in sandboxes))
+                out[f"{kind}_rate"].append(len(sandboxes) * STEPPING_STEPS / (time.perf_counter() - started))
+    return out
+
+
+def _stepping(server: EmbeddedServer, client: Client, sandboxes: int, progress: Progress) -> dict[str, Any]:
+    task = progress.add_task(f"{sandboxes} sandboxes stepping at once ({STEPPING_LAYER_FILES:,} files in each layer)",
+                             total=sandboxes + 1)  # fmt: skip
+    created: list[Sandbox] = []
+    try:
+        for _ in range(sandboxes):
+            sandbox = client.create(FORK_IMAGE, ttl_s=SANDBOX_TTL_S)
+            created.append(sandbox)
+            made = require_success(sandbox.exec(make_files_command(STEPPING_LAYER_FILES), timeout_s=300), "make files")
+            if made.stdout.strip() != str(STEPPING_LAYER_FILES):  # the row means nothing with fewer
+                raise RuntimeError(f"a sandbox's layer holds {made.stdout.strip()} files, not {STEPPING_LAYER_FILES}")
+            progress.advance(task)
+        before = {how: metric_sum(server, STEP_LOOKUPS, how=how) for how in ("journal", "walk")}
+        passes = asyncio.run(_stepping_passes(server.url, server.api_key, [sandbox.id for sandbox in created]))
+        found = {how: metric_sum(server, STEP_LOOKUPS, how=how) - before[how] for how in ("journal", "walk")}
+        wrong = sum(
+            step.files != [f"/work/{step.step_id}"]
+            for sandbox in created
+            for step in sandbox.trajectory()
+            if step.step_id.startswith("steps-")
+        )
+        progress.advance(task)
+    finally:
+        for sandbox in created:
+            with contextlib.suppress(CorralError):
+                sandbox.kill()
+    return {
+        "plain": {**summarize(passes["plain"]), "steps_per_s": statistics.median(passes["plain_rate"])},
+        "steps": {**summarize(passes["steps"]), "steps_per_s": statistics.median(passes["steps_rate"])},
+        "rates": {"plain": passes["plain_rate"], "steps": passes["steps_rate"]},
+        "check": {"steps": sandboxes * STEPPING_STEPS * STEPPING_ROUNDS, "files_not_as_written": wrong,
+                  "found_by_journal": int(found["journal"]), "found_by_walk": int(found["walk"])},
+        "sandboxes": sandboxes,
+    }  # fmt: skip
+
+
 def _remove_fork_layers(client: Client, parents: set[str]) -> None:
     """The diff layers fork packed from our parents went to the node's real store: remove them."""
     for layer in client.images.layers():
@@ -206,7 +276,7 @@ def _remove_fork_layers(client: Client, parents: set[str]) -> None:
                 client.images.remove_layer(layer.digest)
 
 
-def _measure(data_dir: Path, runs: int, progress: Progress) -> dict[str, Any]:
+def _measure(data_dir: Path, runs: int, stepping: int, progress: Progress) -> dict[str, Any]:
     task = progress.add_task("starting corral serve", total=1)
     server = EmbeddedServer(data_dir)
     parents: set[str] = set()
@@ -217,6 +287,7 @@ def _measure(data_dir: Path, runs: int, progress: Progress) -> dict[str, Any]:
             pause = _pause_samples(client, runtime_state_root(data_dir, "crun"), runs, progress)
             fork = _fork_samples(client, runs, parents, progress)
             replay = _replay(client, server.url, server.api_key, progress)
+            steps = _stepping(server, client, stepping, progress)
         task = progress.add_task("cleaning up (sandboxes, fork layers, server)", total=1)
     finally:
         server.kill_all_sandboxes()
@@ -226,11 +297,12 @@ def _measure(data_dir: Path, runs: int, progress: Progress) -> dict[str, Any]:
         server.shutdown()
         host.orphans.reap()
     progress.update(task, completed=1)
-    return {"pause": pause, "fork": fork, "replay": replay}
+    return {"pause": pause, "fork": fork, "replay": replay, "stepping": steps}
 
 
 def _checks(results: dict[str, Any]) -> list[dict[str, Any]]:
-    pause, fork, check = results["pause"], results["fork"], results["replay"]["check"]
+    pause, fork, check, stepping = results["pause"], results["fork"], results["replay"]["check"], results["stepping"]
+    stepped = stepping["check"]
     exactly_once = (check["first_pass_executed"] == check["sync_resend_replayed"] == REPLAY_STEPS
                     and check["async_resend_replayed"] == check["log_lines"] == REPLAY_STEPS)  # fmt: skip
     pause_ms, resume_ms, fork_ms = pause["pause"]["p50"], pause["resume"]["p50"], fork["fork"]["p50"]
@@ -245,6 +317,8 @@ def _checks(results: dict[str, Any]) -> list[dict[str, Any]]:
         {"metric": "fork", "target": f"p50 ≤ {FORK_TARGET_MS:g} ms", "value": fork_ms, "ok": fork_ms <= FORK_TARGET_MS},
         {"metric": "replay", "target": f"{REPLAY_STEPS} replayed, {REPLAY_STEPS} lines", "value": check,
          "ok": exactly_once},
+        {"metric": "stepping", "target": "each step's own file; all by the journal", "value": stepped,
+         "ok": stepped["files_not_as_written"] == 0 and stepped["found_by_journal"] == stepped["steps"]},
     ]  # fmt: skip
 
 
@@ -278,13 +352,22 @@ def _table(report: dict[str, Any]) -> Table:
                       f"exec true: {base['steps_per_s']:.0f} steps/s",
                       f"{ours['steps_per_s'] / base['steps_per_s']:.2f}× rate",
                       rows.target("replay") if gated else "-", verdict("replay") if gated else "-")  # fmt: skip
+    stepping = report["stepping"]
+    ours, base = stepping["steps"], stepping["plain"]
+    table.add_row(f"{stepping['sandboxes']} sandboxes stepping at once, {STEPPING_LAYER_FILES:,} files in each layer",
+                  f"{ours['p50']:.1f} ms ({ours['steps_per_s']:.0f} steps/s)", f"{ours['p95']:.1f} ms",
+                  f"without step ids: {base['p50']:.1f} ms ({base['steps_per_s']:.0f} steps/s)",
+                  f"{ours['steps_per_s'] / base['steps_per_s']:.2f}× rate", rows.target("stepping"),
+                  verdict("stepping"))  # fmt: skip
     return table
 
 
-def run_lifecycle_benchmark(*, runs: int, as_json: bool, console: Console) -> None:
+def run_lifecycle_benchmark(*, runs: int, stepping: int, as_json: bool, console: Console) -> None:
     """Measure pause/resume, fork and replay against same-run baselines, then print a table (or JSON)."""
     if runs < 1:
         raise InvalidRequest("--runs must be at least 1")
+    if stepping < 1:
+        raise InvalidRequest("--stepping must be at least 1")
     if os.geteuid() != 0:
         raise SystemExit("corral bench lifecycle needs root: its baseline runs crun on the server's containers")
     layout = host.detect_cgroup_layout()
@@ -294,14 +377,16 @@ def run_lifecycle_benchmark(*, runs: int, as_json: bool, console: Console) -> No
     if shutil.which("crun") is None:
         raise InvalidRequest("crun is not installed: apt-get install crun")
     with bench_session("bench-lifecycle", as_json=as_json, console=console) as (scratch, progress):
-        results = _measure(scratch / "server", runs, progress)
+        results = _measure(scratch / "server", runs, stepping, progress)
     swap_kib = [int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
                 if line.startswith("SwapTotal:")]  # fmt: skip
     report: dict[str, Any] = {
         "unit": "ms",
         "params": {"runs": runs, "pause_image": PAUSE_IMAGE, "pause_memory_mb": PAUSE_MEMORY_MB,
                    "held_mib": HELD_MIB, "fork_image": FORK_IMAGE, "fork_burst": FORK_BURST,
-                   "replay_steps": REPLAY_STEPS, "replay_concurrency": REPLAY_CONCURRENCY},
+                   "replay_steps": REPLAY_STEPS, "replay_concurrency": REPLAY_CONCURRENCY,
+                   "stepping_sandboxes": stepping, "stepping_steps": STEPPING_STEPS,
+                   "stepping_rounds": STEPPING_ROUNDS, "stepping_layer_files": STEPPING_LAYER_FILES},
         "host": {"kernel": platform.release(), "cpu_count": os.cpu_count(), "cgroup_layout": layout.value,
                  "swap_mib": (swap_kib or [0])[0] // 1024},
         **results,

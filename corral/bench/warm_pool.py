@@ -26,15 +26,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
 from corral.backends.common import host
 from corral.bench.containers import summarize
-from corral.bench.harness import ResultTable, bench_session, emit, ms_since, require_success
+from corral.bench.harness import ResultTable, bench_session, emit, metric_sum, ms_since, require_success
 from corral.embedded import EmbeddedServer
 from corral.gateway.warm_pool import CLAIMED_NOTE
 from corral.sdk import Client
@@ -57,16 +55,7 @@ BATCH_LABEL = {"bench": "warm-pool-batch"}
 
 def _warm(server: EmbeddedServer, memory_mb: int) -> float:
     """Warm sandboxes of the pools of this memory size, from the server's metrics."""
-    response = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {server.api_key}"}, timeout=30)
-    response.raise_for_status()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(response.text)
-        for sample in family.samples
-        if sample.name == "corral_warm_pool_sandboxes"
-        and sample.labels.get("memory_mb") == str(memory_mb)
-        and sample.labels.get("state") == "warm"
-    )
+    return metric_sum(server, "corral_warm_pool_sandboxes", memory_mb=str(memory_mb), state="warm")
 
 
 def _wait_warm(server: EmbeddedServer, memory_mb: int, count: int, on_wait: Callable[[float], None]) -> float:

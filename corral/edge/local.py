@@ -782,7 +782,9 @@ class LocalEdge:
 
     async def changed_paths(self, sandbox_id: str, since: float) -> list[str]:
         self._get(sandbox_id)
-        return await self._backend.changed_paths(sandbox_id, since)
+        changed = await self._backend.changed_paths(sandbox_id, since)
+        self.metrics.found_step_files(changed.how)
+        return changed.paths
 
     async def pack_diff(self, sandbox_id: str, dest: Path) -> None:
         self._get(sandbox_id)

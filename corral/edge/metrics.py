@@ -58,13 +58,27 @@ class EdgeMetrics:
             registry=self.registry,
         )
 
+        self.step_files = Counter(
+            "corral_edge_step_files_lookups",
+            "Steps whose changed files the node looked up for the trajectory log, by how: journal (a container's "
+            "change journal), walk (its writable layer walked: slow in a large layer), guest (a walk in a microvm).",
+            ["edge_id", "how"],
+            registry=self.registry,
+        )
         self._started: dict[str, Any] = {}  # backend -> its histogram child (labels() locks and checks each call)
+        self._step_files: dict[str, Any] = {}  # how -> its counter child
 
     def started(self, backend: str, took_s: float) -> None:
         child = self._started.get(backend)
         if child is None:
             child = self._started[backend] = self.start_seconds.labels(self.edge_id, backend)
         child.observe(took_s)
+
+    def found_step_files(self, how: str) -> None:
+        child = self._step_files.get(how)
+        if child is None:
+            child = self._step_files[how] = self.step_files.labels(self.edge_id, how)
+        child.inc()
 
     def families(self) -> list[Metric]:
         """The samples now, as plain objects (they cross to a gateway as Ray objects)."""

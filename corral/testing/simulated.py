@@ -25,6 +25,7 @@ from corral.api.errors import Conflict, InvalidRequest, NotFound, PayloadTooLarg
 from corral.api.models import FileInfo
 from corral.backends.base import (
     Capability,
+    ChangedPaths,
     Checkpointing,
     CommandEvent,
     CommandExit,
@@ -287,9 +288,10 @@ class SimulatedBackend:
         self._get(sandbox_id)
         return time.time()
 
-    async def changed_paths(self, sandbox_id: str, since: float) -> list[str]:
+    async def changed_paths(self, sandbox_id: str, since: float) -> ChangedPaths:
         files = self._get(sandbox_id).files
-        return sorted(path for path, entry in files.items() if entry.data is not None and entry.mtime >= since)
+        changed = sorted(path for path, entry in files.items() if entry.data is not None and entry.mtime >= since)
+        return ChangedPaths(changed, "record")
 
     async def shutdown(self, sandbox_id: str, timeout_s: float) -> bool:
         self._get(sandbox_id)

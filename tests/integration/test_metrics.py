@@ -79,6 +79,24 @@ def test_the_edge_counts_what_it_does_on_its_own(server: EmbeddedServer, client:
     assert bucket == _value(after, started[0], **started[1])
 
 
+def test_the_edge_counts_how_it_found_each_steps_files(server: EmbeddedServer, client: corral.Client) -> None:
+    """A step's files come from the node's change journal (the sandbox's writable layer is in the quota pool); a
+    step that leaves a file with a link count its events do not explain (a hard link made, one of two names
+    removed) goes to the walk, and the edge's count says which answered."""
+    name = "corral_edge_step_files_lookups_total"
+    before = _scrape(server)
+    with client.create("busybox") as sandbox:
+        sandbox.exec("echo a > /one && ln /one /two", step_id="link")
+        sandbox.exec("echo b > /three", step_id="write")
+        sandbox.exec("rm /two", step_id="unlink")
+        steps = {step.step_id: step.files for step in sandbox.trajectory()}
+    after = _scrape(server)
+    assert steps == {"link": ["/one", "/two"], "write": ["/three"], "unlink": ["/one"]}  # the walk: /two left nothing
+    journal = _value(after, name, edge_id="e0", how="journal") - _value(before, name, edge_id="e0", how="journal")
+    walk = _value(after, name, edge_id="e0", how="walk") - _value(before, name, edge_id="e0", how="walk")
+    assert (journal, walk) == (1, 2)  # write; link and unlink
+
+
 def test_unmatched_paths_share_one_label(server: EmbeddedServer) -> None:
     headers = {"Authorization": f"Bearer {server.api_key}"}
     for path in ("/no/such/path/1", "/no/such/path/2"):

@@ -29,6 +29,7 @@ from corral.api.errors import Conflict, CorralError, InternalError, NotFound, Sa
 from corral.backends.agent_command import AgentCommand
 from corral.backends.base import (
     Capability,
+    ChangedPaths,
     Checkpointing,
     CommandSpec,
     FileTree,
@@ -696,7 +697,7 @@ class ContainerBackend:
     def _write_weight(self, cgroup_dir: Path, weight: int) -> None:
         qos.write_weight(cgroup_dir, weight, self._layout)
 
-    async def changed_paths(self, sandbox_id: str, since: float) -> list[str]:
+    async def changed_paths(self, sandbox_id: str, since: float) -> ChangedPaths:
         """Paths in the sandbox's writable layer changed (written, created or deleted) at or after ``since``."""
         container = self.container(sandbox_id)
         # gVisor's sentry writes a mapping back through its gofer (events): its processes are not the sandbox's.

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from corral.backends.base import ChangedPaths
 from corral.backends.container import fanotify
 from corral.backends.container.fanotify import EVENT_METADATA, libc
 from corral.backends.container.oci import AGENT_PATH
@@ -564,10 +565,10 @@ class StepFiles:
             self._journal.started(tree_id, now / 1e9, position)
         return now / 1e9
 
-    async def changed(self, sandbox_id: str, upper: Path, since: float, pids: Callable[[], list[int]]) -> list[str]:
-        """The paths the step whose clock is ``since`` changed. ``pids``: the sandbox's processes (whose shared
-        writable mappings are candidates). A small answer is made on the event loop: a thread's hand-off cost
-        ~300 µs in the server, more than the answer."""
+    async def changed(self, sandbox_id: str, upper: Path, since: float, pids: Callable[[], list[int]]) -> ChangedPaths:
+        """The paths the step whose clock is ``since`` changed, and whether the journal or the walk found them.
+        ``pids``: the sandbox's processes (whose shared writable mappings are candidates). A small answer is made
+        on the event loop: a thread's hand-off cost ~300 µs in the server, more than the answer."""
         tree_id = self._tree(sandbox_id) if self._journal.is_open else None
         processes: list[int] | None = None
         if tree_id is not None and self._journal.is_small(tree_id):
@@ -575,12 +576,14 @@ class StepFiles:
             if len(processes) <= _INLINE_PROCESSES:
                 found = self._journal.changed(tree_id, since, processes, wait=False)
                 if found is not None:
-                    return found
+                    return ChangedPaths(found, "journal")
 
-        def answer() -> list[str]:
+        def answer() -> ChangedPaths:
             in_sandbox = pids() if processes is None else processes
             found = self._journal.changed(tree_id, since, in_sandbox) if tree_id is not None else None
-            return changed_since(upper, since) if found is None else found
+            return (
+                ChangedPaths(changed_since(upper, since), "walk") if found is None else ChangedPaths(found, "journal")
+            )
 
         return await asyncio.to_thread(answer)
 

@@ -43,6 +43,7 @@ from corral.backends import checkpoints
 from corral.backends.agent_command import AgentCommand
 from corral.backends.base import (
     Capability,
+    ChangedPaths,
     Checkpointing,
     CommandSpec,
     ReclaimResult,
@@ -891,10 +892,10 @@ class VmBackend:
         out = await self._tool(vm, ["sh", "-c", script], tool="guest")
         return _parse_stamp(out.decode(errors="replace").strip())
 
-    async def changed_paths(self, sandbox_id: str, since: float) -> list[str]:
+    async def changed_paths(self, sandbox_id: str, since: float) -> ChangedPaths:
         vm = self._get(sandbox_id)
         if self.name != "microvm":
-            return []
+            return ChangedPaths([], "none")
         script = "cd /scratch/upper && find . ! -type d -exec stat -c '%Y|%y|%n' {} +"
         out = await self._tool(vm, ["sh", "-c", script], tool="guest", cap=16 << 20)
         changed = []
@@ -902,7 +903,7 @@ class VmBackend:
             seconds, human, name = (line.split("|", 2) + ["", ""])[:3]
             if _parse_stamp(f"{seconds}|{human}") >= since:
                 changed.append(name.removeprefix("."))
-        return sorted(changed)[:_CHANGED_MAX]
+        return ChangedPaths(sorted(changed)[:_CHANGED_MAX], "guest")
 
     # -- network (not yet for VMs) ------------------------------------------------
 
