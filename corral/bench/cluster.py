@@ -9,7 +9,9 @@ each, in alternating rounds:
    creations per second, and how the cluster spread them over its nodes;
 2. single creates one after another (create → ready), p50/p95;
 3. exec round trips on a warm sandbox, p50/p95 (the cluster adds the
-   gateway → Ray → edge actor hop).
+   gateway → Ray → edge actor hop);
+4. the same execs with a step id (the trajectory log: a begin before, the result
+   after, the files the command changed looked up on its node).
 
 Every node shares this machine's cores, so the cluster cannot create faster
 than one node here: the numbers are the cluster path's cost, read as ratios
@@ -59,13 +61,13 @@ def _singles(client: Client, count: int) -> list[float]:
     return samples
 
 
-def _execs(client: Client, count: int) -> list[float]:
+def _execs(client: Client, count: int, *, step_ids: bool = False) -> list[float]:
     samples = []
     with client.create("busybox", ttl_s=600) as sandbox:
         require_success(sandbox.exec("true"), "true")
-        for _ in range(count):
+        for k in range(count):
             started = time.perf_counter()
-            require_success(sandbox.exec("true"), "true")
+            require_success(sandbox.exec("true", step_id=f"s{k}" if step_ids else None), "true")
             samples.append(ms_since(started))
     return samples
 
@@ -78,7 +80,7 @@ def run_cluster_benchmark(*, nodes: int, count: int, rounds: int, as_json: bool,
         embedded = EmbeddedServer(scratch / "embedded", env={"CORRAL_NODE_DIR": str(node_dir)})
         cluster = LocalCluster(scratch / "cluster", gateway_settings={"CORRAL_NODE_DIR": str(node_dir)})
         results: dict[str, dict[str, list[Any]]] = {
-            side: {"rate": [], "single": [], "exec": [], "spread": []} for side in ("embedded", "cluster")
+            side: {"rate": [], "single": [], "exec": [], "step": [], "spread": []} for side in ("embedded", "cluster")
         }
         try:
             embedded.start()
@@ -96,6 +98,7 @@ def run_cluster_benchmark(*, nodes: int, count: int, rounds: int, as_json: bool,
                     results[side]["spread"].append(spread)
                     results[side]["single"] += _singles(client, 10)
                     results[side]["exec"] += _execs(client, 50)
+                    results[side]["step"] += _execs(client, 50, step_ids=True)
                     progress.advance(task)
             for client in clients.values():
                 client.close()
@@ -109,6 +112,7 @@ def run_cluster_benchmark(*, nodes: int, count: int, rounds: int, as_json: bool,
             "creates_per_s_runs": measured["rate"],
             "create_ms": _percentiles(measured["single"]) if measured["single"] else None,
             "exec_ms": _percentiles(measured["exec"]) if measured["exec"] else None,
+            "step_ms": _percentiles(measured["step"]) if measured["step"] else None,
             "spread": measured["spread"],
         }
     emit(report, _table, as_json=as_json, console=console)
@@ -126,7 +130,8 @@ def _table(report: dict[str, Any]) -> Table:
     cluster, embedded = report["cluster"], report["embedded"]
     rate_c, rate_e = cluster["creates_per_s"], embedded["creates_per_s"]
     table.add_row("burst creates/s", f"{rate_c:.1f}", f"{rate_e:.1f}", f"{rate_c / rate_e:.2f}×")
-    for key, label in (("create_ms", "single create → ready"), ("exec_ms", "exec round trip")):
+    for key, label in (("create_ms", "single create → ready"), ("exec_ms", "exec round trip"),
+                       ("step_ms", "exec with a step id")):  # fmt: skip
         c, e = cluster[key], embedded[key]
         table.add_row(
             f"{label} p50 (p95)", f"{c['p50']:.1f} ({c['p95']:.1f}) ms", f"{e['p50']:.1f} ({e['p95']:.1f}) ms",

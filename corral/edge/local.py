@@ -63,7 +63,7 @@ from corral.backends.common.network import to_allow_rules
 from corral.backends.vm.memory import ksm_merged_bytes
 from corral.edge.host_readings import HostReadings, read_host
 from corral.edge.metrics import CountedEvents, EdgeMetrics
-from corral.edge.protocol import EdgeEvents
+from corral.edge.protocol import AuditedExec, EdgeEvents
 from corral.guard.audit import classify_changes
 
 __all__ = ["LocalEdge", "NodeCapacity"]
@@ -711,14 +711,14 @@ class LocalEdge:
         address, denied = await self._backend.network_status(sandbox_id)
         return address, denied.egress_packets if denied else 0, denied.ingress_packets if denied else 0
 
-    async def exec_audited(
-        self, sandbox_id: str, request: ExecRequest
-    ) -> tuple[ExecResult, list[tuple[str, str, dict[str, Any]]]]:
+    async def exec_audited(self, sandbox_id: str, request: ExecRequest, *, step_files: bool = False) -> AuditedExec:
+        since = await self.fs_clock(sandbox_id) if step_files else None
         result = await self.exec(sandbox_id, request)
+        files = await self.changed_paths(sandbox_id, since) if since is not None else None  # gone: the step fails
         try:
-            return result, await self.audit_after_command(sandbox_id)
+            return AuditedExec(result, await self.audit_after_command(sandbox_id), files)
         except (NotFound, SandboxGone):  # it ended with the command: nothing more to find
-            return result, []
+            return AuditedExec(result, [], files)
 
     async def audit_after_command(self, sandbox_id: str) -> list[tuple[str, str, dict[str, Any]]]:
         sandbox = self._get(sandbox_id)

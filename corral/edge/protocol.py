@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import secrets
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -33,9 +34,19 @@ from corral.backends.base import SandboxSpec
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
-__all__ = ["EDGE_METHODS", "Edge", "EdgeDirectory", "EdgeEvents", "new_sandbox_id", "edge_of"]
+__all__ = ["EDGE_METHODS", "AuditedExec", "Edge", "EdgeDirectory", "EdgeEvents", "new_sandbox_id", "edge_of"]
 
 _ID_PATTERN = re.compile(r"^sb-([a-z0-9]{1,16})-([0-9a-f]{16})$")
+
+
+@dataclass(frozen=True)
+class AuditedExec:
+    """An exec's result, the audit's findings after it ((kind, severity, detail) each) and, when asked, the files
+    it changed (``Edge.exec_audited``)."""
+
+    result: ExecResult
+    findings: list[tuple[str, str, dict[str, Any]]]
+    files: list[str] | None = None
 
 
 class EdgeEvents(Protocol):
@@ -138,10 +149,11 @@ class Edge(Protocol):
 
     async def download_tar(self, sandbox_id: str, path: str) -> bytes: ...
 
-    async def exec_audited(
-        self, sandbox_id: str, request: ExecRequest
-    ) -> tuple[ExecResult, list[tuple[str, str, dict[str, Any]]]]:
-        """exec, then audit_after_command: one call, as the gateway wants both for every logged exec."""
+    async def exec_audited(self, sandbox_id: str, request: ExecRequest, *, step_files: bool = False) -> AuditedExec:
+        """exec, then audit_after_command: one call, as the gateway wants both for every logged exec. With
+        ``step_files`` (a step with a client's id) the filesystem's clock is taken just before the command and the
+        files it changed are looked up after it, in the same call: one round trip to the node where it took
+        three (fs_clock, this, changed_paths)."""
 
     async def audit_after_command(self, sandbox_id: str) -> list[tuple[str, str, dict[str, Any]]]:
         """New findings since the last call: protected paths changed, PID-limit hits; (kind, severity, detail)."""

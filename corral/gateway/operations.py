@@ -24,6 +24,7 @@ import functools
 import hashlib
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -67,6 +68,18 @@ _FLUSH_AT = 500  # pending steps that are written at once, without waiting (one 
 M = TypeVar("M", bound=BaseModel)
 
 Findings = list[tuple[str, str, dict[str, Any]]]  # (kind, severity, detail), as edges report them
+
+
+@dataclass
+class _EdgeReport:
+    """What an operation's edge call brought back beside its result (``Operations._perform``): the audit's
+    findings, and with ``files_by_edge`` the files a step changed (the edge took the clock and looked them up)."""
+
+    files_by_edge: bool = False
+    findings: Findings = field(default_factory=list)
+    files: list[str] | None = None
+
+
 _Pending = tuple[str, str, str, dict[str, Any], dict[str, Any]]  # sandbox id, step id, kind, request, result
 
 
@@ -189,13 +202,14 @@ class Operations:
         model: type[M],
         *,
         changes_files: bool = True,
-        edge_findings: Findings | None = None,
+        edge_report: _EdgeReport | None = None,
     ) -> M:
         """Run an operation with its log entry: replayed, refused or recorded per the step id rules, then
         audited. ``changes_files``: it can change the sandbox's files, so with a step id the paths it changed
         are recorded, and the edge is asked what it saw change (protected paths); a step of the sandbox's life
-        (pause, TTL, kill) is logged and nothing more. ``edge_findings``: filled by ``operation`` with the
-        edge's audit findings (see ``_audit``)."""
+        (pause, TTL, kill) is logged and nothing more. ``edge_report``: filled by ``operation`` with what its
+        edge call brought back beside the result (the audit's findings; with a step id, the files changed)."""
+        edge_findings = edge_report.findings if edge_report is not None else None
         if step_id is None:  # logged after it ran, in one write: nothing to match a resend against
             try:
                 result = await operation()
@@ -215,14 +229,21 @@ class Operations:
             return model.model_validate(
                 {**replayed, "replayed": True} if "replayed" in model.model_fields else replayed
             )
+        by_edge = edge_report is not None and edge_report.files_by_edge  # the operation's own call looks them up
         try:
             since = (
-                await self._sandboxes.call(sandbox_id, lambda edge: edge.fs_clock(sandbox_id)) if changes_files else 0
+                await self._sandboxes.call(sandbox_id, lambda edge: edge.fs_clock(sandbox_id))
+                if changes_files and not by_edge
+                else 0
             )
             result = await operation()
             files = None
             if changes_files:
-                files = await self._sandboxes.call(sandbox_id, lambda edge: edge.changed_paths(sandbox_id, since))
+                files = (
+                    edge_report.files
+                    if edge_report is not None and by_edge
+                    else await self._sandboxes.call(sandbox_id, lambda edge: edge.changed_paths(sandbox_id, since))
+                )
         except CorralError as exc:
             await self._db.run(self._log.fail, step, exc.to_body()["error"])
             raise
@@ -236,19 +257,21 @@ class Operations:
 
     async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
         body = request.model_dump(mode="json", exclude={"step_id"})
-        edge_findings: Findings = []
+        step_files = request.step_id is not None
+        report = _EdgeReport(files_by_edge=step_files)
 
-        async def run() -> ExecResult:  # the edge's findings come with the result: one call, not two
-            result, found = await self._sandboxes.call(sandbox_id, lambda edge: edge.exec_audited(sandbox_id, request))
-            edge_findings.extend(found)
-            return result
+        async def run() -> ExecResult:  # the findings (and a step's files) come with the result: one call
+            audited = await self._sandboxes.call(
+                sandbox_id, lambda edge: edge.exec_audited(sandbox_id, request, step_files=step_files)
+            )
+            report.findings.extend(audited.findings)
+            report.files = audited.files
+            return audited.result
 
         with tracing.span("corral.sandbox.exec", sandbox_id=sandbox_id, edge_id=edge_of(sandbox_id)) as span:
             if tracing.enabled():  # a read of the record, paid only while tracing
                 span.set("backend", (await self._sandboxes.record(sandbox_id)).backend)
-            return await self._perform(
-                sandbox_id, request.step_id, "exec", body, run, ExecResult, edge_findings=edge_findings
-            )
+            return await self._perform(sandbox_id, request.step_id, "exec", body, run, ExecResult, edge_report=report)
 
     async def start(self, sandbox_id: str, request: ExecRequest) -> CommandInfo:
         """A background command: logged when it starts (its output is read through /commands)."""

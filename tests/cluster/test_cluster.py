@@ -73,6 +73,20 @@ def test_audit_findings_from_a_node_reach_the_log(client: corral.Client) -> None
         assert len([e for e in sandbox.audit_events() if e.kind == "protected_path_modified"]) == 1
 
 
+def test_a_step_on_a_node_logs_the_files_it_changed_and_its_findings(client: corral.Client) -> None:
+    """A step with a step id crosses to its node once (the clock, the command, the files it changed and the
+    audit's findings in one actor call) and the log has each."""
+    with client.create("busybox", ttl_s=600) as sandbox:
+        sandbox.exec("echo a > /work-a && rm /bin/vi", step_id="first")
+        sandbox.exec("echo b > /work-b", step_id="second")
+        assert {step.step_id: step.files for step in sandbox.trajectory()} == {
+            "first": ["/bin/vi", "/work-a"],
+            "second": ["/work-b"],
+        }
+        events = [e for e in sandbox.audit_events() if e.kind == "protected_path_modified"]
+        assert len(events) == 1 and "/bin/vi" in events[0].detail["paths"]
+
+
 def test_a_cluster_gateway_refuses_network_peers(client: corral.Client) -> None:
     with pytest.raises(corral.InvalidRequest, match="not a cluster gateway"):
         client.attach_network_peer("mirror", f"/proc/{os.getpid()}/ns/net", "10.88.200.2")

@@ -109,7 +109,7 @@ async def test_a_batch_hands_on_the_events_ready_together(tmp_path: Path) -> Non
 @contextlib.contextmanager
 def _app_counting(tmp_path: Path, method: str) -> Iterator[tuple[TestClient, list[str]]]:
     """The HTTP app on two simulated nodes (SQLite, server key ``ck_test``) and the sandbox ids its service's
-    ``method`` (a read of the state store) was called with, in order."""
+    ``method`` (a read of the state store, or ``call``: a call to the sandbox's node) was called with, in order."""
     store = StateStore(f"sqlite:///{tmp_path / 'state.db'}")
     reads: list[str] = []
 
@@ -118,9 +118,9 @@ def _app_counting(tmp_path: Path, method: str) -> Iterator[tuple[TestClient, lis
         async with control_plane.simulated_services(2, store, tmp_path, "ck_test") as served:
             read = getattr(served.sandboxes, method)
 
-            async def counted(sandbox_id: str) -> Any:  # noqa: ANN401 - what the read returns
+            async def counted(sandbox_id: str, *args: Any) -> Any:  # noqa: ANN401 - what the read returns
                 reads.append(sandbox_id)
-                return await read(sandbox_id)
+                return await read(sandbox_id, *args)
 
             setattr(served.sandboxes, method, counted)
             yield served
@@ -171,6 +171,23 @@ def test_steps_with_step_ids_read_their_sandbox_once(tmp_path: Path) -> None:
             answer = http.post(f"/v1/sandboxes/{unknown}/exec", json={"cmd": "true", "step_id": "s0"}, headers=key)
             assert answer.status_code == 404, answer.text
         assert reads.count(unknown) == 2
+
+
+def test_a_step_with_a_step_id_is_one_call_to_its_node(tmp_path: Path) -> None:
+    """An exec with a step id takes the filesystem's clock, runs, and looks up the files it changed in one call to
+    the sandbox's node (on a Ray cluster, one actor call where it made three), as an exec without one does."""
+    key = {"Authorization": "Bearer ck_test"}
+    shape = {"image": control_plane.IMAGE, "cpu": 0.25, "memory_mb": 256}
+    with _app_counting(tmp_path, "call") as (http, calls):
+        sandbox_id = http.post("/v1/sandboxes", json=shape, headers=key).json()["id"]
+        for body in ({"cmd": "true", "step_id": "s0"}, {"cmd": "true"}, {"cmd": "true", "step_id": "s1"}):
+            before = calls.count(sandbox_id)
+            answer = http.post(f"/v1/sandboxes/{sandbox_id}/exec", json=body, headers=key)
+            assert answer.status_code == 200 and answer.json()["exit_code"] == 0, answer.text
+            assert calls.count(sandbox_id) - before == 1, body
+        steps = http.get(f"/v1/sandboxes/{sandbox_id}/trajectory", headers=key).json()
+        logged = {step["step_id"]: step["files"] for step in steps if not step["step_id"].startswith("auto")}
+        assert logged == {"s0": [], "s1": []}  # looked up (none changed), not left unknown (None)
 
 
 async def test_large_batch_on_simulated_nodes_sqlite(tmp_path: Path) -> None:
