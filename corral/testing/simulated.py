@@ -173,15 +173,30 @@ def _canned(argv: list[str]) -> tuple[int, bytes, bytes]:
         return 0, (" ".join(parts[1:]) + "\n").encode(), b""
     if len(parts) == 2 and parts[0] == "exit" and parts[1].isdigit():
         return int(parts[1]) & 0xFF, b"", b""
+    if len(parts) == 2 and parts[0] == "sleep" and _is_seconds(parts[1]):
+        return 0, b"", b""
     return 127, b"", f"simulated backend: not run: {shlex.join(argv)}\n".encode()
+
+
+def _is_seconds(word: str) -> bool:
+    try:
+        return 0 <= float(word) <= 60
+    except ValueError:
+        return False
 
 
 class _CannedCommand:
     def __init__(self, command: CommandSpec) -> None:
         self._exit_code, self._stdout, self._stderr = _canned(command.argv)
+        words = command.argv[2:] if command.argv[:2] == ["/bin/sh", "-c"] else []
+        parts = words[0].split() if words else []
+        # ``sleep S`` takes S seconds (up to 60) before it exits: commands in flight together, for tests
+        self._takes_s = float(parts[1]) if len(parts) == 2 and parts[0] == "sleep" and _is_seconds(parts[1]) else 0.0
 
     async def events(self) -> AsyncIterator[CommandEvent]:
         yield CommandStarted(pid=0)
+        if self._takes_s:
+            await asyncio.sleep(self._takes_s)
         if self._stdout:
             yield CommandOutput("stdout", self._stdout)
         if self._stderr:

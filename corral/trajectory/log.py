@@ -23,6 +23,7 @@ import functools
 import hashlib
 import json
 import posixpath
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -240,9 +241,26 @@ class TrajectoryLog:
             engine.execution_options(isolation_level="AUTOCOMMIT") if engine.dialect.name == "postgresql" else None
         )
         self._output_cap_bytes = output_cap_bytes
+        self._joined = threading.local()  # .conn: the transaction this thread's writes join (``together``)
         trajectory_metadata.create_all(engine)
 
     # -- recording ------------------------------------------------------
+
+    @contextmanager
+    def together(self) -> Iterator[None]:
+        """Every write this thread makes in the block joins one transaction, committed when the block ends: the
+        group commit of concurrent steps (gateway/operations.py), which pays the transaction's set-up and commit
+        once for all of them. For SQLite, where a statement that fails takes back only itself: an error a write
+        raises of its own (a divergent step, a step no longer logged) leaves the transaction be; an error that
+        leaves the block rolls back every write made in it."""
+        if getattr(self._joined, "conn", None) is not None:
+            raise RuntimeError("the trajectory log's writes are joined already on this thread")
+        with self._write_transaction() as conn:
+            self._joined.conn = conn
+            try:
+                yield
+            finally:
+                self._joined.conn = None
 
     def begin(self, sandbox_id: str, step_id: str, kind: str, request: dict[str, Any]) -> Step | Replay:
         """Append a ``started`` step with the sandbox's next seq, or resolve a step id already logged.
@@ -389,7 +407,11 @@ class TrajectoryLog:
     def _write_transaction(self) -> Iterator[Connection]:
         """A transaction that takes SQLite's write lock at its start (pysqlite emits no BEGIN of its
         own), so concurrent begin() calls read max(seq) one after another; on other databases the
-        (sandbox_id, seq) primary key turns a race into an IntegrityError that begin() retries."""
+        (sandbox_id, seq) primary key turns a race into an IntegrityError that begin() retries. Inside
+        ``together``, the block's transaction."""
+        if (joined := getattr(self._joined, "conn", None)) is not None:
+            yield joined
+            return
         with self._engine.begin() as conn:
             if self._engine.dialect.name == "sqlite":
                 conn.exec_driver_sql("BEGIN IMMEDIATE")
@@ -399,7 +421,9 @@ class TrajectoryLog:
     def _one_statement(self) -> Iterator[Connection]:
         """Where a write that is one statement runs: in autocommit on PostgreSQL, in the write transaction
         elsewhere (the statements after it, if any, only read)."""
-        if self._autocommit is None:
+        if (joined := getattr(self._joined, "conn", None)) is not None:
+            yield joined
+        elif self._autocommit is None:
             with self._write_transaction() as conn:
                 yield conn
         else:

@@ -12,10 +12,12 @@ import contextlib
 import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import event
 from starlette.testclient import TestClient
 
 import corral
@@ -107,10 +109,13 @@ async def test_a_batch_hands_on_the_events_ready_together(tmp_path: Path) -> Non
 
 
 @contextlib.contextmanager
-def _app_counting(tmp_path: Path, method: str) -> Iterator[tuple[TestClient, list[str]]]:
-    """The HTTP app on two simulated nodes (SQLite, server key ``ck_test``) and the sandbox ids its service's
-    ``method`` (a read of the state store, or ``call``: a call to the sandbox's node) was called with, in order."""
-    store = StateStore(f"sqlite:///{tmp_path / 'state.db'}")
+def _app_counting(
+    tmp_path: Path, method: str, store: StateStore | None = None
+) -> Iterator[tuple[TestClient, list[str]]]:
+    """The HTTP app on two simulated nodes (SQLite unless ``store`` is given, server key ``ck_test``) and the
+    sandbox ids its service's ``method`` (a read of the state store, or ``call``: a call to the sandbox's node)
+    was called with, in order."""
+    store = store or StateStore(f"sqlite:///{tmp_path / 'state.db'}")
     reads: list[str] = []
 
     @contextlib.asynccontextmanager
@@ -188,6 +193,34 @@ def test_a_step_with_a_step_id_is_one_call_to_its_node(tmp_path: Path) -> None:
         steps = http.get(f"/v1/sandboxes/{sandbox_id}/trajectory", headers=key).json()
         logged = {step["step_id"]: step["files"] for step in steps if not step["step_id"].startswith("auto")}
         assert logged == {"s0": [], "s1": []}  # looked up (none changed), not left unknown (None)
+
+
+def test_concurrent_steps_share_transactions_and_keep_their_order(tmp_path: Path) -> None:
+    """Steps with step ids on SQLite in flight together are written in shared transactions (the group commit,
+    gateway/operations.py); each sandbox's steps still get their seqs in the order sent, with their results."""
+    key = {"Authorization": "Bearer ck_test"}
+    shape = {"image": control_plane.IMAGE, "cpu": 0.25, "memory_mb": 256}
+    commits: list[int] = []
+    store = StateStore(f"sqlite:///{tmp_path / 'state.db'}")
+    with _app_counting(tmp_path, "record", store) as (http, _), ThreadPoolExecutor(16) as pool:
+        sandboxes = [http.post("/v1/sandboxes", json=shape, headers=key).json()["id"] for _ in range(16)]
+        count = commits.append
+        event.listen(store.engine, "commit", count)
+
+        def trajectory(sandbox_id: str) -> None:
+            for k in range(4):
+                body = {"cmd": "sleep 0.01", "step_id": f"s{k}"}  # in flight together
+                answer = http.post(f"/v1/sandboxes/{sandbox_id}/exec", json=body, headers=key)
+                assert answer.status_code == 200, answer.text
+
+        list(pool.map(trajectory, sandboxes))
+        event.remove(store.engine, "commit", count)
+        assert len(commits) < 16 * 4 * 2  # a begin and a result each, had every write its own transaction
+        for sandbox_id in sandboxes:
+            steps = http.get(f"/v1/sandboxes/{sandbox_id}/trajectory", headers=key).json()
+            mine = [step for step in steps if not step["step_id"].startswith("auto")]
+            assert [(step["step_id"], step["state"]) for step in mine] == [(f"s{k}", "done") for k in range(4)]
+            assert [step["seq"] for step in mine] == sorted(step["seq"] for step in mine)
 
 
 async def test_large_batch_on_simulated_nodes_sqlite(tmp_path: Path) -> None:

@@ -347,3 +347,26 @@ def test_an_appends_seq_lookup_costs_the_same_however_long_the_trajectory(log: T
     # three ids go in the statement for four (the last repeated); a sandbox without steps is absent
     assert instructions(["sb-long", "sb-none", "sb-short"])[0] == {"sb-long": 2_000, "sb-short": 10}
     assert log.append_many([("sb-long", "next", "exec", {}, {})])[0].seq == 2_001
+
+
+def test_writes_together_share_one_transaction(log: TrajectoryLog) -> None:
+    """``together``: the writes of a block are one transaction (the gateway's group commit on SQLite); a write's own
+    error (a divergent resend) leaves the others, an error out of the block takes every write back."""
+    done = begin_step(log, "done", exec_request("true"))
+    log.finish(done, exec_result())
+    with log.together():
+        first = begin_step(log, "a", exec_request("echo a"))
+        with pytest.raises(Conflict, match="diverges|different"):
+            log.begin(SANDBOX, "done", "exec", exec_request("echo other"))
+        second = begin_step(log, "b", exec_request("echo b"))
+        log.finish(first, exec_result("a\n"))
+        log.append_many([(SANDBOX, "auto-1", "exec", exec_request("true"), exec_result())])
+    assert [(s.step_id, s.state) for s in log.steps(SANDBOX)] == [
+        ("done", "done"), ("a", "done"), ("b", "started"), ("auto-1", "done")]  # fmt: skip
+    assert second.seq == first.seq + 1
+    with pytest.raises(RuntimeError, match="boom"), log.together():
+        begin_step(log, "c", exec_request("echo c"))
+        log.finish(second, exec_result("b\n"))
+        raise RuntimeError("boom")
+    assert [(s.step_id, s.state) for s in log.steps(SANDBOX)][-2:] == [("b", "started"), ("auto-1", "done")]
+    assert begin_step(log, "c", exec_request("echo c")).seq == 5  # nothing of the block was kept
