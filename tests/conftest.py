@@ -8,13 +8,16 @@ sandbox the tests left and stops the server by PID, even when a test failed.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pwd
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,6 +27,20 @@ from corral.embedded import EmbeddedServer, linked_node_dir
 from corral.sdk._config import default_config_path
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def bench_report(name: str, *args: str, timeout_s: float = 240) -> dict[str, Any]:
+    """``corral bench NAME ARGS --json`` run as users run it (a process of its own, with its own server and
+    runtime state), so that a benchmark and its baselines cannot rot; the report it printed."""
+    run = subprocess.run(
+        [sys.executable, "-m", "corral.cli.main", "bench", name, *args, "--json"],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    report: dict[str, Any] = json.loads(run.stdout)
+    return report
+
+
 SLOW_ENV = "CORRAL_TEST_SLOW"
 
 

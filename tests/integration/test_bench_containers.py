@@ -3,23 +3,13 @@ rot: it runs as its own process, as users run it, with its own server and its ow
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
-from tests.conftest import REPO
+from tests.conftest import bench_report
 
 BURST = 6
 
 
 def test_bench_containers_measures_the_burst_against_plain_crun() -> None:
-    run = subprocess.run(
-        [sys.executable, "-m", "corral.cli.main", "bench", "containers", "--runs", "2", "--concurrency", str(BURST),
-         "--json"],
-        cwd=REPO, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
-    report = json.loads(run.stdout)
+    report = bench_report("containers", "--runs", "2", "--concurrency", str(BURST))
     corral, baseline = report["corral"]["concurrent_create"], report["baseline"]["crun_concurrent_create"]
     for burst in (corral, baseline):
         assert burst["requested"] == burst["succeeded"] == BURST, burst["errors"]

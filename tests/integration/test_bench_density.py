@@ -3,21 +3,11 @@ own process, as users run it, with its own server."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
-from tests.conftest import REPO
+from tests.conftest import bench_report
 
 
 def test_bench_density_reports_memory_the_shrinker_slab_and_a_sandboxs_superblocks() -> None:
-    run = subprocess.run(
-        [sys.executable, "-m", "corral.cli.main", "bench", "density", "--count", "4", "--step", "2", "--json",
-         "--idle-window-s", "1"],
-        cwd=REPO, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
-    (report,) = json.loads(run.stdout)["runs"]
+    (report,) = bench_report("density", "--count", "4", "--step", "2", "--idle-window-s", "1")["runs"]
     assert [step["sandboxes"] for step in report["steps"]] == [0, 2, 4]
     assert all(step["one_kib_slab_mib"] > 0 and step["exec"] for step in report["steps"][1:])
     # Starting a container is work for the kernel and for user space. /proc/stat counts in ticks of 10 ms, sampled
@@ -35,13 +25,7 @@ def test_bench_density_reports_memory_the_shrinker_slab_and_a_sandboxs_superbloc
 
 
 def test_bench_density_with_networked_sandboxes_reports_the_servers_idle_cpu() -> None:
-    run = subprocess.run(
-        [sys.executable, "-m", "corral.cli.main", "bench", "density", "--count", "2", "--step", "2", "--network",
-         "--idle-window-s", "6", "--json"],
-        cwd=REPO, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
-    (report,) = json.loads(run.stdout)["runs"]
+    (report,) = bench_report("density", "--count", "2", "--step", "2", "--network", "--idle-window-s", "6")["runs"]
     assert report["network"] is True and [step["sandboxes"] for step in report["steps"]] == [0, 2]
     # A networked sandbox mounts a sysfs of its own (its interface's); a loopback-only one shares the node's.
     assert "sysfs" in report["superblocks_of_its_own"]

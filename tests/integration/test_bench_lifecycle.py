@@ -3,24 +3,14 @@ its baselines cannot rot: it runs as its own process, as users run it, with its 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 from corral.bench.lifecycle import REPLAY_STEPS, STEPPING_ROUNDS, STEPPING_STEPS
-from tests.conftest import REPO
+from tests.conftest import bench_report
 
 STEPPING = 2
 
 
 def test_bench_lifecycle_measures_each_part_against_its_baseline() -> None:
-    run = subprocess.run(
-        [sys.executable, "-m", "corral.cli.main", "bench", "lifecycle", "--runs", "1", "--stepping", str(STEPPING),
-         "--json"],
-        cwd=REPO, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
-    report = json.loads(run.stdout)
+    report = bench_report("lifecycle", "--runs", "1", "--stepping", str(STEPPING), timeout_s=300)
     assert report["pause"]["pause"]["n"] == report["pause"]["crun_pause"]["n"] == 1
     assert report["fork"]["fork"]["n"] == report["fork"]["create"]["n"] == 1
     assert report["replay"]["check"] == {"first_pass_executed": REPLAY_STEPS, "sync_resend_replayed": REPLAY_STEPS,

@@ -5,23 +5,13 @@ It runs as its own process, as users run it: the bench makes itself a subreaper 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
-from tests.conftest import REPO
+from tests.conftest import bench_report
 
 COUNT, LAYER_MIB, HELD_MIB = 3, 8, 20
 
 
 def test_bench_memory_runs_at_a_tiny_size_and_reports_sharing_and_reclaim() -> None:
-    run = subprocess.run(
-        [sys.executable, "-m", "corral.cli.main", "bench", "memory", "--count", str(COUNT), "--layer-mib",
-         str(LAYER_MIB), "--json"],
-        cwd=REPO, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
-    report = json.loads(run.stdout)
+    report = bench_report("memory", "--count", str(COUNT), "--layer-mib", str(LAYER_MIB))
     assert {"params", "host", "sharing", "reclaim", "checks", "timestamp"} <= set(report)
 
     sharing = report["sharing"]
