@@ -61,7 +61,8 @@ class EdgeMetrics:
         self.step_files = Counter(
             "corral_edge_step_files_lookups",
             "Steps whose changed files the node looked up for the trajectory log, by how: journal (a container's "
-            "change journal), walk (its writable layer walked: slow in a large layer), guest (a walk in a microvm).",
+            "change journal), walk (its writable layer walked: slow in a large layer), guest (a walk in a microvm), "
+            "none (a full VM: not looked up).",
             ["edge_id", "how"],
             registry=self.registry,
         )
