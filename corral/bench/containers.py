@@ -51,7 +51,7 @@ from corral.images.store import LayerStore
 from corral.procfs import host_cpu_s
 from corral.sdk import AsyncClient, AsyncSandbox, Client, ExecResult, InvalidRequest, Sandbox
 
-__all__ = ["make_files_command", "percentile", "run_benchmark", "summarize"]
+__all__ = ["fill_layer", "percentile", "run_benchmark", "summarize"]
 
 IMAGE = "busybox"
 EXEC_WARMUP_CALLS = 5
@@ -228,10 +228,15 @@ def _remove_bench_cgroups() -> None:
             parent.rmdir()
 
 
-def make_files_command(count: int) -> str:
-    """A shell command that writes ``count`` empty files (100 a directory) under /work/many."""
-    return (f"mkdir -p /work/many && cd /work/many && for d in $(seq {count // 100}); do mkdir $d && "
-            "(cd $d && touch $(seq 100)) || exit 1; done && find /work/many -type f | wc -l")  # fmt: skip
+def fill_layer(sandbox: Sandbox, count: int) -> None:
+    """Write ``count`` empty files (100 a directory) under /work/many in the sandbox's writable layer, and check they
+    are all there: a row measured against a layer of that size means nothing with fewer."""
+    made = sandbox.exec(f"mkdir -p /work/many && cd /work/many && for d in $(seq {count // 100}); do mkdir $d && "
+                        "(cd $d && touch $(seq 100)) || exit 1; done && find /work/many -type f | wc -l",
+                        timeout_s=300)  # fmt: skip
+    _require_success(made)
+    if made.stdout.strip() != str(count):
+        raise RuntimeError(f"the bench's sandbox holds {made.stdout.strip()} files in its layer, not {count}")
 
 
 def _step_true(sandbox: Sandbox, step_id: str) -> None:
@@ -397,10 +402,7 @@ def _measure(work_dir: Path, layer_file: Path, runs: int, concurrency: int, prog
             task = progress.add_task(f"a step with a client's id, back to back: in that sandbox and in one with "
                                      f"{STEP_LAYER_FILES:,} files in its layer", total=2 * calls + 1)  # fmt: skip
             with client.create(IMAGE, cpu=LIMITS.cpu, memory_mb=LIMITS.memory_mb, ttl_s=SANDBOX_TTL_S) as full:
-                made = full.exec(make_files_command(STEP_LAYER_FILES), timeout_s=300)
-                _require_success(made)
-                if made.stdout.strip() != str(STEP_LAYER_FILES):  # the row means nothing with fewer
-                    raise RuntimeError(f"the bench's layer holds {made.stdout.strip()} files, not {STEP_LAYER_FILES}")
+                fill_layer(full, STEP_LAYER_FILES)
                 progress.advance(task)
                 steps = {"corral_exec_step": sandbox, "corral_exec_step_many_files": full}
                 for i in range(calls):

@@ -48,7 +48,7 @@ from rich.table import Table
 
 from corral.backends.common import host
 from corral.backends.common.host import runtime_state_root
-from corral.bench.containers import make_files_command, summarize
+from corral.bench.containers import fill_layer, summarize
 from corral.bench.harness import ResultTable, bench_session, emit, metric_sum, ms_since, require_success
 from corral.embedded import EmbeddedServer
 from corral.sdk import AsyncClient, AsyncSandbox, Client, CorralError, ExecResult, InvalidRequest, Sandbox
@@ -240,9 +240,7 @@ def _stepping(server: EmbeddedServer, client: Client, sandboxes: int, progress: 
         for _ in range(sandboxes):
             sandbox = client.create(FORK_IMAGE, ttl_s=SANDBOX_TTL_S)
             created.append(sandbox)
-            made = require_success(sandbox.exec(make_files_command(STEPPING_LAYER_FILES), timeout_s=300), "make files")
-            if made.stdout.strip() != str(STEPPING_LAYER_FILES):  # the row means nothing with fewer
-                raise RuntimeError(f"a sandbox's layer holds {made.stdout.strip()} files, not {STEPPING_LAYER_FILES}")
+            fill_layer(sandbox, STEPPING_LAYER_FILES)
             progress.advance(task)
         before = {how: metric_sum(server, STEP_LOOKUPS, how=how) for how in ("journal", "walk")}
         passes = asyncio.run(_stepping_passes(server.url, server.api_key, [sandbox.id for sandbox in created]))

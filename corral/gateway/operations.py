@@ -300,8 +300,8 @@ class Operations:
         are recorded, and the edge is asked what it saw change (protected paths); a step of the sandbox's life
         (pause, TTL, kill) is logged and nothing more. ``edge_report``: filled by ``operation`` with what its
         edge call brought back beside the result (the audit's findings; with a step id, the files changed)."""
-        edge_findings = edge_report.findings if edge_report is not None else None
         if step_id is None:  # logged after it ran, in one write: nothing to match a resend against
+            edge_findings = edge_report.findings if edge_report is not None else None
             try:
                 result = await operation()
             except (NotFound, SandboxGone):

@@ -158,40 +158,38 @@ class _MemoryTree:
         raise InvalidRequest("the simulated backend keeps single files only: tar download is not simulated")
 
 
-def _canned(argv: list[str]) -> tuple[int, bytes, bytes]:
-    """Exit code, stdout, stderr for the few commands the simulation answers; 127 for the rest."""
+def _canned(argv: list[str]) -> tuple[int, bytes, bytes, float]:
+    """Exit code, stdout, stderr and seconds it takes for the few commands the simulation answers; 127 for the rest.
+    ``sleep S`` (up to 60 s) takes S seconds before it exits: commands in flight together, for tests."""
     words = argv[2:] if argv[:2] == ["/bin/sh", "-c"] else [shlex.join(argv)]
     try:
         parts = shlex.split(words[0]) if words else []
     except ValueError:
         parts = []
     if parts in (["true"], [":"]):
-        return 0, b"", b""
+        return 0, b"", b"", 0.0
     if parts == ["false"]:
-        return 1, b"", b""
+        return 1, b"", b"", 0.0
     if parts[:1] == ["echo"]:
-        return 0, (" ".join(parts[1:]) + "\n").encode(), b""
+        return 0, (" ".join(parts[1:]) + "\n").encode(), b"", 0.0
     if len(parts) == 2 and parts[0] == "exit" and parts[1].isdigit():
-        return int(parts[1]) & 0xFF, b"", b""
-    if len(parts) == 2 and parts[0] == "sleep" and _is_seconds(parts[1]):
-        return 0, b"", b""
-    return 127, b"", f"simulated backend: not run: {shlex.join(argv)}\n".encode()
+        return int(parts[1]) & 0xFF, b"", b"", 0.0
+    if len(parts) == 2 and parts[0] == "sleep" and (seconds := _seconds(parts[1])) is not None:
+        return 0, b"", b"", seconds
+    return 127, b"", f"simulated backend: not run: {shlex.join(argv)}\n".encode(), 0.0
 
 
-def _is_seconds(word: str) -> bool:
+def _seconds(word: str) -> float | None:
     try:
-        return 0 <= float(word) <= 60
+        seconds = float(word)
     except ValueError:
-        return False
+        return None
+    return seconds if 0 <= seconds <= 60 else None
 
 
 class _CannedCommand:
     def __init__(self, command: CommandSpec) -> None:
-        self._exit_code, self._stdout, self._stderr = _canned(command.argv)
-        words = command.argv[2:] if command.argv[:2] == ["/bin/sh", "-c"] else []
-        parts = words[0].split() if words else []
-        # ``sleep S`` takes S seconds (up to 60) before it exits: commands in flight together, for tests
-        self._takes_s = float(parts[1]) if len(parts) == 2 and parts[0] == "sleep" and _is_seconds(parts[1]) else 0.0
+        self._exit_code, self._stdout, self._stderr, self._takes_s = _canned(command.argv)
 
     async def events(self) -> AsyncIterator[CommandEvent]:
         yield CommandStarted(pid=0)

@@ -421,10 +421,8 @@ class TrajectoryLog:
     def _one_statement(self) -> Iterator[Connection]:
         """Where a write that is one statement runs: in autocommit on PostgreSQL, in the write transaction
         elsewhere (the statements after it, if any, only read)."""
-        if (joined := getattr(self._joined, "conn", None)) is not None:
-            yield joined
-        elif self._autocommit is None:
-            with self._write_transaction() as conn:
+        if self._autocommit is None or getattr(self._joined, "conn", None) is not None:
+            with self._write_transaction() as conn:  # inside ``together``: the block's transaction
                 yield conn
         else:
             with self._autocommit.connect() as conn:
