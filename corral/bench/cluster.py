@@ -11,7 +11,9 @@ each, in alternating rounds:
 3. exec round trips on a warm sandbox, p50/p95 (the cluster adds the
    gateway → Ray → edge actor hop);
 4. the same execs with a step id (the trajectory log: a begin before, the result
-   after, the files the command changed looked up on its node).
+   after, the files the command changed looked up on its node), sent whole and
+   streamed (``exec_stream``: the stream, the files and the audit in one actor
+   stream).
 
 Every node shares this machine's cores, so the cluster cannot create faster
 than one node here: the numbers are the cluster path's cost, read as ratios
@@ -61,14 +63,22 @@ def _singles(client: Client, count: int) -> list[float]:
     return samples
 
 
-def _execs(client: Client, count: int, *, step_ids: bool = False) -> list[float]:
+def _execs(client: Client, count: int, *, step_ids: bool = False, streamed: bool = False) -> list[float]:
     samples = []
     with client.create("busybox", ttl_s=600) as sandbox:
         require_success(sandbox.exec("true"), "true")
         for k in range(count):
+            step_id = f"s{k}" if step_ids else None
             started = time.perf_counter()
-            require_success(sandbox.exec("true", step_id=f"s{k}" if step_ids else None), "true")
+            if streamed:
+                exit_event = list(sandbox.exec_stream("true", step_id=step_id))[-1]
+                if exit_event.type != "exit" or exit_event.result is None:
+                    raise RuntimeError(f"a streamed `true` ended without its exit: {exit_event}")
+                result = exit_event.result
+            else:
+                result = sandbox.exec("true", step_id=step_id)
             samples.append(ms_since(started))
+            require_success(result, "true")
     return samples
 
 
@@ -80,7 +90,8 @@ def run_cluster_benchmark(*, nodes: int, count: int, rounds: int, as_json: bool,
         embedded = EmbeddedServer(scratch / "embedded", env={"CORRAL_NODE_DIR": str(node_dir)})
         cluster = LocalCluster(scratch / "cluster", gateway_settings={"CORRAL_NODE_DIR": str(node_dir)})
         results: dict[str, dict[str, list[Any]]] = {
-            side: {"rate": [], "single": [], "exec": [], "step": [], "spread": []} for side in ("embedded", "cluster")
+            side: {"rate": [], "single": [], "exec": [], "step": [], "stream_step": [], "spread": []}
+            for side in ("embedded", "cluster")
         }
         try:
             embedded.start()
@@ -99,6 +110,7 @@ def run_cluster_benchmark(*, nodes: int, count: int, rounds: int, as_json: bool,
                     results[side]["single"] += _singles(client, 10)
                     results[side]["exec"] += _execs(client, 50)
                     results[side]["step"] += _execs(client, 50, step_ids=True)
+                    results[side]["stream_step"] += _execs(client, 50, step_ids=True, streamed=True)
                     progress.advance(task)
             for client in clients.values():
                 client.close()
@@ -113,6 +125,7 @@ def run_cluster_benchmark(*, nodes: int, count: int, rounds: int, as_json: bool,
             "create_ms": _percentiles(measured["single"]) if measured["single"] else None,
             "exec_ms": _percentiles(measured["exec"]) if measured["exec"] else None,
             "step_ms": _percentiles(measured["step"]) if measured["step"] else None,
+            "stream_step_ms": _percentiles(measured["stream_step"]) if measured["stream_step"] else None,
             "spread": measured["spread"],
         }
     emit(report, _table, as_json=as_json, console=console)
@@ -131,7 +144,8 @@ def _table(report: dict[str, Any]) -> Table:
     rate_c, rate_e = cluster["creates_per_s"], embedded["creates_per_s"]
     table.add_row("burst creates/s", f"{rate_c:.1f}", f"{rate_e:.1f}", f"{rate_c / rate_e:.2f}×")
     for key, label in (("create_ms", "single create → ready"), ("exec_ms", "exec round trip"),
-                       ("step_ms", "exec with a step id")):  # fmt: skip
+                       ("step_ms", "exec with a step id"),
+                       ("stream_step_ms", "streamed exec with a step id")):  # fmt: skip
         c, e = cluster[key], embedded[key]
         table.add_row(
             f"{label} p50 (p95)", f"{c['p50']:.1f} ({c['p95']:.1f}) ms", f"{e['p50']:.1f} ({e['p95']:.1f}) ms",

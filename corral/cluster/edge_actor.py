@@ -59,7 +59,7 @@ ACTOR_OWN = frozenset({"start", "adopt", "close"})
 WIRE_NAMES = {"pack_diff": "pack_diff_bytes", "checkpoint": "checkpoint_on_node"}
 """Edge methods that take a path on the gateway's machine: RayEdge calls the node-side variant instead (the diff
 comes back as bytes, the checkpoint stays in a scratch directory on the node)."""
-STREAMING = frozenset({"exec_stream"})
+STREAMING = frozenset({"exec_stream", "exec_stream_audited"})
 """Edge methods that yield: called through ``EdgeActor.stream``."""
 CALLABLE = frozenset(WIRE_NAMES.get(name, name) for name in EDGE_METHODS - ACTOR_OWN - STREAMING)
 """What a gateway may call through ``EdgeActor.call``: derived from the Edge protocol, so a method added there is
@@ -284,11 +284,12 @@ class EdgeActor:
         target: Any = self._node if method in ON_NODE else self._node.edge
         return await asyncio.wrap_future(self._run(getattr(target, method)(*args, **kwargs)))
 
-    async def stream(self, method: str, *args: Any) -> AsyncIterator[Any]:
-        """An Edge method that yields (exec_stream), item by item (a Ray streaming generator)."""
+    async def stream(self, method: str, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        """An Edge method that yields (exec_stream and its audited form), item by item (a Ray streaming
+        generator)."""
         if method not in STREAMING:
             raise InvalidRequest(f"the edge has no streaming method {method!r}")
-        items = getattr(self._node.edge, method)(*args)
+        items = getattr(self._node.edge, method)(*args, **kwargs)
         while True:
             try:
                 yield await asyncio.wrap_future(self._run(items.__anext__()))

@@ -21,6 +21,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 from corral.api.errors import CorralError, InternalError, ServerUnavailable
 from corral.api.models import ExecEvent, ExecRequest
 from corral.cluster.edge_actor import ACTOR_NAMESPACE, WIRE_NAMES, actor_name, node_resource
+from corral.edge.protocol import AuditedExec
 
 __all__ = ["RayEdge", "RayEdges", "restarting_edges"]
 
@@ -143,10 +144,19 @@ class RayEdge:
         written: Path = await self._call(WIRE_NAMES["checkpoint"], sandbox_id)
         return written
 
-    async def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+    def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+        return self._stream("exec_stream", sandbox_id, request)
+
+    def exec_stream_audited(
+        self, sandbox_id: str, request: ExecRequest, *, step_files: bool = False
+    ) -> AsyncIterator[ExecEvent | AuditedExec]:
+        return self._stream("exec_stream_audited", sandbox_id, request, step_files=step_files)
+
+    async def _stream(self, method: str, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        """A streaming Edge method's items as the actor yields them."""
         actor = await self._actor()
         try:
-            refs = actor.stream.options(num_returns="streaming").remote("exec_stream", sandbox_id, request)
+            refs = actor.stream.options(num_returns="streaming").remote(method, *args, **kwargs)
             while True:
                 try:
                     ref = await self._answer(refs.__anext__())

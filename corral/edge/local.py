@@ -713,7 +713,21 @@ class LocalEdge:
 
     async def exec_audited(self, sandbox_id: str, request: ExecRequest, *, step_files: bool = False) -> AuditedExec:
         since = await self.fs_clock(sandbox_id) if step_files else None
-        result = await self.exec(sandbox_id, request)
+        return await self._audited(sandbox_id, await self.exec(sandbox_id, request), since)
+
+    async def exec_stream_audited(
+        self, sandbox_id: str, request: ExecRequest, *, step_files: bool = False
+    ) -> AsyncIterator[ExecEvent | AuditedExec]:
+        since = await self.fs_clock(sandbox_id) if step_files else None
+        async for event in self.exec_stream(sandbox_id, request):
+            if event.type == "exit" and event.result is not None:
+                yield await self._audited(sandbox_id, event.result, since)
+            else:
+                yield event
+
+    async def _audited(self, sandbox_id: str, result: ExecResult, since: float | None) -> AuditedExec:
+        """What follows a command's exit in one audited call: the files it changed (since ``since``, when taken)
+        and the audit's findings."""
         files = await self.changed_paths(sandbox_id, since) if since is not None else None  # gone: the step fails
         try:
             return AuditedExec(result, await self.audit_after_command(sandbox_id), files)

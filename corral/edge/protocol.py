@@ -155,6 +155,14 @@ class Edge(Protocol):
         files it changed are looked up after it, in the same call: one round trip to the node where it took
         three (fs_clock, this, changed_paths)."""
 
+    def exec_stream_audited(
+        self, sandbox_id: str, request: ExecRequest, *, step_files: bool = False
+    ) -> AsyncIterator[ExecEvent | AuditedExec]:
+        """exec_stream, with the exit event's place taken by an ``AuditedExec`` (the exit's result, the audit's
+        findings after it and, with ``step_files``, the files it changed): one call to the node for a logged
+        stream, where it took four (fs_clock, exec_stream, changed_paths, audit_after_command)."""
+        ...
+
     async def audit_after_command(self, sandbox_id: str) -> list[tuple[str, str, dict[str, Any]]]:
         """New findings since the last call: protected paths changed, PID-limit hits; (kind, severity, detail)."""
 

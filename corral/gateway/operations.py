@@ -53,7 +53,7 @@ from corral.api.models import (
     SnapshotInfo,
     UploadResult,
 )
-from corral.edge.protocol import edge_of
+from corral.edge.protocol import AuditedExec, edge_of
 from corral.gateway.images import ImageService
 from corral.gateway.service import SandboxService
 from corral.guard.audit import detect_in_command
@@ -431,23 +431,24 @@ class Operations:
             return
         output: dict[str, list[str]] = {"stdout": [], "stderr": []}
         outcome: dict[str, Any] | None = None
+        events = self._sandboxes.stream(  # the clock, the files and the findings come with it: one call
+            sandbox_id, lambda edge: edge.exec_stream_audited(sandbox_id, request, step_files=step is not None)
+        )
         try:
-            since = await self._sandboxes.call(sandbox_id, lambda edge: edge.fs_clock(sandbox_id)) if step else None
-            async for event in self._sandboxes.stream(sandbox_id, lambda edge: edge.exec_stream(sandbox_id, request)):
-                if event.type == "exit" and event.result is not None:
+            async for item in events:
+                if isinstance(item, AuditedExec):  # the command's exit
                     joined = {name: "".join(parts) for name, parts in output.items()}
-                    outcome = event.result.model_copy(update=joined).model_dump(mode="json")
-                    files = None
-                    if step is not None and since is not None:
-                        files = await self._sandboxes.call(sandbox_id, lambda e: e.changed_paths(sandbox_id, since))
+                    outcome = item.result.model_copy(update=joined).model_dump(mode="json")
                     if step is None:  # with the other steps of the moment, after the exit has gone out
                         self._append_auto(sandbox_id, "exec_stream", body, outcome)
                     else:  # durable before the exit is sent: a resend is answered from it
-                        await self._write(self._record, step, outcome, files)
-                    await self._audit(sandbox_id, _command_text(body), event.result)
-                elif event.type in output:
-                    output[event.type].append(event.data or "")
-                yield event
+                        await self._write(self._record, step, outcome, item.files)
+                    await self._audit(sandbox_id, _command_text(body), item.result, item.findings)
+                    yield ExecEvent(type="exit", command_id=item.result.command_id, result=item.result)
+                    continue
+                if item.type in output:
+                    output[item.type].append(item.data or "")
+                yield item
         except (NotFound, SandboxGone):
             if step is not None and outcome is None:
                 gone = {"code": "sandbox_gone", "message": "the sandbox ended during the command"}

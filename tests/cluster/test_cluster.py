@@ -75,16 +75,20 @@ def test_audit_findings_from_a_node_reach_the_log(client: corral.Client) -> None
 
 def test_a_step_on_a_node_logs_the_files_it_changed_and_its_findings(client: corral.Client) -> None:
     """A step with a step id crosses to its node once (the clock, the command, the files it changed and the
-    audit's findings in one actor call) and the log has each."""
+    audit's findings in one actor call; a streamed one in one actor stream) and the log has each."""
     with client.create("busybox", ttl_s=600) as sandbox:
         sandbox.exec("echo a > /work-a && rm /bin/vi", step_id="first")
         sandbox.exec("echo b > /work-b", step_id="second")
+        streamed = list(sandbox.exec_stream("echo c > /work-c && echo out && rm /bin/ls", step_id="third"))
+        assert [(e.type, e.data) for e in streamed if e.type == "stdout"] == [("stdout", "out\n")]
+        assert streamed[-1].type == "exit" and streamed[-1].result is not None and streamed[-1].result.exit_code == 0
         assert {step.step_id: step.files for step in sandbox.trajectory()} == {
             "first": ["/bin/vi", "/work-a"],
             "second": ["/work-b"],
+            "third": ["/bin/ls", "/work-c"],
         }
         events = [e for e in sandbox.audit_events() if e.kind == "protected_path_modified"]
-        assert len(events) == 1 and "/bin/vi" in events[0].detail["paths"]
+        assert [e.detail["paths"] for e in events] == [["/bin/vi"], ["/bin/ls"]], events
 
 
 def test_a_cluster_gateway_refuses_network_peers(client: corral.Client) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import inspect
+import json
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -108,26 +110,39 @@ async def test_a_batch_hands_on_the_events_ready_together(tmp_path: Path) -> Non
     assert events[-1].type == "done" and events[-1].failed == 0
 
 
+def _counted(method: Any, calls: list[str]) -> Any:  # noqa: ANN401 - a bound method, and its stand-in
+    """``method`` (a coroutine or an async generator of the service's) noting the sandbox id of each call."""
+    if inspect.isasyncgenfunction(method):
+
+        async def streamed(sandbox_id: str, *args: Any) -> AsyncIterator[Any]:
+            calls.append(sandbox_id)
+            async for item in method(sandbox_id, *args):
+                yield item
+
+        return streamed
+
+    async def counted(sandbox_id: str, *args: Any) -> Any:  # noqa: ANN401 - what the call returns
+        calls.append(sandbox_id)
+        return await method(sandbox_id, *args)
+
+    return counted
+
+
 @contextlib.contextmanager
 def _app_counting(
-    tmp_path: Path, method: str, store: StateStore | None = None
+    tmp_path: Path, methods: str | tuple[str, ...], store: StateStore | None = None
 ) -> Iterator[tuple[TestClient, list[str]]]:
     """The HTTP app on two simulated nodes (SQLite unless ``store`` is given, server key ``ck_test``) and the
-    sandbox ids its service's ``method`` (a read of the state store, or ``call``: a call to the sandbox's node)
-    was called with, in order."""
+    sandbox ids its service's ``methods`` (reads of the state store, or ``call`` and ``stream``: calls to the
+    sandbox's node) were called with, in order."""
     store = store or StateStore(f"sqlite:///{tmp_path / 'state.db'}")
     reads: list[str] = []
 
     @contextlib.asynccontextmanager
     async def services() -> AsyncIterator[Services]:
         async with control_plane.simulated_services(2, store, tmp_path, "ck_test") as served:
-            read = getattr(served.sandboxes, method)
-
-            async def counted(sandbox_id: str, *args: Any) -> Any:  # noqa: ANN401 - what the read returns
-                reads.append(sandbox_id)
-                return await read(sandbox_id, *args)
-
-            setattr(served.sandboxes, method, counted)
+            for method in (methods,) if isinstance(methods, str) else methods:
+                setattr(served.sandboxes, method, _counted(getattr(served.sandboxes, method), reads))
             yield served
 
     try:
@@ -190,6 +205,29 @@ def test_a_step_with_a_step_id_is_one_call_to_its_node(tmp_path: Path) -> None:
             answer = http.post(f"/v1/sandboxes/{sandbox_id}/exec", json=body, headers=key)
             assert answer.status_code == 200 and answer.json()["exit_code"] == 0, answer.text
             assert calls.count(sandbox_id) - before == 1, body
+        steps = http.get(f"/v1/sandboxes/{sandbox_id}/trajectory", headers=key).json()
+        logged = {step["step_id"]: step["files"] for step in steps if not step["step_id"].startswith("auto")}
+        assert logged == {"s0": [], "s1": []}  # looked up (none changed), not left unknown (None)
+
+
+def test_a_streamed_step_is_one_call_to_its_node(tmp_path: Path) -> None:
+    """A streamed exec, with a step id or without, is one call to the sandbox's node: its exit comes with the
+    audit's findings and (with a step id) the files it changed, where it took four calls (the clock, the stream,
+    the files, the findings) and two without."""
+    key = {"Authorization": "Bearer ck_test"}
+    shape = {"image": control_plane.IMAGE, "cpu": 0.25, "memory_mb": 256}
+    with _app_counting(tmp_path, ("call", "stream")) as (http, calls):
+        sandbox_id = http.post("/v1/sandboxes", json=shape, headers=key).json()["id"]
+        for body in ({"cmd": "true", "step_id": "s0"}, {"cmd": "true"}, {"cmd": "true", "step_id": "s1"}):
+            before = calls.count(sandbox_id)
+            answer = http.post(f"/v1/sandboxes/{sandbox_id}/exec/stream", json=body, headers=key)
+            assert answer.status_code == 200, answer.text
+            events = [json.loads(line) for line in answer.text.splitlines()]
+            assert events[-1]["type"] == "exit" and events[-1]["result"]["exit_code"] == 0, events
+            assert calls.count(sandbox_id) - before == 1, body
+        again = http.post(f"/v1/sandboxes/{sandbox_id}/exec/stream", json={"cmd": "true", "step_id": "s0"},
+                          headers=key)  # fmt: skip
+        assert json.loads(again.text.splitlines()[-1])["result"]["replayed"] is True
         steps = http.get(f"/v1/sandboxes/{sandbox_id}/trajectory", headers=key).json()
         logged = {step["step_id"]: step["files"] for step in steps if not step["step_id"].startswith("auto")}
         assert logged == {"s0": [], "s1": []}  # looked up (none changed), not left unknown (None)

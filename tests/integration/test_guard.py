@@ -102,6 +102,24 @@ def test_editing_protected_task_files_is_reported(client: corral.Client) -> None
         assert kinds.get("protected_path_modified") == "critical" and "modifies_tests" in kinds
 
 
+def test_a_streamed_command_editing_protected_files_is_reported(client: corral.Client) -> None:
+    """The findings come with a streamed command's exit too (from the one call to its node), with a step id or
+    without (a path is reported the first time it changes)."""
+    with client.create("busybox", protected_paths=["/work/tests/"]) as sandbox:
+        sandbox.files.write("/work/tests/test_task.py", "assert solve() == 42\n")
+        setup = len(sandbox.audit_events())
+
+        def protected_after_setup() -> list[list[str]]:
+            found = sandbox.audit_events()[setup:]
+            return [e.detail["paths"] for e in found if e.kind == "protected_path_modified"]
+
+        list(sandbox.exec_stream("echo 'assert True' > /work/tests/a.py", step_id="weaken"))
+        assert protected_after_setup() == [["/work/tests/a.py"]]
+        list(sandbox.exec_stream("echo 'assert True' > /work/tests/b.py"))
+        assert protected_after_setup() == [["/work/tests/a.py"], ["/work/tests/b.py"]]
+        assert [s.files for s in sandbox.trajectory() if s.step_id == "weaken"] == [["/work/tests/a.py"]]
+
+
 def test_quota_hits_are_events(client: corral.Client) -> None:
     with client.create("busybox", memory_mb=32, pids_max=32) as sandbox:
         sandbox.exec("tail /dev/zero", timeout_s=30)
