@@ -217,7 +217,7 @@ def serve(settings: Settings) -> None:
             images = ImageService(catalogue, builder, service, puller=puller)
             log_of_steps = TrajectoryLog(store.engine)
             operations = Operations(log_of_steps, service, images, max_logged_file_bytes=settings.max_logged_file_bytes)
-            trajectories = Trajectories(log_of_steps, service, operations.flush)
+            trajectories = Trajectories(log_of_steps, service, operations.settled)
             lost = trajectories.mark_lost()
             if lost:
                 log.warning("%d trajectory steps were running when the server stopped: marked lost", lost)

@@ -247,7 +247,7 @@ async def simulated_services(nodes: int, store: StateStore, scratch: Path, api_k
         operations = Operations(steps, service, images, max_logged_file_bytes=0)
         yield Services(
             sandboxes=service, images=images, operations=operations,
-            trajectories=Trajectories(steps, service, operations.flush),
+            trajectories=Trajectories(steps, service, operations.settled),
             tokens=JobTokens(store.engine, api_key), grader=Grader(images, service),
             fncall=FnCallService(service, warm_budget=0, min_warm=0, max_per_pool=0),
         )  # fmt: skip

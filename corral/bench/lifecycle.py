@@ -49,7 +49,15 @@ from rich.table import Table
 from corral.backends.common import host
 from corral.backends.common.host import runtime_state_root
 from corral.bench.containers import fill_layer, summarize
-from corral.bench.harness import ResultTable, bench_session, emit, metric_sum, ms_since, require_success
+from corral.bench.harness import (
+    ResultTable,
+    bench_session,
+    emit,
+    metric_sum,
+    ms_since,
+    require_success,
+    throwaway_postgres,
+)
 from corral.embedded import EmbeddedServer
 from corral.sdk import AsyncClient, AsyncSandbox, Client, CorralError, ExecResult, InvalidRequest, Sandbox
 
@@ -274,9 +282,9 @@ def _remove_fork_layers(client: Client, parents: set[str]) -> None:
                 client.images.remove_layer(layer.digest)
 
 
-def _measure(data_dir: Path, runs: int, stepping: int, progress: Progress) -> dict[str, Any]:
+def _measure(data_dir: Path, runs: int, stepping: int, progress: Progress, database_url: str | None) -> dict[str, Any]:
     task = progress.add_task("starting corral serve", total=1)
-    server = EmbeddedServer(data_dir)
+    server = EmbeddedServer(data_dir, env={"CORRAL_DATABASE_URL": database_url} if database_url else None)
     parents: set[str] = set()
     try:
         server.start()
@@ -324,7 +332,8 @@ def _table(report: dict[str, Any]) -> Table:
     pause, fork, replay, info = report["pause"], report["fork"], report["replay"], report["host"]
     caption = (f"{report['params']['runs']} samples per timing, each beside its baseline in the same run; "
                f"replay: {REPLAY_STEPS} steps per pass, log check {replay['check']}. Kernel {info['kernel']}, "
-               f"{info['cpu_count']} cpus, cgroup {info['cgroup_layout']}, swap {info['swap_mib']} MiB.")  # fmt: skip
+               f"{info['cpu_count']} cpus, cgroup {info['cgroup_layout']}, swap {info['swap_mib']} MiB; state on "
+               f"{report.get('database', 'sqlite')}.")  # fmt: skip
     rows = ResultTable("corral bench lifecycle", caption, report["checks"], digits=1)
     table, verdict, timing = rows.table, rows.verdict, rows.timing
 
@@ -360,7 +369,8 @@ def _table(report: dict[str, Any]) -> Table:
     return table
 
 
-def run_lifecycle_benchmark(*, runs: int, stepping: int, as_json: bool, console: Console) -> None:
+def run_lifecycle_benchmark(*, runs: int, stepping: int, as_json: bool, console: Console,
+                            postgres: bool = False) -> None:  # fmt: skip
     """Measure pause/resume, fork and replay against same-run baselines, then print a table (or JSON)."""
     if runs < 1:
         raise InvalidRequest("--runs must be at least 1")
@@ -374,8 +384,10 @@ def run_lifecycle_benchmark(*, runs: int, stepping: int, as_json: bool, console:
     host.enter_private_mount_namespace(layout)
     if shutil.which("crun") is None:
         raise InvalidRequest("crun is not installed: apt-get install crun")
-    with bench_session("bench-lifecycle", as_json=as_json, console=console) as (scratch, progress):
-        results = _measure(scratch / "server", runs, stepping, progress)
+    with contextlib.ExitStack() as stack:
+        database_url = stack.enter_context(throwaway_postgres()) if postgres else None
+        scratch, progress = stack.enter_context(bench_session("bench-lifecycle", as_json=as_json, console=console))
+        results = _measure(scratch / "server", runs, stepping, progress, database_url)
     swap_kib = [int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
                 if line.startswith("SwapTotal:")]  # fmt: skip
     report: dict[str, Any] = {
@@ -385,6 +397,7 @@ def run_lifecycle_benchmark(*, runs: int, stepping: int, as_json: bool, console:
                    "replay_steps": REPLAY_STEPS, "replay_concurrency": REPLAY_CONCURRENCY,
                    "stepping_sandboxes": stepping, "stepping_steps": STEPPING_STEPS,
                    "stepping_rounds": STEPPING_ROUNDS, "stepping_layer_files": STEPPING_LAYER_FILES},
+        "database": "postgresql" if postgres else "sqlite",
         "host": {"kernel": platform.release(), "cpu_count": os.cpu_count(), "cgroup_layout": layout.value,
                  "swap_mib": (swap_kib or [0])[0] // 1024},
         **results,

@@ -132,12 +132,15 @@ def bench_pull(
 def bench_lifecycle(
     runs: Annotated[int, typer.Option(help="Samples per timing.")] = 10,
     stepping: Annotated[int, typer.Option(help="Sandboxes taking steps at once (one trajectory each).")] = 16,
+    postgres: Annotated[
+        bool, typer.Option("--postgres", help="State in a throwaway PostgreSQL (scripts/postgres.sh), not SQLite.")
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """Measure pause/resume, fork and step replay against same-run baselines."""
     from corral.bench.lifecycle import run_lifecycle_benchmark
 
-    run_lifecycle_benchmark(runs=runs, stepping=stepping, as_json=as_json, console=console)
+    run_lifecycle_benchmark(runs=runs, stepping=stepping, postgres=postgres, as_json=as_json, console=console)
 
 
 @bench_app.command("qos")

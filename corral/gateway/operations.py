@@ -57,6 +57,7 @@ from corral.edge.protocol import AuditedExec, edge_of
 from corral.gateway.images import ImageService
 from corral.gateway.service import SandboxService
 from corral.guard.audit import detect_in_command
+from corral.state.thread import DatabaseThread
 from corral.trajectory import LOG_CAP_KEY, Replay, Step, TrajectoryLog
 
 __all__ = ["AUTO_PREFIX", "Forked", "Operations", "replayed_result"]
@@ -89,17 +90,21 @@ T = TypeVar("T")
 
 
 class _StepWrites:
-    """The trajectory log's writes of concurrent steps on SQLite (whose writes run on the event loop: no database
-    thread), committed together: every write asked for in one turn of the event loop joins one transaction
-    (``TrajectoryLog.together``), in the order asked, as the state store's group commit does for creates
-    (gateway/service.py). Each caller still awaits its own write's result before it goes on; a write's own error
-    reaches only its caller. A database error rolls the shared transaction back, and each write is made again in
-    one of its own, so that error too reaches the writes it belongs to."""
+    """The trajectory log's writes of concurrent steps, committed together: the writes asked for in one turn of
+    the event loop join one transaction (``TrajectoryLog.together``), in the order asked, as the state store's
+    group commit does for creates (gateway/service.py). On SQLite (no database thread) the turn's writes are
+    committed by a callback right after it; on PostgreSQL by a task on the database thread, and those asked for
+    while it runs join the next transaction (one commit, and one WAL flush, for all of them). Each caller still
+    awaits its own write's result before it goes on; a write's own error reaches only its caller. A database
+    error rolls the shared transaction back, and each write is made again in one of its own, so that error too
+    reaches the writes it belongs to."""
 
-    def __init__(self, log: TrajectoryLog) -> None:
+    def __init__(self, log: TrajectoryLog, db: DatabaseThread) -> None:
         self._log = log
+        self._db = db
         self._queued: list[tuple[Callable[[], Any], asyncio.Future[Any] | None]] = []
-        self._flush_handle: asyncio.Handle | None = None
+        self._flush_handle: asyncio.Handle | None = None  # SQLite: the callback that commits this turn's writes
+        self._flushing: asyncio.Task[None] | None = None  # PostgreSQL: the task committing on the thread
 
     async def write(self, call: Callable[[], T]) -> T:
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
@@ -108,8 +113,9 @@ class _StepWrites:
         return await future
 
     @property
-    def queued(self) -> bool:
-        return bool(self._queued)
+    def busy(self) -> bool:
+        """Writes are queued or being committed: a write now must join them to keep its place after them."""
+        return bool(self._queued) or self._flushing is not None
 
     def later(self, call: Callable[[], object]) -> None:
         """A write nobody waits for (steps without a client id), in its place among the others; its failure is
@@ -118,27 +124,53 @@ class _StepWrites:
         self._schedule()
 
     def _schedule(self) -> None:
-        if self._flush_handle is None:  # after the callbacks ready now: the writes of this turn join the first
-            self._flush_handle = asyncio.get_running_loop().call_soon(self._flush)
+        if self._db.inline:
+            if self._flush_handle is None:  # after the callbacks ready now: the writes of this turn join the first
+                self._flush_handle = asyncio.get_running_loop().call_soon(self._flush)
+        elif self._flushing is None:
+            self._flushing = asyncio.get_running_loop().create_task(self._flush_on_thread())
 
     def _flush(self) -> None:
         self._flush_handle = None
         queued, self._queued = self._queued, []
-        outcomes: list[tuple[Any, BaseException | None]]
+        _settle(queued, self._commit([call for call, _ in queued]))
+
+    async def _flush_on_thread(self) -> None:
+        queued: list[tuple[Callable[[], Any], asyncio.Future[Any] | None]] = []
+        try:
+            await asyncio.sleep(0)  # the writes of this event-loop turn join the first transaction
+            while self._queued:
+                queued, self._queued = self._queued, []
+                _settle(queued, await self._db.run(self._commit, [call for call, _ in queued]))
+                queued = []
+        except Exception as exc:  # noqa: BLE001 - the thread could not run them: every writer learns it
+            _settle(queued + self._queued, [(None, exc)] * (len(queued) + len(self._queued)))
+            self._queued = []
+        finally:
+            self._flushing = None
+
+    def _commit(self, calls: list[Callable[[], Any]]) -> list[tuple[Any, BaseException | None]]:
+        """Each call's value or error, the calls made in one transaction (on the database's thread, if any)."""
         try:
             try:
                 with self._log.together():
-                    outcomes = [_outcome(call, database_errors=False) for call, _ in queued]
+                    return [_outcome(call, database_errors=False) for call in calls]
             except DBAPIError:  # rolled back: each again on its own, and its error to its own caller
-                outcomes = [_outcome(call, database_errors=True) for call, _ in queued]
+                return [_outcome(call, database_errors=True) for call in calls]
         except Exception as exc:  # noqa: BLE001 - no write's own: every writer learns it, none waits forever
-            outcomes = [(None, exc)] * len(queued)
-        for (_, future), (value, error) in zip(queued, outcomes, strict=True):
-            if future is None:
-                if error is not None:
-                    log.error("a trajectory write failed", exc_info=error)
-            elif not future.done():
-                future.set_exception(error) if error is not None else future.set_result(value)
+            return [(None, exc)] * len(calls)
+
+
+def _settle(
+    queued: list[tuple[Callable[[], Any], asyncio.Future[Any] | None]], outcomes: list[tuple[Any, BaseException | None]]
+) -> None:
+    """Hand each queued write its outcome: its writer's future, or the log for a write nobody waits for."""
+    for (_, future), (value, error) in zip(queued, outcomes, strict=True):
+        if future is None:
+            if error is not None:
+                log.error("a trajectory write failed", exc_info=error)
+        elif not future.done():
+            future.set_exception(error) if error is not None else future.set_result(value)
 
 
 def _outcome(call: Callable[[], Any], *, database_errors: bool) -> tuple[Any, BaseException | None]:
@@ -196,7 +228,7 @@ class Operations:
         self._sandboxes = sandboxes
         self._images = images
         self._db = sandboxes.database  # the log is written and read on the state's thread, in order
-        self._steps = _StepWrites(log) if self._db.inline else None  # SQLite: the steps' writes committed together
+        self._steps = _StepWrites(log, self._db)  # concurrent steps' writes committed together
         self._open_steps = 0  # steps with a client's id between their begin and their result (``_perform``)
         self._max_logged_file_bytes = max_logged_file_bytes
         # Steps without a client id are written just after their answer leaves (within _FLUSH_DELAY_S),
@@ -215,24 +247,36 @@ class Operations:
         elif self._flush_handle is None:
             self._flush_handle = asyncio.get_running_loop().call_later(_FLUSH_DELAY_S, self.flush)
 
-    def flush(self) -> None:
+    def flush(self, *, join: bool = False) -> None:
         """Write the pending steps, in the order they finished, in one transaction (queued on the database
-        thread: whatever is asked of it later sees them)."""
+        thread: whatever is asked of it later sees them). ``join``: with the step writes of this moment instead,
+        in their transaction."""
         if self._flush_handle is not None:
             self._flush_handle.cancel()
             self._flush_handle = None
         pending, self._pending = self._pending, []
-        if pending:
+        if not pending:
+            return
+        if join:
+            self._steps.later(functools.partial(self._log.append_many, pending))
+        else:
             self._db.submit(self._log.append_many, pending)
 
+    async def settled(self) -> None:
+        """Every step answered so far is in the log: the pending ones queued, and the step writes being
+        committed together done (what a read of the log waits for)."""
+        self.flush()
+        if self._steps.busy:
+            await self._steps.write(lambda: None)  # settles after every write queued before it
+
     def _together(self) -> bool:
-        """Whether a step's write waits for this turn's others (SQLite, and another step open or a write queued):
-        one step at a time writes at once, as waiting a turn for nobody costs it ~0.1 ms a write."""
-        return self._steps is not None and (self._open_steps > 1 or self._steps.queued)
+        """Whether a step's write joins the others of this moment (another step open, or writes queued or being
+        committed): one step at a time writes at once, as waiting a turn for nobody costs it ~0.1 ms a write."""
+        return self._open_steps > 1 or self._steps.busy
 
     async def _write(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:  # noqa: ANN401 - call's own
-        """A write of the log that the caller awaits: with the other steps' of this moment on SQLite."""
-        if self._steps is None or not self._together():
+        """A write of the log that the caller awaits: with the other steps' of this moment."""
+        if not self._together():
             return await self._db.run(call, *args, **kwargs)
         return await self._steps.write(functools.partial(call, *args, **kwargs))
 
@@ -241,14 +285,7 @@ class Operations:
             raise InvalidRequest(f"step ids starting with {AUTO_PREFIX!r} are Corral's own: choose another")
         await self._sandboxes.check_exists(sandbox_id)  # unknown sandboxes get no log entries
         # Earlier steps first: the log's order is the order steps finished or began.
-        if self._steps is not None and self._pending and self._together():  # in the begin's own transaction
-            if self._flush_handle is not None:
-                self._flush_handle.cancel()
-                self._flush_handle = None
-            pending, self._pending = self._pending, []
-            self._steps.later(functools.partial(self._log.append_many, pending))
-        else:
-            self.flush()
+        self.flush(join=self._together())  # in the begin's own transaction when it joins others
         return await self._write(self._log.begin, sandbox_id, step_id, kind, request)
 
     # -- audit ------------------------------------------------------------

@@ -59,12 +59,12 @@ def _effective_steps(steps: list[Step]) -> list[Step]:
 
 
 class Trajectories:
-    def __init__(self, log: TrajectoryLog, sandboxes: SandboxService, flush: Callable[[], None]) -> None:
-        """``flush``: queues the steps logged so far for writing (``Operations.flush``); called before each read,
-        which the database thread then runs after them."""
+    def __init__(self, log: TrajectoryLog, sandboxes: SandboxService, settled: Callable[[], Awaitable[None]]) -> None:
+        """``settled``: returns once every step answered so far is written or queued on the database thread
+        (``Operations.settled``); awaited before each read, which that thread then runs after them."""
         self._log = log
         self._sandboxes = sandboxes
-        self.flush = flush
+        self.settled = settled
         self._db = sandboxes.database
 
     def mark_lost(self) -> int:
@@ -75,7 +75,7 @@ class Trajectories:
 
     async def steps(self, sandbox_id: str, *, after_seq: int, limit: int | None) -> list[TrajectoryStep]:
         await self._sandboxes.check_exists(sandbox_id)
-        self.flush()
+        await self.settled()
         found = await self._db.run(self._log.steps, sandbox_id, after_seq=after_seq, limit=limit)
         return [_to_model(step) for step in found]
 
@@ -83,20 +83,20 @@ class Trajectories:
         """The lines, read as they are sent (a StreamingResponse iterates a plain iterator on a worker thread),
         after the steps queued so far are written."""
         await self._sandboxes.check_exists(sandbox_id)
-        self.flush()
+        await self.settled()
         await self._db.run(lambda: None)
         return self._log.export_jsonl(sandbox_id)
 
     async def provenance(self, sandbox_id: str, path: str) -> list[TrajectoryStep]:
         await self._sandboxes.check_exists(sandbox_id)
-        self.flush()
+        await self.settled()
         return [_to_model(step) for step in await self._db.run(self._log.provenance, sandbox_id, path)]
 
     # -- replay ---------------------------------------------------------
 
     async def replay(self, sandbox_id: str, request: ReplayRequest) -> ReplayResult:
         """Re-run a sandbox's logged steps, in order, in a fresh sandbox from the same layers and settings."""
-        self.flush()
+        await self.settled()
         original = await self._sandboxes.record(sandbox_id)
         steps = _effective_steps(await self._db.run(self._log.steps, sandbox_id))
         fresh = await self._sandboxes.create(

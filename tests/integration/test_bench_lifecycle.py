@@ -1,7 +1,10 @@
 """`corral bench lifecycle` at a tiny size (1 sample each, 2 sandboxes stepping at once), so that the benchmark and
-its baselines cannot rot: it runs as its own process, as users run it, with its own server."""
+its baselines cannot rot: it runs as its own process, as users run it, with its own server (and with
+``--postgres`` its own PostgreSQL)."""
 
 from __future__ import annotations
+
+import pytest
 
 from corral.bench.lifecycle import REPLAY_STEPS, STEPPING_ROUNDS, STEPPING_STEPS
 from tests.conftest import bench_report
@@ -9,8 +12,11 @@ from tests.conftest import bench_report
 STEPPING = 2
 
 
-def test_bench_lifecycle_measures_each_part_against_its_baseline() -> None:
-    report = bench_report("lifecycle", "--runs", "1", "--stepping", str(STEPPING), timeout_s=300)
+@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
+def test_bench_lifecycle_measures_each_part_against_its_baseline(database: str) -> None:
+    on_postgres = ["--postgres"] if database == "postgresql" else []
+    report = bench_report("lifecycle", "--runs", "1", "--stepping", str(STEPPING), *on_postgres, timeout_s=300)
+    assert report["database"] == database
     assert report["pause"]["pause"]["n"] == report["pause"]["crun_pause"]["n"] == 1
     assert report["fork"]["fork"]["n"] == report["fork"]["create"]["n"] == 1
     assert report["replay"]["check"] == {"first_pass_executed": REPLAY_STEPS, "sync_resend_replayed": REPLAY_STEPS,

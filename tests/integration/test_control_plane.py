@@ -13,13 +13,13 @@ import dataclasses
 import inspect
 import json
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import event
+from sqlalchemy import Engine, event
 from starlette.testclient import TestClient
 
 import corral
@@ -233,17 +233,46 @@ def test_a_streamed_step_is_one_call_to_its_node(tmp_path: Path) -> None:
         assert logged == {"s0": [], "s1": []}  # looked up (none changed), not left unknown (None)
 
 
-def test_concurrent_steps_share_transactions_and_keep_their_order(tmp_path: Path) -> None:
-    """Steps with step ids on SQLite in flight together are written in shared transactions (the group commit,
-    gateway/operations.py); each sandbox's steps still get their seqs in the order sent, with their results."""
+def _transactions(engine: Engine) -> tuple[list[str], Callable[[], None]]:
+    """Notes each transaction ``engine`` commits, and each write PostgreSQL runs in autocommit (a transaction of
+    its own); returns the notes and what stops the noting."""
+    noted: list[str] = []
+
+    def committed(_conn: Any) -> None:  # noqa: ANN401 - SQLAlchemy's event
+        noted.append("commit")
+
+    def statement(conn: Any, _cursor: Any, sql: str, *_: Any) -> None:  # noqa: ANN401 - SQLAlchemy's event
+        if sql.split()[0].upper() in ("INSERT", "UPDATE") and getattr(conn.connection.driver_connection,
+                                                                       "autocommit", False):  # fmt: skip
+            noted.append("autocommit")
+
+    event.listen(engine, "commit", committed)
+    event.listen(engine, "before_cursor_execute", statement)
+
+    def stop() -> None:
+        event.remove(engine, "commit", committed)
+        event.remove(engine, "before_cursor_execute", statement)
+
+    return noted, stop
+
+
+@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
+def test_concurrent_steps_share_transactions_and_keep_their_order(
+    tmp_path: Path, database: str, request: pytest.FixtureRequest
+) -> None:
+    """Steps with step ids in flight together are written in shared transactions (the group commit,
+    gateway/operations.py: on SQLite per turn of the event loop, on PostgreSQL those asked for while the last
+    one ran); each sandbox's steps still get their seqs in the order sent, with their results."""
     key = {"Authorization": "Bearer ck_test"}
     shape = {"image": control_plane.IMAGE, "cpu": 0.25, "memory_mb": 256}
-    commits: list[int] = []
-    store = StateStore(f"sqlite:///{tmp_path / 'state.db'}")
+    url = f"sqlite:///{tmp_path / 'state.db'}" if database == "sqlite" else request.getfixturevalue("postgres_url")
+    store = StateStore(url)
+    if database == "postgresql":
+        with store.engine.begin() as conn:
+            conn.exec_driver_sql("DELETE FROM sandboxes")
     with _app_counting(tmp_path, "record", store) as (http, _), ThreadPoolExecutor(16) as pool:
         sandboxes = [http.post("/v1/sandboxes", json=shape, headers=key).json()["id"] for _ in range(16)]
-        count = commits.append
-        event.listen(store.engine, "commit", count)
+        transactions, stop = _transactions(store.engine)
 
         def trajectory(sandbox_id: str) -> None:
             for k in range(4):
@@ -252,13 +281,39 @@ def test_concurrent_steps_share_transactions_and_keep_their_order(tmp_path: Path
                 assert answer.status_code == 200, answer.text
 
         list(pool.map(trajectory, sandboxes))
-        event.remove(store.engine, "commit", count)
-        assert len(commits) < 16 * 4 * 2  # a begin and a result each, had every write its own transaction
+        stop()
+        assert "commit" in transactions  # some shared
+        assert len(transactions) < 16 * 4 * 2  # a begin and a result each, had every write its own transaction
         for sandbox_id in sandboxes:
             steps = http.get(f"/v1/sandboxes/{sandbox_id}/trajectory", headers=key).json()
             mine = [step for step in steps if not step["step_id"].startswith("auto")]
             assert [(step["step_id"], step["state"]) for step in mine] == [(f"s{k}", "done") for k in range(4)]
             assert [step["seq"] for step in mine] == sorted(step["seq"] for step in mine)
+
+
+@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
+async def test_a_read_of_the_log_waits_for_the_step_writes_in_flight(
+    tmp_path: Path, database: str, request: pytest.FixtureRequest
+) -> None:
+    """A step without a step id, answered while other steps are open, is written with their next transaction;
+    a read of the log right after its answer still has it (the read waits for the writes being committed)."""
+    url = f"sqlite:///{tmp_path / 'state.db'}" if database == "sqlite" else request.getfixturevalue("postgres_url")
+    store = StateStore(url)
+    try:
+        async with control_plane.simulated_services(2, store, tmp_path, "ck_test") as served:
+            ops, logs = served.operations, served.trajectories
+            shape = CreateSandboxRequest(image=control_plane.IMAGE, cpu=0.25, memory_mb=256)
+            plain, first, second = [(await served.sandboxes.create(shape)).id for _ in range(3)]
+            running = asyncio.ensure_future(ops.exec(first, ExecRequest(cmd="sleep 0.3", step_id="long")))
+            await asyncio.sleep(0.1)  # begun, and running on its node
+            await ops.exec(plain, ExecRequest(cmd="true"))  # answered; its log entry waits for the next write
+            joining = asyncio.ensure_future(ops.exec(second, ExecRequest(cmd="true", step_id="s")))
+            await asyncio.sleep(0)  # its begin takes the waiting entry into its transaction
+            logged = await logs.steps(plain, after_seq=0, limit=None)
+            assert [(step.kind, step.request["cmd"]) for step in logged] == [("exec", "true")]
+            assert (await joining).exit_code == 0 and (await running).exit_code == 0
+    finally:
+        store.close()
 
 
 async def test_large_batch_on_simulated_nodes_sqlite(tmp_path: Path) -> None:

@@ -68,7 +68,7 @@ async def test_a_node_selector_places_every_sandbox_on_a_matching_node(tmp_path:
             assert like.node_selector == SSD_IN_B
             copies = await asyncio.gather(*(service.create(like) for _ in range(10)))
             assert _edges_of(copies) == {"n3"}
-            trajectories = Trajectories(TrajectoryLog(store.engine), service, flush=lambda: None)
+            trajectories = Trajectories(TrajectoryLog(store.engine), service, settled=lambda: asyncio.sleep(0))
             replayed = await trajectories.replay(batch[1].id, ReplayRequest())
             assert _edges_of([replayed.sandbox]) == {"n3"} and replayed.sandbox.node_selector == SSD_IN_B
 
