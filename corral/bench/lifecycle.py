@@ -58,7 +58,7 @@ from corral.bench.harness import (
     require_success,
     throwaway_postgres,
 )
-from corral.embedded import EmbeddedServer
+from corral.embedded import EmbeddedServer, linked_node_dir
 from corral.sdk import AsyncClient, AsyncSandbox, Client, CorralError, ExecResult, InvalidRequest, Sandbox
 
 __all__ = ["run_lifecycle_benchmark"]
@@ -128,12 +128,11 @@ def _pause_samples(client: Client, crun_root: Path, runs: int, progress: Progres
     return {key: summarize(values) for key, values in samples.items()}
 
 
-def _fork_samples(client: Client, runs: int, parents: set[str], progress: Progress) -> dict[str, Any]:
-    """Fork summaries; the parent's id goes into ``parents``, whose diff layers are ours to remove."""
+def _fork_samples(client: Client, runs: int, progress: Progress) -> dict[str, Any]:
+    """Fork summaries (the diff layers fork packs land in the bench's own node dir: ``_measure``)."""
     samples: dict[str, list[float]] = {"fork": [], "create": [], f"fork_{FORK_BURST}": []}
     task = progress.add_task(f"fork(1) vs create, then fork({FORK_BURST})", total=runs + FORK_BURST_SAMPLES)
     with client.create(FORK_IMAGE, ttl_s=SANDBOX_TTL_S) as parent:
-        parents.add(parent.id)
         script = f"mkdir -p /data && for i in $(seq {FORK_FILES}); do echo file $i > /data/f$i; done"
         require_success(parent.exec(script), "write files")
         for round_no in range(runs + FORK_BURST_SAMPLES):
@@ -274,32 +273,23 @@ def _stepping(server: EmbeddedServer, client: Client, sandboxes: int, progress: 
     }  # fmt: skip
 
 
-def _remove_fork_layers(client: Client, parents: set[str]) -> None:
-    """The diff layers fork packed from our parents went to the node's real store: remove them."""
-    for layer in client.images.layers():
-        if layer.source.get("builder") == "pack_diff" and layer.source.get("sandbox") in parents:
-            with contextlib.suppress(CorralError):
-                client.images.remove_layer(layer.digest)
-
-
 def _measure(data_dir: Path, runs: int, stepping: int, progress: Progress, database_url: str | None) -> dict[str, Any]:
     task = progress.add_task("starting corral serve", total=1)
-    server = EmbeddedServer(data_dir, env={"CORRAL_DATABASE_URL": database_url} if database_url else None)
-    parents: set[str] = set()
+    # A node dir of its own (the real one's layers linked): the diff layers fork packs land there and go with the
+    # scratch dir, never for a moment in the user's store (a test run beside it checks that store is left alone).
+    env = {"CORRAL_NODE_DIR": str(linked_node_dir(data_dir.parent / "node"))}
+    server = EmbeddedServer(data_dir, env=env | ({"CORRAL_DATABASE_URL": database_url} if database_url else {}))
     try:
         server.start()
         progress.update(task, completed=1)
         with server.client() as client:
             pause = _pause_samples(client, runtime_state_root(data_dir, "crun"), runs, progress)
-            fork = _fork_samples(client, runs, parents, progress)
+            fork = _fork_samples(client, runs, progress)
             replay = _replay(client, server.url, server.api_key, progress)
             steps = _stepping(server, client, stepping, progress)
-        task = progress.add_task("cleaning up (sandboxes, fork layers, server)", total=1)
+        task = progress.add_task("cleaning up (sandboxes, server)", total=1)
     finally:
         server.kill_all_sandboxes()
-        if server.running():
-            with server.client() as client, contextlib.suppress(CorralError):
-                _remove_fork_layers(client, parents)
         server.shutdown()
         host.orphans.reap()
     progress.update(task, completed=1)
