@@ -12,6 +12,7 @@ from __future__ import annotations
 import builtins
 import functools
 import time
+import weakref
 from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ from sqlalchemy.types import ARRAY
 from corral.api.errors import ServerUnavailable
 from corral.api.models import SandboxState
 from corral.state import json_text
+from corral.state.checkpoints import BACKSTOP_PAGES, WalCheckpoints
 from corral.state.records import JOB_LABEL, SandboxRecord
 
 __all__ = [
@@ -215,6 +217,7 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.execute("PRAGMA busy_timeout=5000")
+    cursor.execute(f"PRAGMA wal_autocheckpoint={BACKSTOP_PAGES}")  # WalCheckpoints checkpoints, off the loop
     cursor.close()
 
 
@@ -423,6 +426,10 @@ class StateStore:
         )
         metadata.create_all(self._engine)
         _add_missing_columns(self._engine)
+        database = parsed.database if sqlite else None
+        self._checkpoints = WalCheckpoints(Path(database)) if database else None
+        if self._checkpoints is not None:  # a store dropped without close() stops its thread too
+            weakref.finalize(self, self._checkpoints.stop)
 
     @property
     def engine(self) -> Engine:
@@ -670,4 +677,6 @@ class StateStore:
             return [r[0] for r in conn.execute(query)]
 
     def close(self) -> None:
+        if self._checkpoints is not None:
+            self._checkpoints.close()
         self._engine.dispose()
