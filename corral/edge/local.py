@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import dataclasses
 import heapq
 import io
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
@@ -605,7 +606,7 @@ class LocalEdge:
                 sandbox.commands.pop(command.command_id, None)
             return result
 
-    async def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+    async def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncGenerator[ExecEvent, None]:
         sandbox = await self._active(sandbox_id)
         command = self._start(sandbox, request)
         decoders = {name: codecs.getincrementaldecoder("utf-8")(errors="replace") for name in ("stdout", "stderr")}
@@ -719,11 +720,13 @@ class LocalEdge:
         self, sandbox_id: str, request: ExecRequest, *, step_files: bool = False
     ) -> AsyncIterator[ExecEvent | AuditedExec]:
         since = await self.fs_clock(sandbox_id) if step_files else None
-        async for event in self.exec_stream(sandbox_id, request):
-            if event.type == "exit" and event.result is not None:
-                yield await self._audited(sandbox_id, event.result, since)
-            else:
-                yield event
+        # Closed with this one: a caller that leaves the stream kills the command now, not when it is collected.
+        async with contextlib.aclosing(self.exec_stream(sandbox_id, request)) as events:
+            async for event in events:
+                if event.type == "exit" and event.result is not None:
+                    yield await self._audited(sandbox_id, event.result, since)
+                else:
+                    yield event
 
     async def _audited(self, sandbox_id: str, result: ExecResult, since: float | None) -> AuditedExec:
         """What follows a command's exit in one audited call: the files it changed (since ``since``, when taken)

@@ -83,6 +83,24 @@ def test_streaming_events_in_order(sandbox: corral.Sandbox) -> None:
     assert "".join(e.data or "" for e in events if e.type == "stdout") == "first\nsecond\n"
 
 
+def test_leaving_a_stream_kills_its_command_and_logs_why(sandbox: corral.Sandbox) -> None:
+    """What the SDK promises ("leaving the stream kills it"), with a step id and without: the command's processes
+    end, and its log entry says the client went away."""
+    for step_id in ("left", None):
+        marker = f"tick-{step_id or 'auto'}"
+        stream = sandbox.exec_stream(f"while true; do echo {marker}; sleep 0.1; done", step_id=step_id, timeout_s=120)
+        assert any(event.type == "stdout" for event in stream)  # stops at the first line
+        stream.close()  # the HTTP response closes with it
+        deadline = time.monotonic() + 10
+        while marker in sandbox.exec("ps -o args").stdout:
+            assert time.monotonic() < deadline, f"{marker}: the command outlived its stream"
+            time.sleep(0.1)
+    left = [step for step in sandbox.trajectory() if step.kind == "exec_stream"]
+    assert [step.step_id == "left" for step in left] == [True, False]
+    assert all(step.result is not None and step.result["error"]["code"] == "conflict"
+               and "went away" in step.result["error"]["message"] for step in left), left  # fmt: skip
+
+
 async def test_streaming_is_incremental(aclient: corral.AsyncClient) -> None:
     sandbox = await aclient.create("busybox")
     try:
