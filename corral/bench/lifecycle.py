@@ -323,7 +323,7 @@ def _table(report: dict[str, Any]) -> Table:
     caption = (f"{report['params']['runs']} samples per timing, each beside its baseline in the same run; "
                f"replay: {REPLAY_STEPS} steps per pass, log check {replay['check']}. Kernel {info['kernel']}, "
                f"{info['cpu_count']} cpus, cgroup {info['cgroup_layout']}, swap {info['swap_mib']} MiB; state on "
-               f"{report.get('database', 'sqlite')}.")  # fmt: skip
+               f"{report['database']}.")  # fmt: skip
     rows = ResultTable("corral bench lifecycle", caption, report["checks"], digits=1)
     table, verdict, timing = rows.table, rows.verdict, rows.timing
 

@@ -78,9 +78,9 @@ Findings = list[tuple[str, str, dict[str, Any]]]  # (kind, severity, detail), as
 @dataclass
 class _EdgeReport:
     """What an operation's edge call brought back beside its result (``Operations._perform``): the audit's
-    findings, and with ``files_by_edge`` the files a step changed (the edge took the clock and looked them up)."""
+    findings, and for a step with a client's id the files it changed (the edge took the clock and looked them
+    up in the same call)."""
 
-    files_by_edge: bool = False
     findings: Findings = field(default_factory=list)
     files: list[str] | None = None
 
@@ -378,11 +378,10 @@ class Operations:
             return model.model_validate(
                 {**replayed, "replayed": True} if "replayed" in model.model_fields else replayed
             )
-        by_edge = edge_report is not None and edge_report.files_by_edge  # the operation's own call looks them up
-        try:
+        try:  # with an edge report, the operation's own call takes the clock and looks the files up
             since = (
                 await self._sandboxes.call(sandbox_id, lambda edge: edge.fs_clock(sandbox_id))
-                if changes_files and not by_edge
+                if changes_files and edge_report is None
                 else 0
             )
             result = await operation()
@@ -390,7 +389,7 @@ class Operations:
             if changes_files:
                 files = (
                     edge_report.files
-                    if edge_report is not None and by_edge
+                    if edge_report is not None
                     else await self._sandboxes.call(sandbox_id, lambda edge: edge.changed_paths(sandbox_id, since))
                 )
         except CorralError as exc:
@@ -407,7 +406,7 @@ class Operations:
     async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
         body = request.model_dump(mode="json", exclude={"step_id"})
         step_files = request.step_id is not None
-        report = _EdgeReport(files_by_edge=step_files)
+        report = _EdgeReport()
 
         async def run() -> ExecResult:  # the findings (and a step's files) come with the result: one call
             audited = await self._sandboxes.call(

@@ -25,17 +25,15 @@ BACKSTOP_PAGES = 16_384
 """The serving connections' ``wal_autocheckpoint``: 64 MiB of log with 4 KiB pages, where a commit checkpoints
 inline after all (16× SQLite's default)."""
 
-_INTERVAL_S = 0.2  # a busy gateway writes ~1-3 MiB of log in this time: well under the backstop
+_INTERVAL_S = 0.2  # a round when nothing was written is a look at the log's index: microseconds
 
 
 class WalCheckpoints:
-    """A daemon thread with a connection of its own to ``database`` that checkpoints its log every ``interval_s``
-    (a look at the log's index when nothing was written since: microseconds). ``close`` stops it; it stops by
-    itself once the database file is gone."""
+    """A daemon thread with a connection of its own to ``database`` that checkpoints its log every
+    ``_INTERVAL_S``. ``close`` stops it; it stops by itself once the database file is gone."""
 
-    def __init__(self, database: Path, *, interval_s: float = _INTERVAL_S) -> None:
+    def __init__(self, database: Path) -> None:
         self._database = database
-        self._interval_s = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="corral-sqlite-checkpoints", daemon=True)
         self._thread.start()
@@ -47,7 +45,7 @@ class WalCheckpoints:
             log.exception("SQLite checkpoints: cannot open %s; commits checkpoint at the backstop", self._database)
             return
         try:
-            while not self._stop.wait(self._interval_s) and self._database.exists():
+            while not self._stop.wait(_INTERVAL_S) and self._database.exists():
                 try:
                     conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()  # stepped to its end: holds no read
                 except sqlite3.Error as exc:  # e.g. the file went with its directory: try again next round
