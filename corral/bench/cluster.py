@@ -32,7 +32,7 @@ from rich.table import Table
 
 from corral.bench.harness import bench_session, emit, ms_since, require_success
 from corral.cluster.local import LocalCluster
-from corral.embedded import EmbeddedServer, linked_node_dir
+from corral.embedded import EmbeddedServer
 from corral.sdk import Client
 
 __all__ = ["run_cluster_benchmark"]
@@ -86,9 +86,8 @@ def run_cluster_benchmark(*, nodes: int, count: int, rounds: int, as_json: bool,
     report: dict[str, Any] = {"nodes": nodes, "burst": count, "rounds": rounds}
     with bench_session("bench-cluster", as_json=as_json, console=console) as (scratch, progress):
         task = progress.add_task("starting the embedded node and the cluster", total=rounds * 2)
-        node_dir = linked_node_dir(scratch / "node")
-        embedded = EmbeddedServer(scratch / "embedded", env={"CORRAL_NODE_DIR": str(node_dir)})
-        cluster = LocalCluster(scratch / "cluster", gateway_settings={"CORRAL_NODE_DIR": str(node_dir)})
+        embedded = EmbeddedServer(scratch / "embedded")  # both on the session's own node dir (bench_session)
+        cluster = LocalCluster(scratch / "cluster")
         results: dict[str, dict[str, list[Any]]] = {
             side: {"rate": [], "single": [], "exec": [], "step": [], "stream_step": [], "spread": []}
             for side in ("embedded", "cluster")

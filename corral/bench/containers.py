@@ -45,6 +45,7 @@ from rich.table import Table
 
 from corral.backends.common import host
 from corral.backends.container import oci
+from corral.bench.harness import own_node_dir
 from corral.config import Settings
 from corral.embedded import EmbeddedServer
 from corral.images.store import LayerStore
@@ -546,7 +547,10 @@ def run_benchmark(*, runs: int, concurrency: int, as_json: bool, console: Consol
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())  # fmt: skip
     try:
-        with Progress(*columns, console=Console(stderr=True) if as_json else console) as progress:
+        with (
+            own_node_dir(work_dir),
+            Progress(*columns, console=Console(stderr=True) if as_json else console) as progress,
+        ):
             results = _measure(work_dir, layer_file, runs, concurrency, progress)
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)

@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 from corral.backends.common import host
-from corral.embedded import EmbeddedServer
+from corral.embedded import EmbeddedServer, linked_node_dir
 from corral.sdk import ExecResult
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "emit",
     "metric_sum",
     "ms_since",
+    "own_node_dir",
     "require_success",
     "throwaway_postgres",
 ]
@@ -73,10 +74,30 @@ def bench_session(name: str, *, as_json: bool, console: Console) -> Iterator[tup
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())  # fmt: skip
     try:
-        with Progress(*columns, console=Console(stderr=True) if as_json else console) as progress:
+        with (
+            own_node_dir(scratch),
+            Progress(*columns, console=Console(stderr=True) if as_json else console) as progress,
+        ):
             yield scratch, progress
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextmanager
+def own_node_dir(scratch: Path) -> Iterator[Path]:
+    """A node dir of the bench's own in ``scratch`` (the real layers, helpers and VM kit hard-linked), named by
+    CORRAL_NODE_DIR for this process and every server it starts until the block ends: what a bench's server
+    builds (layers, a VM's boot templates, helpers of another version) stays out of the user's node dir."""
+    node_dir = linked_node_dir(scratch / "bench-node")
+    was = os.environ.get("CORRAL_NODE_DIR")
+    os.environ["CORRAL_NODE_DIR"] = str(node_dir)
+    try:
+        yield node_dir
+    finally:
+        if was is None:
+            os.environ.pop("CORRAL_NODE_DIR", None)
+        else:
+            os.environ["CORRAL_NODE_DIR"] = was
 
 
 @contextmanager

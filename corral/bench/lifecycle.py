@@ -58,7 +58,7 @@ from corral.bench.harness import (
     require_success,
     throwaway_postgres,
 )
-from corral.embedded import EmbeddedServer, linked_node_dir
+from corral.embedded import EmbeddedServer
 from corral.sdk import AsyncClient, AsyncSandbox, Client, CorralError, ExecResult, InvalidRequest, Sandbox
 
 __all__ = ["run_lifecycle_benchmark"]
@@ -275,10 +275,9 @@ def _stepping(server: EmbeddedServer, client: Client, sandboxes: int, progress: 
 
 def _measure(data_dir: Path, runs: int, stepping: int, progress: Progress, database_url: str | None) -> dict[str, Any]:
     task = progress.add_task("starting corral serve", total=1)
-    # A node dir of its own (the real one's layers linked): the diff layers fork packs land there and go with the
-    # scratch dir, never for a moment in the user's store (a test run beside it checks that store is left alone).
-    env = {"CORRAL_NODE_DIR": str(linked_node_dir(data_dir.parent / "node"))}
-    server = EmbeddedServer(data_dir, env=env | ({"CORRAL_DATABASE_URL": database_url} if database_url else {}))
+    # On the session's own node dir (bench_session): the diff layers fork packs go with the scratch dir, never for
+    # a moment in the user's store (a test run beside it checks that store is left alone).
+    server = EmbeddedServer(data_dir, env={"CORRAL_DATABASE_URL": database_url} if database_url else {})
     try:
         server.start()
         progress.update(task, completed=1)

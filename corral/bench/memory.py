@@ -43,7 +43,8 @@ from rich.table import Table
 
 from corral.backends.common import host
 from corral.bench.harness import ResultTable, bench_session, emit, ms_since, require_success
-from corral.embedded import EmbeddedServer, linked_node_dir
+from corral.config import Settings
+from corral.embedded import EmbeddedServer
 from corral.images.store import LayerStore
 from corral.sdk import AsyncClient, Client, CorralError, ExecResult, InvalidRequest, PauseResult
 
@@ -252,9 +253,9 @@ def _reclaim(server: EmbeddedServer, client: Client, count: int, progress: Progr
 
 
 def _measure(scratch: Path, count: int, layer_mib: int, progress: Progress) -> dict[str, Any]:
-    node_dir = linked_node_dir(scratch / "node")
-    task = progress.add_task("starting corral serve (temporary node dir)", total=1)
-    server = EmbeddedServer(scratch / "server", env={"CORRAL_NODE_DIR": str(node_dir)})
+    node_dir = Settings().node_dir  # the session's own (bench_session): the layer it builds goes with it
+    task = progress.add_task("starting corral serve", total=1)
+    server = EmbeddedServer(scratch / "server")
     digest: str | None = None
     try:
         server.start()

@@ -23,7 +23,6 @@ from rich.table import Table
 
 from corral.bench.harness import bench_session, emit
 from corral.cluster.local import LocalCluster
-from corral.embedded import linked_node_dir
 from corral.sdk import CapacityExhausted, Client, SandboxState
 from corral.state.db import POSTGRES_TCP_TIMEOUTS
 
@@ -98,11 +97,10 @@ def run_partition_benchmark(*, cut_s: float, rounds: int, as_json: bool, console
     measured: dict[str, list[dict[str, float]]] = {side: [] for side in NODES}
     with bench_session("bench-partition", as_json=as_json, console=console) as (scratch, progress):
         task = progress.add_task("starting the cluster", total=rounds)
-        node_dir = linked_node_dir(scratch / "node")
         cluster = LocalCluster(
             scratch / "cluster",
             node_settings={"CORRAL_NODE_HEARTBEAT_S": str(HEARTBEAT_S), "CORRAL_PAUSE_SWAP_MB": "0"},
-            gateway_settings={"CORRAL_NODE_DIR": str(node_dir), "CORRAL_NODE_HEARTBEAT_S": str(HEARTBEAT_S),
+            gateway_settings={"CORRAL_NODE_HEARTBEAT_S": str(HEARTBEAT_S),
                               "CORRAL_NODE_LOST_AFTER_S": str(LOST_AFTER_S)},
         )  # fmt: skip
         try:
