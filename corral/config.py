@@ -65,6 +65,19 @@ class Settings(BaseSettings):
     ray_address: str | None = Field(
         None, description="The Ray cluster (its GCS host:port) a ray-engine gateway joins; default: RAY_ADDRESS."
     )
+    edge_channel: bool = Field(
+        True,
+        description="ray engine: a node's edge actor also listens on its node's address, and each gateway sends "
+        "its calls over one connection it keeps open there (an exec's round trip through a Ray actor call is "
+        "several ms; large transfers still go through Ray). false: every call through Ray.",
+    )
+    edge_channel_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="The port of that listener; 0: one the system picks (gateways learn it "
+        "through Ray). Set one where a firewall between gateways and nodes must let it through.",
+    )
     api_key: str | None = Field(
         None,
         description="The API key; default: generated on first start and kept in <data_dir>/api_key. Every gateway "

@@ -27,13 +27,14 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
 from corral.api.errors import InvalidRequest
 from corral.api.models import NodeStats, SandboxState
 from corral.backends.base import LayerRef, SandboxSpec
+from corral.cluster.channel import ChannelAddress, ChannelServer
 from corral.config import Settings
 from corral.edge.adoption import RECONCILE_EVERY_BEATS, end_stale, readopt
 from corral.edge.local import LocalEdge
@@ -45,8 +46,8 @@ from corral.node import build_edge, prepare_host
 from corral.state.db import StateStore, database_unreachable
 
 __all__ = [
-    "ACTOR_NAMESPACE", "ACTOR_OWN", "CALLABLE", "ON_NODE", "STREAMING", "WIRE_NAMES", "EdgeActor", "NodeEdge",
-    "actor_name", "node_resource",
+    "ACTOR_NAMESPACE", "ACTOR_OWN", "BY_RAY", "CALLABLE", "CHANNEL_CONNECT_TIMEOUT_S", "ON_NODE", "STREAMING",
+    "WIRE_NAMES", "EdgeActor", "NodeEdge", "actor_name", "node_resource",
 ]  # fmt: skip
 
 log = logging.getLogger("corral.cluster")
@@ -66,6 +67,11 @@ CALLABLE = frozenset(WIRE_NAMES.get(name, name) for name in EDGE_METHODS - ACTOR
 callable here."""
 ON_NODE = frozenset({"create", "discard_checkpoint", "stats", *WIRE_NAMES.values()})
 """The callable methods ``NodeEdge`` answers itself; the rest go to its ``LocalEdge``."""
+BY_RAY = frozenset({"pack_diff_bytes", "upload_tar", "download_tar"})
+"""Calls whose arguments or answers can be a whole layer or a tree's archive: they go through Ray, whose object
+store is made for large objects; the rest through the edge's channel (cluster/channel.py), where a large frame
+would hold up the small ones behind it."""
+CHANNEL_CONNECT_TIMEOUT_S = 5.0
 
 
 def actor_name(edge_id: str) -> str:
@@ -118,15 +124,58 @@ class NodeEdge:
         self.edge: LocalEdge = build_edge(settings, prepare_host(settings, inherited_namespace=True), self)
         self._heartbeat: asyncio.Task[None] | None = None
         self._creating: set[str] = set()  # creates in progress on this node (fetching layers or starting)
+        self._channel = ChannelServer(self._call_by_channel, self._stream_by_channel)
 
-    async def start(self) -> None:
-        """Start the edge, heartbeat, re-adopt, heartbeat. A database that cannot be reached (a restart) is
+    async def start(self, host: str | None = None) -> None:
+        """Start the edge, heartbeat, re-adopt, heartbeat; then listen for gateways on ``host`` (the node's
+        address; None: no channel, every call through Ray). A database that cannot be reached (a restart) is
         waited for: an actor whose constructor fails is not restarted by Ray, and its node would stay lost."""
         await self.edge.start()
         await _until_reachable_async(self._beat)  # heard at once: not taken for a lost node while it re-adopts
         await _until_reachable_async(lambda: readopt(self.edge, self.store, self.layer_refs))
         await _until_reachable_async(self._beat)
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat_forever())
+        if host is not None and self.settings.edge_channel:
+            try:
+                address = await self._channel.start(host, self.settings.edge_channel_port)
+            except OSError as exc:
+                log.warning("edge %s: no channel for gateways on %s:%d (%s): they call it through Ray",
+                            self.edge.edge_id, host, self.settings.edge_channel_port, exc)  # fmt: skip
+            else:
+                log.info("edge %s: gateways' channel on %s:%d", self.edge.edge_id, address.host, address.port)
+
+    @property
+    def channel_address(self) -> ChannelAddress | None:
+        """Where gateways reach this edge directly, with the token to say; None: through Ray only."""
+        return self._channel.address
+
+    async def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, via: str) -> Any:  # noqa: ANN401
+        """One Edge method a gateway called (``via`` Ray or the channel: counted by path)."""
+        if method not in CALLABLE:
+            raise InvalidRequest(f"the edge has no method {method!r}")
+        self.edge.metrics.gateway_call(via)
+        target: Any = self if method in ON_NODE else self.edge
+        return await getattr(target, method)(*args, **kwargs)
+
+    def stream(
+        self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, via: str
+    ) -> AsyncGenerator[Any, None]:
+        """An Edge method that yields (exec_stream and its audited form), called by a gateway."""
+        if method not in STREAMING:
+            raise InvalidRequest(f"the edge has no streaming method {method!r}")
+        self.edge.metrics.gateway_call(via)
+        items: AsyncGenerator[Any, None] = getattr(self.edge, method)(*args, **kwargs)
+        return items
+
+    async def _call_by_channel(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:  # noqa: ANN401
+        if method in BY_RAY:
+            raise InvalidRequest(f"{method} goes through Ray, not the edge's channel")
+        return await self.call(method, args, kwargs, via="channel")
+
+    def _stream_by_channel(
+        self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> AsyncGenerator[Any, None]:
+        return self.stream(method, args, kwargs, via="channel")
 
     async def layer_refs(self, entries: Iterable[str]) -> tuple[LayerRef, ...]:
         """Stack entries (``digest`` or ``digest#alias``) to files on this node, fetching the missing ones."""
@@ -232,6 +281,7 @@ class NodeEdge:
     async def close(self) -> None:
         if self._heartbeat is not None:
             self._heartbeat.cancel()
+        await self._channel.close()
         await self.edge.close()
         if self._fetcher is not None:
             try:
@@ -265,13 +315,15 @@ class EdgeActor:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="corral-edge", daemon=True).start()
-        self._node = self._run(self._open(settings)).result()
+        from ray.util import get_node_ip_address  # a Ray worker's: imported where the actor runs
+
+        self._node = self._run(self._open(settings, get_node_ip_address())).result()  # type: ignore[no-untyped-call]
         log.info("edge %s up on this node (data in %s)", settings.edge_id, settings.data_dir)
 
     @staticmethod
-    async def _open(settings: Settings) -> NodeEdge:
+    async def _open(settings: Settings, host: str) -> NodeEdge:
         node = NodeEdge(settings)
-        await node.start()
+        await node.start(host)
         return node
 
     def _run(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
@@ -279,22 +331,21 @@ class EdgeActor:
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """One Edge method, run on the edge's own loop."""
-        if method not in CALLABLE:
-            raise InvalidRequest(f"the edge has no method {method!r}")
-        target: Any = self._node if method in ON_NODE else self._node.edge
-        return await asyncio.wrap_future(self._run(getattr(target, method)(*args, **kwargs)))
+        return await asyncio.wrap_future(self._run(self._node.call(method, args, kwargs, via="ray")))
 
     async def stream(self, method: str, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
         """An Edge method that yields (exec_stream and its audited form), item by item (a Ray streaming
         generator)."""
-        if method not in STREAMING:
-            raise InvalidRequest(f"the edge has no streaming method {method!r}")
-        items = getattr(self._node.edge, method)(*args, **kwargs)
+        items = self._node.stream(method, args, kwargs, via="ray")
         while True:
             try:
                 yield await asyncio.wrap_future(self._run(items.__anext__()))
             except StopAsyncIteration:
                 return
+
+    def channel(self) -> ChannelAddress | None:
+        """Where a gateway reaches this edge without Ray (cluster/channel.py); None: through Ray only."""
+        return self._node.channel_address
 
     def pid(self) -> int:
         """This worker's process id (what a test kills to see Ray restart the edge)."""

@@ -1,6 +1,8 @@
 """The gateway's side of a Ray cluster: an ``Edge`` that calls a node's edge actor.
 
-Arguments and results cross as Ray objects (pickled models, specs, bytes).
+Calls go over a connection the gateway keeps to the actor's channel (cluster/channel.py), asked for through Ray
+on first use; large transfers, and every call of an edge whose channel is off or cannot be reached, go as Ray
+actor calls. Arguments and results cross pickled (models, specs, bytes).
 Errors come back as the Corral error the edge raised; an actor that is down
 or restarting becomes ``ServerUnavailable`` (a create tries another node).
 Paths do not cross nodes: a snapshot's diff layer comes back as bytes, and a
@@ -10,7 +12,9 @@ VM/gVisor fork's checkpoint stays on its node, where its children start.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -20,7 +24,15 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 
 from corral.api.errors import CorralError, InternalError, ServerUnavailable
 from corral.api.models import ExecEvent, ExecRequest
-from corral.cluster.edge_actor import ACTOR_NAMESPACE, WIRE_NAMES, actor_name, node_resource
+from corral.cluster.channel import ChannelAddress, ChannelClient, ChannelClosed
+from corral.cluster.edge_actor import (
+    ACTOR_NAMESPACE,
+    BY_RAY,
+    CHANNEL_CONNECT_TIMEOUT_S,
+    WIRE_NAMES,
+    actor_name,
+    node_resource,
+)
 from corral.edge.protocol import AuditedExec
 
 __all__ = ["RayEdge", "RayEdges", "restarting_edges"]
@@ -31,6 +43,8 @@ T = TypeVar("T")
 
 PROBE_TIMEOUT_S = 5.0
 """How long a node heard again after a silence gets to answer the probe before it is placed on (next beat: again)."""
+CHANNEL_RETRY_S = 60.0
+"""After an edge's channel could not be reached, its calls go through Ray this long before it is tried again."""
 
 
 class RayEdge:
@@ -45,6 +59,9 @@ class RayEdge:
         self._handle: Any = None
         self._silent = asyncio.Event()  # set while the node's heartbeats have stopped (RayEdges.set_silent)
         self._probe: asyncio.Task[None] | None = None  # a call through to the edge of a node heard again
+        self._channel: ChannelClient | None = None
+        self._channel_lock = asyncio.Lock()  # one connection, whoever asks first opens it
+        self._channel_tried_at = -CHANNEL_RETRY_S  # when an unreachable channel was last tried (monotonic)
 
     async def _answer(self, pending: Awaitable[T]) -> T:
         """``pending``'s result, unless the node goes silent first: a call to a cut-off node would wait until
@@ -70,6 +87,7 @@ class RayEdge:
         (it may have run)."""
         if silent:
             self._silent.set()
+            self._drop_channel()  # a cut may leave it half open: a new one once the node answers again
             return False
         if not self._silent.is_set():
             return True
@@ -81,7 +99,8 @@ class RayEdge:
         try:
             actor = await self._actor()
             await asyncio.wait_for(asyncio.ensure_future(actor.pid.remote()), PROBE_TIMEOUT_S)
-        except (ActorUnavailableError, RayActorError, ServerUnavailable, TimeoutError) as exc:
+            await self._open_channel(probing=True)  # before any call: not on a call's time
+        except (ActorUnavailableError, RayActorError, CorralError, TimeoutError) as exc:
             if isinstance(exc, ActorDiedError):
                 self._handle = None
             log.info("edge %s: heard again but not answering yet (%s)", self.edge_id, type(exc).__name__)
@@ -107,7 +126,62 @@ class RayEdge:
             self._handle = None  # a new actor under the same name gets a new handle
         return ServerUnavailable(f"edge {self.edge_id} is unavailable (its node is down or the edge restarting): {exc}")
 
+    async def _open_channel(self, *, probing: bool = False) -> ChannelClient | None:
+        """The open connection to the actor's channel; None: calls go through Ray (the actor has no channel, or
+        it could not be reached lately). ``probing``: asked by the probe of a node heard again, while calls still
+        end at once (``_answer``), so within the probe's own time limit instead."""
+        if self._channel is not None and not self._channel.closed:
+            return self._channel
+        async with self._channel_lock:
+            if self._channel is not None and not self._channel.closed:
+                return self._channel
+            if time.monotonic() - self._channel_tried_at < CHANNEL_RETRY_S:
+                return None
+            if self._silent.is_set() and not probing:
+                raise self._gone_silent()  # not asked: the ask would wait on the silent node for nothing
+            actor = await self._actor()
+            asked = asyncio.ensure_future(actor.channel.remote())
+            try:
+                address: ChannelAddress | None = await (
+                    asyncio.wait_for(asked, PROBE_TIMEOUT_S) if probing else self._answer(asked)
+                )
+            except RayTaskError as exc:
+                raise _cause(exc) from None
+            except (ActorUnavailableError, RayActorError) as exc:
+                raise self._unavailable(exc) from None
+            if address is None:
+                self._channel_tried_at = time.monotonic()
+                return None
+            try:
+                self._channel = await ChannelClient.connect(address, CHANNEL_CONNECT_TIMEOUT_S)
+            except (OSError, TimeoutError) as exc:
+                self._channel_tried_at = time.monotonic()
+                log.warning("edge %s: its channel at %s:%d cannot be reached (%s); calling it through Ray for %.0f s",
+                            self.edge_id, address.host, address.port, exc, CHANNEL_RETRY_S)  # fmt: skip
+                return None
+            return self._channel
+
+    def _drop_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    def _channel_lost(self, exc: ChannelClosed) -> ServerUnavailable:
+        """Why a call over the channel failed: its node went silent (``set_silent`` closed the channel, which ends
+        what waits on it, so those calls need no race with the silence of their own), or the connection broke."""
+        if self._silent.is_set():
+            return self._gone_silent()
+        self._drop_channel()
+        self._handle = None  # the actor may be a new one (restarted): ask Ray for it again
+        return ServerUnavailable(f"edge {self.edge_id} is unavailable (its node is down or the edge restarting): {exc}")
+
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        channel = None if method in BY_RAY else await self._open_channel()
+        if channel is not None:
+            try:
+                return await channel.call(method, args, kwargs)
+            except ChannelClosed as exc:
+                raise self._channel_lost(exc) from None
         actor = await self._actor()
         try:
             return await self._answer(actor.call.remote(method, *args, **kwargs))
@@ -129,7 +203,8 @@ class RayEdge:
         """The actor started itself (and re-adopted its sandboxes)."""
 
     async def close(self) -> None:
-        """The actor outlives gateways."""
+        """The actor outlives gateways: only this gateway's connection to it closes."""
+        self._drop_channel()
 
     async def adopt(self, specs: list[Any]) -> dict[str, str | None]:
         raise InternalError("a Ray edge adopts its sandboxes itself when it starts")
@@ -153,7 +228,16 @@ class RayEdge:
         return self._stream("exec_stream_audited", sandbox_id, request, step_files=step_files)
 
     async def _stream(self, method: str, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
-        """A streaming Edge method's items as the actor yields them."""
+        """A streaming Edge method's items as the actor yields them; leaving early closes it on the edge."""
+        channel = await self._open_channel()
+        if channel is not None:
+            try:
+                async with contextlib.aclosing(channel.stream(method, args, kwargs)) as items:
+                    async for item in items:
+                        yield item
+                return
+            except ChannelClosed as exc:
+                raise self._channel_lost(exc) from None
         actor = await self._actor()
         try:
             refs = actor.stream.options(num_returns="streaming").remote(method, *args, **kwargs)

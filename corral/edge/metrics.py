@@ -66,8 +66,17 @@ class EdgeMetrics:
             ["edge_id", "how"],
             registry=self.registry,
         )
+        self.gateway_calls = Counter(
+            "corral_edge_gateway_calls",
+            "Calls a cluster's gateways made to the node's edge actor, by path: channel (the connection a gateway "
+            "keeps to the actor, the hot path's) or ray (an actor call: large transfers, and every call where the "
+            "channel is off or cannot be reached).",
+            ["edge_id", "via"],
+            registry=self.registry,
+        )
         self._started: dict[str, Any] = {}  # backend -> its histogram child (labels() locks and checks each call)
         self._step_files: dict[str, Any] = {}  # how -> its counter child
+        self._gateway_calls: dict[str, Any] = {}  # via -> its counter child
 
     def started(self, backend: str, took_s: float) -> None:
         child = self._started.get(backend)
@@ -79,6 +88,12 @@ class EdgeMetrics:
         child = self._step_files.get(how)
         if child is None:
             child = self._step_files[how] = self.step_files.labels(self.edge_id, how)
+        child.inc()
+
+    def gateway_call(self, via: str) -> None:
+        child = self._gateway_calls.get(via)
+        if child is None:
+            child = self._gateway_calls[via] = self.gateway_calls.labels(self.edge_id, via)
         child.inc()
 
     def families(self) -> list[Metric]:

@@ -34,10 +34,12 @@ FRESH_NODE_CACHE_BUDGET_MB = 6
 FRESH_NODE_SETTINGS = {
     "CORRAL_LAYER_CACHE_BUDGET_MB": str(FRESH_NODE_CACHE_BUDGET_MB),
     "CORRAL_LAYER_IDLE_UNMOUNT_S": "0",
+    "CORRAL_EDGE_CHANNEL": "false",
 }
 """A machine that has never seen the package's images: joined once, by the first test that needs one (a join
 costs ~15 s), while a burst runs or on its own (``join_fresh_node``). Its layer cache has a small budget and idle
-layers unmount at once, for the eviction test; the others only need it fresh."""
+layers unmount at once, for the eviction test; the others only need it fresh. Its edge has no channel, so its
+tests reach it by Ray actor calls alone (the other nodes' by their channels)."""
 CUT_NODE = "e7"
 CUT_NODE_LABELS = {"zone": "isolated"}
 """A node in a network namespace of its own (``own_network``: as on another machine, the database over TCP),

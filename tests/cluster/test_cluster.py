@@ -91,6 +91,21 @@ def test_a_step_on_a_node_logs_the_files_it_changed_and_its_findings(client: cor
         assert [e.detail["paths"] for e in events] == [["/bin/vi"], ["/bin/ls"]], events
 
 
+def test_leaving_a_stream_on_a_node_kills_its_command(client: corral.Client) -> None:
+    """As on the embedded server (tests/integration/test_exec.py): the gateway's stream over the node's channel
+    closes with the client's, and the edge's with it, which kills the command."""
+    with client.create("busybox", ttl_s=600) as sandbox:
+        stream = sandbox.exec_stream("while true; do echo tick-left; sleep 0.1; done", step_id="left", timeout_s=120)
+        assert any(event.type == "stdout" for event in stream)  # stops at the first line
+        stream.close()
+        deadline = time.monotonic() + 10
+        while "tick-left" in sandbox.exec("ps -o args").stdout:
+            assert time.monotonic() < deadline, "the command outlived its stream"
+            time.sleep(0.1)
+        (left,) = [step for step in sandbox.trajectory() if step.step_id == "left"]
+        assert left.result is not None and "went away" in left.result["error"]["message"], left
+
+
 def test_a_cluster_gateway_refuses_network_peers(client: corral.Client) -> None:
     with pytest.raises(corral.InvalidRequest, match="not a cluster gateway"):
         client.attach_network_peer("mirror", f"/proc/{os.getpid()}/ns/net", "10.88.200.2")

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import corral
 from corral.cluster.local import LocalCluster
-from tests.cluster.conftest import NODES, edge_of
+from tests.cluster.conftest import FRESH_NODE, FRESH_NODE_LABELS, NODES, edge_of, join_fresh_node
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -70,3 +70,42 @@ def test_each_edge_actor_reports_its_own_counts_through_the_gateway(
         assert (operations, frozenset({("edge_id", edge_id), ("operation", "paused")})) in after, edge_id
     assert declared["corral_edge_sandbox_operations_total"] == 1  # several edges' samples in one family
     assert declared["corral_edge_sandbox_start_duration_seconds"] == 1
+
+
+def _calls(samples: Samples, edge_id: str) -> dict[str, float]:
+    return {
+        via: _value(samples, "corral_edge_gateway_calls_total", edge_id=edge_id, via=via) for via in ("channel", "ray")
+    }
+
+
+def test_a_gateways_calls_to_an_edge_go_over_its_channel(cluster: LocalCluster, client: corral.Client) -> None:
+    sandbox = client.create("busybox", memory_mb=64, ttl_s=600, node_selector={"zone": "b"})
+    try:
+        assert edge_of(sandbox) == "e3"
+        before = _calls(_scrape(cluster)[0], "e3")
+        for i in range(20):
+            assert sandbox.exec(f"echo {i}").stdout == f"{i}\n"
+        events = list(sandbox.exec_stream("echo streamed", step_id="channel-stream"))
+        assert [(event.type, event.data) for event in events if event.type == "stdout"] == [("stdout", "streamed\n")]
+        after = _calls(_scrape(cluster)[0], "e3")
+    finally:
+        sandbox.kill()
+    assert after["channel"] - before["channel"] >= 21  # the execs, the stream, the first scrape's own call
+    assert after["ray"] == before["ray"]  # no Ray actor call in between
+
+
+def test_an_edge_without_a_channel_is_called_through_ray(cluster: LocalCluster, client: corral.Client) -> None:
+    join_fresh_node(cluster)  # its edge runs with CORRAL_EDGE_CHANNEL=false
+    sandbox = client.create("busybox", memory_mb=64, ttl_s=600, node_selector=FRESH_NODE_LABELS)
+    try:
+        assert edge_of(sandbox) == FRESH_NODE
+        before = _calls(_scrape(cluster)[0], FRESH_NODE)
+        for i in range(5):
+            assert sandbox.exec(f"echo {i}").stdout == f"{i}\n"
+        events = list(sandbox.exec_stream("echo streamed"))
+        assert [(event.type, event.data) for event in events if event.type == "stdout"] == [("stdout", "streamed\n")]
+        after = _calls(_scrape(cluster)[0], FRESH_NODE)
+    finally:
+        sandbox.kill()
+    assert after["ray"] - before["ray"] >= 6
+    assert after["channel"] == before["channel"] == 0

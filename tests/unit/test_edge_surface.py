@@ -7,7 +7,7 @@ import inspect
 import re
 from pathlib import Path
 
-from corral.cluster.edge_actor import ACTOR_OWN, CALLABLE, ON_NODE, STREAMING, WIRE_NAMES, NodeEdge
+from corral.cluster.edge_actor import ACTOR_OWN, BY_RAY, CALLABLE, ON_NODE, STREAMING, WIRE_NAMES, NodeEdge
 from corral.cluster.ray_edge import RayEdge
 from corral.edge.local import LocalEdge
 from corral.edge.protocol import EDGE_METHODS, Edge
@@ -53,3 +53,10 @@ def test_every_edge_method_is_callable_through_the_actor() -> None:
 def test_the_actor_refuses_what_the_protocol_does_not_have() -> None:
     assert "edge_id" not in CALLABLE and "sandbox_ids" in CALLABLE and "checkpoint_dir" in CALLABLE
     assert "_get" not in CALLABLE and ACTOR_OWN <= EDGE_METHODS and ACTOR_OWN.isdisjoint(CALLABLE)
+
+
+def test_the_calls_kept_off_the_channel_are_edge_calls() -> None:
+    """A name in BY_RAY that no longer names a call (renamed) would send that call's large payloads over the
+    channel."""
+    assert BY_RAY
+    assert BY_RAY <= CALLABLE
