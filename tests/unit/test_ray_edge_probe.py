@@ -1,6 +1,6 @@
 """A remote edge whose node is heard again after a silence is placed on only once a probe went through
 (``RayEdge.set_silent``'s answer, which the gateway's node watcher places by). The handle here answers the probe
-as an actor's would (an awaitable per ``pid.remote()``); the real actor over a real cut is
+as an actor's would (an awaitable per ``pid.remote()``, and no channel); the real actor over a real cut is
 tests/cluster/test_cluster_faults.py's network-cut test."""
 
 from __future__ import annotations
@@ -24,9 +24,19 @@ class _Probe:
         return self.answers.pop(0)
 
 
+class _NoChannel:
+    """An actor's answer to ``channel.remote()`` when it has none (cluster/channel.py): calls go through Ray."""
+
+    def remote(self) -> Awaitable[None]:
+        answer: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        answer.set_result(None)
+        return answer
+
+
 class _Handle:
     def __init__(self, probe: _Probe) -> None:
         self.pid = probe
+        self.channel = _NoChannel()  # the probe asks for it once the pid answered
 
 
 async def test_a_node_heard_again_is_placed_on_once_its_edge_answers(monkeypatch: pytest.MonkeyPatch) -> None:
