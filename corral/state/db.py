@@ -40,7 +40,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.engine import Connection, Engine, make_url
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DBAPIError, DisconnectionError, OperationalError
 from sqlalchemy.types import ARRAY
 
 from corral.api.errors import ServerUnavailable
@@ -398,12 +398,38 @@ fast, the pool opens new ones, and the node is heard within a heartbeat or two (
 The database URL's own parameters win (``?tcp_user_timeout=0`` is the kernel's default again)."""
 
 
+PING_IDLE_S = 1.0
+"""A pooled PostgreSQL connection that sat in the pool this long is pinged as it is checked out, and replaced if
+the server went away meanwhile (a restart takes longer than this): the first request after a restart does not
+fail on a dead connection. One back in use sooner is not: SQLAlchemy's ``pool_pre_ping`` pinged every checkout, a
+round trip before every statement outside a transaction (a step's log writes: 0.4 of 1.7 ms, docs/spec.md)."""
+
+
+def ping_idle_connections(engine: Engine, idle_s: float = PING_IDLE_S) -> None:
+    """``engine``'s pool pings a connection idle ``idle_s`` or longer as it is checked out (a failed ping: the
+    pool drops it and checks out another, a new one if it must)."""
+
+    @event.listens_for(engine, "checkin")
+    def returned(dbapi_connection: Any, record: Any) -> None:  # noqa: ANN401 - the DBAPI's own types
+        record.info["returned_at"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def checked_out(dbapi_connection: Any, record: Any, proxy: Any) -> None:  # noqa: ANN401
+        returned_at = record.info.get("returned_at")
+        if returned_at is None or time.monotonic() - returned_at < idle_s:
+            return  # just opened, or in use a moment ago
+        try:
+            alive = engine.dialect.do_ping(dbapi_connection)
+        except Exception as exc:
+            raise DisconnectionError(f"a pooled connection failed its ping: {exc}") from exc
+        if not alive:
+            raise DisconnectionError("a pooled connection failed its ping")
+
+
 class StateStore:
     def __init__(self, url: str) -> None:
         if url.startswith("sqlite:///"):
             Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-        # pool_pre_ping: a pooled connection is tested as it is checked out and replaced if the server went
-        # away (a PostgreSQL restart), so the first request after a restart does not fail on a dead connection.
         sqlite = url.startswith("sqlite")
         parsed = make_url(url)
         libpq = parsed.get_driver_name() in ("psycopg", "psycopg2")
@@ -411,10 +437,11 @@ class StateStore:
         self._engine: Engine = create_engine(
             url,
             future=True,
-            pool_pre_ping=not sqlite,
             connect_args=timeouts if libpq else {},
             json_serializer=json_text.dumps,
         )
+        if not sqlite:
+            ping_idle_connections(self._engine)
         if self._engine.dialect.name == "sqlite":
             event.listen(self._engine, "connect", _sqlite_pragmas)
         self._postgres = self._engine.dialect.name == "postgresql"

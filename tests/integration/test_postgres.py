@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import event
+from sqlalchemy import create_engine, event
 
 import corral
 from corral.embedded import EmbeddedServer
 from corral.gateway.service import WARM_LABEL
-from corral.state.db import POSTGRES_TCP_TIMEOUTS, StateStore, sandboxes
+from corral.state.db import PING_IDLE_S, POSTGRES_TCP_TIMEOUTS, StateStore, sandboxes
 from corral.testing.records import sandbox_record
 from corral.trajectory import Replay, Step, TrajectoryLog
 from tests.unit.test_trajectory_log import run_in_threads
@@ -247,5 +247,39 @@ def test_connections_carry_the_tcp_timeouts_to_libpq(postgres_url: str) -> None:
         tcp = {key: value for key, value in POSTGRES_TCP_TIMEOUTS.items() if key != "options"}
         assert {f"{key}={value}" for key, value in tcp.items()} <= set(dsn.split()), dsn
         assert idle_limit == "30s"  # a client cut off mid-transaction does not hold its locks for ever
+    finally:
+        store.close()
+
+
+def test_a_pooled_connection_is_pinged_only_after_sitting_idle_and_a_dead_one_is_replaced(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Back to back, a connection goes straight back to work (no round trip of a ping before each statement);
+    after PING_IDLE_S in the pool it is pinged first, and one whose server side ended meanwhile (as after a
+    restart) is replaced instead of failing the read."""
+    store = StateStore(postgres_url)
+    pings: list[int] = []
+    ping = store.engine.dialect.do_ping
+
+    def counted_ping(dbapi_connection: Any) -> bool:  # noqa: ANN401 - the DBAPI's connection
+        pings.append(id(dbapi_connection))
+        return ping(dbapi_connection)  # the real ping, counted (a dead connection's raises)
+
+    monkeypatch.setattr(store.engine.dialect, "do_ping", counted_ping)
+    try:
+        for _ in range(20):
+            assert store.get("sb-e0-none") is None
+        assert pings == []
+        with store.engine.connect() as conn:
+            backend = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+        other = create_engine(postgres_url)
+        with other.connect() as conn:  # the server ends that connection's session
+            assert conn.exec_driver_sql(f"SELECT pg_terminate_backend({int(backend)})").scalar() is True
+        other.dispose()
+        time.sleep(PING_IDLE_S + 0.2)
+        assert store.get("sb-e0-none") is None  # not an error: the dead connection was found and replaced
+        assert len(pings) == 1  # the idle one, pinged once: the new one needs none
+        with store.engine.connect() as conn:
+            assert conn.exec_driver_sql("SELECT pg_backend_pid()").scalar() != backend
     finally:
         store.close()
