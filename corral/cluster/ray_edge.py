@@ -140,7 +140,11 @@ class RayEdge:
             if self._silent.is_set() and not probing:
                 raise self._gone_silent()  # not asked: the ask would wait on the silent node for nothing
             actor = await self._actor()
-            asked = asyncio.ensure_future(actor.channel.remote())
+            ask = getattr(actor, "channel", None)
+            if ask is None:  # an edge actor of a Corral from before the channel (a rolling upgrade): through Ray
+                self._channel_tried_at = time.monotonic()
+                return None
+            asked = asyncio.ensure_future(ask.remote())
             try:
                 address: ChannelAddress | None = await (
                     asyncio.wait_for(asked, PROBE_TIMEOUT_S) if probing else self._answer(asked)

@@ -1,7 +1,8 @@
-"""A remote edge whose node is heard again after a silence is placed on only once a probe went through
-(``RayEdge.set_silent``'s answer, which the gateway's node watcher places by). The handle here answers the probe
-as an actor's would (an awaitable per ``pid.remote()``, and no channel); the real actor over a real cut is
-tests/cluster/test_cluster_faults.py's network-cut test."""
+"""RayEdge with stand-ins for Ray's actor handles. A remote edge whose node is heard again after a silence is placed
+on only once a probe went through (``RayEdge.set_silent``'s answer, which the gateway's node watcher places by).
+The handle here answers the probe as an actor's would (an awaitable per ``pid.remote()``, and no channel); the real actor over a real cut is
+tests/cluster/test_cluster_faults.py's network-cut test. An edge actor of an older Corral, without a channel, is
+called through Ray."""
 
 from __future__ import annotations
 
@@ -60,3 +61,27 @@ async def test_a_node_heard_again_is_placed_on_once_its_edge_answers(monkeypatch
     assert probe.calls == 2
     assert edge.set_silent(False) is True  # answered: placed on again
     assert edge.set_silent(False) is True and probe.calls == 2
+
+
+class _OlderActor:
+    """An edge actor of a Corral from before the channel (a rolling upgrade: gateways first): no ``channel``
+    method; its ``call`` answers as the actor's would."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.call = self
+
+    def remote(self, method: str, *args: object) -> Awaitable[str]:
+        self.calls.append(method)
+        answer: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        answer.set_result(f"{method} answered through Ray")
+        return answer
+
+
+async def test_an_edge_actor_without_a_channel_is_called_through_ray() -> None:
+    actor = _OlderActor()
+    edge = RayEdge("e9")
+    edge._handle = actor  # what ray.get_actor would have given
+    assert await edge.sandbox_ids() == "sandbox_ids answered through Ray"
+    assert await edge.fs_clock("sb-e9-1") == "fs_clock answered through Ray"
+    assert actor.calls == ["sandbox_ids", "fs_clock"]
