@@ -43,8 +43,9 @@ T = TypeVar("T")
 
 PROBE_TIMEOUT_S = 5.0
 """How long a node heard again after a silence gets to answer the probe before it is placed on (next beat: again)."""
-CHANNEL_RETRY_S = 60.0
-"""After an edge's channel could not be reached, its calls go through Ray this long before it is tried again."""
+CHANNEL_RETRY_S = 10.0
+"""After an edge's channel was found missing or could not be reached, its calls go through Ray this long before it
+is tried again (in the background: no call waits for a try)."""
 
 
 class RayEdge:
@@ -60,8 +61,9 @@ class RayEdge:
         self._silent = asyncio.Event()  # set while the node's heartbeats have stopped (RayEdges.set_silent)
         self._probe: asyncio.Task[None] | None = None  # a call through to the edge of a node heard again
         self._channel: ChannelClient | None = None
-        self._channel_lock = asyncio.Lock()  # one connection, whoever asks first opens it
-        self._channel_tried_at = -CHANNEL_RETRY_S  # when an unreachable channel was last tried (monotonic)
+        self._channel_lock = asyncio.Lock()  # one connection at a time is made
+        self._connecting: asyncio.Task[None] | None = None  # a connection being made in the background
+        self._channel_tried_at = -CHANNEL_RETRY_S  # when a channel was last found missing or unreachable
 
     async def _answer(self, pending: Awaitable[T]) -> T:
         """``pending``'s result, unless the node goes silent first: a call to a cut-off node would wait until
@@ -100,7 +102,7 @@ class RayEdge:
             actor = await self._actor()
             await asyncio.wait_for(asyncio.ensure_future(actor.pid.remote()), PROBE_TIMEOUT_S)
             await self._open_channel(probing=True)  # before any call: not on a call's time
-        except (ActorUnavailableError, RayActorError, CorralError, TimeoutError) as exc:
+        except (ActorUnavailableError, RayActorError, RayTaskError, CorralError, TimeoutError) as exc:
             if isinstance(exc, ActorDiedError):
                 self._handle = None
             log.info("edge %s: heard again but not answering yet (%s)", self.edge_id, type(exc).__name__)
@@ -127,43 +129,59 @@ class RayEdge:
         return ServerUnavailable(f"edge {self.edge_id} is unavailable (its node is down or the edge restarting): {exc}")
 
     async def _open_channel(self, *, probing: bool = False) -> ChannelClient | None:
-        """The open connection to the actor's channel; None: calls go through Ray (the actor has no channel, or
-        it could not be reached lately). ``probing``: asked by the probe of a node heard again, while calls still
-        end at once (``_answer``), so within the probe's own time limit instead."""
+        """The open connection to the actor's channel; None: this call goes through Ray. A connection is made in
+        the background (the calls meanwhile go through Ray), so a channel that cannot be reached (a firewall that
+        drops the packets) never holds a call up; after a failed try calls go through Ray ``CHANNEL_RETRY_S``
+        before the next. ``probing``: the probe of a node heard again waits for the connection, so the node's
+        first calls after the silence use it; the actor not answering the ask fails the probe."""
         if self._channel is not None and not self._channel.closed:
             return self._channel
+        if probing:
+            await self._connect_channel(probing=True)
+            return self._channel
+        if (
+            self._connecting is None
+            and not self._silent.is_set()  # the ask would wait on the silent node for nothing: the probe connects
+            and time.monotonic() - self._channel_tried_at >= CHANNEL_RETRY_S
+        ):
+            self._connecting = asyncio.get_running_loop().create_task(self._connect_channel())
+            self._connecting.add_done_callback(self._connected)
+        return None
+
+    def _connected(self, _: asyncio.Task[None]) -> None:
+        self._connecting = None
+
+    async def _connect_channel(self, *, probing: bool = False) -> None:
+        """Ask the actor (through Ray) where its channel is and connect to it. A connection that fails is logged,
+        and calls go through Ray until the next try; an ask the actor does not answer too, unless ``probing``
+        (raised: the node is not let back in yet)."""
         async with self._channel_lock:
             if self._channel is not None and not self._channel.closed:
-                return self._channel
-            if time.monotonic() - self._channel_tried_at < CHANNEL_RETRY_S:
-                return None
-            if self._silent.is_set() and not probing:
-                raise self._gone_silent()  # not asked: the ask would wait on the silent node for nothing
-            actor = await self._actor()
-            ask = getattr(actor, "channel", None)
-            if ask is None:  # an edge actor of a Corral from before the channel (a rolling upgrade): through Ray
-                self._channel_tried_at = time.monotonic()
-                return None
-            asked = asyncio.ensure_future(ask.remote())
+                return
             try:
-                address: ChannelAddress | None = await (
-                    asyncio.wait_for(asked, PROBE_TIMEOUT_S) if probing else self._answer(asked)
+                actor = await self._actor()
+                ask = getattr(actor, "channel", None)
+                address: ChannelAddress | None = (
+                    None
+                    if ask is None
+                    else await asyncio.wait_for(asyncio.ensure_future(ask.remote()), PROBE_TIMEOUT_S)
                 )
-            except RayTaskError as exc:
-                raise _cause(exc) from None
-            except (ActorUnavailableError, RayActorError) as exc:
-                raise self._unavailable(exc) from None
-            if address is None:
+            except (TimeoutError, RayActorError, RayTaskError, ActorUnavailableError, CorralError) as exc:
                 self._channel_tried_at = time.monotonic()
-                return None
+                if probing:
+                    raise
+                log.warning("edge %s: its actor did not say where its channel is (%s); calling it through Ray",
+                            self.edge_id, type(exc).__name__)  # fmt: skip
+                return
+            if address is None:  # an edge without one (CORRAL_EDGE_CHANNEL=false, or an older Corral's actor)
+                self._channel_tried_at = time.monotonic()
+                return
             try:
                 self._channel = await ChannelClient.connect(address, CHANNEL_CONNECT_TIMEOUT_S)
             except (OSError, TimeoutError) as exc:
                 self._channel_tried_at = time.monotonic()
                 log.warning("edge %s: its channel at %s:%d cannot be reached (%s); calling it through Ray for %.0f s",
                             self.edge_id, address.host, address.port, exc, CHANNEL_RETRY_S)  # fmt: skip
-                return None
-            return self._channel
 
     def _drop_channel(self) -> None:
         if self._channel is not None:
