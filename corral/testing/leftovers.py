@@ -127,14 +127,20 @@ def _netns_names(ids: set[str]) -> list[str]:
 
 
 def _loop_devices(data_dir: Path, server_running: bool) -> list[str]:
-    """Loop devices backed by files in ``data_dir``; the pool's own one only once the server is down."""
+    """Loop devices backed by files in ``data_dir``; the pool's own one only once the server is down. One whose
+    file was deleted while a file of that name exists now is an earlier file's: a run before this one with the same
+    data dir path (pytest's fixed base temp dir, made anew each run), not this server's."""
     listing = subprocess.run(["losetup", "--list", "--noheadings", "--output", "NAME,BACK-FILE"], capture_output=True,
                              text=True, timeout=_TOOL_TIMEOUT_S).stdout  # fmt: skip
     pool = str(data_dir / "writable.img")
     found = []
     for line in listing.splitlines():
         name, _, backing = line.strip().partition(" ")
-        backing = backing.strip().removesuffix(" (deleted)")
+        backing = backing.strip()
+        if backing.endswith(" (deleted)"):
+            backing = backing.removesuffix(" (deleted)")
+            if os.path.exists(backing):
+                continue
         if backing.startswith(f"{data_dir}/") and not (server_running and backing == pool):
             found.append(f"{name} {backing}")
     return found
