@@ -225,7 +225,9 @@ class RayEdge:
         """The actor started itself (and re-adopted its sandboxes)."""
 
     async def close(self) -> None:
-        """The actor outlives gateways: only this gateway's connection to it closes."""
+        """The actor outlives gateways: only this gateway's connection to it closes (or stops being made)."""
+        if self._connecting is not None:
+            self._connecting.cancel()
         self._drop_channel()
 
     async def adopt(self, specs: list[Any]) -> dict[str, str | None]:
