@@ -11,8 +11,7 @@ follows is pickled, as Ray's own calls are.
 Frames: a 4-byte length, then a pickled tuple. To the edge: ``("call", id, method, args, kwargs)``,
 ``("stream", id, method, args, kwargs)``, ``("cancel", id)`` (the caller left a stream: the edge closes it, which
 ends its command). Back: ``("ok", id, value)``, ``("error", id, error)``, and for a stream ``("item", id,
-value)`` ... ``("end", id)``. A Corral error crosses as its class and message; any other as its repr, raised
-as ``InternalError``, as through Ray.
+value)`` ... ``("end", id)``. An error crosses as ``edge_error`` makes it, as through Ray.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from typing import Any
 
 from corral.api.errors import CorralError, InternalError
 
-__all__ = ["ChannelAddress", "ChannelClient", "ChannelClosed", "ChannelServer"]
+__all__ = ["ChannelAddress", "ChannelClient", "ChannelClosed", "ChannelServer", "edge_error"]
 
 log = logging.getLogger("corral.cluster")
 
@@ -69,16 +68,12 @@ async def _read(reader: asyncio.StreamReader) -> tuple[Any, ...]:
     return message
 
 
-def _error(exc: BaseException) -> tuple[Any, ...]:
-    if isinstance(exc, CorralError):
-        return ("corral", type(exc), exc.message)
-    return ("other", repr(exc))
-
-
-def _raised(error: tuple[Any, ...]) -> Exception:
-    if error[0] == "corral":
-        return error[1](error[2])  # type: ignore[no-any-return]
-    return InternalError(f"the edge failed: {error[1]}")
+def edge_error(cause: BaseException) -> CorralError:
+    """What a gateway raises for an error its edge raised, through the channel or Ray: the same Corral error, any
+    other as ``InternalError``."""
+    if isinstance(cause, CorralError):
+        return type(cause)(cause.message)
+    return InternalError(f"the edge failed: {cause!r}")
 
 
 class ChannelServer:
@@ -140,7 +135,7 @@ class ChannelServer:
             answer: tuple[Any, ...] = ("ok", request_id, await self._call(method, args, kwargs))
             frame = _frame(answer)
         except Exception as exc:  # noqa: BLE001 - the caller's to handle, as a Ray call's error would be
-            frame = _frame(("error", request_id, _error(exc)))
+            frame = _frame(("error", request_id, edge_error(exc)))
         await _send(writer, frame)
 
     async def _answer_stream(
@@ -152,7 +147,7 @@ class ChannelServer:
                     await _send(writer, _frame(("item", request_id, item)))
             frame = _frame(("end", request_id))
         except Exception as exc:  # noqa: BLE001 - the caller's to handle
-            frame = _frame(("error", request_id, _error(exc)))
+            frame = _frame(("error", request_id, edge_error(exc)))
         await _send(writer, frame)
 
 
@@ -219,7 +214,7 @@ class ChannelClient:
                 ended = True
                 if kind == "end":
                     return
-                raise _raised(rest[0]) if kind == "error" else ChannelClosed("the edge's channel closed")
+                raise rest[0] if kind == "error" else ChannelClosed("the edge's channel closed")
         finally:
             self._waiting.pop(request_id, None)
             if not ended and not self._closed:
@@ -244,7 +239,7 @@ class ChannelClient:
                 if isinstance(waiting, asyncio.Queue):
                     waiting.put_nowait((kind, *rest))
                 elif waiting is not None and not waiting.done():
-                    waiting.set_result(rest[0]) if kind == "ok" else waiting.set_exception(_raised(rest[0]))
+                    waiting.set_result(rest[0]) if kind == "ok" else waiting.set_exception(rest[0])
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         except Exception:  # an answer it could not read: the calls waiting learn the channel closed

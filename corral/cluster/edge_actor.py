@@ -46,8 +46,8 @@ from corral.node import build_edge, prepare_host
 from corral.state.db import StateStore, database_unreachable
 
 __all__ = [
-    "ACTOR_NAMESPACE", "ACTOR_OWN", "BY_RAY", "CALLABLE", "CHANNEL_CONNECT_TIMEOUT_S", "ON_NODE", "STREAMING",
-    "WIRE_NAMES", "EdgeActor", "NodeEdge", "actor_name", "node_resource",
+    "ACTOR_NAMESPACE", "ACTOR_OWN", "BY_RAY", "CALLABLE", "ON_NODE", "STREAMING", "WIRE_NAMES", "EdgeActor",
+    "NodeEdge", "actor_name", "node_resource",
 ]  # fmt: skip
 
 log = logging.getLogger("corral.cluster")
@@ -71,7 +71,6 @@ BY_RAY = frozenset({"pack_diff_bytes", "upload_tar", "download_tar"})
 """Calls whose arguments or answers can be a whole layer or a tree's archive: they go through Ray, whose object
 store is made for large objects; the rest through the edge's channel (cluster/channel.py), where a large frame
 would hold up the small ones behind it."""
-CHANNEL_CONNECT_TIMEOUT_S = 5.0
 
 
 def actor_name(edge_id: str) -> str:

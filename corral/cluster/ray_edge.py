@@ -24,11 +24,10 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 
 from corral.api.errors import CorralError, InternalError, ServerUnavailable
 from corral.api.models import ExecEvent, ExecRequest
-from corral.cluster.channel import ChannelAddress, ChannelClient, ChannelClosed
+from corral.cluster.channel import ChannelAddress, ChannelClient, ChannelClosed, edge_error
 from corral.cluster.edge_actor import (
     ACTOR_NAMESPACE,
     BY_RAY,
-    CHANNEL_CONNECT_TIMEOUT_S,
     WIRE_NAMES,
     actor_name,
     node_resource,
@@ -43,6 +42,7 @@ T = TypeVar("T")
 
 PROBE_TIMEOUT_S = 5.0
 """How long a node heard again after a silence gets to answer the probe before it is placed on (next beat: again)."""
+CHANNEL_CONNECT_TIMEOUT_S = 5.0
 CHANNEL_RETRY_S = 10.0
 """After an edge's channel was found missing or could not be reached, its calls go through Ray this long before it
 is tried again (in the background: no call waits for a try)."""
@@ -208,7 +208,7 @@ class RayEdge:
         try:
             return await self._answer(actor.call.remote(method, *args, **kwargs))
         except RayTaskError as exc:
-            raise _cause(exc) from None
+            raise edge_error(exc.cause) from None
         except (ActorUnavailableError, RayActorError) as exc:
             raise self._unavailable(exc) from None
 
@@ -272,16 +272,9 @@ class RayEdge:
                     return
                 yield await self._answer(ref)
         except RayTaskError as exc:
-            raise _cause(exc) from None
+            raise edge_error(exc.cause) from None
         except (ActorUnavailableError, RayActorError) as exc:
             raise self._unavailable(exc) from None
-
-
-def _cause(exc: RayTaskError) -> CorralError:
-    cause = exc.cause
-    if isinstance(cause, CorralError):
-        return type(cause)(cause.message)
-    return InternalError(f"the edge failed: {cause!r}")
 
 
 class RayEdges:
