@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import uvloop
 
-from corral.backends.common.spawn import run_to_end
+from corral.backends.common.spawn import finished_before_cancel, run_to_end
 from corral.procfs import running
 
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
@@ -83,3 +83,40 @@ def test_a_cancelled_wait_leaves_the_process_to_finish(loop: str, tmp_path: Path
         time.sleep(0.05)
     assert marker.exists()
     os.waitpid(started[0], 0)  # the node's reaper's part in the server
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_step_finished_before_cancel_has_ended_when_the_cancellation_arrives(loop: str, tmp_path: Path) -> None:
+    """The caller's cleanup runs after the runtime process did what it does (two cancellations on the way, as a
+    server's stop may send), and the cancellation still reaches the caller."""
+    marker = tmp_path / "done"
+    seen_at_cancel: list[bool] = []
+
+    async def cancel_twice() -> None:
+        step = finished_before_cancel(run_to_end(["sh", "-c", f"sleep 0.3; touch {marker}"], timeout_s=30,
+                                                 on_start=lambda _: None))  # fmt: skip
+        waiting = asyncio.ensure_future(step)
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        try:
+            await waiting
+        except asyncio.CancelledError:
+            seen_at_cancel.append(marker.exists())
+
+    _run(loop, cancel_twice)
+    assert seen_at_cancel == [True]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_step_finished_before_cancel_gives_its_result_or_error_when_not_cancelled(loop: str) -> None:
+    async def quiet() -> int:
+        return 7
+
+    async def failing() -> int:
+        raise OSError("no such runtime")
+
+    assert _run(loop, lambda: finished_before_cancel(quiet())) == 7
+    with pytest.raises(OSError, match="no such runtime"):
+        _run(loop, lambda: finished_before_cancel(failing()))

@@ -15,6 +15,7 @@ import ctypes.util
 import enum
 import errno
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -32,6 +33,7 @@ __all__ = [
     "CgroupLayout",
     "detect_cgroup_layout",
     "enter_private_mount_namespace",
+    "remove_empty_cgroups",
     "RUN_ROOT",
     "ensure_run_tmpfs",
     "NodeSysfs",
@@ -245,6 +247,33 @@ def enter_private_mount_namespace(layout: CgroupLayout) -> None:
     if layout is CgroupLayout.HYBRID:
         # Room for many thousands of crun cgroup paths (4 MB filled after ~1,000).
         _mount("tmpfs", str(_CGROUP_ROOT / "unified"), "tmpfs", 0, "size=64m,mode=755")
+
+
+def remove_empty_cgroups(cgroup_path: str) -> None:
+    """What a runtime left of a container's cgroups after its delete. On a hybrid host, crun's directory in the tmpfs
+    over the v2 mount (see ``enter_private_mount_namespace``), its pid in a ``cgroup.procs`` file: a page of the
+    tmpfs each, never removed, so a server filled its 64 MB after about 16,000 creates and none started after. And a
+    ``crun run`` that failed after making the v1 cgroups (a full tmpfs) leaves those, empty. A cgroup that still
+    holds a process stays (rmdir refuses it)."""
+    relative = cgroup_path.lstrip("/")
+    hierarchies, hidden_v2 = _cgroup_mounts()
+    if hidden_v2 is not None:
+        shutil.rmtree(hidden_v2 / relative, ignore_errors=True)
+    for root in hierarchies:
+        with contextlib.suppress(OSError):  # none (the runtime removed it), or still in use
+            os.rmdir(root / relative)
+
+
+@functools.cache
+def _cgroup_mounts() -> tuple[list[Path], Path | None]:
+    """This mount namespace's cgroup hierarchies (v2, every v1 controller, named ones such as systemd's) and the
+    tmpfs hiding a hybrid host's v2 mount, if there is one; read once (they do not change while a node runs)."""
+    table = Path("/proc/self/mounts").read_text()
+    points = {Path(mount_field(fields[1])) for fields in (line.split() for line in table.splitlines())
+              if len(fields) > 2 and fields[2] in ("cgroup", "cgroup2")}  # fmt: skip
+    hierarchies = sorted(point for point in points if fs_type_at(point, table) in ("cgroup", "cgroup2"))
+    unified = _CGROUP_ROOT / "unified"
+    return hierarchies, unified if unified in points and fs_type_at(unified, table) == "tmpfs" else None
 
 
 def raise_open_files_limit() -> int:

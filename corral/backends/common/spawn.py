@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-from collections.abc import Callable
-from typing import IO
+from collections.abc import Awaitable, Callable
+from typing import IO, TypeVar
 
-__all__ = ["Output", "process_ended", "run_to_end"]
+__all__ = ["Output", "finished_before_cancel", "process_ended", "run_to_end"]
 
 Output = int | IO[bytes] | None
+T = TypeVar("T")
 
 _KILLED_WAIT_S = 5.0  # for the end of a process killed at its timeout
 
@@ -59,6 +60,25 @@ async def run_to_end(
         for fd in (out, err):
             if fd >= 0:
                 os.close(fd)
+
+
+async def finished_before_cancel(step: Awaitable[T]) -> T:
+    """Await ``step`` to its end even when the caller is cancelled meanwhile (then raise that cancellation): for a
+    runtime or launcher process whose effects the caller's cleanup must see. A create cancelled while ``crun run``
+    still ran had undone what it knew of at once; crun then started the container, an agent nobody would remove,
+    holding its overlay and the node's pool (a warm pool's refill cut off by its server's stop)."""
+    running_step = asyncio.ensure_future(step)
+    cancelled = False
+    while not running_step.done():
+        try:
+            await asyncio.wait({running_step})
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        if not running_step.cancelled():
+            running_step.exception()  # retrieved: the cancellation is what the caller gets
+        raise asyncio.CancelledError
+    return running_step.result()
 
 
 async def process_ended(pid: int, timeout_s: float | None = None) -> None:

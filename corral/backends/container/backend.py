@@ -47,6 +47,7 @@ from corral.backends.common.host import (
     NativeHelpers,
     NodeSysfs,
     orphans,
+    remove_empty_cgroups,
     run_dir_of,
     runtime_dirs_of,
     runtime_state_root,
@@ -528,8 +529,10 @@ class ContainerBackend:
         await asyncio.to_thread(self._remove_dirs, sandbox_id)
 
     def _remove_dirs(self, sandbox_id: str) -> None:
-        """Its bundle and its writable layer (with its quota, when it has one)."""
+        """Its bundle, its writable layer (with its quota, if any), and what the runtime left of its cgroups."""
         self._step_files.forget(self._pool.remove(sandbox_id))
+        for tier in qos.TIERS.values():
+            remove_empty_cgroups(f"{tier}/{sandbox_id}")
         shutil.rmtree(self.runtime_dir(sandbox_id), ignore_errors=True)
         shutil.rmtree(self._dir / sandbox_id, ignore_errors=True)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from corral.api.errors import InternalError, InvalidRequest
 from corral.backends.common.host import orphans
-from corral.backends.common.spawn import run_to_end
+from corral.backends.common.spawn import finished_before_cancel, run_to_end
 
 __all__ = ["RUNSC", "RUNSC_FLAGS", "OciRuntime", "OciRuntimeFailed", "ContainerState", "Overlay"]
 
@@ -125,11 +125,11 @@ class OciRuntime:
         try:
             with orphans.spawned() as track:
                 try:
-                    code, stdout, stderr = await run_to_end(
+                    code, stdout, stderr = await finished_before_cancel(run_to_end(
                         args, timeout_s=_RUNTIME_TIMEOUT_S, on_start=track,
                         stdout=subprocess.DEVNULL if log is not None else None, stderr=log,
                         pass_fds=(*pass_fds, self._sealed_fd) if self._sealed_fd is not None else pass_fds,
-                    )  # fmt: skip
+                    ))  # fmt: skip
                 except TimeoutError:
                     raise OciRuntimeFailed(
                         f"{self.name} timed out after {_RUNTIME_TIMEOUT_S:.0f}s: {args[-3:]}"

@@ -274,6 +274,14 @@ def _fill(copy: _PendingCopy) -> None:
             offset = end
 
 
+def _give_up(greeting: asyncio.Future[None], agent: AgentConnection) -> None:
+    """Stop waiting for an agent's greeting: its wait may end with the connection's error rather than the cancel
+    (both land at once), an outcome nobody else reads."""
+    greeting.add_done_callback(lambda done: done.cancelled() or done.exception())
+    greeting.cancel()
+    agent.close()
+
+
 class VmBackend:
     """One backend object per machine kind ("microvm" or "vm"); both share the node's guest kit."""
 
@@ -394,12 +402,14 @@ class VmBackend:
         try:
             done, _ = await asyncio.wait({greeting, exited}, timeout=max(0.1, deadline - time.monotonic()),
                                          return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        except BaseException:  # a cancelled create: its greeting would wait out the whole timeout for nobody
+            _give_up(greeting, agent)
+            raise
         finally:
             exited.cancel()
         if greeting in done and greeting.exception() is None:
             return agent
-        greeting.cancel()
-        agent.close()
+        _give_up(greeting, agent)
         what = "QEMU exited" if exited in done else f"no agent answered within {timeout_s:.0f}s"
         raise ServerUnavailable(f"the guest did not boot ({what}); console:\n{console_tail(machine.directory)}")
 

@@ -22,7 +22,7 @@ from qemu.qmp import QMPClient
 
 from corral.api.errors import InternalError
 from corral.backends.common.host import orphans
-from corral.backends.common.spawn import process_ended, run_to_end
+from corral.backends.common.spawn import finished_before_cancel, process_ended, run_to_end
 from corral.backends.vm.network import GUEST_ADDRESS, GUEST_GATEWAY
 from corral.procfs import running
 
@@ -210,14 +210,14 @@ class Machine:
         if self.config.netns:
             argv = ["ip", "netns", "exec", self.config.netns, *argv]
         with (self.directory / "qemu.log").open("ab") as log, orphans.spawned() as track:
-            launched = asyncio.ensure_future(run_to_end(
-                argv, timeout_s=_LAUNCH_TIMEOUT_S, on_start=track, stdout=log, stderr=log, new_session=True,
-            ))  # fmt: skip
             try:
-                code, _, _ = await asyncio.shield(launched)
-            except asyncio.CancelledError:  # let the launcher daemonize and write its pid file: the cleanup kills by it
-                if (await launched)[0] == 0:
-                    self.adopt()
+                code, _, _ = await finished_before_cancel(run_to_end(
+                    argv, timeout_s=_LAUNCH_TIMEOUT_S, on_start=track, stdout=log, stderr=log, new_session=True,
+                ))  # fmt: skip
+            except (
+                asyncio.CancelledError
+            ):  # the launcher has daemonized and written its pid file: the cleanup kills by it
+                self.adopt()
                 raise
         if code != 0:
             detail = (self.directory / "qemu.log").read_text(errors="replace").strip()[-1500:]
