@@ -278,17 +278,35 @@ async def check_failed_create(case: Case) -> None:
 async def check_cancelled_create(case: Case) -> None:
     """A create cancelled at any point (a warm pool's refill as its server stops, a caller gone) leaves nothing once
     the cancellation has gone through, nor a moment later: a runtime or launcher process the cancelled wait left
-    running had started a container with nobody to remove it (an orphan agent holding its overlay)."""
+    running had started a container with nobody to remove it (an orphan agent holding its overlay). A networked
+    sandbox's too (crun: its plug-in, a thread the cancellation does not stop, had attached it after the undo)."""
     if case.kind == "simulated":
         raise Skipped("the simulated backend starts nothing")
-    probe = case.fresh()
-    begun = time.monotonic()
-    await case.backend.create(probe)
-    whole_s = time.monotonic() - begun
-    await case.backend.destroy(probe.sandbox_id)
+    variants: dict[str, Callable[[], SandboxSpec]] = {"no network": case.fresh}
+    if case.kind == "container/crun":  # VMs here have no network fabric; gVisor has loopback only
+        variants["networked"] = lambda: case.fresh(network=())
+    for variant, fresh in variants.items():
+        cancelled = await _cancel_creates(case, fresh)
+        assert len(cancelled) >= len(_CANCEL_POINTS) // 2, f"{variant}: only {len(cancelled)} creates were cut off"
+        for moment in ("at once", f"{_LATE_EFFECTS_S:.0f} s later"):
+            if moment != "at once":
+                await asyncio.sleep(_LATE_EFFECTS_S)
+            found = await _left_by(case, cancelled, networked=variant == "networked")
+            assert not any(found.values()), f"cancelled creates ({variant}) left, {moment}: {found}"
+    await _next_create_works(case)
+
+
+async def _cancel_creates(case: Case, fresh: Callable[[], SandboxSpec]) -> list[str]:
+    """Creates cancelled at points across a whole create's time; the ids of those the cancellation cut off."""
+    for _ in range(2):  # the second one's time: the first may start what later creates find started (a network)
+        probe = fresh()
+        begun = time.monotonic()
+        await case.backend.create(probe)
+        whole_s = time.monotonic() - begun
+        await case.backend.destroy(probe.sandbox_id)
     cancelled: list[str] = []
     for point in _CANCEL_POINTS:
-        spec = case.fresh()
+        spec = fresh()
         task = asyncio.get_running_loop().create_task(case.backend.create(spec))
         await asyncio.sleep(whole_s * point)
         task.cancel()
@@ -298,21 +316,24 @@ async def check_cancelled_create(case: Case) -> None:
             cancelled.append(spec.sandbox_id)
         else:  # it finished before the cancellation reached it
             await case.backend.destroy(spec.sandbox_id)
-    assert len(cancelled) >= len(_CANCEL_POINTS) // 2, f"only {len(cancelled)} creates were cut off: {whole_s=:.3f}"
-    data_dir = case.scratch.parent
-    for moment in ("at once", f"{_LATE_EFFECTS_S:.0f} s later"):
-        if moment != "at once":
-            await asyncio.sleep(_LATE_EFFECTS_S)
-        orphans = set(await case.backend.orphans({case.sandbox_id})) & set(cancelled)
-        files = [str(path) for sandbox_id in cancelled for path in data_dir.rglob(f"*{sandbox_id}*")]
-        left = find_leftovers(data_dir, cancelled, server_pid=os.getpid())
-        found = {
-            "orphans": sorted(orphans), "files": files, "containers": sorted(set(left.containers) & set(cancelled)),
-            "processes": left.processes, "cgroups": left.cgroups,
-            "mounts": [line for line in left.mounts if any(sandbox_id in line for sandbox_id in cancelled)],
-        }  # fmt: skip
-        assert not any(found.values()), f"cancelled creates left, {moment}: {found}"
-    await _next_create_works(case)
+    return cancelled
+
+
+async def _left_by(case: Case, sandbox_ids: list[str], *, networked: bool) -> dict[str, list[str] | list[int]]:
+    """What of these sandboxes is on the host or in the backend's books (``networked``: its network's too)."""
+    data_dir, ids = case.scratch.parent, set(sandbox_ids)
+    left = find_leftovers(data_dir, ids, server_pid=os.getpid())
+    addressed: list[str] = []
+    if networked:
+        fabric = await case.backend.network_fabric()  # type: ignore[attr-defined]  # a container backend's
+        addressed = sorted(sandbox_id for sandbox_id in ids if fabric.address_of(sandbox_id) is not None)
+    return {
+        "orphans": sorted(set(await case.backend.orphans({case.sandbox_id})) & ids),
+        "files": [str(path) for sandbox_id in ids for path in data_dir.rglob(f"*{sandbox_id}*")],
+        "containers": sorted(set(left.containers) & ids), "processes": left.processes, "cgroups": left.cgroups,
+        "mounts": [line for line in left.mounts if any(sandbox_id in line for sandbox_id in ids)],
+        "veths": left.veths, "netns_names": left.netns_names, "addresses": addressed,
+    }  # fmt: skip
 
 
 async def check_destroy(case: Case) -> None:

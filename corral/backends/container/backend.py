@@ -60,6 +60,7 @@ from corral.backends.common.network import (
     HostResolver,
     NetworkFabric,
 )
+from corral.backends.common.spawn import finished_before_cancel
 from corral.backends.container.changes import CHANGED_PATHS_MAX, StepFiles
 from corral.backends.container.gvisor import RUNSC, Gvisor
 from corral.backends.container.isolation import CommandPaths, Container, Isolation, PlainOci
@@ -578,7 +579,9 @@ class ContainerBackend:
 
     async def _plug(self, container: Container, rules: tuple[AllowRule, ...]) -> str:
         fabric = await self.network_fabric()
-        return await asyncio.to_thread(fabric.attach, container.spec.sandbox_id, self._netns(container), rules)
+        return await finished_before_cancel(  # a create's undo detaches what it attached
+            asyncio.to_thread(fabric.attach, container.spec.sandbox_id, self._netns(container), rules)
+        )
 
     async def network_fabric(self) -> NetworkFabric:
         """This edge's sandbox network, started once on first use (concurrent first users wait for that one

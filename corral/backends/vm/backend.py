@@ -54,6 +54,7 @@ from corral.backends.common.agent_protocol import AgentConnection, AgentExit, Ag
 from corral.backends.common.guest_tree import GuestTree
 from corral.backends.common.host import CgroupLayout, orphans, vm_sockets_of
 from corral.backends.common.network import GUEST_LINK_IFNAME, AllowRule, DeniedCounts, NetworkFabric
+from corral.backends.common.spawn import finished_before_cancel
 from corral.backends.vm.accel import choose_accelerator
 from corral.backends.vm.cgroup import VmCgroup
 from corral.backends.vm.guest import GuestKit, ensure_guest_kit
@@ -517,8 +518,9 @@ class VmBackend:
             raise InvalidRequest("this node has no sandbox network for VMs")
         fabric = await self._network_fabric()
         name = namespace_name(spec.sandbox_id)
-        path = await asyncio.to_thread(create_guest_link, name)
-        await asyncio.to_thread(fabric.attach, spec.sandbox_id, path, spec.network or ())
+        # Each step ends before a cancellation goes on: the create's undo removes a namespace it finds on disk.
+        path = await finished_before_cancel(asyncio.to_thread(create_guest_link, name))
+        await finished_before_cancel(asyncio.to_thread(fabric.attach, spec.sandbox_id, path, spec.network or ()))
         return name
 
     async def _unplug(self, sandbox_id: str) -> None:
