@@ -66,6 +66,32 @@ def _worker_groups(items: list[pytest.Item]) -> None:
         item.add_marker(pytest.mark.xdist_group(group))
 
 
+_SANDBOX_CGROUPS = ("*/corral*/sb-*", "corral*/sb-*")  # v1 hierarchies and hybrid v2; pure v2
+_CGROUPS_AT_START = pytest.StashKey[set[str]]()
+
+
+def _sandbox_cgroups() -> set[str]:
+    root = Path("/sys/fs/cgroup")
+    return {str(path) for pattern in _SANDBOX_CGROUPS for path in root.glob(pattern) if path.is_dir()}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):  # the run's own process (xdist's controller), once
+        session.config.stash[_CGROUPS_AT_START] = _sandbox_cgroups()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """After every worker has ended: no sandbox cgroup the run made is left (an ended sandbox's teardown removes
+    what its runtime left, tests/backend_conformance.py's ``destroy``; test runs had left a few a day, empty)."""
+    before = session.config.stash.get(_CGROUPS_AT_START, None)
+    if before is None:
+        return
+    left = sorted(_sandbox_cgroups() - before)
+    if left:
+        print(f"\nthe tests left {len(left)} sandbox cgroup(s) on the host: {left[:12]}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def _user_files() -> dict[str, tuple[int, int]]:
     """(mtime, size) of every file that is the user's, not the tests': the client config that a plain `corral
     serve` writes (under $HOME and under the account's home, which servers started without HOME use), the

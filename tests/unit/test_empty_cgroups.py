@@ -50,17 +50,31 @@ def test_a_containers_left_cgroups_go_and_one_in_use_stays(parent: str) -> None:
     try:
         (holder / parent.lstrip("/") / "busy" / "cgroup.procs").write_text(str(sleeper.pid))
         remove_empty_cgroups(f"{parent}/idle")
-        remove_empty_cgroups(f"{parent}/busy")
+        begun = time.monotonic()
+        remove_empty_cgroups(f"{parent}/busy", settle_s=0.3)
+        assert 0.3 <= time.monotonic() - begun < 5  # waited for it, then left it
         assert _present(f"{parent}/idle") == []
         assert _present(f"{parent}/busy") == [holder]
         remove_empty_cgroups(f"{parent}/gone")  # nothing there: no error
     finally:
         sleeper.kill()
         sleeper.wait()
-    # the process reaped, its cgroup is empty and goes too (the kernel may take a moment to let its task go)
-    for _ in range(50):
-        remove_empty_cgroups(f"{parent}/busy")
-        if not _present(f"{parent}/busy"):
-            break
-        time.sleep(0.02)
-    assert _present(f"{parent}/busy") == []
+
+
+def test_a_cgroup_whose_processes_are_still_exiting_goes_once_they_have(parent: str) -> None:
+    """As after a runtime's delete that gave up while the processes it killed were still on their way out."""
+    hierarchies = _cgroup_mounts()[0]
+    for root in hierarchies:
+        (root / parent.lstrip("/") / "busy").mkdir()
+    holder = hierarchies[0]
+    leaving = subprocess.Popen(["sleep", "0.5"])
+    try:
+        (holder / parent.lstrip("/") / "busy" / "cgroup.procs").write_text(str(leaving.pid))
+        begun = time.monotonic()
+        remove_empty_cgroups(f"{parent}/busy", settle_s=10)
+        waited_s = time.monotonic() - begun
+        assert _present(f"{parent}/busy") == []
+        assert 0.2 < waited_s < 5, waited_s  # it waited for the process's exit, not its whole settle time
+    finally:
+        leaving.kill()
+        leaving.wait()
