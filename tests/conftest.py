@@ -75,9 +75,17 @@ def _sandbox_cgroups() -> set[str]:
     return {str(path) for pattern in _SANDBOX_CGROUPS for path in root.glob(pattern) if path.is_dir()}
 
 
+_OUTER_RUN_ENV = "CORRAL_TEST_OUTER_RUN"  # set by the outermost run: a pytest a test starts checks nothing
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist starts its workers, which inherit the environment
 def pytest_sessionstart(session: pytest.Session) -> None:
-    if not hasattr(session.config, "workerinput"):  # the run's own process (xdist's controller), once
-        session.config.stash[_CGROUPS_AT_START] = _sandbox_cgroups()
+    """Only the outermost run (xdist's controller, not its workers, nor a pytest that a test runs: their own
+    sessions end while the outer run's other tests still have sandboxes) notes the cgroups there were before it."""
+    if hasattr(session.config, "workerinput") or os.environ.get(_OUTER_RUN_ENV):
+        return
+    os.environ[_OUTER_RUN_ENV] = str(os.getpid())
+    session.config.stash[_CGROUPS_AT_START] = _sandbox_cgroups()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
