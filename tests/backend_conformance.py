@@ -48,6 +48,9 @@ _HOUSEKEEPING_INTERVAL_S = 0.5
 _PROCESSES = "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done"  # every command line; no ps needed
 _EROFS_MAGIC = bytes.fromhex("e2e1f5e0")  # at byte 1024 of an EROFS image (little-endian 0xE0F5E1E2)
 _CANCEL_POINTS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9)  # of a whole create's time
+_PAUSES = 100
+_COUNTING = "i=0; while true; do i=$((i+1)); echo $i > /tmp/c; mv /tmp/c /tmp/count; done"
+_PAUSED_LOOK_S = 0.02  # how long a paused sandbox is watched for progress
 _LATE_EFFECTS_S = 1.0  # how long after the cancellations something left running could still appear
 
 
@@ -167,6 +170,52 @@ async def check_pause_resume(case: Case) -> None:
     assert reclaim.before_bytes >= 0 and reclaim.after_bytes >= 0
     await case.backend.resume(case.sandbox_id)
     assert (await case.run(case.sandbox_id, "echo awake"))[1] == "awake\n"
+
+
+async def check_paused_means_stopped(case: Case) -> None:
+    """Once pause returns, the kernel says the sandbox is frozen and nothing in it runs, even loops that fork all
+    the time: crun's pause returned while the v1 freezer still said FREEZING (92 of 300 pauses of such a loop on a
+    loaded host, for up to 47 ms), and a lifecycle test saw a paused sandbox's loop run on. Read from the host while
+    paused: crun only."""
+    if case.kind != "container/crun":
+        raise Skipped("reads a paused sandbox's cgroup and files from the host: crun sandboxes only")
+    spec = case.fresh()
+    await case.backend.create(spec)
+    loop = (
+        "while true; do /bin/true; done & i=0; while true; do i=$((i+1)); echo $i > /tmp/c; mv /tmp/c /tmp/count; done"
+    )
+    events = case.backend.run(spec.sandbox_id, CommandSpec(["/bin/sh", "-c", loop], {"PATH": "/bin"}, "/", "root",
+                                                           600.0, 1024, None)).events()  # fmt: skip
+    try:
+        assert isinstance(await anext(events), CommandStarted)
+        await asyncio.sleep(0.2)
+
+        async def count() -> bytes:
+            return await case.files(spec.sandbox_id, lambda tree: tree.read("/tmp/count", max_bytes=32))
+
+        unfrozen, moved = [], []
+        for attempt in range(_PAUSES):
+            await case.backend.pause(spec.sandbox_id)
+            if not _frozen(spec.sandbox_id):
+                unfrozen.append(attempt)
+            first = await count()
+            await asyncio.sleep(_PAUSED_LOOK_S)
+            if await count() != first:
+                moved.append(attempt)
+            await case.backend.resume(spec.sandbox_id)
+            await asyncio.sleep(0.005)
+        assert not unfrozen and not moved, f"of {_PAUSES} pauses, not frozen at return: {unfrozen}; ran on: {moved}"
+    finally:
+        await events.aclose()
+        await case.backend.destroy(spec.sandbox_id)
+
+
+def _frozen(sandbox_id: str) -> bool:
+    """What the kernel says of a crun sandbox's freezer: v1's freezer.state, or v2's cgroup.events."""
+    v1 = Path(f"/sys/fs/cgroup/freezer/corral/{sandbox_id}/freezer.state")
+    if v1.exists():
+        return v1.read_text().strip() == "FROZEN"
+    return "frozen 1" in Path(f"/sys/fs/cgroup/corral/{sandbox_id}/cgroup.events").read_text()
 
 
 async def check_stats(case: Case) -> None:
@@ -354,7 +403,8 @@ async def check_destroy(case: Case) -> None:
 CHECKS: dict[str, Callable[[Case], Awaitable[None]]] = {
     check.__name__.removeprefix("check_"): check
     for check in (
-        check_offers, check_exec, check_terminal, check_files, check_pause_resume, check_stats, check_changed_paths,
+        check_offers, check_exec, check_terminal, check_files, check_pause_resume, check_paused_means_stopped,
+        check_stats, check_changed_paths,
         check_snapshot, check_fork, check_recycle, check_failed_create, check_cancelled_create, check_destroy,
     )
 }  # fmt: skip
