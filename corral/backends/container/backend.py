@@ -443,7 +443,11 @@ class ContainerBackend:
                 await runtime.resume(spec.sandbox_id)
             agent = await isolation.reattach(runtime, spec)
             if paused:
-                await self._freeze(runtime, spec)
+                try:
+                    await self._freeze(runtime, spec)
+                except Conflict as exc:  # kept, running (it was thawed for the agent): a later pause may take
+                    log.warning("sandbox %s adopted running, not paused: %s", spec.sandbox_id, exc)
+                    paused = False
         except Exception:
             log.exception("could not re-attach to sandbox %s", spec.sandbox_id)
             self.release_layers(spec)
@@ -763,7 +767,10 @@ class ContainerBackend:
         ask, asked_for = ("cgroup.freeze", "1") if v2 else ("freezer.state", "FROZEN")
         deadline, delay = time.monotonic() + _FREEZE_TIMEOUT_S, _FREEZE_POLL_FIRST_S
         while True:
-            reported = state.read_text()
+            try:
+                reported = state.read_text()
+            except FileNotFoundError:
+                raise SandboxGone(f"sandbox {spec.sandbox_id} ended while it was being paused") from None
             if ("frozen 1" in reported.split("\n")) if v2 else reported.strip() == "FROZEN":
                 return
             if time.monotonic() > deadline:

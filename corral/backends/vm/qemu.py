@@ -214,10 +214,8 @@ class Machine:
                 code, _, _ = await finished_before_cancel(run_to_end(
                     argv, timeout_s=_LAUNCH_TIMEOUT_S, on_start=track, stdout=log, stderr=log, new_session=True,
                 ))  # fmt: skip
-            except (
-                asyncio.CancelledError
-            ):  # the launcher has daemonized and written its pid file: the cleanup kills by it
-                self.adopt()
+            except asyncio.CancelledError:
+                self.adopt()  # the launcher has daemonized and written its pid file: the cleanup kills by it
                 raise
         if code != 0:
             detail = (self.directory / "qemu.log").read_text(errors="replace").strip()[-1500:]
