@@ -181,9 +181,7 @@ async def check_paused_means_stopped(case: Case) -> None:
         raise Skipped("reads a paused sandbox's cgroup and files from the host: crun sandboxes only")
     spec = case.fresh()
     await case.backend.create(spec)
-    loop = (
-        "while true; do /bin/true; done & i=0; while true; do i=$((i+1)); echo $i > /tmp/c; mv /tmp/c /tmp/count; done"
-    )
+    loop = "while true; do /bin/true; done & " + _COUNTING  # a process started all the time beside the counting
     events = case.backend.run(spec.sandbox_id, CommandSpec(["/bin/sh", "-c", loop], {"PATH": "/bin"}, "/", "root",
                                                            600.0, 1024, None)).events()  # fmt: skip
     try:
