@@ -9,6 +9,7 @@ import socket
 import stat
 import struct
 import subprocess
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
@@ -407,6 +408,17 @@ async def test_an_agent_that_hangs_up_fails_the_running_commands() -> None:
     finally:
         agent.close()
         peer_end.close()
+
+
+async def test_a_peer_gone_before_its_greeting_is_not_called_a_timeout() -> None:
+    """A sandbox that stopped before its agent said hello (a VM killed while it booted) is said so at once."""
+    edge_end, peer_end = socket.socketpair()
+    agent = AgentConnection(edge_end)
+    peer_end.close()
+    begun = time.monotonic()
+    with pytest.raises(ServerUnavailable, match="closed its connection before its hello"):
+        await agent.start(hello_timeout_s=30)
+    assert time.monotonic() - begun < 5 and agent.closed.is_set()
 
 
 async def test_no_greeting_is_a_clear_error(tmp_path: Path) -> None:

@@ -250,9 +250,14 @@ class AgentConnection:
             self._transport.write(_HEADER.pack(5, T_PING, 0))
         try:
             kind, _job_id, payload = await asyncio.wait_for(self._greeting, hello_timeout_s)
-        except (TimeoutError, ConnectionError) as exc:
+        except TimeoutError as exc:
             self.close()
             raise ServerUnavailable(f"sandbox agent did not start within {hello_timeout_s:.0f}s") from exc
+        except ConnectionError as exc:  # not a timeout: said as one, a stopped sandbox read as a slow start
+            self.close()
+            raise ServerUnavailable(
+                "sandbox agent closed its connection before its hello (the sandbox stopped?)"
+            ) from exc
         if ping and kind == T_PONG:
             return
         if kind != T_HELLO or len(payload) < 8:

@@ -254,7 +254,8 @@ def enter_private_mount_namespace(layout: CgroupLayout) -> None:
 def remove_empty_cgroups(cgroup_path: str, *, settle_s: float = _CGROUP_SETTLE_S) -> None:
     """What a runtime left of a container's cgroups after its delete. On a hybrid host, crun's directory in the tmpfs
     over the v2 mount (see ``enter_private_mount_namespace``), its pid in a ``cgroup.procs`` file: a page of the
-    tmpfs each, never removed, so a server filled its 64 MB after about 16,000 creates and none started after. And
+    tmpfs each, never removed, so a server would fill its 64 MB after about 16,000 creates (64 MB / 4 KiB; a 40 KiB
+    tmpfs filled after 10) and start none after. And
     v1 cgroups crun left: a ``crun run`` that failed after making them (a full tmpfs) leaves them empty, and test
     runs left a sandbox's (all 9, empty) after a kill now and then, likeliest (not reproduced) a delete that gave up
     while the processes it killed were still exiting. A cgroup still busy is waited for up to ``settle_s``, then

@@ -754,10 +754,10 @@ class ContainerBackend:
 
     async def _freeze(self, runtime: OciRuntime, spec: SandboxSpec) -> None:
         """Pause, and return once the kernel says the sandbox is frozen. crun's pause returns while the v1 freezer
-        may still say FREEZING, some tasks not caught yet (92 of 300 pauses of a forking loop on a loaded host, for
-        up to 47 ms): the sandbox ran on meanwhile, and a snapshot then packed a layer still being written. FROZEN
-        is asked for again meanwhile (the v1 freezer then tries the tasks it missed); a sandbox that does not freeze
-        within ``_FREEZE_TIMEOUT_S`` is thawed and the pause refused."""
+        may still say FREEZING, some tasks not caught yet (by hand: 92 of 300 pauses of a forking loop on a loaded
+        host, for up to 47 ms): the sandbox ran on meanwhile, and a snapshot then packed a layer still being
+        written. FROZEN is asked for again meanwhile (the v1 freezer then tries the tasks it missed); a sandbox that
+        does not freeze within ``_FREEZE_TIMEOUT_S`` is thawed and the pause refused."""
         await runtime.pause(spec.sandbox_id)
         if runtime.gvisor:  # gVisor stops its own kernel
             return

@@ -403,7 +403,7 @@ class VmBackend:
         try:
             done, _ = await asyncio.wait({greeting, exited}, timeout=max(0.1, deadline - time.monotonic()),
                                          return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
-        except BaseException:  # a cancelled create: its greeting would wait out the whole timeout for nobody
+        except BaseException:  # a cancelled create: its greeting would fail unread once the cleanup kills QEMU
             _give_up(greeting, agent)
             raise
         finally:
