@@ -55,6 +55,7 @@ from sqlalchemy.engine import Connection, Engine, RowMapping
 from sqlalchemy.exc import IntegrityError
 
 from corral.api.errors import Conflict, InvalidRequest, NotFound
+from corral.state.driver import DriverStatement
 
 __all__ = [
     "DEFAULT_LOG_OUTPUT_CAP_BYTES",
@@ -118,7 +119,7 @@ _THE_STEP = (
     trajectory_steps.c.step_id == bindparam("b_step"),
 )
 _STATE_OF = select(trajectory_steps.c.state).where(*_THE_STEP)
-# The columns set are the parameters' other keys (state, result, result_truncated, output_cap_bytes, ...).
+_FINISHED_COLUMNS = ["state", "result", "result_truncated", "output_cap_bytes", "finished_at", "files"]
 _FINISH = update(trajectory_steps).where(*_THE_STEP, trajectory_steps.c.state == StepState.STARTED)
 
 
@@ -241,6 +242,12 @@ class TrajectoryLog:
             engine.execution_options(isolation_level="AUTOCOMMIT") if engine.dialect.name == "postgresql" else None
         )
         self._output_cap_bytes = output_cap_bytes
+        # A step's begin and finish run on the driver's cursor: on every step's path (corral/state/driver.py).
+        self._begin_sql = DriverStatement(
+            _begin_statement(engine.dialect.name), engine.dialect, json_params=["b_request"]
+        )
+        self._finish_sql = DriverStatement(_FINISH, engine.dialect, json_params=["result", "files"],
+                                       column_keys=_FINISHED_COLUMNS)  # fmt: skip
         self._joined = threading.local()  # .conn: the transaction this thread's writes join (``together``)
         trajectory_metadata.create_all(engine)
 
@@ -274,14 +281,13 @@ class TrajectoryLog:
         _check_id("step id", step_id, _MAX_STEP_ID)
         _check_id("step kind", kind, _MAX_KIND)
         digest = request_digest(request)
-        statement = _begin_statement(self._engine.dialect.name)
         for _ in range(_SEQ_RETRIES):
             started_at = time.time()
             params = {"b_sandbox": sandbox_id, "b_step": step_id, "b_kind": kind, "b_request": request,
                       "b_digest": digest, "b_cap": self._output_cap_bytes, "b_started": started_at}  # fmt: skip
             try:
                 with self._one_statement() as conn:
-                    seq = conn.execute(statement, params).scalar()
+                    seq = self._begin_sql.run(conn, params)[1]
                     logged = _logged_step(conn, sandbox_id, step_id) if seq is None else None
             except IntegrityError:
                 continue  # another writer took this seq: look again
@@ -445,7 +451,7 @@ class TrajectoryLog:
         values = {"state": StepState.DONE, "result": result, "result_truncated": truncated,
                   "output_cap_bytes": self._output_cap_bytes, "finished_at": finished_at, "files": files}  # fmt: skip
         with self._one_statement() as conn:
-            if conn.execute(_FINISH, {**which, **values}).rowcount == 1:
+            if self._finish_sql.run(conn, {**which, **values})[0] == 1:
                 return dataclasses.replace(
                     step,
                     state=StepState.DONE,

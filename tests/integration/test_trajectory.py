@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import signal
+import subprocess
 import tarfile
+from pathlib import Path
 
 import pytest
 
@@ -92,6 +95,62 @@ def test_a_second_deletion_names_only_itself(client: corral.Client) -> None:
         steps = {step.step_id: step for step in sandbox.trajectory()}
         assert steps["first"].files == ["/bin/vi"]
         assert steps["second"].files == ["/bin/ls", "/tmp/new"]
+
+
+# Maps a file shared and writable, closes it (so no close after a write sends an event), says so in a file, then
+# writes through the mapping at each SIGUSR1 and says that too: a process a step leaves running.
+_MAPPER = r"""
+#include <fcntl.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+static volatile sig_atomic_t asked;
+static void ask(int signo) { (void)signo; asked = 1; }
+static void say(const char *path) { int fd = open(path, O_WRONLY | O_CREAT, 0644); if (fd >= 0) close(fd); }
+int main(int argc, char **argv) {
+    if (argc != 4) return 2;
+    int fd = open(argv[1], O_RDWR);
+    char *mapped = fd < 0 ? MAP_FAILED : mmap(0, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (mapped == MAP_FAILED) return 1;
+    close(fd);
+    signal(SIGUSR1, ask);
+    say(argv[2]);
+    for (;;) {
+        pause();
+        if (asked) { asked = 0; memcpy(mapped, "after", 5); say(argv[3]); }
+    }
+}
+"""
+
+
+def test_a_write_through_a_shared_mapping_by_a_process_left_running_is_in_the_steps_files(
+    client: corral.Client, tmp_path: Path
+) -> None:
+    """A write through a mapping sends the change journal no event: the files the sandbox's processes map shared and
+    writable are the step's candidates. Such a process is one an earlier command left running; the agent itself,
+    alone after most steps, is not read (it maps no file)."""
+    source = tmp_path / "mapper.c"
+    source.write_text(_MAPPER)
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    assert compiler is not None, "the agent's build needs one too (scripts/setup.sh installs gcc)"
+    subprocess.run([compiler, "-O2", "-static", "-o", str(tmp_path / "mapper"), str(source)], check=True)
+    with client.create("busybox") as sandbox:
+        sandbox.files.write("/work/mapper", (tmp_path / "mapper").read_bytes(), mode=0o755)
+        sandbox.files.write("/work/mapped", b"before".ljust(4096, b"\0"))
+        started = sandbox.exec(
+            "/work/mapper /work/mapped /dev/shm/ready /dev/shm/written >/dev/null 2>&1 & echo $! > /dev/shm/pid;"
+            " while [ ! -e /dev/shm/ready ]; do sleep 0.01; done"
+        )
+        assert started.exit_code == 0, started.stderr
+        wrote = sandbox.exec("kill -USR1 $(cat /dev/shm/pid); while [ ! -e /dev/shm/written ]; do sleep 0.01; done;"
+                             " head -c 5 /work/mapped", step_id="through-the-mapping")  # fmt: skip
+        assert wrote.stdout == "after", wrote
+        alone = sandbox.exec("kill $(cat /dev/shm/pid); echo x > /work/other", step_id="after-it-ended")
+        assert alone.exit_code == 0, alone.stderr
+        steps = {step.step_id: step for step in sandbox.trajectory()}
+        assert steps["through-the-mapping"].files == ["/work/mapped"]
+        assert steps["after-it-ended"].files == ["/work/other"]
 
 
 def test_failed_step_replays_its_error(client: corral.Client) -> None:

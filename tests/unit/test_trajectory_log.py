@@ -1,4 +1,5 @@
-"""The trajectory log on a real SQLite file: append, replay, divergence, crash recovery, concurrency."""
+"""The trajectory log on a real SQLite file and a real PostgreSQL: append, replay, divergence, crash recovery,
+concurrency."""
 
 from __future__ import annotations
 
@@ -10,12 +11,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, delete
 from sqlalchemy.engine import Engine
 
 from corral.sdk import Conflict, InvalidRequest, NotFound, error_from_response
 from corral.state.db import StateStore
-from corral.trajectory import LOG_CAP_KEY, Replay, Step, TrajectoryLog, request_digest, trajectory_steps
+from corral.trajectory import (
+    LOG_CAP_KEY,
+    Replay,
+    Step,
+    TrajectoryLog,
+    request_digest,
+    trajectory_metadata,
+    trajectory_steps,
+)
 from corral.trajectory import log as log_module
 
 SANDBOX = "sb-1"
@@ -34,13 +43,22 @@ def db_path(tmp_path: Path) -> Path:
     return tmp_path / "state.db"
 
 
-@pytest.fixture(params=["create_engine", "state_store"])
+@pytest.fixture(params=["create_engine", "state_store", "postgresql"])
 def open_engine(request: pytest.FixtureRequest, db_path: Path) -> Iterator[Callable[[], Engine]]:
-    """Opens engines over one file: plain SQLAlchemy, or the state store's (WAL, busy timeout)."""
+    """Opens engines over one database: a SQLite file through plain SQLAlchemy or the state store's engine (WAL,
+    busy timeout), or the session's PostgreSQL through the state store's (its log emptied first)."""
     opened: list[Engine] = []
+    if request.param == "postgresql":
+        url = request.getfixturevalue("postgres_url")
+        engine = StateStore(url).engine
+        trajectory_metadata.create_all(engine)
+        with engine.begin() as conn:
+            conn.execute(delete(trajectory_steps))
+        engine.dispose()
+    else:
+        url = f"sqlite:///{db_path}"
 
     def open_() -> Engine:
-        url = f"sqlite:///{db_path}"
         engine = create_engine(url) if request.param == "create_engine" else StateStore(url).engine
         opened.append(engine)
         return engine
@@ -319,6 +337,8 @@ def test_an_appends_seq_lookup_costs_the_same_however_long_the_trajectory(log: T
     """The last seq of each sandbox in a batch is one index seek each, not a read of every step it has: counted
     in SQLite's own virtual-machine instructions (its progress handler), the lookup for a sandbox with 2,000
     steps runs as many as for one with 10 (141 here; the GROUP BY it replaces ran 22,032)."""
+    if log._engine.dialect.name != "sqlite":
+        pytest.skip("counted in SQLite's virtual-machine instructions")
     for sandbox_id, count in (("sb-short", 10), ("sb-long", 2_000)):
         log.append_many([(sandbox_id, f"s{i}", "exec", exec_request("true"), exec_result()) for i in range(count)])
 

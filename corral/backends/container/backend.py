@@ -579,7 +579,8 @@ class ContainerBackend:
         strictly older than the returned time (at most one tick, a few ms)."""
         # In the run dir: never in the writable layer's subvolume, whose quota a full sandbox has used up. The
         # clock is the kernel's for every filesystem (multigrain timestamps keep coarse ones after fine ones).
-        return await self._step_files.clock(sandbox_id, self.runtime_dir(sandbox_id) / "clock", self.upper(sandbox_id))
+        paths = self._command_paths(self.container(sandbox_id))
+        return await self._step_files.clock(sandbox_id, paths.clock, paths.upper)
 
     def _netns(self, container: Container) -> str:
         return f"/proc/{container.init_pid}/ns/net"
@@ -670,6 +671,7 @@ class ContainerBackend:
                 self.upper(sandbox_id),
                 str(self._cgroup_file(sandbox_id, "pids", "pids.events")),
                 str(self._cgroup_file(sandbox_id, "pids", "pids.current")),
+                self.runtime_dir(sandbox_id) / "clock",
             )
         return container.command_paths
 
@@ -713,9 +715,20 @@ class ContainerBackend:
     async def changed_paths(self, sandbox_id: str, since: float) -> ChangedPaths:
         """Paths in the sandbox's writable layer changed (written, created or deleted) at or after ``since``."""
         container = self.container(sandbox_id)
-        # gVisor's sentry writes a mapping back through its gofer (events): its processes are not the sandbox's.
-        pids = container.memory.pids if container.spec.runtime != RUNSC else list
-        return await self._step_files.changed(sandbox_id, self.upper(sandbox_id), since, pids)
+        paths = self._command_paths(container)
+
+        def processes() -> list[int]:
+            """The sandbox's processes but its agent, none read while the agent is alone (pids.current 1: a step
+            that left nothing running), which maps no file at all (agent.c) and is not dumpable, so nothing in
+            the sandbox can ptrace it into mapping one: its maps were a read of /proc on every step."""
+            if container.spec.runtime == RUNSC:  # the sentry writes a mapping back through its gofer (events)
+                return []
+            with contextlib.suppress(OSError, ValueError):  # unreadable: the sandbox is ending, its cgroup going
+                if _read_int(paths.pids_current) <= 1:
+                    return []
+            return [pid for pid in container.memory.pids() if pid != container.init_pid]
+
+        return await self._step_files.changed(sandbox_id, paths.upper, since, processes)
 
     async def shutdown(self, sandbox_id: str, timeout_s: float) -> bool:
         """SIGTERM to every process (the agents ignore it), then wait until only agents are left."""
