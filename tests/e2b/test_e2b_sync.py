@@ -260,12 +260,17 @@ def test_watch_dir_reports_changes(sbx: Sandbox) -> None:
 
 
 def test_metrics(sbx: Sandbox) -> None:
+    (idle,) = sbx.get_metrics()
     spinner = sbx.commands.run("while :; do :; done", background=True)
-    try:
-        (sample,) = sbx.get_metrics()
+    try:  # a sample is 0.2 s of the sandbox's CPU: on a host busy with the test run the spinner may get little of
+        samples = [sbx.get_metrics()[0]]  # one (15% of a core, once), so a few are taken until one shows it
+        while samples[-1].cpu_used_pct <= 20 and len(samples) < 10:
+            samples.append(sbx.get_metrics()[0])
     finally:
         spinner.kill()
-    assert sample.cpu_count == 1 and sample.cpu_used_pct > 20
+    sample = max(samples, key=lambda each: each.cpu_used_pct)
+    assert sample.cpu_count == 1 and sample.cpu_used_pct > 20, samples
+    assert idle.cpu_used_pct < sample.cpu_used_pct
     assert sample.mem_total == 512 << 20 and 0 < sample.mem_used < sample.mem_total
     used_kb, total_kb = map(int, sbx.commands.run("df -kP / | awk 'NR == 2 {print $3, $2}'").stdout.split())
     assert abs(sample.disk_used - used_kb * 1024) < 64 << 20 and sample.disk_total == total_kb * 1024  # in bytes,
