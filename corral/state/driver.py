@@ -12,7 +12,8 @@ invalidated), and its cursor events fire for listeners (tests count statements b
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy.engine import Connection, Dialect
@@ -22,7 +23,7 @@ from sqlalchemy.sql.elements import ClauseElement
 
 from corral.state import json_text
 
-__all__ = ["DriverStatement"]
+__all__ = ["DriverStatement", "Sent", "pipeline"]
 
 
 class DriverStatement:
@@ -66,27 +67,23 @@ class DriverStatement:
     def run(self, conn: Connection, values: Mapping[str, Any]) -> tuple[int, Any]:
         """Execute on ``conn`` (in whatever transaction it is in): the rows it changed, and the first column of its
         first row (a RETURNING's) or None."""
+        return self.send(conn, values).receive()
+
+    def send(self, conn: Connection, values: Mapping[str, Any]) -> Sent:
+        """Execute on ``conn`` without reading the answer: in a ``pipeline`` the statement goes without waiting for
+        it, and ``receive`` reads it once the pipeline has ended; elsewhere it has run when this returns."""
         parameters = self.parameters(values)
-        dialect = conn.dialect
         dbapi_connection = conn.connection.dbapi_connection
         assert dbapi_connection is not None  # a Connection's own is there until it is closed or invalidated
         cursor = dbapi_connection.cursor()
         try:
             sql, parameters = self._before(conn, cursor, parameters)
-            try:
+            with _translated(conn, cursor, sql, parameters):
                 cursor.execute(sql, parameters)
-                row = cursor.fetchone() if cursor.description else None
-            except dialect.loaded_dbapi.Error as exc:
-                lost = dialect.is_disconnect(exc, dbapi_connection, cursor)
-                if lost:
-                    conn.invalidate(exc)
-                raise DBAPIError.instance(
-                    sql, parameters, exc, dialect.loaded_dbapi.Error, connection_invalidated=lost, dialect=dialect
-                ) from exc
-            self._after(conn, cursor, sql, parameters)
-            return cursor.rowcount, row[0] if row else None
-        finally:
+        except BaseException:
             cursor.close()
+            raise
+        return Sent(self, conn, cursor, sql, parameters)
 
     def _before(self, conn: Connection, cursor: Any, parameters: Any) -> tuple[str, Any]:  # noqa: ANN401 - driver's
         sql = self.sql
@@ -98,3 +95,57 @@ class DriverStatement:
     def _after(self, conn: Connection, cursor: Any, sql: str, parameters: Any) -> None:  # noqa: ANN401 - driver's
         if conn._has_events or conn.engine._has_events:
             conn.dispatch.after_cursor_execute(conn, cursor, sql, parameters, None, False)
+
+
+class Sent:
+    """A statement sent by ``DriverStatement.send``, its answer not read yet."""
+
+    def __init__(self, statement: DriverStatement, conn: Connection, cursor: Any, sql: str, parameters: Any) -> None:  # noqa: ANN401
+        self._statement = statement
+        self._conn = conn
+        self._cursor = cursor
+        self._sql = sql
+        self._parameters = parameters
+
+    def receive(self) -> tuple[int, Any]:
+        """The rows it changed, and the first column of its first row (a RETURNING's) or None."""
+        cursor = self._cursor
+        try:
+            with _translated(self._conn, cursor, self._sql, self._parameters):
+                row = cursor.fetchone() if cursor.description else None
+            self._statement._after(self._conn, cursor, self._sql, self._parameters)
+            return cursor.rowcount, row[0] if row else None
+        finally:
+            cursor.close()
+
+
+@contextmanager
+def pipeline(conn: Connection) -> Iterator[None]:
+    """The driver's pipeline mode on ``conn`` where it has one (psycopg, PostgreSQL): statements sent in the block go
+    one after another without waiting for each answer, and leaving the block waits for them all (a statement's
+    error is raised there, translated). Eight of a step's begins in one transaction, by hand: 0.66-0.71 ms against
+    1.39-1.58 ms one at a time, 0.42-0.46 ms of CPU against 0.68-0.76. Elsewhere (SQLite) each statement runs as it
+    is sent."""
+    dbapi_connection = conn.connection.dbapi_connection
+    start = getattr(dbapi_connection, "pipeline", None)
+    if start is None:
+        yield
+        return
+    with _translated(conn, None, "(the statements of a pipeline)", None), start():
+        yield
+
+
+@contextmanager
+def _translated(conn: Connection, cursor: Any, sql: str, parameters: Any) -> Iterator[None]:  # noqa: ANN401
+    """The driver's errors as SQLAlchemy raises them (``IntegrityError`` and the rest); a lost connection invalidated,
+    so the pool never hands it out again."""
+    dialect = conn.dialect
+    try:
+        yield
+    except dialect.loaded_dbapi.Error as exc:
+        lost = dialect.is_disconnect(exc, conn.connection.dbapi_connection, cursor)
+        if lost:
+            conn.invalidate(exc)
+        raise DBAPIError.instance(
+            sql, parameters, exc, dialect.loaded_dbapi.Error, connection_invalidated=lost, dialect=dialect
+        ) from exc

@@ -25,7 +25,7 @@ import json
 import posixpath
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +55,7 @@ from sqlalchemy.engine import Connection, Engine, RowMapping
 from sqlalchemy.exc import IntegrityError
 
 from corral.api.errors import Conflict, InvalidRequest, NotFound
+from corral.state import driver
 from corral.state.driver import DriverStatement
 
 __all__ = [
@@ -269,6 +270,26 @@ class TrajectoryLog:
             finally:
                 self._joined.conn = None
 
+    @property
+    def pipelines(self) -> bool:
+        """Whether ``pipeline`` sends its statements without waiting for each answer (PostgreSQL)."""
+        return self._engine.dialect.name == "postgresql"
+
+    @contextmanager
+    def pipeline(self) -> Iterator[None]:
+        """Inside ``together``: the ``*_sent`` writes made in the block go to the database one after another without
+        waiting for each answer (psycopg's pipeline mode, corral/state/driver.py), and leaving the block waits for
+        them all; their answers are read after it. A database error is raised as the block ends. On SQLite each
+        statement runs as it is sent."""
+        with driver.pipeline(self._joined_connection()):
+            yield
+
+    def _joined_connection(self) -> Connection:
+        conn: Connection | None = getattr(self._joined, "conn", None)
+        if conn is None:
+            raise RuntimeError("a write sent ahead of its answer is made inside the trajectory log's together()")
+        return conn
+
     def begin(self, sandbox_id: str, step_id: str, kind: str, request: dict[str, Any]) -> Step | Replay:
         """Append a ``started`` step with the sandbox's next seq, or resolve a step id already logged.
 
@@ -277,14 +298,9 @@ class TrajectoryLog:
         ``Conflict`` saying it diverges. Of several concurrent begin() calls with one new
         step id exactly one gets the ``Step``.
         """
-        _check_id("sandbox id", sandbox_id, _MAX_SANDBOX_ID)
-        _check_id("step id", step_id, _MAX_STEP_ID)
-        _check_id("step kind", kind, _MAX_KIND)
-        digest = request_digest(request)
+        digest = _checked_digest(sandbox_id, step_id, kind, request)
         for _ in range(_SEQ_RETRIES):
-            started_at = time.time()
-            params = {"b_sandbox": sandbox_id, "b_step": step_id, "b_kind": kind, "b_request": request,
-                      "b_digest": digest, "b_cap": self._output_cap_bytes, "b_started": started_at}  # fmt: skip
+            params = self._begin_params(sandbox_id, step_id, kind, request, digest)
             try:
                 with self._one_statement() as conn:
                     seq = self._begin_sql.run(conn, params)[1]
@@ -292,16 +308,40 @@ class TrajectoryLog:
             except IntegrityError:
                 continue  # another writer took this seq: look again
             if seq is not None:
-                return Step(
-                    sandbox_id=sandbox_id, seq=seq, step_id=step_id, kind=kind, request=request,
-                    request_digest=digest, state=StepState.STARTED, result=None, result_truncated=False,
-                    started_at=started_at, finished_at=None, files=None,
-                )  # fmt: skip
+                return _started(params, seq, request)
             if logged is not None:
                 return _resolve(logged, kind, request, digest)
         raise Conflict(
             f"too many concurrent steps for sandbox {sandbox_id}: step {step_id!r} could not be appended; retry it"
         )
+
+    def begin_sent(
+        self, sandbox_id: str, step_id: str, kind: str, request: dict[str, Any]
+    ) -> Callable[[], Step | Replay]:
+        """``begin``'s statement sent in a ``together`` block's ``pipeline``; what it returns reads the answer once
+        the pipeline has ended. A seq another writer took meanwhile is the block's database error (its transaction
+        is then broken): the gateway makes its writes again one at a time (gateway/operations.py)."""
+        conn = self._joined_connection()
+        digest = _checked_digest(sandbox_id, step_id, kind, request)
+        params = self._begin_params(sandbox_id, step_id, kind, request, digest)
+        sent = self._begin_sql.send(conn, params)
+
+        def answer() -> Step | Replay:
+            seq = sent.receive()[1]
+            if seq is not None:
+                return _started(params, seq, request)
+            logged = _logged_step(conn, sandbox_id, step_id)
+            if logged is None:  # logged, then deleted since: as begin would, once more
+                return self.begin(sandbox_id, step_id, kind, request)
+            return _resolve(logged, kind, request, digest)
+
+        return answer
+
+    def _begin_params(
+        self, sandbox_id: str, step_id: str, kind: str, request: dict[str, Any], digest: str
+    ) -> dict[str, Any]:
+        return {"b_sandbox": sandbox_id, "b_step": step_id, "b_kind": kind, "b_request": request, "b_digest": digest,
+                "b_cap": self._output_cap_bytes, "b_started": time.time()}  # fmt: skip
 
     def append(self, sandbox_id: str, step_id: str, kind: str, request: dict[str, Any], result: dict[str, Any]) -> Step:
         """Log a finished step in one transaction (steps without a client id: nothing to match a resend against,
@@ -356,10 +396,19 @@ class TrajectoryLog:
         logged, truncated = _cap_output(result, self._output_cap_bytes)
         return self._record(step, logged, truncated=truncated, files=_normalise_paths(files))
 
+    def finish_sent(self, step: Step, result: dict[str, Any], *, files: list[str] | None = None) -> Callable[[], Step]:
+        """``finish``'s statement sent in a ``together`` block's ``pipeline``; what it returns reads the answer once
+        the pipeline has ended."""
+        logged, truncated = _cap_output(result, self._output_cap_bytes)
+        return self._record_sent(step, logged, truncated=truncated, files=_normalise_paths(files))
+
     def fail(self, step: Step, error: dict[str, str]) -> Step:
         """The operation raised: record ``{"error": {"code", "message"}}`` so a replay re-raises it."""
-        logged = {"error": {"code": error["code"], "message": error["message"]}}
-        return self._record(step, logged, truncated=False, files=None)
+        return self._record(step, _failure(error), truncated=False, files=None)
+
+    def fail_sent(self, step: Step, error: dict[str, str]) -> Callable[[], Step]:
+        """``fail``'s statement sent in a ``together`` block's ``pipeline`` (as ``finish_sent``)."""
+        return self._record_sent(step, _failure(error), truncated=False, files=None)
 
     def mark_lost(self, sandbox_id: str | None = None) -> int:
         """Mark every ``started`` step (of one sandbox, or all) ``lost``; returns how many.
@@ -446,30 +495,60 @@ class TrajectoryLog:
             return list(conn.execute(query).mappings().all())
 
     def _record(self, step: Step, result: dict[str, Any], *, truncated: bool, files: list[str] | None) -> Step:
+        with self._one_statement() as conn:
+            return self._record_on(conn, step, result, truncated=truncated, files=files)()
+
+    def _record_sent(
+        self, step: Step, result: dict[str, Any], *, truncated: bool, files: list[str] | None
+    ) -> Callable[[], Step]:
+        return self._record_on(self._joined_connection(), step, result, truncated=truncated, files=files)
+
+    def _record_on(
+        self, conn: Connection, step: Step, result: dict[str, Any], *, truncated: bool, files: list[str] | None
+    ) -> Callable[[], Step]:
+        """The result's statement sent on ``conn``, and what reads its answer: the step as recorded, or why not."""
         finished_at = time.time()
         which = {"b_sandbox": step.sandbox_id, "b_seq": step.seq, "b_step": step.step_id}
         values = {"state": StepState.DONE, "result": result, "result_truncated": truncated,
                   "output_cap_bytes": self._output_cap_bytes, "finished_at": finished_at, "files": files}  # fmt: skip
-        with self._one_statement() as conn:
-            if self._finish_sql.run(conn, {**which, **values})[0] == 1:
-                return dataclasses.replace(
-                    step,
-                    state=StepState.DONE,
-                    result=result,
-                    result_truncated=truncated,
-                    finished_at=finished_at,
-                    files=files,
-                )
+        sent = self._finish_sql.send(conn, {**which, **values})
+
+        def answer() -> Step:
+            if sent.receive()[0] == 1:
+                return dataclasses.replace(step, state=StepState.DONE, result=result, result_truncated=truncated,
+                                           finished_at=finished_at, files=files)  # fmt: skip
             state = conn.execute(_STATE_OF, which).scalar()
-        if state is None:
-            raise NotFound(
-                f"step {step.step_id!r} (seq {step.seq}) of sandbox {step.sandbox_id} is no longer in the "
-                "trajectory log (the log was deleted); its result was not recorded"
+            if state is None:
+                raise NotFound(
+                    f"step {step.step_id!r} (seq {step.seq}) of sandbox {step.sandbox_id} is no longer in the "
+                    "trajectory log (the log was deleted); its result was not recorded"
+                )
+            raise Conflict(
+                f"step {step.step_id!r} (seq {step.seq}) of sandbox {step.sandbox_id} is already {state}; "
+                "a step's result is recorded once"
             )
-        raise Conflict(
-            f"step {step.step_id!r} (seq {step.seq}) of sandbox {step.sandbox_id} is already {state}; "
-            "a step's result is recorded once"
-        )
+
+        return answer
+
+
+def _checked_digest(sandbox_id: str, step_id: str, kind: str, request: dict[str, Any]) -> str:
+    _check_id("sandbox id", sandbox_id, _MAX_SANDBOX_ID)
+    _check_id("step id", step_id, _MAX_STEP_ID)
+    _check_id("step kind", kind, _MAX_KIND)
+    return request_digest(request)
+
+
+def _started(params: dict[str, Any], seq: int, request: dict[str, Any]) -> Step:
+    """The step a begin's statement logged with ``params`` and got ``seq`` for."""
+    return Step(
+        sandbox_id=params["b_sandbox"], seq=seq, step_id=params["b_step"], kind=params["b_kind"], request=request,
+        request_digest=params["b_digest"], state=StepState.STARTED, result=None, result_truncated=False,
+        started_at=params["b_started"], finished_at=None, files=None,
+    )  # fmt: skip
+
+
+def _failure(error: dict[str, str]) -> dict[str, Any]:
+    return {"error": {"code": error["code"], "message": error["message"]}}
 
 
 def _logged_step(conn: Connection, sandbox_id: str, step_id: str) -> Step | None:

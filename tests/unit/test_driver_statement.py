@@ -9,13 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from psycopg.pq import PipelineStatus
 from sqlalchemy import JSON, Column, Integer, MetaData, String, Table, bindparam, event, insert, literal, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from corral.state.db import StateStore
-from corral.state.driver import DriverStatement
+from corral.state.driver import DriverStatement, pipeline
 
 metadata = MetaData()
 items = Table(
@@ -130,3 +131,31 @@ def test_a_lost_connection_is_invalidated_and_the_next_checkout_works(postgres_u
     finally:
         metadata.drop_all(store.engine)
         store.close()
+
+
+def test_statements_sent_in_a_pipeline_are_answered_after_it_and_its_errors_raised_as_it_ends(engine: Engine) -> None:
+    """On PostgreSQL the statements of a pipeline go without waiting for each answer (psycopg's pipeline mode, on
+    while they are sent); their answers are read after it. A statement that fails makes the pipeline's end raise
+    SQLAlchemy's error. On SQLite each runs as it is sent."""
+    statement = _insert(engine)
+    modes: list[object] = []
+
+    def note(conn: Any, *_: Any) -> None:  # noqa: ANN401 - SQLAlchemy's event
+        pgconn = getattr(conn.connection.dbapi_connection, "pgconn", None)
+        modes.append(PipelineStatus(pgconn.pipeline_status).name if pgconn is not None else "none")
+
+    event.listen(engine, "before_cursor_execute", note)
+    try:
+        with engine.begin() as conn:
+            with pipeline(conn):
+                sent = [statement.send(conn, {"b_id": k, "b_name": f"n{k}", "b_body": {"k": k}}) for k in range(1, 9)]
+            assert [each.receive() for each in sent] == [(1, k) for k in range(1, 9)]
+        with pytest.raises(IntegrityError), engine.begin() as conn, pipeline(conn):
+            statement.send(conn, {"b_id": 20, "b_name": "new", "b_body": None})
+            statement.send(conn, {"b_id": 21, "b_name": "n1", "b_body": None})  # the name is unique: fails there
+            statement.send(conn, {"b_id": 22, "b_name": "newer", "b_body": None})
+    finally:
+        event.remove(engine, "before_cursor_execute", note)
+    assert set(modes[:8]) == ({"ON"} if engine.dialect.name == "postgresql" else {"none"})
+    with engine.connect() as conn:  # the failed pipeline's transaction was rolled back as a whole
+        assert conn.execute(select(items.c.id).order_by(items.c.id)).scalars().all() == list(range(1, 9))

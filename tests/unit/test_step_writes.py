@@ -14,14 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from psycopg.pq import PipelineStatus
 from sqlalchemy import event
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DataError, OperationalError
 
 from corral.gateway.operations import _StepWrites
 from corral.sdk import Conflict
 from corral.state.db import StateStore
 from corral.state.thread import DatabaseThread
-from corral.trajectory import Step, TrajectoryLog
+from corral.trajectory import Replay, Step, TrajectoryLog
 
 REQUEST = {"cmd": "true", "env": {}, "cwd": None, "timeout_s": 60.0}
 RESULT = {"exit_code": 0, "stdout": "", "stderr": "", "timed_out": False}
@@ -142,3 +143,73 @@ async def test_a_database_error_has_each_write_made_again_alone(
     assert len(commits) == (2 if store.engine.dialect.name == "sqlite" else 0)
     assert any(record.levelno == logging.ERROR and "trajectory write failed" in record.message
                for record in caplog.records)  # fmt: skip
+
+
+def _pipeline_modes(store: StateStore) -> list[str]:
+    """The driver's pipeline status at each statement the engine runs ("none" on SQLite)."""
+    modes: list[str] = []
+
+    def note(conn: Any, *_: Any) -> None:  # noqa: ANN401 - SQLAlchemy's event
+        pgconn = getattr(conn.connection.dbapi_connection, "pgconn", None)
+        modes.append(PipelineStatus(pgconn.pipeline_status).name if pgconn is not None else "none")
+
+    event.listen(store.engine, "before_cursor_execute", note)
+    return modes
+
+
+async def test_begins_and_results_in_two_halves_are_sent_in_one_pipeline_on_postgresql(
+    store: StateStore, db: DatabaseThread
+) -> None:
+    """A step's begin and result come in two halves (the statement sent, then its answer read): on PostgreSQL a
+    transaction's run of them goes in one pipeline, where each waited for its own answer; the outcomes are each
+    writer's as before, a resent step a replay and a divergent one a conflict. On SQLite the same writes run as
+    they come."""
+    log = TrajectoryLog(store.engine)
+    writes = _StepWrites(log, db)
+    commits = _commits(store)
+    modes = _pipeline_modes(store)
+    sandboxes = [_sandbox(f"sb{k}") for k in range(4)]
+
+    def begin(sandbox_id: str, step_id: str, request: dict[str, Any] = REQUEST) -> Any:  # noqa: ANN401
+        call = functools.partial(log.begin, sandbox_id, step_id, "exec", request)
+        return writes.write(call, functools.partial(log.begin_sent, sandbox_id, step_id, "exec", request))
+
+    steps = await asyncio.gather(*(begin(sandboxes[i % 4], f"s{i}") for i in range(16)))
+    assert all(isinstance(step, Step) for step in steps)
+    assert {step.sandbox_id: [s.seq for s in steps if s.sandbox_id == step.sandbox_id] for step in steps} == {
+        sandbox_id: [1, 2, 3, 4] for sandbox_id in sandboxes
+    }
+    finished = await asyncio.gather(*(writes.write(functools.partial(log.finish, step, RESULT, files=["/a"]),
+                                                   functools.partial(log.finish_sent, step, RESULT, files=["/a"]))
+                                      for step in steps))  # fmt: skip
+    assert all(step.state == "done" and step.files == ["/a"] for step in finished) and len(commits) == 2
+    replayed, diverged, new = await asyncio.gather(
+        begin(sandboxes[0], "s0"), begin(sandboxes[0], "s4", {**REQUEST, "cmd": "false"}), begin(sandboxes[0], "n"),
+        return_exceptions=True,
+    )  # fmt: skip
+    assert isinstance(replayed, Replay) and replayed.step.result == RESULT
+    assert isinstance(diverged, Conflict) and isinstance(new, Step) and new.seq == 5
+    writes_made = [mode for mode in modes if mode != "none"] if store.engine.dialect.name == "postgresql" else modes
+    assert writes_made.count("ON") >= (35 if store.engine.dialect.name == "postgresql" else 0)  # 16 + 16 + 3 sent
+
+
+async def test_a_database_error_in_a_pipeline_has_each_write_made_again_alone(
+    store: StateStore, db: DatabaseThread
+) -> None:
+    """A statement the driver refuses while its pipeline is being sent (a NUL in a PostgreSQL text value) breaks the
+    shared transaction: the other writes are made again in transactions of their own, the error goes to its own
+    writer only."""
+    if store.engine.dialect.name != "postgresql":
+        pytest.skip("the pipeline is PostgreSQL's (SQLite stores a NUL)")
+    log = TrajectoryLog(store.engine)
+    writes = _StepWrites(log, db)
+    sandbox_id = _sandbox("sb")
+
+    def begin(step_id: str) -> Any:  # noqa: ANN401
+        call = functools.partial(log.begin, sandbox_id, step_id, "exec", REQUEST)
+        return writes.write(call, functools.partial(log.begin_sent, sandbox_id, step_id, "exec", REQUEST))
+
+    before, failed, after = await asyncio.gather(begin("x"), begin("nul\0"), begin("y"), return_exceptions=True)
+    assert isinstance(failed, DataError) and "NUL" in str(failed)
+    assert isinstance(before, Step) and isinstance(after, Step) and (before.seq, after.seq) == (1, 2)
+    assert [step.step_id for step in log.steps(sandbox_id)] == ["x", "y"]
