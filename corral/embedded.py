@@ -23,7 +23,7 @@ import httpx
 
 from corral.backends.common.host import detect_cgroup_layout, run_dir_of, runtime_state_root
 from corral.backends.common.network import clear_stale_name
-from corral.backends.vm.cgroup import VmCgroup
+from corral.backends.vm.cgroup import KILLED_QEMU_EXIT_S, VmCgroup
 from corral.backends.vm.network import namespace_name
 from corral.config import Settings
 from corral.sdk import Client, CorralError
@@ -103,9 +103,7 @@ def _kill_leftover_vms(data_dir: Path) -> list[str]:
         except (OSError, ValueError):
             pass
         Path(f"/dev/shm/corral-{sandbox_id}.mem").unlink(missing_ok=True)
-        cgroup = VmCgroup(layout, sandbox_id)
-        cgroup.wait_empty()
-        cgroup.remove()
+        VmCgroup(layout, sandbox_id).remove(KILLED_QEMU_EXIT_S)
         # Its namespace's name was a mount in the server's own mount namespace: here, only its empty file is left.
         clear_stale_name(f"/run/netns/{namespace_name(sandbox_id)}")
         shutil.rmtree(machine_dir, ignore_errors=True)  # its disk: a full VM's holds a whole system

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
-from corral.bench.harness import own_node_dir
+from corral.bench.harness import bench_session, own_node_dir
 from corral.config import Settings
 
 
@@ -36,3 +38,17 @@ def test_a_caller_that_named_no_node_dir_gets_none_back(tmp_path: Path, monkeypa
     with own_node_dir(tmp_path / "scratch") as node_dir:
         assert os.environ["CORRAL_NODE_DIR"] == str(node_dir)
     assert "CORRAL_NODE_DIR" not in os.environ
+
+
+def test_a_bench_session_runs_on_a_node_dir_of_its_own_in_its_scratch_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What every bench that starts its own server opens (``bench_session``): its node dir is its scratch dir's,
+    gone with it, and the caller's is named again after."""
+    users = tmp_path / "users-node"
+    (users / "layers" / "layers").mkdir(parents=True)
+    monkeypatch.setenv("CORRAL_NODE_DIR", str(users))
+    with bench_session("node-dir-probe", as_json=True, console=Console(file=io.StringIO())) as (scratch, _):
+        assert Settings().node_dir.is_relative_to(scratch) and Settings().node_dir.is_dir()
+    assert not scratch.exists()
+    assert os.environ["CORRAL_NODE_DIR"] == str(users)

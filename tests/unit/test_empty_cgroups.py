@@ -1,5 +1,6 @@
 """remove_empty_cgroups (corral/backends/common/host.py) on this host's real cgroup hierarchies: what a runtime left of
-a container's cgroups goes from every hierarchy, and a cgroup that still holds a process stays. (The hidden v2 tmpfs
+a container's cgroups goes from every hierarchy, and a cgroup that still holds a process stays; a VM's cgroup is
+removed with the same wait. (The hidden v2 tmpfs
 of a hybrid host is checked where it exists, in a backend's own mount namespace: tests/backend_conformance.py's
 ``destroy`` and ``cancelled_create``.)"""
 
@@ -8,13 +9,15 @@ from __future__ import annotations
 import contextlib
 import secrets
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from corral.backends.common.host import _cgroup_mounts, remove_empty_cgroups
+from corral.backends.common.host import CgroupLayout, _cgroup_mounts, detect_cgroup_layout, remove_empty_cgroups
+from corral.backends.vm.cgroup import VmCgroup
 
 
 @pytest.fixture
@@ -78,3 +81,26 @@ def test_a_cgroup_whose_processes_are_still_exiting_goes_once_they_have(parent: 
     finally:
         leaving.kill()
         leaving.wait()
+
+
+def test_a_vm_cgroup_goes_once_its_killed_qemus_threads_have_left() -> None:
+    """A VM's cgroup (corral/backends/vm/cgroup.py) is removed with the same wait: a SIGKILLed process whose threads
+    are still exiting holds it a moment; one that does not leave within the settle time keeps it (False)."""
+    layout = detect_cgroup_layout()  # a hybrid host's VMs use its v1 controllers, as the test above's hierarchies
+    cgroup = VmCgroup(
+        CgroupLayout.LEGACY if layout is CgroupLayout.HYBRID else layout, f"sb-test-{secrets.token_hex(4)}"
+    )
+    cgroup.create(0.5, 64)
+    threads = subprocess.Popen([sys.executable, "-c", "import threading, time\n"
+                                "for _ in range(4): threading.Thread(target=time.sleep, args=(60,)).start()\n"
+                                "time.sleep(60)"])  # fmt: skip
+    try:
+        cgroup.add(threads.pid)
+        assert cgroup.remove(0.2) is False and cgroup.pids() == [threads.pid]  # in use: kept
+        cgroup.kill_all()
+        assert cgroup.remove(10) is True
+        assert not cgroup.memory_dir.exists() and cgroup.cpu_quota() is None
+    finally:
+        threads.kill()
+        threads.wait()
+        cgroup.remove(10)

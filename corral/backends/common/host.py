@@ -33,6 +33,7 @@ __all__ = [
     "CgroupLayout",
     "detect_cgroup_layout",
     "enter_private_mount_namespace",
+    "remove_cgroup_dir",
     "remove_empty_cgroups",
     "RUN_ROOT",
     "ensure_run_tmpfs",
@@ -266,14 +267,22 @@ def remove_empty_cgroups(cgroup_path: str, *, settle_s: float = _CGROUP_SETTLE_S
         shutil.rmtree(hidden_v2 / relative, ignore_errors=True)
     deadline = time.monotonic() + settle_s
     for root in hierarchies:
-        while True:
-            try:
-                os.rmdir(root / relative)
-            except OSError as exc:  # ENOENT: the runtime removed it; EBUSY: a process is still in it
-                if exc.errno == errno.EBUSY and time.monotonic() < deadline:
-                    time.sleep(_CGROUP_SETTLE_POLL_S)
-                    continue
-            break
+        remove_cgroup_dir(root / relative, deadline=deadline)
+
+
+def remove_cgroup_dir(directory: Path, *, deadline: float) -> bool:
+    """Remove a cgroup's directory once it is empty: while a process is still in it (a killed one exiting: EBUSY)
+    it is tried again until ``deadline`` (``time.monotonic``), then left. True if it is gone (or was)."""
+    while True:
+        try:
+            os.rmdir(directory)
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError as exc:  # EBUSY: a process is still in it (a QEMU's vCPU threads, a container's tasks)
+            if exc.errno != errno.EBUSY or time.monotonic() >= deadline:
+                return False
+            time.sleep(_CGROUP_SETTLE_POLL_S)
 
 
 @functools.cache

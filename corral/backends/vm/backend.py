@@ -56,7 +56,7 @@ from corral.backends.common.host import CgroupLayout, orphans, vm_sockets_of
 from corral.backends.common.network import GUEST_LINK_IFNAME, AllowRule, DeniedCounts, NetworkFabric
 from corral.backends.common.spawn import finished_before_cancel
 from corral.backends.vm.accel import choose_accelerator
-from corral.backends.vm.cgroup import VmCgroup
+from corral.backends.vm.cgroup import KILLED_QEMU_EXIT_S, VmCgroup
 from corral.backends.vm.guest import GuestKit, ensure_guest_kit
 from corral.backends.vm.network import create_guest_link, delete_namespace, name_again, namespace_name
 from corral.backends.vm.qemu import (
@@ -700,8 +700,7 @@ class VmBackend:
         if cgroup is not None:
             if cgroup.pids():  # a QEMU whose pid was not known, or still exiting after it died by itself
                 cgroup.kill_all()
-                await asyncio.to_thread(cgroup.wait_empty)
-            cgroup.remove()
+            await asyncio.to_thread(cgroup.remove, KILLED_QEMU_EXIT_S)
         await self._unplug(sandbox_id)
         await asyncio.to_thread(shutil.rmtree, directory, True)
         await asyncio.to_thread(shutil.rmtree, self._sockets(sandbox_id), True)

@@ -15,14 +15,15 @@ import time
 from pathlib import Path
 
 from corral.backends.common import qos
-from corral.backends.common.host import CgroupLayout
+from corral.backends.common.host import CgroupLayout, remove_cgroup_dir
 
-__all__ = ["VmCgroup", "QEMU_OVERHEAD_MB", "CFS_PERIOD_US"]
+__all__ = ["VmCgroup", "QEMU_OVERHEAD_MB", "CFS_PERIOD_US", "KILLED_QEMU_EXIT_S"]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 TIER = "corral-vm"
 CFS_PERIOD_US = 100_000
 QEMU_OVERHEAD_MB = 512  # heap, TCG code cache, device buffers: above the guest's own RAM
+KILLED_QEMU_EXIT_S = 10.0  # for a SIGKILLed QEMU's threads to leave its cgroup
 
 
 class VmCgroup:
@@ -79,22 +80,12 @@ class VmCgroup:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
-    def wait_empty(self, timeout_s: float = 10.0) -> bool:
-        """Until every thread of a killed QEMU has left (a SIGKILLed process's leader is a zombie, listed in
-        cgroup.procs, while its vCPU threads still exit: the cgroup is busy until they are gone); False if it
-        still held a process after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while self.pids():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.01)
-        return True
-
-    def remove(self) -> None:
-        """Delete the (empty) cgroup; a no-op if it is gone."""
-        for directory in set(self._dirs.values()):
-            with contextlib.suppress(FileNotFoundError, OSError):
-                directory.rmdir()
+    def remove(self, settle_s: float = 0.0) -> bool:
+        """Delete the cgroup (a no-op if it is gone), waiting up to ``settle_s`` for a killed QEMU to leave it (a
+        SIGKILLed process's leader is a zombie, listed in cgroup.procs, while its vCPU threads still exit: the
+        cgroup is busy until they are gone); False if it still held a process then."""
+        deadline = time.monotonic() + settle_s
+        return all([remove_cgroup_dir(directory, deadline=deadline) for directory in set(self._dirs.values())])
 
     def cpu_quota(self) -> float | None:
         """The cap in cores, as the kernel has it."""
