@@ -535,7 +535,6 @@ def run_benchmark(*, runs: int, concurrency: int, as_json: bool, console: Consol
     # Before any thread (the progress bar starts one): unshare(CLONE_NEWNS)
     # refuses a threaded process. On hybrid hosts this hides v2 so crun works.
     host.enter_private_mount_namespace(layout)
-    host.become_child_subreaper()  # crun forks and dead inits come to us; host.orphans reaps them
     store = LayerStore(Settings().layer_dir)
     image = store.resolve(IMAGE)
     if len(image.layers) != 1:
@@ -548,6 +547,7 @@ def run_benchmark(*, runs: int, concurrency: int, as_json: bool, console: Consol
                TimeElapsedColumn())  # fmt: skip
     try:
         with (
+            host.child_subreaper(),  # crun forks and dead inits come to us; host.orphans reaps them
             own_node_dir(work_dir),
             Progress(*columns, console=Console(stderr=True) if as_json else console) as progress,
         ):

@@ -69,12 +69,12 @@ def bench_session(name: str, *, as_json: bool, console: Console) -> Iterator[tup
     """A scratch dir (removed afterwards) and a progress bar, for a bench that starts its own server as root."""
     if os.geteuid() != 0:
         raise SystemExit(f"corral {name} needs root: the server it starts runs containers")
-    host.become_child_subreaper()  # what the server's sandboxes leave behind comes to us; host.orphans reaps it
     scratch = Path(tempfile.mkdtemp(prefix=f"corral-{name}."))
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())  # fmt: skip
     try:
         with (
+            host.child_subreaper(),  # what the server's sandboxes leave behind comes to us; host.orphans reaps it
             own_node_dir(scratch),
             Progress(*columns, console=Console(stderr=True) if as_json else console) as progress,
         ):

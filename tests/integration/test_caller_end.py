@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from corral.backends.common.host import is_child_subreaper
 from corral.embedded import delete_leftover_sandboxes
 from corral.testing.leftovers import find_leftovers
 
@@ -46,6 +47,8 @@ time.sleep(600)
 def test_a_server_whose_caller_is_killed_kills_its_sandboxes_and_stops(
     tmp_path: Path, test_env: dict[str, str]
 ) -> None:
+    # The killed caller's server goes to the nearest subreaper: were it this process, it would stay a zombie here.
+    assert not is_child_subreaper(), "an earlier test left this test process a child subreaper"
     data_dir = tmp_path / "server"
     caller = subprocess.Popen(
         [sys.executable, "-c", CALLER, str(data_dir)], env={**os.environ, **test_env}, stdout=subprocess.PIPE,
@@ -63,8 +66,8 @@ def test_a_server_whose_caller_is_killed_kills_its_sandboxes_and_stops(
         deadline = time.monotonic() + 60
         while Path(f"/proc/{server_pid}").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not Path(f"/proc/{server_pid}").exists(), "the server outlived its caller"
-        log = (data_dir / "server.log").read_text()
+        log = (data_dir / "server.log").read_text(errors="replace")
+        assert not Path(f"/proc/{server_pid}").exists(), f"the server outlived its caller; its log ends:\n{log[-3000:]}"
         assert f"the process that started this server (pid {caller.pid}) ended" in log
         killed = re.search(r"killed (\d+) sandboxes; stopping", log)
         assert killed and int(killed[1]) >= 3, log[-2000:]  # the two kept and the pool's (one or more by then)

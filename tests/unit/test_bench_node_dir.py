@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from corral.backends.common.host import is_child_subreaper
 from corral.bench.harness import bench_session, own_node_dir
 from corral.config import Settings
 
@@ -44,11 +45,15 @@ def test_a_bench_session_runs_on_a_node_dir_of_its_own_in_its_scratch_dir(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What every bench that starts its own server opens (``bench_session``): its node dir is its scratch dir's,
-    gone with it, and the caller's is named again after."""
+    gone with it, and the caller's is named again after. The process is a subreaper during the session only: a test
+    process left one kept the orphans of the tests after it (a server whose caller was killed stayed a zombie)."""
     users = tmp_path / "users-node"
     (users / "layers" / "layers").mkdir(parents=True)
     monkeypatch.setenv("CORRAL_NODE_DIR", str(users))
+    assert not is_child_subreaper()
     with bench_session("node-dir-probe", as_json=True, console=Console(file=io.StringIO())) as (scratch, _):
         assert Settings().node_dir.is_relative_to(scratch) and Settings().node_dir.is_dir()
+        assert is_child_subreaper()
     assert not scratch.exists()
     assert os.environ["CORRAL_NODE_DIR"] == str(users)
+    assert not is_child_subreaper()

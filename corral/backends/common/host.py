@@ -48,6 +48,7 @@ __all__ = [
     "build_native_helpers",
     "native_helper_paths",
     "become_child_subreaper",
+    "child_subreaper",
     "OrphanReaper",
     "orphans",
 ]
@@ -61,6 +62,7 @@ _MS_RDONLY = 1
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 2, 4, 8
 _MNT_DETACH = 2
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 _CGROUP_SETTLE_S = 2.0  # a killed sandbox's processes' exit, after its runtime's delete
 _CGROUP_SETTLE_POLL_S = 0.01
@@ -317,6 +319,26 @@ def raise_open_files_limit() -> int:
 def become_child_subreaper() -> None:
     """Orphaned runtime processes re-parent to us and are reaped promptly."""
     _check(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def is_child_subreaper() -> bool:
+    value = ctypes.c_int(0)
+    _check(_libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(value), 0, 0, 0), "prctl(PR_GET_CHILD_SUBREAPER)")
+    return bool(value.value)
+
+
+@contextlib.contextmanager
+def child_subreaper() -> Iterator[None]:
+    """This process a subreaper while the block runs (a bench, a test's backend in its own process), then as it
+    was: a test process left one would adopt every orphan of the tests after it, and a server whose caller was
+    killed would stay a zombie nobody reaps (its ``/proc`` entry there for good)."""
+    was = is_child_subreaper()
+    become_child_subreaper()
+    try:
+        yield
+    finally:
+        if not was:
+            _check(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
 
 
 @dataclass
