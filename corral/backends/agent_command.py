@@ -52,6 +52,7 @@ class AgentCommand:
             terminal=cmd.terminal,
             walk_after=self._walk_after,
             announce_start=cmd.announce_start,
+            ipc_after=self._agent.ipc_at_exit,
         )
         ooms_before = self._oom_kills() if self._oom_kills is not None else 0
         async for event in self._agent.run(self._job_id, order, cmd.stdin if cmd.stdin else None):

@@ -54,7 +54,11 @@ def _settled(client: corral.Client, image: str, memory_mb: int = 256) -> corral.
 
 
 def test_sysv_ipc_objects_are_not_seen_by_the_next_call(client: corral.Client) -> None:
-    """Only the sandbox's own IPC namespace holds them (the host's /proc/sysvipc does not show them)."""
+    """Only the sandbox's own IPC namespace holds them (the host's /proc/sysvipc does not show them). Every warm
+    sandbox serves a call first: a sandbox recycled before has its agent count them at the call's exit (no query)."""
+    client.fncall("true", image="debian-12")
+    for _ in range(_settled(client, "debian-12").warm):  # the pool hands out its longest-idle sandbox first
+        client.fncall("true", image="debian-12")
     made = client.fncall("(ipcmk -M 4096 && ipcmk -Q && ipcmk -S 1) >/dev/null && ipcs | grep -c 0x", image="debian-12")
     assert made.stdout.strip() == "3", made.stderr
     replaced = _settled(client, "debian-12").replaced

@@ -19,12 +19,14 @@ import pytest
 from corral.api.errors import Conflict, ServerUnavailable
 from corral.backends.common.agent_protocol import (
     _HEADER,
+    F_IPC_ALONE,
     T_EXEC,
     T_EXIT,
     T_FIND,
     T_FOUND,
     T_HELLO,
     T_IDENTIFY,
+    T_KILL_ALL,
     T_PING,
     T_PONG,
     T_STARTED,
@@ -63,6 +65,8 @@ async def real_agent(tmp_path: Path, *wrapper: str) -> AsyncIterator[AgentConnec
         yield connection
     finally:
         connection.close()
+        if wrapper[:1] == ("unshare",) and "--pid" in wrapper:
+            process.kill()  # an init stays after its edge goes; unshare's --kill-child takes it along
         await asyncio.to_thread(process.wait, 5)  # an attached agent ends with its edge
 
 
@@ -141,6 +145,70 @@ async def test_ipc_counts_see_the_agents_own_ipc_namespace(tmp_path: Path) -> No
     finally:
         agent.close()
         await asyncio.to_thread(process.wait, 5)
+
+
+def counted(argv: list[str]) -> ExecOrder:
+    return replace(order(argv), ipc_after=True)
+
+
+async def test_an_exit_carries_the_ipc_counts_taken_with_the_agent_alone_until_the_next_exec(tmp_path: Path) -> None:
+    """EXEC flag 64: the agent as a sandbox's init (pid 1 of its namespaces) counts the IPC objects at a command's
+    exit if no other process is left, and the edge takes them for the IPC query's answer until it sends another
+    EXEC (what a pooled call's recycle asks, without its round trip). A process left running means no counts."""
+    async with real_agent(tmp_path, "unshare", "--ipc", "--pid", "--fork", "--kill-child") as agent:
+        _, _, end = await collect(agent, counted(["true"]))
+        assert end.ipc_alone == IpcCounts(0, 0, 0) == agent.ipc_when_alone()
+        _, err, end = await collect(
+            agent, counted(["/bin/sh", "-c", "ipcmk -M 4096 >/dev/null && ipcmk -Q >/dev/null"])
+        )
+        assert end.exit_code == 0, err
+        assert end.ipc_alone == IpcCounts(1, 1, 0) == agent.ipc_when_alone() == await agent.ipc_counts()
+        job_id = agent.new_job_id()
+        running = agent.run(job_id, counted(["sleep", "30"]))
+        assert isinstance(await anext(running), AgentStarted)
+        assert agent.ipc_when_alone() is None  # a command runs: it may make more
+        agent.signal(job_id, 9)
+        ended = [event async for event in running]
+        assert isinstance(ended[-1], AgentExit) and ended[-1].ipc_alone == IpcCounts(1, 1, 0)
+        _, _, end = await collect(agent, counted(["/bin/sh", "-c", "sleep 30 & exit 0"]))
+        assert end.exit_code == 0 and end.ipc_alone is None and agent.ipc_when_alone() is None  # sleep is left
+        await agent.kill_all()
+        _, _, end = await collect(agent, order(["true"]))
+        assert end.ipc_alone is None and agent.ipc_when_alone() is None  # not asked for
+
+
+async def test_an_agent_that_is_not_its_sandboxs_init_sends_no_ipc_counts(agent: AgentConnection) -> None:
+    """Another process's orphans would not come to it: having no child does not mean being alone."""
+    _, _, end = await collect(agent, counted(["true"]))
+    assert end.exit_code == 0 and end.ipc_alone is None and agent.ipc_when_alone() is None
+
+
+async def test_ipc_counts_on_an_exit_that_comes_after_a_later_exec_was_sent_are_not_kept() -> None:
+    """The first command's exit says the agent was alone, but the edge had already sent a second command, which
+    may have made IPC objects since: only the last command's exit counts."""
+    execs: list[int] = []
+
+    def exit_frame(job_id: int, shm_segments: int) -> bytes:
+        payload = struct.pack("<iB", 0, F_IPC_ALONE) + struct.pack("<III", shm_segments, 0, 0)
+        return _HEADER.pack(5 + len(payload), T_EXIT, job_id) + payload
+
+    def answer(kind: int, job_id: int) -> bytes:
+        if kind == T_EXEC:
+            execs.append(job_id)
+            return exit_frame(execs[0], 0) if len(execs) == 2 else b""  # the first ends once the second is sent
+        if kind == T_KILL_ALL:  # then the second
+            return exit_frame(execs[1], 2) + _HEADER.pack(5, T_PONG, job_id)
+        return b""
+
+    async with older_agent(answer) as agent:
+        first = asyncio.ensure_future(collect(agent, counted(["true"])))
+        await asyncio.sleep(0.05)
+        second = asyncio.ensure_future(collect(agent, counted(["true"])))
+        _, _, first_end = await asyncio.wait_for(first, 5)
+        assert first_end.ipc_alone == IpcCounts(0, 0, 0) and agent.ipc_when_alone() is None
+        await asyncio.wait_for(agent.kill_all(), 5)
+        _, _, second_end = await asyncio.wait_for(second, 5)
+        assert second_end.ipc_alone == IpcCounts(2, 0, 0) == agent.ipc_when_alone()
 
 
 async def test_find_lists_what_is_under_each_path_without_following_symlinks(

@@ -22,11 +22,13 @@ __all__ = ["AgentConnection", "AgentExit", "AgentOutput", "AgentStarted", "ExecO
 T_EXEC, T_STDIN, T_SIGNAL, T_PING, T_KILL_ALL, T_RESIZE = 1, 2, 3, 4, 5, 6
 T_STARTED, T_STDOUT, T_STDERR, T_EXIT, T_ERROR, T_PONG, T_HELLO = 10, 11, 12, 13, 14, 15, 20
 T_IPC_QUERY, T_IPC_COUNTS, T_FIND, T_FOUND, T_IDENTIFY = 31, 32, 33, 34, 35
-F_TIMED_OUT, F_OUT_TRUNC, F_ERR_TRUNC, F_WALK_CUT, F_WALKED = 1, 2, 4, 8, 16
+F_TIMED_OUT, F_OUT_TRUNC, F_ERR_TRUNC, F_WALK_CUT, F_WALKED, F_IPC_ALONE = 1, 2, 4, 8, 16, 32
 _TOOL_FLAGS = {"": 0, "sandbox": 2, "guest": 2 | 4}  # EXEC flags: run the tool binary by fd; skip the chroot
 _X_TERMINAL = 8  # EXEC flag: a pseudo-terminal for the command; u16 rows, u16 cols follow the strings
 _X_WALK_AFTER = 16  # EXEC flag: a walk (FIND's payload) once the command exited; after the terminal's size
 _X_QUIET_START = 32  # EXEC flag: no STARTED frame (an agent before it sends one anyway: events() then yields it)
+_X_IPC_AFTER = 64  # EXEC flag: IPC counts on the exit if the agent (the sandbox's init) has no process left
+_IPC_COUNTS = struct.Struct("<III")
 AGENT_VERSION = 3  # 2: terminals; 3: IDENTIFY
 _AGENT_VERSIONS = frozenset({1, 2, 3})  # agents an edge still talks to (one started by an older build keeps running)
 _TERMINAL_SIZE = struct.Struct("<HH")
@@ -67,6 +69,7 @@ class ExecOrder:
     terminal: tuple[int, int] | None = None  # (rows, cols): the command runs on a pseudo-terminal
     walk_after: TreeWalk | None = None  # the agent walks this once the command exited (AgentExit.walked)
     announce_start: bool = True  # False: no AgentStarted (one frame, and a wakeup of the edge, fewer per command)
+    ipc_after: bool = False  # AgentExit.ipc_alone, when the sandbox has no other process by then
 
     def encode(self) -> bytes:
         strings = [self.user, self.cwd, *self.argv, *(f"{k}={v}" for k, v in self.env.items())]
@@ -75,7 +78,10 @@ class ExecOrder:
                 raise ValueError("NUL byte in command, environment, cwd or user")
         flags = (1 if self.has_stdin else 0) | _TOOL_FLAGS[self.tool] | (_X_TERMINAL if self.terminal else 0)
         fixed = _EXEC_FIXED.pack(
-            flags | (_X_WALK_AFTER if self.walk_after else 0) | (0 if self.announce_start else _X_QUIET_START),
+            flags
+            | (_X_WALK_AFTER if self.walk_after else 0)
+            | (0 if self.announce_start else _X_QUIET_START)
+            | (_X_IPC_AFTER if self.ipc_after else 0),
             self.timeout_ms,
             self.output_cap_bytes,
             len(self.argv),
@@ -104,6 +110,7 @@ class AgentExit:
     stdout_truncated: bool
     stderr_truncated: bool
     walked: tuple[list[str], bool] | None = None  # ExecOrder.walk_after's names and whether its cap cut them short
+    ipc_alone: IpcCounts | None = None  # ExecOrder.ipc_after: counted with the agent alone in the sandbox
 
 
 @dataclass(frozen=True)
@@ -234,6 +241,8 @@ class AgentConnection:
         self.agent_version = AGENT_VERSION  # what the agent said in its hello
         self._finds: bool | None = None  # does the agent walk trees itself (FIND)? Learned on first use
         self.last_exec_id: int | None = None  # the job of the last EXEC sent: a walk at an earlier one's exit is stale
+        self.ipc_at_exit = False  # ExecOrder.ipc_after for the commands run from now on (AgentCommand asks)
+        self._ipc_alone: IpcCounts | None = None  # see ipc_when_alone
         self.closed = asyncio.Event()
 
     async def start(self, hello_timeout_s: float, *, ping: bool = False) -> None:
@@ -276,10 +285,13 @@ class AgentConnection:
         if greeting is not None and not greeting.done():
             greeting.set_result((kind, job_id, payload))  # the first frame: a hello, or the pong of start's ping
             return
+        answer = self._decode(kind, payload)
+        if isinstance(answer, AgentExit) and answer.ipc_alone is not None and job_id == self.last_exec_id:
+            self._ipc_alone = answer.ipc_alone  # no EXEC sent since: nothing in the sandbox ran after the count
         job = self._jobs.get(job_id)
         if job is None:
             return
-        job.queue.put_nowait(self._decode(kind, payload))
+        job.queue.put_nowait(answer)
         if kind in (T_EXIT, T_ERROR, T_PONG, T_IPC_COUNTS):
             self._jobs.pop(job_id, None)
 
@@ -300,16 +312,18 @@ class AgentConnection:
         if kind == T_EXIT:
             code, flags = struct.unpack_from("<iB", payload)
             walked: tuple[list[str], bool] | None = ([], bool(flags & F_WALK_CUT)) if flags & F_WALKED else None
+            alone = flags & F_IPC_ALONE and len(payload) >= 5 + _IPC_COUNTS.size
             return AgentExit(code, bool(flags & F_TIMED_OUT), bool(flags & F_OUT_TRUNC), bool(flags & F_ERR_TRUNC),
-                             walked)  # fmt: skip  # walked's names: from the FOUND frames, in run()
+                             walked,  # its names: from the FOUND frames, in run()
+                             IpcCounts(*_IPC_COUNTS.unpack_from(payload, 5)) if alone else None)  # fmt: skip
         if kind == T_FOUND:
             return _Found(payload)
         if kind == T_ERROR:
             return Conflict(payload.decode(errors="replace"))
         if kind == T_PONG:
             return AgentExit(0, False, False, False)
-        if kind == T_IPC_COUNTS and len(payload) >= 12:
-            return IpcCounts(*struct.unpack_from("<III", payload))
+        if kind == T_IPC_COUNTS and len(payload) >= _IPC_COUNTS.size:
+            return IpcCounts(*_IPC_COUNTS.unpack_from(payload))
         return ServerUnavailable(f"unexpected frame type {kind} from the sandbox agent")
 
     def _fail_all(self, error: Exception) -> None:
@@ -321,6 +335,8 @@ class AgentConnection:
     def _send(self, kind: int, job_id: int, payload: bytes = b"") -> None:
         if self._transport is None or self.closed.is_set():
             raise ServerUnavailable("the connection to the sandbox agent is closed")
+        if kind == T_EXEC:
+            self.last_exec_id, self._ipc_alone = job_id, None
         self._transport.write(_HEADER.pack(5 + len(payload), kind, job_id) + payload)
 
     def new_job_id(self) -> int:
@@ -335,7 +351,6 @@ class AgentConnection:
         found = bytearray()
         try:
             self._send(T_EXEC, job_id, order.encode())
-            self.last_exec_id = job_id
             if order.has_stdin:
                 for offset in range(0, len(stdin or b""), 1 << 20):
                     self._send(T_STDIN, job_id, (stdin or b"")[offset : offset + (1 << 20)])
@@ -446,6 +461,12 @@ class AgentConnection:
     async def kill_all(self) -> None:
         """SIGKILL every process in the sandbox except the agent; returns once the agent has sent the signal."""
         await self._ask(T_KILL_ALL)
+
+    def ipc_when_alone(self) -> IpcCounts | None:
+        """The IPC counts an EXEC's exit carried (ExecOrder.ipc_after), if no EXEC was sent since: the agent took
+        them with no other process in the sandbox, and only an EXEC starts one, so they still hold (what
+        ``ipc_counts`` would answer, without its round trip)."""
+        return None if self.closed.is_set() else self._ipc_alone
 
     async def ipc_counts(self) -> IpcCounts:
         """The SysV IPC objects of the sandbox (only the agent, inside its IPC namespace, can see them)."""

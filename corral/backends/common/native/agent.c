@@ -38,6 +38,12 @@
  *   (after the terminal size, if any), walked once the command has exited; its
  *   names come as FOUND frames before the EXIT, which has flag 16 (walked) and
  *   8 (the walk was cut short). An agent that predates it sends no flag 16.
+ *   64: IPC counts at the exit: if the agent is the sandbox's init (pid 1) and
+ *   then has no child at all (so no other process is in the sandbox) and runs
+ *   no other command, the EXIT has flag 32 and the three IPC_COUNTS u32s after
+ *   its flags. Nothing can make an IPC object until the next EXEC, so the edge
+ *   takes them for an IPC_QUERY's answer until it sends one. An agent that
+ *   predates it sends no flag 32.
  * Edge -> agent: EXEC, STDIN (empty payload closes stdin; for a terminal it
  *   is ignored: the user types ^D), SIGNAL, PING, RESIZE (u16 rows, u16 cols),
  *   KILL_ALL (SIGKILL every other process in the sandbox; answered with PONG),
@@ -88,8 +94,9 @@ enum {
     T_PONG = 15, T_HELLO = 20,
     T_IPC_QUERY = 31, T_IPC_COUNTS = 32, T_FIND = 33, T_FOUND = 34, T_IDENTIFY = 35,
 };
-enum { F_TIMED_OUT = 1, F_OUT_TRUNC = 2, F_ERR_TRUNC = 4, F_WALK_CUT = 8, F_WALKED = 16 };
-enum { X_STDIN = 1, X_TOOL = 2, X_NO_CHROOT = 4, X_TERMINAL = 8, X_WALK_AFTER = 16, X_QUIET_START = 32 };
+enum { F_TIMED_OUT = 1, F_OUT_TRUNC = 2, F_ERR_TRUNC = 4, F_WALK_CUT = 8, F_WALKED = 16, F_IPC_ALONE = 32 };
+enum { X_STDIN = 1, X_TOOL = 2, X_NO_CHROOT = 4, X_TERMINAL = 8, X_WALK_AFTER = 16, X_QUIET_START = 32,
+       X_IPC_AFTER = 64 };
 #define AGENT_VERSION 3 /* 2: terminals (EXEC flag 8, RESIZE); 3: IDENTIFY */
 #define MAX_FRAME (16u << 20)
 #define MAX_JOBS 1024
@@ -109,6 +116,7 @@ struct job {
     int terminal;                 /* out_fd and in_fd are dups of a terminal's master side */
     char *walk_req;               /* EXEC flag 16: a FIND payload to walk once the command has exited */
     size_t walk_req_len;
+    int ipc_after;                /* EXEC flag 64: IPC counts on the exit, if the agent is alone by then */
 };
 
 static int ctl = -1;
@@ -473,6 +481,7 @@ static void start_job(uint32_t id, const char *p, size_t len) {
     }
     j->id = id;
     j->pid = pid;
+    j->ipc_after = (flags & X_IPC_AFTER) != 0;
     j->out_fd = out[0];
     j->err_fd = err[0];
     j->in_fd = in[1];
@@ -563,15 +572,26 @@ static void reap(void) {
 
 /* Only a process inside the sandbox's IPC namespace sees its SysV objects (/proc/sysvipc read from the host
  * shows the host's): the edge asks here whether a call left any behind. UINT32_MAX = could not tell. */
-static void send_ipc_counts(uint32_t id) {
-    uint32_t counts[3] = {UINT32_MAX, UINT32_MAX, UINT32_MAX};
+static void count_ipc(uint32_t counts[3]) {
     struct shm_info shm;
     struct msginfo msg;
     struct seminfo sem;
-    if (shmctl(0, SHM_INFO, (struct shmid_ds *)(void *)&shm) >= 0) counts[0] = (uint32_t)shm.used_ids;
-    if (msgctl(0, MSG_INFO, (struct msqid_ds *)(void *)&msg) >= 0) counts[1] = (uint32_t)msg.msgpool;
-    if (semctl(0, 0, SEM_INFO, &sem) >= 0) counts[2] = (uint32_t)sem.semusz;
+    counts[0] = shmctl(0, SHM_INFO, (struct shmid_ds *)(void *)&shm) >= 0 ? (uint32_t)shm.used_ids : UINT32_MAX;
+    counts[1] = msgctl(0, MSG_INFO, (struct msqid_ds *)(void *)&msg) >= 0 ? (uint32_t)msg.msgpool : UINT32_MAX;
+    counts[2] = semctl(0, 0, SEM_INFO, &sem) >= 0 ? (uint32_t)sem.semusz : UINT32_MAX;
+}
+
+static void send_ipc_counts(uint32_t id) {
+    uint32_t counts[3];
+    count_ipc(counts);
     send_frame(T_IPC_COUNTS, id, counts, sizeof counts);
+}
+
+/* No child at all, live or dead (clone children too): as the sandbox's init, every other process in it would be
+ * one or descend from one, so none is left that could make an IPC object. */
+static int alone(void) {
+    siginfo_t info;
+    return getpid() == 1 && njobs == 1 && waitid(P_ALL, 0, &info, WEXITED | WNOHANG | WNOWAIT | __WALL) < 0 && errno == ECHILD;
 }
 
 /* FIND: what the edge's audit looks for after each command in a guest (protected paths in the writable layer),
@@ -700,11 +720,19 @@ static void finish_job(int idx) {
         }
         free(j->walk_req);
     }
-    char payload[5];
+    char payload[5 + 12];
+    size_t size = 5;
     int32_t code = WIFEXITED(j->status) ? WEXITSTATUS(j->status) : -WTERMSIG(j->status);
     memcpy(payload, &code, 4);
+    if (j->ipc_after && alone()) {  /* the edge's IPC_QUERY after a pooled call, answered without its round trip */
+        uint32_t counts[3];
+        count_ipc(counts);
+        memcpy(payload + 5, counts, sizeof counts);
+        size += sizeof counts;
+        j->flags |= F_IPC_ALONE;
+    }
     payload[4] = (char)j->flags;
-    send_frame(T_EXIT, j->id, payload, 5);
+    send_frame(T_EXIT, j->id, payload, size);
     free(j);
     jobs[idx] = jobs[--njobs];
 }
