@@ -101,7 +101,7 @@ class HeldFiles:
             os.close(fd)
 
 
-held_files = HeldFiles(limit=1024)  # the process's: about 170 sandboxes' worth of per-command reads
+held_files = HeldFiles(limit=1024)  # the process's: about 145 sandboxes' worth of per-command reads
 
 
 def stat_fields(pid: int) -> list[str] | None:

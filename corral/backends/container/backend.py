@@ -96,7 +96,8 @@ _TIER_NAMES = frozenset(tier.strip("/") for tier in qos.TIERS.values())  # top-l
 
 
 def _read_int(path: str) -> int:
-    return int(read_small(path))
+    """A cgroup counter read after every command (pids.current): held open (see HeldFiles)."""
+    return int(held_files.read(path))
 
 
 _RECYCLE_POLLS = 50
