@@ -215,8 +215,8 @@ def _throughput(server: EmbeddedServer, runs: int, clients: int, progress: Progr
         task = progress.add_task(f"throughput ×{level} (fncall, sh -c true threads)", total=2 * calls)
         advance = functools.partial(progress.advance, task)
         # Calls at this concurrency first, not timed, until a pass is served by warm sandboxes alone: the pool
-        # grows to the callers' number (each miss starts a container, 20-35 ms of crun; 9 misses in a timed pass
-        # of 1,000 were a fifth of its CPU) before the rate and the CPU per call are measured.
+        # grows to the callers' number (each miss starts a container, 20-35 ms of crun: 9 misses in a timed pass
+        # of 1,000, an estimated 14-24% of its CPU) before the rate and the CPU per call are measured.
         for _ in range(WARMUP_PASSES):
             warmup = asyncio.run(_fncall_rate(server.url, server.api_key, max(WARMUP_CALLS, 4 * level), level,
                                               lambda: None))  # fmt: skip

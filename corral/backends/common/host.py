@@ -49,6 +49,7 @@ __all__ = [
     "native_helper_paths",
     "become_child_subreaper",
     "child_subreaper",
+    "is_child_subreaper",
     "OrphanReaper",
     "orphans",
 ]
@@ -322,6 +323,7 @@ def become_child_subreaper() -> None:
 
 
 def is_child_subreaper() -> bool:
+    """Whether orphaned descendants re-parent to this process (PR_GET_CHILD_SUBREAPER)."""
     value = ctypes.c_int(0)
     _check(_libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(value), 0, 0, 0), "prctl(PR_GET_CHILD_SUBREAPER)")
     return bool(value.value)

@@ -638,7 +638,7 @@ class ContainerBackend:
     async def _no_ipc_objects(self, container: Container) -> bool:
         """A new IPC namespace starts empty, so any SysV object was left by a call. False when the agent does
         not answer in time. The counts the last command's exit carried, taken with the agent alone, spare the
-        query's round trip (a wakeup of the agent and one of the edge: 16 callers' fncalls 4-12% faster, 5 pairs);
+        query's round trip (a wakeup of the agent and one of the edge: 16 callers' fncalls 3-12% faster, 5 pairs);
         a sandbox that is recycled has its commands' exits carry them from then on."""
         container.agent.ipc_at_exit = True
         counts = container.agent.ipc_when_alone()

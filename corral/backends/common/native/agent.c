@@ -591,7 +591,8 @@ static void send_ipc_counts(uint32_t id) {
  * one or descend from one, so none is left that could make an IPC object. */
 static int alone(void) {
     siginfo_t info;
-    return getpid() == 1 && njobs == 1 && waitid(P_ALL, 0, &info, WEXITED | WNOHANG | WNOWAIT | __WALL) < 0 && errno == ECHILD;
+    return getpid() == 1 && njobs == 1
+        && waitid(P_ALL, 0, &info, WEXITED | WNOHANG | WNOWAIT | __WALL) < 0 && errno == ECHILD;
 }
 
 /* FIND: what the edge's audit looks for after each command in a guest (protected paths in the writable layer),
