@@ -43,7 +43,8 @@
  *   no other command, the EXIT has flag 32 and the three IPC_COUNTS u32s after
  *   its flags. Nothing can make an IPC object until the next EXEC, so the edge
  *   takes them for an IPC_QUERY's answer until it sends one. An agent that
- *   predates it sends no flag 32.
+ *   predates it sends no flag 32; a second agent (`crun exec` after an edge
+ *   restart) is not pid 1 and sends none either.
  * Edge -> agent: EXEC, STDIN (empty payload closes stdin; for a terminal it
  *   is ignored: the user types ^D), SIGNAL, PING, RESIZE (u16 rows, u16 cols),
  *   KILL_ALL (SIGKILL every other process in the sandbox; answered with PONG),
