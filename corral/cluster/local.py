@@ -46,6 +46,10 @@ __all__ = ["ClusterState", "LocalCluster", "NodeProcess", "join_node", "LOCAL_RA
 CLUSTER_FILE = "cluster.json"
 LOCAL_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
 """No usage reports (they would go to the internet)."""
+NODE_RAY_ENV = {"RAY_kill_child_processes_on_worker_exit": "0"}
+"""Every Ray node Corral starts: a worker that exits gracefully (SIGTERM) kills its direct children by default, and
+the edge actor's worker is the node's subreaper, so its children are every sandbox's init and every VM's QEMU; they
+must outlive it, for the edge that Ray starts again to re-adopt them (as after a SIGKILL, which skips that cleanup)."""
 NODE_UP_TIMEOUT_S = 180.0
 _STOP_GRACE_S = 10.0
 # Ray's processes do not end on SIGTERM in any useful time (a head's gcs_server and `ray start --block` outlive
@@ -157,6 +161,7 @@ def start_ray_node(
 ) -> subprocess.Popen[bytes]:
     """`ray start --block` in a session of its own (inside a node's mount namespace when ``namespace``)."""
     command = [_ray_binary(), "start", "--block", *ray_args]
+    env = {**env, **NODE_RAY_ENV}  # the raylet's, which its workers (the edge actor's) inherit
     if namespace:
         command = _launch("node", *(["--netns", netns] if netns else []), "--", *command)
     else:

@@ -201,11 +201,50 @@ def _wait_for_new_edge(cluster: LocalCluster, edge_id: str, old_pid: int) -> int
     return pid
 
 
-def test_an_edge_killed_comes_back_and_readopts_its_sandboxes(cluster: LocalCluster, client: corral.Client) -> None:
+def _kept_sandbox(client: corral.Client) -> tuple[corral.Sandbox, str]:
+    """A sandbox on e3 with a file written and a process left running (its command id): what a restart keeps."""
     sandbox = client.create("busybox", ttl_s=600, node_selector={"zone": "b"})
+    sandbox.exec("echo kept > /state")
+    return sandbox, sandbox.start("sleep 600", timeout_s=900).command_id
+
+
+def _exec_once_back(sandbox: corral.Sandbox, command: str) -> corral.ExecResult:
+    """``command`` run once e3's restarted edge answers: Ray restarts the actor on the same node, and until it is up,
+    calls say the edge is unavailable."""
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            return sandbox.exec(command)
+        except corral.ServerUnavailable as exc:
+            assert "edge e3" in exc.message
+            assert time.monotonic() < deadline, "the edge did not come back"
+            time.sleep(0.5)
+
+
+def test_an_edge_that_exits_gracefully_leaves_its_sandboxes_to_the_next_one(
+    cluster: LocalCluster, client: corral.Client
+) -> None:
+    """SIGTERM to the edge actor's worker (an operator's kill, a graceful stop): Ray's worker kills its direct
+    children as it exits, and the edge is the node's subreaper, so every sandbox's init is one of them; Corral's Ray
+    nodes turn that off (NODE_RAY_ENV). The sandbox and the process it runs outlive the edge, and the edge Ray
+    starts again re-adopts them. Before: "the sandbox did not survive a restart of its edge"."""
+    sandbox, command_id = _kept_sandbox(client)
     try:
-        sandbox.exec("echo kept > /state")
-        running = sandbox.start("sleep 600", timeout_s=900)
+        old_pid = cluster.edge_pid("e3")
+        assert old_pid is not None
+        os.kill(old_pid, signal.SIGTERM)
+        _wait_for_new_edge(cluster, "e3", old_pid)
+        result = _exec_once_back(sandbox, "cat /state; cat /proc/[0-9]*/cmdline")
+        assert result.stdout.startswith("kept\n")
+        assert "sleep\x00600" in result.stdout, f"process {command_id} did not survive"
+        assert client.get(sandbox.id).info.state == corral.SandboxState.RUNNING
+    finally:
+        sandbox.kill()
+
+
+def test_an_edge_killed_comes_back_and_readopts_its_sandboxes(cluster: LocalCluster, client: corral.Client) -> None:
+    sandbox, command_id = _kept_sandbox(client)
+    try:
         old_pid = cluster.edge_pid("e3")
         assert old_pid is not None
         os.kill(old_pid, signal.SIGKILL)
@@ -218,20 +257,11 @@ def test_an_edge_killed_comes_back_and_readopts_its_sandboxes(cluster: LocalClus
             assert client.get(sandbox.id).info.state == corral.SandboxState.RUNNING
         finally:
             os.kill(new_pid, signal.SIGCONT)
-        deadline = time.monotonic() + 120
-        while True:  # Ray restarts the actor on the same node; until it is up, calls say the edge is unavailable
-            try:
-                result = sandbox.exec("cat /state")
-                break
-            except corral.ServerUnavailable as exc:
-                assert "edge e3" in exc.message
-                assert time.monotonic() < deadline, "the edge did not come back"
-                time.sleep(0.5)
-        assert result.stdout == "kept\n"
+        assert _exec_once_back(sandbox, "cat /state").stdout == "kept\n"
         assert cluster.edge_pid("e3") not in (None, old_pid)
         assert client.get(sandbox.id).info.state == corral.SandboxState.RUNNING
         cmdlines = sandbox.exec("cat /proc/[0-9]*/cmdline").stdout
-        assert "sleep\x00600" in cmdlines, f"process {running.command_id} did not survive"
+        assert "sleep\x00600" in cmdlines, f"process {command_id} did not survive"
         # Every page of its image, read or not before the kill: an on-demand layer's helper outlived the edge
         # and the new edge reattached to it (images/lazy.py).
         whole = sandbox.exec("cat /bin/busybox | wc -c && ls -lL /bin/busybox && ps")
