@@ -658,14 +658,14 @@ class ContainerBackend:
             return False
         paths = self._command_paths(container)
         pids = paths.pids_current
-        if _read_int(pids) > 1:  # something outlived the call
+        if _read_int(pids) > 1:  # something outlived the call (else the agent is alone: one read a call)
             await container.agent.kill_all()
-        for _ in range(_RECYCLE_POLLS):
-            if _read_int(pids) <= 1:
-                break
-            await asyncio.sleep(0.002)
-        else:
-            return False
+            for _ in range(_RECYCLE_POLLS):
+                if _read_int(pids) <= 1:
+                    break
+                await asyncio.sleep(0.002)
+            else:
+                return False
         state = _pristine_state(paths.upper, container.init_pid)  # small: cheaper than a thread hop
         if state != container.baseline or _TOO_MANY in state:
             return False
