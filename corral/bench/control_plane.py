@@ -310,10 +310,46 @@ def _db_write_baseline(database_url: str, records: int) -> dict[str, float]:
             store.insert_many(chunk)
             store.mark_running_many({item.id: None for item in chunk})
         batched = (time.perf_counter() - started) / records
+        ends = _end_writes(store, [item.id for item in single], [item.id for item in batched_records])
         steps = _trajectory_appends(store, records)
-        return {"one_transaction_each_ms": one_by_one * 1000, "batched_ms": batched * 1000, **steps}
+        return {"one_transaction_each_ms": one_by_one * 1000, "batched_ms": batched * 1000, **ends, **steps}
     finally:
         store.close()
+
+
+def _end_writes(store: StateStore, one_by_one: list[str], batched: list[str]) -> dict[str, float]:
+    """Milliseconds per kill's record writes: its end in a transaction of its own and its record read again for
+    the answer (what a kill did before 2026-12-07) vs the ends of concurrent kills in one ``end_many`` per 256,
+    each answered from the records it gives back."""
+    started = time.perf_counter()
+    for sandbox_id in one_by_one:
+        store.end(sandbox_id, SandboxState.ENDED, "killed")
+        store.get(sandbox_id)
+    each = (time.perf_counter() - started) / len(one_by_one)
+    started = time.perf_counter()
+    for start in range(0, len(batched), 256):
+        store.end_many(dict.fromkeys(batched[start : start + 256], (SandboxState.ENDED, "killed", None)))
+    together = (time.perf_counter() - started) / len(batched)
+    return {"end_each_ms": each * 1000, "end_batched_ms": together * 1000}
+
+
+async def _bulk_kill(service: SandboxService, ids: list[str]) -> dict[str, Any]:
+    """Every one of ``ids`` killed through the service, ``WORKERS`` at once (a job's sandboxes killed together)."""
+    remaining = iter(ids)
+    ended = 0
+
+    async def worker() -> None:
+        nonlocal ended
+        for sandbox_id in remaining:
+            info = await service.kill(sandbox_id)  # awaited first: ``ended`` is read after it, not before
+            ended += info.state == SandboxState.ENDED
+
+    started = time.perf_counter()
+    async with asyncio.TaskGroup() as group:
+        for _ in range(WORKERS):
+            group.create_task(worker())
+    elapsed_s = time.perf_counter() - started
+    return {"count": len(ids), "ended": ended, "elapsed_s": elapsed_s, "per_s": len(ids) / elapsed_s}
 
 
 def _trajectory_appends(store: StateStore, steps: int) -> dict[str, float]:
@@ -423,6 +459,8 @@ async def _measure(nodes: list[int], creates: int, burst: int, live: int, databa
                 "nodes": biggest, "tracked": len(ids), "fill_per_s": (len(ids) - burst) / fill_s if jobs else 0.0,
                 "get": _ms(gets), "list_job": _ms(lists or [0.0]), "list_job_size": len(listed),
             }  # fmt: skip
+            log(f"bulk kill: the burst's {burst:,} sandboxes, {WORKERS} at once")
+            report["bulk_kill"] = {"nodes": biggest, **await _bulk_kill(service, ids[:burst])}
     with _store(url) as store:
         async with simulated_cluster(biggest, store, scratch / "layers") as service:
             log(f"floor: the burst's pieces for {burst:,} sandboxes, batched, on {biggest} nodes")
@@ -506,6 +544,12 @@ def _table(report: dict[str, Any]) -> Table:
     db = report["db_write"]
     table.add_row("record writes per create (baseline: a transaction each)",
                   f"batched {db['batched_ms']:.3f} ms vs {db['one_transaction_each_ms']:.3f} ms", "-", "-")  # fmt: skip
+    kill = report["bulk_kill"]
+    table.add_row(f"bulk kill of the burst's {kill['count']:,}, {WORKERS} at once, {kill['nodes']} nodes",
+                  f"{kill['per_s']:,.0f}/s ({kill['ended']:,} ended in {kill['elapsed_s']:.2f} s)",
+                  "-", "-")  # fmt: skip
+    table.add_row("a kill's record writes, kills ending together (baseline: an end's transaction and a read each)",
+                  f"batched {db['end_batched_ms']:.3f} ms vs {db['end_each_ms']:.3f} ms", "-", "-")  # fmt: skip
     table.add_row("trajectory steps without a client id (baseline: a transaction each)",
                   f"batched {db['step_batched_ms']:.3f} ms vs {db['step_each_ms']:.3f} ms", "-", "-")  # fmt: skip
     table.add_row(f"a step appended to a {LONG_TRAJECTORY:,}-step trajectory (baseline: to an empty one)",

@@ -14,6 +14,7 @@ import builtins
 import contextlib
 import functools
 import logging
+import operator
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, Protocol, TypeVar
@@ -100,6 +101,7 @@ class _GroupCommit:
         self._inserts: list[tuple[SandboxRecord, asyncio.Future[None]]] = []
         self._running: list[tuple[str, Any, asyncio.Future[bool]]] = []  # (id, status note, future)
         self._claims: list[tuple[str, Any, asyncio.Future[bool]]] = []  # (id, the client's values, future)
+        self._ends: list[tuple[str, Any, asyncio.Future[SandboxRecord | None]]] = []  # (id, (state, reason, message))
         self._flushing: asyncio.Task[None] | None = None
         self._outage_since: float | None = None  # monotonic time the database first failed, while it fails
 
@@ -122,6 +124,14 @@ class _GroupCommit:
         self._schedule()
         return await future
 
+    async def end(self, sandbox_id: str, state: SandboxState, reason: str, message: str | None) -> SandboxRecord | None:
+        """An active sandbox's record marked ended (StateStore.end_many): the record as it now is, None if it had
+        ended already."""
+        future: asyncio.Future[SandboxRecord | None] = asyncio.get_running_loop().create_future()
+        self._ends.append((sandbox_id, (state, reason, message), future))
+        self._schedule()
+        return await future
+
     def _schedule(self) -> None:
         if self._flushing is None:
             self._flushing = asyncio.get_running_loop().create_task(self._flush())
@@ -139,10 +149,11 @@ class _GroupCommit:
     async def _flush(self) -> None:
         try:
             await asyncio.sleep(0)  # the writes of this event-loop turn join the first transaction
-            while self._inserts or self._running or self._claims:
+            while self._inserts or self._running or self._claims or self._ends:
                 inserts, self._inserts = self._inserts, []
                 running, self._running = self._running, []
                 claims, self._claims = self._claims, []
+                ends, self._ends = self._ends, []
                 if inserts:
                     try:
                         await self._db.run(self._store.insert_many, [record for record, _ in inserts])
@@ -157,16 +168,21 @@ class _GroupCommit:
                 self._running[:0] = await self._answer_each(running, self._store.mark_running_many)
                 claim_many = functools.partial(self._store.claim_many, pool_label=WARM_LABEL)
                 self._claims[:0] = await self._answer_each(claims, claim_many)
+                self._ends[:0] = await self._answer_each(ends, self._store.end_many, answer=dict.get)
                 if self._outage_since is not None:
                     await asyncio.sleep(_DB_RETRY_EVERY_S)  # the database is away: the batch goes again soon
         finally:
             self._flushing = None
 
     async def _answer_each(
-        self, pending: list[tuple[str, Any, asyncio.Future[bool]]], write: Callable[[dict[str, Any]], set[str]]
-    ) -> list[tuple[str, Any, asyncio.Future[bool]]]:
-        """One write for every pending (sandbox id, value); each future learns whether its id was among those
-        done. Returns the ones to try again (the database went away)."""
+        self,
+        pending: list[tuple[str, Any, asyncio.Future[Any]]],
+        write: Callable[[dict[str, Any]], Any],
+        answer: Callable[[Any, str], Any] = operator.contains,
+    ) -> list[tuple[str, Any, asyncio.Future[Any]]]:
+        """One write for every pending (sandbox id, value); each future learns ``answer(what the write returned,
+        its id)``: by default whether its id was among those done. Returns the ones to try again (the database
+        went away)."""
         if not pending:
             return []
         try:
@@ -179,7 +195,7 @@ class _GroupCommit:
         self._outage_since = None
         for sandbox_id, _, future in pending:
             if not future.done():
-                future.set_result(sandbox_id in done)
+                future.set_result(answer(done, sandbox_id))
         return []
 
 
@@ -852,9 +868,9 @@ class SandboxService:
 
     async def kill(self, sandbox_id: str) -> SandboxInfo:
         info = await self.get(sandbox_id)
-        if info.state in _LIVE:
-            await self._destroy(sandbox_id, "killed")
-        return await self.get(sandbox_id)
+        if info.state in _LIVE and (ended := await self._destroy(sandbox_id, "killed")) is not None:
+            return ended.to_info()
+        return await self.get(sandbox_id)  # it had ended (or ends) by another way: as that left it
 
     async def cluster_nodes(self) -> builtins.list[ClusterNode]:
         return [ClusterNode.model_validate(row) for row in await self._db.run(self._store.nodes)]
@@ -943,14 +959,17 @@ class SandboxService:
             self.metrics.operations.labels("resumed").inc()
         return await self.get(sandbox_id)
 
-    async def _destroy(self, sandbox_id: str, reason: str, message: str | None = None) -> None:
+    async def _destroy(self, sandbox_id: str, reason: str, message: str | None = None) -> SandboxRecord | None:
+        """Destroy it on its edge and mark its record ended, in a transaction shared with the ends of concurrent
+        destroys (a bulk kill's); the record as ended, None if it had ended already."""
         edge = self._edge_for(edge_of(sandbox_id))
         if edge is not None:
             await edge.destroy(sandbox_id)
         self.scheduler.release(sandbox_id)
-        await self._db.run(self._store.end, sandbox_id, SandboxState.ENDED, reason, message)
+        ended = await self._writes.end(sandbox_id, SandboxState.ENDED, reason, message)
         self.metrics.ended.labels(reason).inc()
         log.info("ended: %s", reason, extra={"sandbox_id": sandbox_id})
+        return ended
 
     async def set_ttl(self, sandbox_id: str, ttl_s: float | None) -> SandboxInfo:
         info = await self.get(sandbox_id)

@@ -297,6 +297,29 @@ _MARK_RUNNING = {
 }
 
 
+def _active_among(postgres: bool) -> Any:  # noqa: ANN401 - a SQL expression
+    """The sandboxes of the ``ids`` parameter not ended yet: on PostgreSQL the ids as one array parameter, on
+    SQLite an expanding ``IN`` (as ``_creating_among``)."""
+    if postgres:
+        return and_(sandboxes.c.id == any_(bindparam("ids", type_=ARRAY(String))), sandboxes.c.state.in_(_ACTIVE))
+    return and_(sandboxes.c.id.in_(bindparam("ids", expanding=True)), sandboxes.c.state.in_(_ACTIVE))
+
+
+# Several sandboxes ended at once (concurrent kills), each row given back whole, its job last (for its event).
+_END_MANY = {
+    postgres: update(sandboxes)
+    .where(_active_among(postgres))
+    .values(
+        state=bindparam("b_state"),
+        end_reason=bindparam("b_reason"),
+        ended_at=bindparam("b_at"),
+        status_message=bindparam("b_message"),
+    )
+    .returning(*(sandboxes.c[name] for name in SandboxRecord.field_names()), sandboxes.c.job)
+    for postgres in (False, True)
+}
+
+
 def _row_layout(table: Table, rows: list[dict[str, Any]]) -> tuple[str, list[tuple[str, Any, bool]]]:
     """The quoted column list of a batch of ``rows`` and, per column, (name, Python-side default, is JSON): the
     columns the rows have, and those missing from them that have a scalar Python-side default (the others get
@@ -542,6 +565,28 @@ class StateStore:
             detail = {"state": state.value, "reason": reason, "message": message}
             _sandbox_events(conn, "sandbox.ended", rows, now, detail, self._postgres)
             return bool(rows)
+
+    def end_many(self, ends: dict[str, tuple[SandboxState, str, str | None]]) -> dict[str, SandboxRecord]:
+        """Active sandboxes marked ended in one transaction (id → (state, reason, message)): concurrent kills
+        commit together. Returns each sandbox it ended as its record now is, by id; an id missing from it had
+        ended already. One UPDATE ... RETURNING per chunk of ids that share an end; the ended records come back
+        from it whole, so a kill answers without reading its record again."""
+        by_end: dict[tuple[SandboxState, str, str | None], list[str]] = {}
+        for sandbox_id, end in ends.items():
+            by_end.setdefault(end, []).append(sandbox_id)
+        now = time.time()
+        ended: dict[str, SandboxRecord] = {}
+        with self._engine.begin() as conn:
+            for (state, reason, message), ids in by_end.items():
+                chunks = [ids] if self._postgres else [ids[i : i + _IN_CHUNK] for i in range(0, len(ids), _IN_CHUNK)]
+                values = {"b_state": state.value, "b_reason": reason, "b_at": now, "b_message": message}
+                for chunk in chunks:
+                    rows = conn.execute(_END_MANY[self._postgres], {"ids": chunk, **values}).all()
+                    detail = {"state": state.value, "reason": reason, "message": message}
+                    _sandbox_events(conn, "sandbox.ended", [(row.id, row.edge_id, row.job) for row in rows], now,
+                                    detail, self._postgres)  # fmt: skip
+                    ended.update((row.id, SandboxRecord(*row[:-1])) for row in rows)
+        return ended
 
     # -- nodes (the watcher) ----------------------------------------------
 

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import inspect
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,11 +20,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, event
+from sqlalchemy import Engine, event, select
 from starlette.testclient import TestClient
 
 import corral
-from corral.api.models import BatchEvent, CreateSandboxRequest, ExecRequest, NetworkPolicy, NetworkRule
+from corral.api.models import (
+    BatchEvent,
+    CreateSandboxRequest,
+    ExecRequest,
+    NetworkPolicy,
+    NetworkRule,
+    SandboxState,
+)
 from corral.backends.common.network import DeniedCounts
 from corral.backends.router import BackendRouter
 from corral.bench import control_plane
@@ -35,7 +43,8 @@ from corral.gateway.service import SandboxService
 from corral.gateway.services import Services
 from corral.images.catalogue import Catalogue
 from corral.images.store import LayerStore
-from corral.state.db import StateStore
+from corral.state.db import StateStore, events
+from corral.state.records import SandboxRecord
 from corral.testing.simulated import SimulatedBackend
 
 
@@ -489,4 +498,97 @@ def test_control_plane_bench_runs(tmp_path: Path) -> None:
     assert floor["gateway_us"] < sum(floor["per_sandbox_us"].values())  # the edge's create is not the gateway's
     assert report["db_write"]["batched_ms"] > 0 and report["db_write"]["one_transaction_each_ms"] > 0
     assert report["db_write"]["step_on_long_ms"] > 0 and report["db_write"]["step_on_empty_ms"] > 0
+    assert report["db_write"]["end_batched_ms"] > 0 and report["db_write"]["end_each_ms"] > 0
+    assert (report["bulk_kill"]["count"], report["bulk_kill"]["ended"]) == (500, 500)
     assert {check["metric"] for check in report["checks"]} == {"sustained", "burst", "live"}
+
+
+@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
+async def test_concurrent_kills_end_their_records_together_and_answer_from_them(
+    tmp_path: Path, database: str, request: pytest.FixtureRequest
+) -> None:
+    """Kills that reach their record's end together share a transaction (StateStore.end_many), and each answers
+    with the record that transaction gave back: its record is read once, before the destroy, not again after. A
+    kill of a sandbox that had ended answers with its record as it was, and writes nothing."""
+    url = f"sqlite:///{tmp_path / 'state.db'}" if database == "sqlite" else request.getfixturevalue("postgres_url")
+    store = StateStore(url)
+    try:
+        if database != "sqlite":
+            with store.engine.begin() as conn:
+                conn.exec_driver_sql("DELETE FROM sandboxes")
+        async with control_plane.simulated_cluster(4, store, tmp_path / "layers") as service:
+            infos = await asyncio.gather(*(service.create(_request("kills")) for _ in range(40)))
+            gone, *live = [info.id for info in infos]
+            first_end = await service.kill(gone)
+            end_many, get = store.end_many, store.get
+            ends: list[list[str]] = []
+            reads: list[str] = []
+
+            def counted_end_many(batch: dict[str, Any]) -> Any:  # noqa: ANN401 - end_many's own result
+                ends.append(sorted(batch))
+                return end_many(batch)
+
+            def counted_get(sandbox_id: str) -> Any:  # noqa: ANN401 - get's own result
+                reads.append(sandbox_id)
+                return get(sandbox_id)
+
+            store.end_many = counted_end_many  # type: ignore[method-assign]
+            store.get = counted_get  # type: ignore[method-assign]
+            killed = await asyncio.gather(*(service.kill(sandbox_id) for sandbox_id in [gone, *live]))
+            store.end_many, store.get = end_many, get  # type: ignore[method-assign]
+
+            assert sorted(sandbox_id for batch in ends for sandbox_id in batch) == sorted(live)
+            assert len(ends) <= 3, f"39 kills ended in {len(ends)} transactions"  # one each before end_many
+            assert sorted(reads) == sorted([gone, gone, *live])  # the ended one: read, and read for its answer
+            assert killed[0] == first_end and first_end.state == "ended"
+            for info in killed[1:]:
+                assert (info.state, info.end_reason, info.ended_at is not None) == ("ended", "killed", True)
+                assert info == await service.get(info.id)  # the record the end gave back is the stored one
+            with store.engine.connect() as conn:
+                ended_events = conn.execute(
+                    select(events.c.sandbox_id, events.c.detail).where(
+                        events.c.kind == "sandbox.ended", events.c.sandbox_id.in_([gone, *live])
+                    )
+                ).all()
+            assert sorted(sandbox_id for sandbox_id, _ in ended_events) == sorted([gone, *live])
+            assert {(detail["state"], detail["reason"]) for _, detail in ended_events} == {("ended", "killed")}
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
+def test_end_many_ends_each_active_sandbox_once_with_its_own_reason(
+    tmp_path: Path, database: str, request: pytest.FixtureRequest
+) -> None:
+    """``end_many`` ends the active sandboxes it is given, each with its own state, reason and message, and gives
+    their records back as ended; an ended or unknown id is left out and gets no event."""
+    url = f"sqlite:///{tmp_path / 'state.db'}" if database == "sqlite" else request.getfixturevalue("postgres_url")
+    store = StateStore(url)
+    try:
+        shape = _request("end-many").model_copy(update={"cwd": "/", "user": "root"})
+        record = SandboxRecord.of_create(shape, sandbox_id="sb-e0-endmany-0", edge_id="e0", image="busybox",
+                                         runtime="crun", layers=[], now=time.time())  # fmt: skip
+        ids = [f"sb-e0-endmany-{uuid.uuid4().hex[:8]}-{k}" for k in range(4)]
+        store.insert_many([dataclasses.replace(record, id=sandbox_id) for sandbox_id in ids])
+        assert store.mark_running_many(dict.fromkeys(ids[:3])) == set(ids[:3])  # the fourth stays creating
+        assert store.end(ids[2], SandboxState.ENDED, "killed")
+        ended = store.end_many({
+            ids[0]: (SandboxState.ENDED, "killed", None), ids[1]: (SandboxState.LOST, "lost", "its node went"),
+            ids[2]: (SandboxState.ENDED, "shutdown", None), ids[3]: (SandboxState.ENDED, "killed", None),
+            "sb-e0-endmany-absent": (SandboxState.ENDED, "killed", None),
+        })  # fmt: skip
+        assert sorted(ended) == sorted([ids[0], ids[1], ids[3]])
+        assert [(ended[i].state, ended[i].end_reason, ended[i].status_message) for i in (ids[0], ids[1], ids[3])] == [
+            ("ended", "killed", None), ("lost", "lost", "its node went"), ("ended", "killed", None),
+        ]  # fmt: skip
+        for sandbox_id, got in ended.items():
+            assert got == store.get(sandbox_id) and got.ended_at is not None
+        assert store.get(ids[2]).end_reason == "killed"  # type: ignore[union-attr]  # not ended again
+        with store.engine.connect() as conn:
+            named = [*ids, "sb-e0-endmany-absent"]
+            rows = conn.execute(
+                select(events.c.sandbox_id).where(events.c.kind == "sandbox.ended", events.c.sandbox_id.in_(named))
+            ).all()
+        assert sorted(row[0] for row in rows) == sorted(ids)  # one each: ids[2]'s from its first end
+    finally:
+        store.close()
