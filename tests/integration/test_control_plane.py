@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import inspect
 import json
+import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -590,5 +591,52 @@ def test_end_many_ends_each_active_sandbox_once_with_its_own_reason(
                 select(events.c.sandbox_id).where(events.c.kind == "sandbox.ended", events.c.sandbox_id.in_(named))
             ).all()
         assert sorted(row[0] for row in rows) == sorted(ids)  # one each: ids[2]'s from its first end
+    finally:
+        store.close()
+
+
+async def test_kills_whose_end_meets_a_postgres_restart_wait_it_out(
+    tmp_path: Path, postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kills whose records' end meets a PostgreSQL restart wait it out (their shared write is tried again every half
+    second) and answer once the database is back: each with its record ended, none with an error, none left live in
+    the store. Before kills shared a write, such a kill failed at once, its sandbox destroyed under a live record."""
+    store = StateStore(postgres_url)
+    scripts = Path(__file__).resolve().parents[2] / "scripts" / "postgres.sh"
+    directory = postgres_url.rsplit("host=", 1)[1]
+    destroyed: list[str] = []
+    database_down = asyncio.Event()
+    destroy = SimulatedBackend.destroy
+
+    async def destroy_then_meet_the_outage(self: SimulatedBackend, sandbox_id: str) -> None:
+        await destroy(self, sandbox_id)
+        destroyed.append(sandbox_id)
+        await database_down.wait()  # the kill goes on to its record's end with the database stopped
+
+    async def postgres(action: str) -> None:
+        command = ["bash", str(scripts), action, directory]
+        await asyncio.to_thread(subprocess.run, command, check=True, capture_output=True, timeout=60)
+
+    try:
+        with store.engine.begin() as conn:
+            conn.exec_driver_sql("DELETE FROM sandboxes")
+        async with control_plane.simulated_cluster(2, store, tmp_path / "layers") as service:
+            ids = [info.id for info in await asyncio.gather(*(service.create(_request("outage")) for _ in range(8)))]
+            monkeypatch.setattr(SimulatedBackend, "destroy", destroy_then_meet_the_outage)
+            kills = [asyncio.ensure_future(service.kill(sandbox_id)) for sandbox_id in ids]
+            while len(destroyed) < len(ids):
+                await asyncio.sleep(0.01)
+            await postgres("stop")
+            try:
+                database_down.set()
+                await asyncio.sleep(1.5)  # three tries at least
+                assert not any(kill.done() for kill in kills), [kill.exception() for kill in kills if kill.done()]
+            finally:
+                await postgres("start")
+            answers = await asyncio.wait_for(asyncio.gather(*kills), 30)
+            assert {(info.state, info.end_reason) for info in answers} == {("ended", "killed")}
+            assert {
+                record.id: record.state for record in store.list(states=None, labels={"job": "outage"})
+            } == dict.fromkeys(ids, "ended")
     finally:
         store.close()
