@@ -23,6 +23,7 @@ from sqlalchemy import (
     Column,
     DefaultClause,
     Float,
+    Index,
     Integer,
     MetaData,
     String,
@@ -34,7 +35,6 @@ from sqlalchemy import (
     create_engine,
     event,
     inspect,
-    or_,
     select,
     text,
     update,
@@ -174,6 +174,24 @@ EVENT_KINDS = (
 # A record's columns in its fields' order: rows construct records positionally.
 _RECORD_SELECT = select(*(sandboxes.c[name] for name in SandboxRecord.field_names()))
 _ACTIVE = (SandboxState.CREATING.value, SandboxState.RUNNING.value, SandboxState.PAUSED.value)
+# The TTLs of the sandboxes not ended: what the TTL check reads every second. Its full index on expires_at also
+# holds every ended record's (their TTLs stay), and without statistics SQLite answered the check from the state
+# index, every live record: 16.6 ms of the gateway's event loop a second with 100,000 live (by hand, 2026-12-07).
+Index(
+    "ix_sandboxes_live_expiry", sandboxes.c.expires_at,
+    sqlite_where=sandboxes.c.state.in_(_ACTIVE), postgresql_where=sandboxes.c.state.in_(_ACTIVE),
+)  # fmt: skip
+# The TTL check over it. Its states are written out: a planner uses a partial index only for a query whose terms
+# imply the index's own, with the same constants (not parameters); SQLite is told to, having no statistics to choose
+# it by (``INDEXED BY``: an error, not a scan of every record, if it ever could not).
+_EXPIRED_WHERE = (
+    "WHERE expires_at <= :now AND state IN ('creating', 'running', 'paused')"
+    " AND (state <> 'paused' OR ttl_counts_paused)"
+)  # fmt: skip
+_EXPIRED = {
+    False: text(f"SELECT id FROM sandboxes INDEXED BY ix_sandboxes_live_expiry {_EXPIRED_WHERE}"),
+    True: text(f"SELECT id FROM sandboxes {_EXPIRED_WHERE}"),
+}
 # Built once: SQLAlchemy builds a statement made per call anew and walks it for its cache key, more than half of a
 # record's read (240 vs 105 us on SQLite); every E2B data-plane request and GET of a sandbox reads one.
 _RECORD_BY_ID = _RECORD_SELECT.where(sandboxes.c.id == bindparam("sandbox_id"))
@@ -748,14 +766,10 @@ class StateStore:
             )
 
     def expired(self, now: float) -> builtins.list[str]:
-        """Sandboxes past their TTL; a paused one only if its paused time counts."""
-        counting = or_(
-            sandboxes.c.state.in_([SandboxState.CREATING.value, SandboxState.RUNNING.value]),
-            and_(sandboxes.c.state == SandboxState.PAUSED.value, sandboxes.c.ttl_counts_paused.is_(True)),
-        )
-        query = select(sandboxes.c.id).where(counting, sandboxes.c.expires_at <= now)
+        """Sandboxes past their TTL; a paused one only if its paused time counts. Read through the TTLs of the
+        sandboxes not ended alone (``ix_sandboxes_live_expiry``), however many are live or ever were."""
         with self._reads.connect() as conn:
-            return [r[0] for r in conn.execute(query)]
+            return [r[0] for r in conn.execute(_EXPIRED[self._postgres], {"now": now})]
 
     def close(self) -> None:
         if self._checkpoints is not None:

@@ -492,6 +492,7 @@ def test_control_plane_bench_runs(tmp_path: Path) -> None:
     assert all(row["per_s"] > 0 and row["per_node_min"] > 0 for row in report["scaling"])
     assert report["burst"]["created"] == 500
     assert report["live"]["tracked"] == 1200 and report["live"]["list_job_size"] > 0
+    assert report["live"]["ttl_check"]["p50"] > 0 and report["live"]["ttl_check_before"]["p50"] > 0
     floor = report["floor"]
     assert floor["created"] == 500 and floor["nodes"] == 4
     assert set(floor["per_sandbox_us"]) == {"place", "record", "insert", "edge_create", "mark_running", "info"}

@@ -10,14 +10,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import create_engine, event
+from sqlalchemy import create_engine, event, text
 
 import corral
 from corral.embedded import EmbeddedServer
 from corral.gateway.service import WARM_LABEL
+from corral.state import db
 from corral.state.db import PING_IDLE_S, POSTGRES_TCP_TIMEOUTS, StateStore, sandboxes
 from corral.testing.records import sandbox_record
 from corral.trajectory import Replay, Step, TrajectoryLog
+from tests.unit.test_state_schema import expired_are_found_by_the_live_ttls
 from tests.unit.test_trajectory_log import run_in_threads
 
 
@@ -281,5 +283,20 @@ def test_a_pooled_connection_is_pinged_only_after_sitting_idle_and_a_dead_one_is
         assert len(pings) == 1  # the idle one, pinged once: the new one needs none
         with store.engine.connect() as conn:
             assert conn.exec_driver_sql("SELECT pg_backend_pid()").scalar() != backend
+    finally:
+        store.close()
+
+
+def test_the_ttl_check_reads_the_live_ttls_alone_on_postgres(postgres_url: str) -> None:
+    """On PostgreSQL too the TTL check names what it should, and can be answered from the partial index of the
+    sandboxes not ended (its terms imply the index's: the planner takes it once a scan is ruled out)."""
+    store = StateStore(postgres_url)
+    try:
+        expired_are_found_by_the_live_ttls(store, f"sb-e0-pgttl-{time.monotonic_ns()}-")
+        with store.engine.connect() as conn:
+            conn.exec_driver_sql("SET enable_seqscan = off")
+            query = text(f"EXPLAIN {db._EXPIRED[True]}")  # the check's own statement
+            plan = "\n".join(row[0] for row in conn.execute(query, {"now": 200.0}))
+        assert "ix_sandboxes_live_expiry" in plan, plan
     finally:
         store.close()
