@@ -268,14 +268,16 @@ def _add_missing_columns(engine: Engine) -> None:
 
 
 @functools.cache
-def _claimable(pool_label: str) -> Any:  # noqa: ANN401 - a SQL statement
+def _claimable(pool_label: str, postgres: bool) -> Any:  # noqa: ANN401 - a SQL statement
     """Of the ids (an expanding parameter), those running and still carrying the pool's label; locked on
-    PostgreSQL until the claim commits. Built once: building a statement costs more than running it here."""
+    PostgreSQL until the claim commits. Built once: building a statement costs more than running it here. On SQLite
+    each id by its key, not every running record by the state index (``_unindexed_state``)."""
+    state = sandboxes.c.state if postgres else _unindexed_state()
     return (
         select(sandboxes.c.id, sandboxes.c.edge_id)
         .where(
             sandboxes.c.id.in_(bindparam("ids", expanding=True)),
-            sandboxes.c.state == SandboxState.RUNNING.value,
+            state == SandboxState.RUNNING.value,
             sandboxes.c.labels[pool_label].as_string().is_not(None),
         )
         .with_for_update()
@@ -565,7 +567,7 @@ class StateStore:
         with self._engine.begin() as conn:
             claimable: dict[str, str] = {}  # id -> edge id
             for chunk in (ids[i : i + _IN_CHUNK] for i in range(0, len(ids), _IN_CHUNK)):
-                rows = conn.execute(_claimable(pool_label), {"ids": chunk}).all()
+                rows = conn.execute(_claimable(pool_label, self._postgres), {"ids": chunk}).all()
                 claimable.update((sandbox_id, edge_id) for sandbox_id, edge_id in rows)
             if not claimable:
                 return set()

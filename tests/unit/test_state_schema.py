@@ -93,7 +93,7 @@ def test_batched_writes_store_what_single_writes_store_on_sqlite(tmp_path: Path)
         store.close()
 
 
-@pytest.mark.parametrize("write", ["end_many", "mark_running_many"])
+@pytest.mark.parametrize("write", ["end_many", "mark_running_many", "claim_many"])
 def test_writes_to_many_ids_find_each_by_its_key_not_by_the_state_index(tmp_path: Path, write: str) -> None:
     """SQLite's plan for the UPDATE of a list of ids in a state: each id by the primary key. With the state tested
     as a plain column, its planner takes the state index once the list is long (300 ids here) and reads every
@@ -102,14 +102,16 @@ def test_writes_to_many_ids_find_each_by_its_key_not_by_the_state_index(tmp_path
     updates: list[tuple[str, Any]] = []
 
     def keep(_conn: Any, _cursor: Any, statement: str, parameters: Any, _context: Any, _many: bool) -> None:  # noqa: ANN401
-        if statement.startswith("UPDATE"):
-            updates.append((statement, parameters))
+        if statement.startswith("UPDATE") or (statement.startswith("SELECT") and "labels" in statement):
+            updates.append((statement, parameters))  # claim_many's: the claimable ones among the ids
 
     try:
         event.listen(store.engine, "before_cursor_execute", keep)
         ids = [f"sb-e0-{index:016x}" for index in range(300)]
         if write == "end_many":
             store.end_many(dict.fromkeys(ids, (SandboxState.ENDED, "killed", None)))
+        elif write == "claim_many":
+            store.claim_many(dict.fromkeys(ids, {"labels": {}}), pool_label="corral.warm")
         else:
             store.mark_running_many(dict.fromkeys(ids))
         event.remove(store.engine, "before_cursor_execute", keep)
