@@ -199,6 +199,62 @@ class _GroupCommit:
         return []
 
 
+class _GroupRead:
+    """Reads of records that arrive while one runs, answered together by one statement (``StateStore.get_many``): on
+    PostgreSQL every read is a turn of the one database thread and a round trip, so concurrent reads (a bulk kill's,
+    many clients' GETs) had queued behind one another. A read that finds none running runs at once, alone, as before
+    (a lone GET pays nothing more); those that come meanwhile wait for it and go next, together. On SQLite (inline, no
+    round trip) each read runs at once."""
+
+    def __init__(self, store: StateStore, db: DatabaseThread) -> None:
+        self._store = store
+        self._db = db
+        self._pending: dict[str, list[asyncio.Future[SandboxRecord | None]]] = {}
+        self._busy = False
+        self._group: asyncio.Task[None] | None = None
+
+    async def get(self, sandbox_id: str) -> SandboxRecord | None:
+        if self._db.inline:
+            return self._store.get(sandbox_id)
+        if not self._busy:
+            self._busy = True
+            try:
+                return await self._db.run(self._store.get, sandbox_id)
+            finally:
+                self._busy = False
+                self._next_group()
+        future: asyncio.Future[SandboxRecord | None] = asyncio.get_running_loop().create_future()
+        self._pending.setdefault(sandbox_id, []).append(future)
+        return await future
+
+    def _next_group(self) -> None:
+        if self._pending and not self._busy:
+            self._busy = True
+            self._group = asyncio.get_running_loop().create_task(self._read_groups())
+
+    async def _read_groups(self) -> None:
+        try:
+            while self._pending:
+                pending, self._pending = self._pending, {}
+                waiting = [future for futures in pending.values() for future in futures]
+                try:
+                    records = await self._db.run(self._store.get_many, list(pending))
+                except asyncio.CancelledError:  # the loop is closing: so are the reads that waited for this one
+                    for future in waiting:
+                        future.cancel()
+                    raise
+                except Exception as exc:  # each read learns why, as its own statement would have told it
+                    _settle(waiting, error=exc)
+                    continue
+                for sandbox_id, futures in pending.items():
+                    for future in futures:
+                        if not future.done():
+                            future.set_result(records.get(sandbox_id))
+        finally:
+            self._busy = False
+            self._group = None
+
+
 def _settle(futures: list[asyncio.Future[Any]], error: Exception | None = None) -> None:
     for future in futures:
         if not future.done():
@@ -263,6 +319,7 @@ class SandboxService:
         # database server (SQLite: inline, state/thread.py says why).
         self.database = self._db = DatabaseThread(inline=store.engine.dialect.name == "sqlite")
         self._writes = _GroupCommit(store, self._db)
+        self._reads = _GroupRead(store, self._db)
         # create's root → (until, stack, name, image config)
         self._roots: dict[tuple[Any, ...], tuple[float, list[str], str, ImageConfig]] = {}
         self._root_reads: dict[tuple[Any, ...], asyncio.Task[tuple[list[str], str, ImageConfig]]] = {}
@@ -830,7 +887,7 @@ class SandboxService:
         return self.audit_log
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
-        record = await self._db.run(self._store.get, sandbox_id)
+        record = await self._reads.get(sandbox_id)
         if record is None:
             edge_of(sandbox_id)  # a malformed id gets the more useful message
             raise NotFound(f"no sandbox {sandbox_id}: it never existed here (check the id, or CORRAL_URL)")

@@ -534,10 +534,15 @@ async def test_concurrent_kills_end_their_records_together_and_answer_from_them(
                 reads.append(sandbox_id)
                 return get(sandbox_id)
 
+            def counted_get_many(sandbox_ids: list[str]) -> Any:  # noqa: ANN401 - PostgreSQL's reads, grouped
+                reads.extend(sandbox_ids)
+                return get_many(sandbox_ids)
+
+            get_many = store.get_many
             store.end_many = counted_end_many  # type: ignore[method-assign]
-            store.get = counted_get  # type: ignore[method-assign]
+            store.get, store.get_many = counted_get, counted_get_many  # type: ignore[method-assign]
             killed = await asyncio.gather(*(service.kill(sandbox_id) for sandbox_id in [gone, *live]))
-            store.end_many, store.get = end_many, get  # type: ignore[method-assign]
+            store.end_many, store.get, store.get_many = end_many, get, get_many  # type: ignore[method-assign]
 
             assert sorted(sandbox_id for batch in ends for sandbox_id in batch) == sorted(live)
             assert len(ends) <= 3, f"39 kills ended in {len(ends)} transactions"  # one each before end_many
@@ -639,5 +644,54 @@ async def test_kills_whose_end_meets_a_postgres_restart_wait_it_out(
             assert {
                 record.id: record.state for record in store.list(states=None, labels={"job": "outage"})
             } == dict.fromkeys(ids, "ended")
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
+async def test_reads_that_arrive_together_share_one_statement_on_postgres(
+    tmp_path: Path, database: str, request: pytest.FixtureRequest
+) -> None:
+    """On PostgreSQL, gets of records that arrive while one runs (a bulk kill's, many clients' GETs) go next as one
+    statement on the database thread (``get_many``), each answered with its own record, an unknown id with NotFound,
+    a failure of that statement with its error; the first runs alone, as a lone get does. On SQLite each get runs
+    inline, alone, as before."""
+    url = f"sqlite:///{tmp_path / 'state.db'}" if database == "sqlite" else request.getfixturevalue("postgres_url")
+    store = StateStore(url)
+    try:
+        async with control_plane.simulated_cluster(2, store, tmp_path / "layers") as service:
+            ids = [info.id for info in await asyncio.gather(*(service.create(_request("reads")) for _ in range(30)))]
+            get, get_many = store.get, store.get_many
+            alone: list[str] = []
+            statements: list[list[str]] = []
+
+            def counted_get(sandbox_id: str) -> Any:  # noqa: ANN401 - get's own result
+                alone.append(sandbox_id)
+                return get(sandbox_id)
+
+            def counted(sandbox_ids: list[str]) -> Any:  # noqa: ANN401 - get_many's own result
+                statements.append(sorted(sandbox_ids))
+                return get_many(sandbox_ids)
+
+            store.get, store.get_many = counted_get, counted  # type: ignore[method-assign]
+            asked = [*ids, ids[0], "sb-n0-0000000000000000"]  # one id twice, one that never existed
+            answers = await asyncio.gather(*(service.get(sandbox_id) for sandbox_id in asked), return_exceptions=True)
+            assert [info.id for info in answers[:-1]] == asked[:-1]  # type: ignore[union-attr]
+            assert {info.state for info in answers[:-1]} == {"running"}  # type: ignore[union-attr]
+            assert isinstance(answers[-1], corral.NotFound)
+            if database == "sqlite":
+                assert statements == [] and alone == asked
+            else:
+                assert alone == asked[:1] and statements == [sorted(set(asked[1:]))], (alone, statements)
+
+                def failing(sandbox_ids: Any) -> Any:  # noqa: ANN401 - a lone id or a group's
+                    raise OSError("the database went away")
+
+                store.get, store.get_many = failing, failing  # type: ignore[method-assign]
+                failed = await asyncio.gather(
+                    *(service.get(sandbox_id) for sandbox_id in ids[:3]), return_exceptions=True
+                )
+                assert [str(error) for error in failed] == ["the database went away"] * 3
+            store.get, store.get_many = get, get_many  # type: ignore[method-assign]
     finally:
         store.close()
