@@ -695,3 +695,52 @@ async def test_reads_that_arrive_together_share_one_statement_on_postgres(
             store.get, store.get_many = get, get_many  # type: ignore[method-assign]
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
+async def test_concurrent_pauses_and_resumes_commit_together_in_their_order(
+    tmp_path: Path, database: str, request: pytest.FixtureRequest
+) -> None:
+    """A bulk pause's record writes share transactions (``StateStore.mark_pauses``), and so do its resumes; in one
+    transaction the changes keep their order (a pause, then a resume, of one sandbox leave it running, its TTL moved
+    on by the time it spent paused); each change is one event."""
+    url = f"sqlite:///{tmp_path / 'state.db'}" if database == "sqlite" else request.getfixturevalue("postgres_url")
+    store = StateStore(url)
+    try:
+        async with control_plane.simulated_cluster(2, store, tmp_path / "layers") as service:
+            shape = _request("pauses").model_copy(update={"ttl_s": 600.0})
+            ids = [info.id for info in await asyncio.gather(*(service.create(shape) for _ in range(20)))]
+            mark_pauses = store.mark_pauses
+            writes: list[int] = []
+
+            def counted(changes: Any) -> Any:  # noqa: ANN401 - mark_pauses' own
+                writes.append(len(changes))
+                return mark_pauses(changes)
+
+            store.mark_pauses = counted  # type: ignore[method-assign]
+            paused = await asyncio.gather(*(service.pause(sandbox_id) for sandbox_id in ids))
+            assert {result.sandbox.state for result in paused} == {"paused"} and sum(writes) == 20
+            assert len(writes) <= 3, writes
+            writes.clear()
+            resumed = await asyncio.gather(*(service.resume(sandbox_id) for sandbox_id in ids))
+            assert {info.state for info in resumed} == {"running"} and sum(writes) == 20 and len(writes) <= 3
+            store.mark_pauses = mark_pauses  # type: ignore[method-assign]
+
+            first, second = ids[:2]
+            expires_at = store.get(first).expires_at  # type: ignore[union-attr]
+            at = time.time()
+            assert store.mark_pauses([(first, True, at), (first, False, at + 5.0), (second, False, at)]) == [
+                True, True, False,
+            ]  # fmt: skip  # the second was running: nothing to resume
+            record = store.get(first)
+            assert record is not None and record.state == "running" and record.paused_at is None
+            assert record.expires_at == pytest.approx(expires_at + 5.0)
+            with store.engine.connect() as conn:
+                kinds = conn.execute(
+                    select(events.c.kind).where(events.c.sandbox_id == first).order_by(events.c.id)
+                ).scalars()
+                assert [kind for kind in kinds if kind != "sandbox.running"] == [
+                    "sandbox.paused", "sandbox.resumed", "sandbox.paused", "sandbox.resumed",
+                ]  # fmt: skip
+    finally:
+        store.close()
