@@ -84,8 +84,8 @@ _EDGE_SCRAPE_TIMEOUT_S = 5.0  # a scrape leaves out a remote edge's metrics that
 
 
 class _GroupCommit:
-    """The record writes of concurrent creates (and of kills' ends, pauses and resumes), committed together: one
-    transaction for each kind of all that arrived while the previous one ran (on the database thread).
+    """The record writes of concurrent creates, committed together: one transaction for all that arrived while
+    the previous one ran (on the database thread).
 
     A create still awaits its own record being written before its edge acts (and its running mark before it
     answers); a burst of creates just shares the transactions, so the database is not the bottleneck.
@@ -102,7 +102,6 @@ class _GroupCommit:
         self._running: list[tuple[str, Any, asyncio.Future[bool]]] = []  # (id, status note, future)
         self._claims: list[tuple[str, Any, asyncio.Future[bool]]] = []  # (id, the client's values, future)
         self._ends: list[tuple[str, Any, asyncio.Future[SandboxRecord | None]]] = []  # (id, (state, reason, message))
-        self._pauses: list[tuple[str, bool, float, asyncio.Future[bool]]] = []  # (id, paused, when): kept in order
         self._flushing: asyncio.Task[None] | None = None
         self._outage_since: float | None = None  # monotonic time the database first failed, while it fails
 
@@ -133,14 +132,6 @@ class _GroupCommit:
         self._schedule()
         return await future
 
-    async def pause(self, sandbox_id: str, paused: bool, at: float) -> bool:
-        """A sandbox's record marked paused (``paused``) or resumed at ``at`` (StateStore.mark_pauses), in order
-        with the other pauses and resumes; False if it changed nothing (not running, not paused)."""
-        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._pauses.append((sandbox_id, paused, at, future))
-        self._schedule()
-        return await future
-
     def _schedule(self) -> None:
         if self._flushing is None:
             self._flushing = asyncio.get_running_loop().create_task(self._flush())
@@ -158,12 +149,11 @@ class _GroupCommit:
     async def _flush(self) -> None:
         try:
             await asyncio.sleep(0)  # the writes of this event-loop turn join the first transaction
-            while self._inserts or self._running or self._claims or self._ends or self._pauses:
+            while self._inserts or self._running or self._claims or self._ends:
                 inserts, self._inserts = self._inserts, []
                 running, self._running = self._running, []
                 claims, self._claims = self._claims, []
                 ends, self._ends = self._ends, []
-                pauses, self._pauses = self._pauses, []
                 if inserts:
                     try:
                         await self._db.run(self._store.insert_many, [record for record, _ in inserts])
@@ -179,31 +169,10 @@ class _GroupCommit:
                 claim_many = functools.partial(self._store.claim_many, pool_label=WARM_LABEL)
                 self._claims[:0] = await self._answer_each(claims, claim_many)
                 self._ends[:0] = await self._answer_each(ends, self._store.end_many, answer=dict.get)
-                self._pauses[:0] = await self._pause_all(pauses)
                 if self._outage_since is not None:
                     await asyncio.sleep(_DB_RETRY_EVERY_S)  # the database is away: the batch goes again soon
         finally:
             self._flushing = None
-
-    async def _pause_all(
-        self, pending: list[tuple[str, bool, float, asyncio.Future[bool]]]
-    ) -> list[tuple[str, bool, float, asyncio.Future[bool]]]:
-        """The pauses and resumes in one write, in their order; returns them to try again if the database went
-        away."""
-        if not pending:
-            return []
-        try:
-            changed = await self._db.run(self._store.mark_pauses, [change[:3] for change in pending])
-        except Exception as exc:
-            if (error := self._retrying(exc)) is None:
-                return pending
-            _settle([future for *_, future in pending], error=error)
-            return []
-        self._outage_since = None
-        for (*_, future), done in zip(pending, changed, strict=True):
-            if not future.done():
-                future.set_result(done)
-        return []
 
     async def _answer_each(
         self,
@@ -1027,7 +996,7 @@ class SandboxService:
         before, after = await self.call(sandbox_id, lambda edge: edge.pause(sandbox_id, wait_reclaim))
         duration_ms = (time.perf_counter() - started) * 1000
         if info.state != SandboxState.PAUSED:
-            await self._writes.pause(sandbox_id, True, time.time())
+            await self._db.run(self._store.mark_paused, sandbox_id, time.time())
             self.metrics.operations.labels("paused").inc()
             log.info("paused in %.0f ms", duration_ms)  # the request's sandbox (corral.logs.current_sandbox)
         return PauseResult(
@@ -1042,7 +1011,7 @@ class SandboxService:
         info = await self.get(sandbox_id)
         self._raise_if_ended(info)
         await self.call(sandbox_id, lambda edge: edge.resume(sandbox_id))
-        await self._writes.pause(sandbox_id, False, time.time())
+        await self._db.run(self._store.mark_resumed, sandbox_id, time.time())
         if info.state == SandboxState.PAUSED:
             self.metrics.operations.labels("resumed").inc()
         return await self.get(sandbox_id)

@@ -397,13 +397,9 @@ def _sandbox_events(
     conn: Connection, kind: str, rows: Iterable[Sequence[Any]], at: float, detail: dict[str, Any], postgres: bool
 ) -> None:
     """One event per sandbox row (id, edge_id, job: what an UPDATE ... RETURNING gave back)."""
-    write_events(conn, [_event(kind, row, at, detail) for row in rows], postgres)
-
-
-def _event(kind: str, row: Sequence[Any], at: float, detail: dict[str, Any]) -> dict[str, Any]:
-    """A sandbox's event row, of its (id, edge_id, job)."""
-    sandbox_id, edge_id, job = row
-    return {"at": at, "kind": kind, "sandbox_id": sandbox_id, "edge_id": edge_id, "job": job, "detail": detail}
+    batch = [{"at": at, "kind": kind, "sandbox_id": sandbox_id, "edge_id": edge_id, "job": job, "detail": detail}
+             for sandbox_id, edge_id, job in rows]  # fmt: skip
+    write_events(conn, batch, postgres)
 
 
 def write_events(conn: Connection, batch: list[dict[str, Any]], postgres: bool) -> None:
@@ -763,40 +759,29 @@ class StateStore:
             return {entry.partition("#")[0] for (stack,) in conn.execute(query) for entry in stack}
 
     def mark_paused(self, sandbox_id: str, at: float) -> None:
-        self.mark_pauses([(sandbox_id, True, at)])
+        with self._engine.begin() as conn:
+            rows = conn.execute(_PAUSE, {"b_id": sandbox_id, "b_at": at}).all()
+            _sandbox_events(conn, "sandbox.paused", rows, at, {}, self._postgres)
 
     def mark_resumed(self, sandbox_id: str, at: float) -> None:
         """paused → running; unless paused time counts, the TTL moves on by the time spent paused."""
-        self.mark_pauses([(sandbox_id, False, at)])
-
-    def mark_pauses(self, changes: Sequence[tuple[str, bool, float]]) -> builtins.list[bool]:
-        """Pauses (running → paused) and resumes (paused → running; unless paused time counts, the TTL moves on by
-        the time spent paused) of several sandboxes, each (id, paused, when), in one transaction and in their order
-        (a pause and then a resume of one sandbox end running): a bulk pause's writes commit together. Whether each
-        changed its record (a pause of a sandbox not running, a resume of one not paused, change nothing)."""
-        changed: builtins.list[bool] = []
-        batch: builtins.list[dict[str, Any]] = []
         with self._engine.begin() as conn:
-            for sandbox_id, paused, at in changes:
-                if paused:
-                    rows = conn.execute(_PAUSE, {"b_id": sandbox_id, "b_at": at}).all()
-                    batch += [_event("sandbox.paused", row, at, {}) for row in rows]
-                    changed.append(bool(rows))
-                    continue
-                row = conn.execute(_RESUMING, {"b_id": sandbox_id}).mappings().first()
-                if row is None or row["state"] != SandboxState.PAUSED.value:
-                    changed.append(False)
-                    continue
-                expires_at = row["expires_at"]
-                if expires_at is not None and not row["ttl_counts_paused"] and row["paused_at"] is not None:
-                    expires_at += max(0.0, at - row["paused_at"])
-                conn.execute(_RESUME, {"b_id": sandbox_id, "b_expires_at": expires_at})
-                paused_s = at - row["paused_at"] if row["paused_at"] is not None else None
-                batch.append(_event("sandbox.resumed", (row["id"], row["edge_id"], row["job"]), at,
-                                    {"paused_s": paused_s}))  # fmt: skip
-                changed.append(True)
-            write_events(conn, batch, self._postgres)
-        return changed
+            row = conn.execute(_RESUMING, {"b_id": sandbox_id}).mappings().first()
+            if row is None or row["state"] != SandboxState.PAUSED.value:
+                return
+            expires_at = row["expires_at"]
+            if expires_at is not None and not row["ttl_counts_paused"] and row["paused_at"] is not None:
+                expires_at += max(0.0, at - row["paused_at"])
+            conn.execute(_RESUME, {"b_id": sandbox_id, "b_expires_at": expires_at})
+            paused_s = at - row["paused_at"] if row["paused_at"] is not None else None
+            _sandbox_events(
+                conn,
+                "sandbox.resumed",
+                [(row["id"], row["edge_id"], row["job"])],
+                at,
+                {"paused_s": paused_s},
+                self._postgres,
+            )
 
     def expired(self, now: float) -> builtins.list[str]:
         """Sandboxes past their TTL; a paused one only if its paused time counts. Read through the TTLs of the
