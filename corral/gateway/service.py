@@ -211,7 +211,7 @@ class _GroupRead:
         self._db = db
         self._pending: dict[str, list[asyncio.Future[SandboxRecord | None]]] = {}
         self._busy = False
-        self._group: asyncio.Task[None] | None = None
+        self._group: asyncio.Task[None] | None = None  # the group being read: held, so the task is not collected
 
     async def get(self, sandbox_id: str) -> SandboxRecord | None:
         if self._db.inline:

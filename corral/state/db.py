@@ -185,8 +185,8 @@ Index(
 # imply the index's own, with the same constants (not parameters); SQLite is told to, having no statistics to choose
 # it by (``INDEXED BY``: an error, not a scan of every record, if it ever could not).
 _EXPIRED_WHERE = (
-    "WHERE expires_at <= :now AND state IN ('creating', 'running', 'paused')"
-    " AND (state <> 'paused' OR ttl_counts_paused)"
+    f"WHERE expires_at <= :now AND state IN ({', '.join(repr(state) for state in _ACTIVE)})"
+    f" AND (state <> '{SandboxState.PAUSED.value}' OR ttl_counts_paused)"
 )  # fmt: skip
 _EXPIRED = {
     False: text(f"SELECT id FROM sandboxes INDEXED BY ix_sandboxes_live_expiry {_EXPIRED_WHERE}"),
@@ -295,20 +295,21 @@ def _claim_update(fields: tuple[str, ...]) -> Any:  # noqa: ANN401 - a SQL state
     return update(sandboxes).where(sandboxes.c.id == bindparam("claimed_id")).values(values)
 
 
-def _creating_among(postgres: bool) -> Any:  # noqa: ANN401 - a SQL expression
-    """The sandboxes of the ``ids`` parameter still creating. On PostgreSQL the ids go as one array parameter (one
-    statement text for any count), and the state test is one the planner cannot answer from the state index
-    (``IS NOT DISTINCT FROM``, the same as ``=`` on a NOT NULL column). Its planner takes the state index
-    when its statistics say few rows are creating, but that index keeps a ``creating`` entry for every
-    record created since the last vacuum (the bench's marks read ~9,000 entries each); the primary key finds
-    each id at the same cost however many records came before. On SQLite an expanding ``IN``, and the state tested
-    as ``state || ''`` (``_unindexed_state``) for the same reason."""
+def _ids_in_states(postgres: bool, states: tuple[str, ...]) -> Any:  # noqa: ANN401 - a SQL expression
+    """The sandboxes of the ``ids`` parameter in one of ``states``, each found by its primary key. On PostgreSQL the
+    ids go as one array parameter (one statement text for any count), and one state is tested in a way the planner
+    cannot answer from the state index (``IS NOT DISTINCT FROM``, the same as ``=`` on a NOT NULL column): it takes
+    that index when its statistics say few rows are creating, but the index keeps a ``creating`` entry for every
+    record created since the last vacuum (the bench's marks read ~9,000 entries each); the primary key finds each
+    id at the same cost however many records came before. On SQLite an expanding ``IN``, and the state tested as
+    ``state || ''`` (``_unindexed_state``) for the same reason."""
     if postgres:
+        state = sandboxes.c.state
         return and_(
             sandboxes.c.id == any_(bindparam("ids", type_=ARRAY(String))),
-            sandboxes.c.state.is_not_distinct_from(SandboxState.CREATING.value),
+            state.is_not_distinct_from(states[0]) if len(states) == 1 else state.in_(states),
         )
-    return and_(sandboxes.c.id.in_(bindparam("ids", expanding=True)), _unindexed_state() == SandboxState.CREATING.value)
+    return and_(sandboxes.c.id.in_(bindparam("ids", expanding=True)), _unindexed_state().in_(states))
 
 
 def _unindexed_state() -> Any:  # noqa: ANN401 - a SQL expression
@@ -323,25 +324,17 @@ def _unindexed_state() -> Any:  # noqa: ANN401 - a SQL expression
 # (0.36-0.47 vs 0.62-0.78 ms, with its event and commit).
 _MARK_RUNNING = {
     postgres: update(sandboxes)
-    .where(_creating_among(postgres))
+    .where(_ids_in_states(postgres, (SandboxState.CREATING.value,)))
     .values(state=SandboxState.RUNNING.value, status_message=bindparam("b_note"))
     .returning(*_CHANGED)
     for postgres in (False, True)
 }
 
 
-def _active_among(postgres: bool) -> Any:  # noqa: ANN401 - a SQL expression
-    """The sandboxes of the ``ids`` parameter not ended yet: on PostgreSQL the ids as one array parameter, on
-    SQLite an expanding ``IN`` (as ``_creating_among``)."""
-    if postgres:
-        return and_(sandboxes.c.id == any_(bindparam("ids", type_=ARRAY(String))), sandboxes.c.state.in_(_ACTIVE))
-    return and_(sandboxes.c.id.in_(bindparam("ids", expanding=True)), _unindexed_state().in_(_ACTIVE))
-
-
 # Several sandboxes ended at once (concurrent kills), each row given back whole, its job last (for its event).
 _END_MANY = {
     postgres: update(sandboxes)
-    .where(_active_among(postgres))
+    .where(_ids_in_states(postgres, _ACTIVE))
     .values(
         state=bindparam("b_state"),
         end_reason=bindparam("b_reason"),
@@ -550,8 +543,7 @@ class StateStore:
         marked: set[str] = set()
         with self._engine.begin() as conn:
             for note, ids in by_note.items():
-                chunks = [ids] if self._postgres else [ids[i : i + _IN_CHUNK] for i in range(0, len(ids), _IN_CHUNK)]
-                for chunk in chunks:
+                for chunk in self._id_chunks(ids):
                     rows = conn.execute(_MARK_RUNNING[self._postgres], {"ids": chunk, "b_note": note}).all()
                     _sandbox_events(conn, "sandbox.running", rows, time.time(), {}, self._postgres)
                     marked.update(row.id for row in rows)
@@ -611,11 +603,10 @@ class StateStore:
         ended: dict[str, SandboxRecord] = {}
         with self._engine.begin() as conn:
             for (state, reason, message), ids in by_end.items():
-                chunks = [ids] if self._postgres else [ids[i : i + _IN_CHUNK] for i in range(0, len(ids), _IN_CHUNK)]
                 values = {"b_state": state.value, "b_reason": reason, "b_at": now, "b_message": message}
-                for chunk in chunks:
+                detail = {"state": state.value, "reason": reason, "message": message}
+                for chunk in self._id_chunks(ids):
                     rows = conn.execute(_END_MANY[self._postgres], {"ids": chunk, **values}).all()
-                    detail = {"state": state.value, "reason": reason, "message": message}
                     _sandbox_events(conn, "sandbox.ended", [(row.id, row.edge_id, row.job) for row in rows], now,
                                     detail, self._postgres)  # fmt: skip
                     ended.update((row.id, SandboxRecord(*row[:-1])) for row in rows)
@@ -715,16 +706,19 @@ class StateStore:
             row = conn.execute(_RECORD_BY_ID, {"sandbox_id": sandbox_id}).first()
             return SandboxRecord(*row) if row else None
 
+    def _id_chunks(self, ids: list[str]) -> list[list[str]]:
+        """Ids as a statement's parameter takes them: all in one array on PostgreSQL, chunks of ``_IN_CHUNK`` for
+        SQLite's expanding ``IN`` (it caps the parameters of one statement)."""
+        return [ids] if self._postgres else [ids[i : i + _IN_CHUNK] for i in range(0, len(ids), _IN_CHUNK)]
+
     def get_many(self, sandbox_ids: Collection[str]) -> dict[str, SandboxRecord]:
         """The records of several ids in one statement (on PostgreSQL the ids as one array parameter, on SQLite
         chunks of an ``IN``), by id; an id with no record is missing from it."""
-        ids = list(sandbox_ids)
-        chunks = [ids] if self._postgres else [ids[i : i + _IN_CHUNK] for i in range(0, len(ids), _IN_CHUNK)]
         found: dict[str, SandboxRecord] = {}
         with self._reads.connect() as conn:
-            for chunk in chunks:
-                found.update((row[0], SandboxRecord(*row)) for row in conn.execute(_RECORDS_BY_IDS[self._postgres],
-                                                                                    {"ids": chunk}))  # fmt: skip
+            for chunk in self._id_chunks(list(sandbox_ids)):
+                rows = conn.execute(_RECORDS_BY_IDS[self._postgres], {"ids": chunk})
+                found.update((row[0], SandboxRecord(*row)) for row in rows)
         return found
 
     def list(
